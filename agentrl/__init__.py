@@ -1,0 +1,9 @@
+"""agentrl: asynchronous reinforcement learning for multi-turn, tool-using language-model agents.
+
+Importing this package is cheap: torch, vLLM and transformers load only where they are used.
+"""
+
+from agentrl.env import Environment, Reset, StepResult, ToolEnv, environment, make, registered, tool
+
+__version__ = "0.1.0"
+__all__ = ["Environment", "Reset", "StepResult", "ToolEnv", "environment", "make", "registered", "tool"]

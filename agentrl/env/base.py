@@ -1,0 +1,173 @@
+"""The environment API: what users write.
+
+Override in :class:`Environment`: ``tasks``, ``reset`` and ``step``. Most environments are tool
+environments: subclass :class:`ToolEnv`, mark methods with ``@agentrl.tool``, implement
+``prompt`` and ``reward``; the machinery turns the model's tool calls into tool messages.
+
+An environment instance runs one episode at a time (one per episode); shared data belongs in the
+task. A sandbox, when the class names an image, is attached by the rollout machinery before
+``reset`` as ``self.sandbox`` and released after the episode, however it ends.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from agentrl.env.tools import ToolCallError, call_tool, parse_arguments, tool_schema
+
+if TYPE_CHECKING:
+    from agentrl.sandbox import Sandbox
+
+log = logging.getLogger(__name__)
+
+Message = dict[str, Any]
+
+
+@dataclass
+class Reset:
+    """The opening of an episode: chat messages and the tools the model may call."""
+
+    messages: list[Message]
+    tools: list[dict[str, Any]] = field(default_factory=list)
+
+
+@dataclass
+class StepResult:
+    """What the environment answers to one assistant message."""
+
+    messages: list[Message]
+    reward: float = 0.0
+    terminated: bool = False
+    truncated: bool = False
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+class Environment(ABC):
+    """Base class. Override ``tasks``, ``reset`` and ``step``; ``close`` is an optional hook."""
+
+    #: Docker image of the sandbox this environment needs, or None for no sandbox.
+    sandbox_image: str | None = None
+    #: Set by the registry: the name this environment was registered under.
+    env_name: str = ""
+
+    sandbox: Sandbox | None = None
+
+    @abstractmethod
+    def tasks(self, split: str = "train") -> Iterable[dict[str, Any]]:
+        """Task records for ``split`` ("train" or "test"); each one is passed to ``reset``."""
+
+    @abstractmethod
+    async def reset(self, task: dict[str, Any]) -> Reset:
+        """Start an episode on ``task``."""
+
+    @abstractmethod
+    async def step(self, message: Message) -> StepResult:
+        """Answer one assistant message (OpenAI format: content and/or tool_calls)."""
+
+    async def close(self) -> None:
+        """Hook: release what the episode held (the sandbox is released by the machinery)."""
+
+
+class ToolEnv(Environment):
+    """An environment whose model acts through tools and ends by answering in plain text.
+
+    Override ``tasks``, ``prompt`` and ``reward``; mark tool methods with ``@agentrl.tool``.
+    The episode ends when the model answers without a tool call (``reward`` scores it) or when
+    ``max_turns`` assistant messages were produced (truncated, still scored).
+    """
+
+    system_prompt: str = ""
+    max_turns: int = 6
+
+    def __init__(self) -> None:
+        self._tools: dict[str, Callable] = {
+            name: getattr(self, name)
+            for name in dir(type(self))
+            if getattr(getattr(type(self), name, None), "__agentrl_tool__", False)
+        }
+        self.task: dict[str, Any] = {}
+        self.messages: list[Message] = []
+        self.turns = 0
+        self.tool_errors: dict[str, int] = {}
+        self.tool_calls = 0
+
+    # -- override these ---------------------------------------------------------------------
+    def prompt(self, task: dict[str, Any]) -> str:
+        """The user message that opens the episode."""
+        return str(task["question"])
+
+    @abstractmethod
+    async def reward(self, task: dict[str, Any], answer: str) -> float:
+        """Score the model's final plain-text answer."""
+
+    # -- machinery ----------------------------------------------------------------------------
+    async def reset(self, task: dict[str, Any]) -> Reset:
+        self.task = task
+        self.turns = 0
+        messages: list[Message] = []
+        if self.system_prompt:
+            messages.append({"role": "system", "content": self.system_prompt})
+        messages.append({"role": "user", "content": self.prompt(task)})
+        self.messages = list(messages)
+        return Reset(messages=messages, tools=[tool_schema(fn) for fn in self._tools.values()])
+
+    async def step(self, message: Message) -> StepResult:
+        self.turns += 1
+        self.messages.append(message)
+        calls = message.get("tool_calls") or []
+        content = message.get("content") or ""
+        info = {"tool_calls": self.tool_calls, "tool_errors": dict(self.tool_errors)}
+        if not calls and "<tool_call>" in content:
+            # The engine's parser rejected the call (bad JSON); tell the model rather than end.
+            obs = [{"role": "user", "content": "Error: your tool call was not valid JSON."}]
+            self._count_error("bad_json")
+            return self._continue(obs, info)
+        if not calls:
+            reward = await self.reward(self.task, content)
+            return StepResult(messages=[], reward=reward, terminated=True, info=info)
+        observations = [await self._run_call(call) for call in calls]
+        return self._continue(observations, info)
+
+    def _continue(self, observations: list[Message], info: dict[str, Any]) -> StepResult:
+        self.messages.extend(observations)
+        info.update(tool_calls=self.tool_calls, tool_errors=dict(self.tool_errors))
+        if self.turns >= self.max_turns:
+            return StepResult(messages=observations, reward=0.0, truncated=True, info=info)
+        return StepResult(messages=observations, info=info)
+
+    def _count_error(self, kind: str) -> None:
+        self.tool_errors[kind] = self.tool_errors.get(kind, 0) + 1
+
+    async def _run_call(self, call: dict[str, Any]) -> Message:
+        self.tool_calls += 1
+        fn_part = call.get("function") or {}
+        name = fn_part.get("name", "")
+        result: str
+        fn = self._tools.get(name)
+        if fn is None:
+            err: ToolCallError | dict = ToolCallError(
+                "unknown_tool", f"unknown tool {name!r}; available: {sorted(self._tools)}"
+            )
+        else:
+            err = parse_arguments(fn, fn_part.get("arguments"))
+        if isinstance(err, ToolCallError):
+            self._count_error(err.kind)
+            result = f"Error: {err.message}"
+        else:
+            try:
+                result = await call_tool(fn, err)
+            except Exception as e:  # a tool that raises is the model's problem, not the server's
+                self._count_error("tool_raised")
+                log.debug("tool %s raised", name, exc_info=True)
+                result = f"Error: tool {name} failed: {type(e).__name__}: {e}"
+        return {"role": "tool", "tool_call_id": call.get("id", ""), "content": result}
+
+
+def format_tool_call(name: str, arguments: dict[str, Any]) -> str:
+    """The text form of a tool call in the project's ChatML templates."""
+    return "<tool_call>\n" + json.dumps({"name": name, "arguments": arguments}) + "\n</tool_call>"

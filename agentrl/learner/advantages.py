@@ -1,0 +1,77 @@
+"""Group-relative advantages (GRPO): the learner's only use of rewards.
+
+Role: turn one scalar reward per episode into one advantage per episode by comparing each episode
+with the other episodes of its group (the G rollouts of the same task).
+
+Invariants:
+- Pure: no globals, no gradient (rewards are detached), output has the shape and floating dtype of
+  the input rewards.
+- A group whose rewards are all equal, and in particular a group of one, gets advantage exactly 0,
+  never NaN: it carries no learning signal.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+
+import torch
+from torch import Tensor
+
+__all__ = ["group_advantages", "group_index"]
+
+
+def group_index(group_ids: Sequence[Hashable] | Tensor, n: int, device: torch.device | None = None) -> Tensor:
+    """Map arbitrary group ids to dense indices 0..G-1 (long tensor of length ``n``)."""
+    if isinstance(group_ids, Tensor):
+        if group_ids.numel() != n:
+            raise ValueError(f"group_ids has {group_ids.numel()} entries but rewards has {n}")
+        _, inverse = torch.unique(group_ids.reshape(-1), return_inverse=True)
+        return inverse.to(device)
+    if len(group_ids) != n:
+        raise ValueError(f"group_ids has {len(group_ids)} entries but rewards has {n}")
+    codes: dict[Hashable, int] = {}
+    dense = [codes.setdefault(g, len(codes)) for g in group_ids]
+    return torch.tensor(dense, dtype=torch.long, device=device)
+
+
+def group_advantages(
+    rewards: Tensor,
+    group_ids: Sequence[Hashable] | Tensor,
+    normalize_std: bool = True,
+    eps: float = 1e-6,
+) -> Tensor:
+    """GRPO advantages: ``A_i = (r_i - mean_g) / (std_g + eps)``, or ``r_i - mean_g`` without std.
+
+    ``std_g`` is the sample standard deviation (Bessel-corrected, as ``torch.std`` and most GRPO
+    implementations compute it). Groups whose rewards are all equal get 0.
+
+    rewards: [N] one reward per episode. group_ids: N hashables (e.g. the sample's group_id
+    strings) or an [N] tensor. Returns [N].
+    """
+    if rewards.dim() != 1:
+        raise ValueError(f"rewards must be 1-D [N], got shape {tuple(rewards.shape)}")
+    out_dtype = rewards.dtype if rewards.is_floating_point() else torch.get_default_dtype()
+    n = rewards.shape[0]
+    if n == 0:
+        return torch.zeros(0, dtype=out_dtype, device=rewards.device)
+    idx = group_index(group_ids, n, rewards.device)
+    num_groups = int(idx.max()) + 1
+
+    # float64 so that the mean of equal rewards is exact enough for the equality test below
+    r = rewards.detach().to(torch.float64)
+    zeros = torch.zeros(num_groups, dtype=torch.float64, device=r.device)
+    count = zeros.index_add(0, idx, torch.ones_like(r))
+    mean = zeros.index_add(0, idx, r) / count
+    centered = r - mean[idx]
+    if normalize_std:
+        sq = zeros.index_add(0, idx, centered * centered)
+        std = (sq / (count - 1).clamp(min=1)).sqrt()
+        adv = centered / (std[idx] + eps)
+    else:
+        adv = centered
+
+    r_max = zeros.scatter_reduce(0, idx, r, reduce="amax", include_self=False)
+    r_min = zeros.scatter_reduce(0, idx, r, reduce="amin", include_self=False)
+    degenerate = (r_max == r_min)[idx]
+    adv = torch.where(degenerate, torch.zeros_like(adv), adv)
+    return adv.to(out_dtype)
