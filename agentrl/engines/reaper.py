@@ -1,0 +1,68 @@
+"""Run a command in its own process group and take the whole group down with us.
+
+``python -m agentrl.engines.reaper -- CMD...`` starts CMD in a new process group and waits.
+The reaper asks the kernel for SIGTERM when its parent dies (PR_SET_PDEATHSIG), so an engine
+never outlives the serve process that launched it, even after ``kill -9`` of serve. On SIGTERM or
+SIGINT it forwards SIGTERM to the group, waits a grace period, then SIGKILLs the group.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+import time
+
+PR_SET_PDEATHSIG = 1
+GRACE_S = float(os.environ.get("AGENTRL_REAPER_GRACE_S", "15"))
+
+
+def _die_with_parent(sig: int = signal.SIGTERM) -> None:
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, sig)
+    except OSError:
+        pass
+
+
+def main(argv: list[str]) -> int:
+    if argv and argv[0] == "--":
+        argv = argv[1:]
+    parent = os.getppid()
+    _die_with_parent()
+    if os.getppid() != parent:  # the parent died before prctl took effect
+        return 1
+    child = subprocess.Popen(argv, start_new_session=True)
+    stopping = False
+
+    def stop(signum: int, _frame: object) -> None:
+        nonlocal stopping
+        if stopping:
+            return
+        stopping = True
+        try:
+            os.killpg(child.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            return
+        deadline = time.monotonic() + GRACE_S
+        while time.monotonic() < deadline and child.poll() is None:
+            time.sleep(0.1)
+        try:
+            os.killpg(child.pid, signal.SIGKILL)  # also any grandchildren still alive
+        except ProcessLookupError:
+            pass
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    code = child.wait()
+    if not stopping:
+        try:
+            os.killpg(child.pid, signal.SIGKILL)  # the engine died: leave none of its children
+        except ProcessLookupError:
+            pass
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,168 @@
+"""vLLM engines as child processes: launch, wait until healthy, stop, never orphan.
+
+An engine is started through :mod:`agentrl.engines.reaper`, which puts vLLM in its own process
+group and dies with us: Ctrl-C, SIGTERM, a crash or ``kill -9`` of serve all take the engine down.
+Engines run with the routes the router needs: ``--enable-scale-out`` (render / token-in generate /
+derender, with per-token weight versions) and the hermes tool parser; ``VLLM_SERVER_DEV_MODE=1``
+for the weight-reload RPC.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+
+log = logging.getLogger(__name__)
+
+_LIVE: set[subprocess.Popen] = set()
+
+
+class EngineStartError(RuntimeError):
+    """The engine process exited or did not become healthy in time."""
+
+
+@dataclass
+class EngineSpec:
+    """How to launch one vLLM engine."""
+
+    model: str
+    served_name: str = "agentrl"
+    host: str = "127.0.0.1"
+    port: int = 8100
+    max_model_len: int = 4096
+    dtype: str = "float32"
+    enforce_eager: bool = True
+    kv_cache_gb: float = 1.0
+    gpu: bool = False
+    tool_parser: str = "hermes"
+    extra_args: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+
+    def command(self) -> list[str]:
+        cmd = [
+            sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+            "--model", self.model, "--served-model-name", self.served_name,
+            "--host", self.host, "--port", str(self.port),
+            "--dtype", self.dtype, "--max-model-len", str(self.max_model_len),
+            "--enable-scale-out", "--enable-auto-tool-choice", "--tool-call-parser", self.tool_parser,
+            "--disable-uvicorn-access-log",
+        ]
+        if self.enforce_eager:
+            cmd.append("--enforce-eager")
+        return cmd + list(self.extra_args)
+
+    def environment(self, cache_root: Path) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update(VLLM_SERVER_DEV_MODE="1", VLLM_CACHE_ROOT=str(cache_root))
+        if not self.gpu:
+            env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(self.kv_cache_gb))))
+            ncpu = os.cpu_count() or 1
+            env.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{ncpu - 1}")
+            env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+        env.update(self.env)
+        return env
+
+
+class VLLMEngine:
+    """One engine process. ``await start()``, then use ``url``; ``stop()`` is idempotent."""
+
+    def __init__(self, spec: EngineSpec, log_dir: Path) -> None:
+        self.spec = spec
+        self.log_path = Path(log_dir) / f"engine-{spec.port}.log"
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.spec.host}:{self.spec.port}"
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc else None
+
+    def launch(self) -> None:
+        """Spawn the process (from the calling thread: keep it the main thread, see reaper)."""
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        logf = open(self.log_path, "ab")  # noqa: SIM115 - the child owns it
+        cmd = [sys.executable, "-m", "agentrl.engines.reaper", "--", *self.spec.command()]
+        log.info("starting engine on port %d: %s", self.spec.port, " ".join(self.spec.command()[2:]))
+        self.proc = subprocess.Popen(
+            cmd, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            env=self.spec.environment(self.log_path.parent / "vllm-cache"),
+        )
+        logf.close()
+        _LIVE.add(self.proc)
+
+    async def start(self, timeout_s: float = 600.0, progress: bool = True) -> None:
+        if self.proc is None:
+            self.launch()
+        t0 = time.monotonic()
+        next_report = t0 + 10
+        async with aiohttp.ClientSession() as http:
+            while True:
+                if self.proc.poll() is not None:
+                    raise EngineStartError(
+                        f"engine on port {self.spec.port} exited with code {self.proc.returncode}; "
+                        f"last lines of {self.log_path}:\n{self.log_tail()}"
+                    )
+                try:
+                    async with http.get(f"{self.url}/health", timeout=aiohttp.ClientTimeout(total=2)) as r:
+                        if r.status == 200:
+                            log.info("engine on port %d healthy after %.0f s", self.spec.port, time.monotonic() - t0)
+                            return
+                except (aiohttp.ClientError, asyncio.TimeoutError):
+                    pass
+                now = time.monotonic()
+                if now - t0 > timeout_s:
+                    self.stop()
+                    raise EngineStartError(
+                        f"engine on port {self.spec.port} not healthy after {timeout_s:.0f} s; "
+                        f"log {self.log_path}:\n{self.log_tail()}"
+                    )
+                if progress and now >= next_report:
+                    log.info("waiting for engine on port %d (%.0f s): %s", self.spec.port, now - t0,
+                             self.log_tail(1).strip()[-160:])
+                    next_report = now + 10
+                await asyncio.sleep(0.5)
+
+    def log_tail(self, n: int = 30) -> str:
+        try:
+            lines = self.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            return ""
+        return "\n".join(lines[-n:])
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        proc = self.proc
+        if proc is None:
+            return
+        _stop(proc, timeout_s)
+        _LIVE.discard(proc)
+
+
+def _stop(proc: subprocess.Popen, timeout_s: float) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)  # the reaper takes the engine's whole group down
+        try:
+            proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
+
+
+@atexit.register
+def _stop_all() -> None:
+    for proc in list(_LIVE):
+        _stop(proc, 20.0)

@@ -1,0 +1,168 @@
+"""The router's HTTP face: OpenAI-compatible routes, sessions, health, metrics, admin control.
+
+OpenAI routes: ``/v1/chat/completions``, ``/v1/models`` and the same under
+``/sessions/<id>/v1/...`` (a scaffold's base URL). A session can also be named by the
+``X-Agentrl-Session`` header or by an API key of the form ``sess-<id>``. Control routes under
+``/admin`` need the admin token. Every error is an OpenAI-style JSON body; nothing a client sends
+crashes the router.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import time
+from typing import Any
+
+from aiohttp import web
+
+from agentrl.router.core import Router
+from agentrl.router.errors import InvalidRequest, RouterError, Unauthorized
+
+log = logging.getLogger(__name__)
+
+ROUTER_KEY = web.AppKey("router", Router)
+ADMIN_TOKEN = web.AppKey("admin_token", str)
+API_KEYS = web.AppKey("api_keys", frozenset)
+
+
+def _bearer(request: web.Request) -> str | None:
+    auth = request.headers.get("Authorization", "")
+    return auth[7:].strip() if auth.lower().startswith("bearer ") else None
+
+
+def require_admin(request: web.Request) -> None:
+    token = request.app[ADMIN_TOKEN]
+    given = _bearer(request) or ""
+    if token and not hmac.compare_digest(given, token):
+        raise Unauthorized("this route needs the admin token (Authorization: Bearer <admin token>)")
+
+
+def _session_of(request: web.Request) -> str | None:
+    sid = request.match_info.get("session_id") or request.headers.get("X-Agentrl-Session")
+    key = _bearer(request)
+    if sid is None and key and key.startswith("sess-"):
+        sid = key[5:]
+    return sid
+
+
+def _check_client(request: web.Request) -> None:
+    keys = request.app[API_KEYS]
+    if not keys:
+        return
+    key = _bearer(request) or ""
+    if key in keys or key.startswith("sess-") or "session_id" in request.match_info:
+        return
+    if request.app[ADMIN_TOKEN] and hmac.compare_digest(key, request.app[ADMIN_TOKEN]):
+        return
+    raise Unauthorized("invalid API key", code="invalid_api_key")
+
+
+@web.middleware
+async def errors_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except RouterError as e:
+        return e.response()
+    except web.HTTPException as e:
+        if e.status >= 400:
+            return web.json_response({"error": {"message": e.reason, "type": "invalid_request_error",
+                                                "param": None, "code": None}}, status=e.status)
+        raise
+    except Exception:
+        log.exception("unhandled error on %s %s", request.method, request.path)
+        return web.json_response({"error": {"message": "internal router error", "type": "server_error",
+                                            "param": None, "code": None}}, status=500)
+
+
+async def _json_body(request: web.Request) -> Any:
+    raw = await request.read()
+    try:
+        return json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise InvalidRequest(f"the request body is not valid JSON: {e}") from None
+
+
+async def chat_completions(request: web.Request) -> web.Response:
+    _check_client(request)
+    body = await _json_body(request)
+    result = await request.app[ROUTER_KEY].chat(body, session_id=_session_of(request))
+    return web.json_response(result)
+
+
+async def models(request: web.Request) -> web.Response:
+    r = request.app[ROUTER_KEY]
+    return web.json_response({"object": "list", "data": [
+        {"id": r.model_name, "object": "model", "created": 0, "owned_by": "agentrl",
+         "max_model_len": r.max_model_len}]})
+
+
+async def health(request: web.Request) -> web.Response:
+    r = request.app[ROUTER_KEY]
+    healthy = sum(e.healthy for e in r.pool.engines)
+    return web.json_response({"status": "ok" if healthy else "degraded", "engines_healthy": healthy,
+                              "version": r.pool.version}, status=200 if healthy else 503)
+
+
+async def create_session(request: web.Request) -> web.Response:
+    require_admin(request)
+    body = await _json_body(request) if request.can_read_body else {}
+    s = request.app[ROUTER_KEY].open_session(body.get("session_id"), **body.get("meta", {}))
+    base = f"{request.scheme}://{request.host}/sessions/{s.session_id}/v1"
+    return web.json_response({"session_id": s.session_id, "base_url": base})
+
+
+async def session_samples(request: web.Request) -> web.Response:
+    require_admin(request)
+    s = request.app[ROUTER_KEY].get_session(request.match_info["sid"])
+    return web.json_response({"session_id": s.session_id, "splits": s.splits, "calls": len(s.records),
+                              "samples": [vars(x) for x in s.samples()]})
+
+
+async def engines_status(request: web.Request) -> web.Response:
+    require_admin(request)
+    r = request.app[ROUTER_KEY]
+    return web.json_response({"version": r.pool.version, "engines": r.pool.status(), "counters": r.counters})
+
+
+def metrics_text(router: Router, extra: dict[str, float] | None = None) -> str:
+    lines = []
+    for k, v in router.counters.items():
+        lines.append(f"agentrl_router_{k}_total {v}")
+    lines.append(f"agentrl_policy_version {router.pool.version}")
+    for e in router.pool.engines:
+        lab = f'{{engine="{e.name}"}}'
+        lines += [f"agentrl_engine_healthy{lab} {int(e.healthy)}", f"agentrl_engine_outstanding{lab} {e.outstanding}",
+                  f"agentrl_engine_version{lab} {e.version}"]
+    for k, v in (extra or {}).items():
+        lines.append(f"agentrl_{k} {v}")
+    lines.append(f"agentrl_scrape_time_seconds {time.time():.3f}")
+    return "\n".join(lines) + "\n"
+
+
+async def metrics(request: web.Request) -> web.Response:
+    return web.Response(text=metrics_text(request.app[ROUTER_KEY]), content_type="text/plain")
+
+
+def add_router_routes(app: web.Application, router: Router, *, admin_token: str = "",
+                      api_keys: frozenset[str] = frozenset()) -> None:
+    app[ROUTER_KEY] = router
+    app[ADMIN_TOKEN] = admin_token
+    app[API_KEYS] = api_keys
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_get("/v1/models", models)
+    app.router.add_post("/sessions/{session_id}/v1/chat/completions", chat_completions)
+    app.router.add_get("/sessions/{session_id}/v1/models", models)
+    app.router.add_get("/health", health)
+    app.router.add_post("/admin/sessions", create_session)
+    app.router.add_get("/admin/sessions/{sid}/samples", session_samples)
+    app.router.add_get("/admin/engines", engines_status)
+
+
+def make_app(router: Router, *, admin_token: str = "", api_keys: frozenset[str] = frozenset(),
+             client_max_size: int = 64 * 2**20) -> web.Application:
+    app = web.Application(middlewares=[errors_middleware], client_max_size=client_max_size)
+    add_router_routes(app, router, admin_token=admin_token, api_keys=api_keys)
+    app.router.add_get("/metrics", metrics)
+    return app
