@@ -1,0 +1,198 @@
+"""Binary encoding of samples and batches: the bytes in the buffer's log and on the learner's wire.
+
+A sample record is a small JSON header (ids, reward, flags, sizes) followed by raw little-endian
+arrays: token ids (int32), behaviour logprobs (float32), then the loss mask and the per-token
+policy versions run-length encoded as (value, length) int32 pairs, because both are long runs in
+practice (prompt / generated turns, one version per weight update). A 2,048-token sample is thus
+about 8 bytes per token plus a few hundred bytes of header; no number ever travels as JSON text.
+
+A batch is ``MAGIC | u32 header length | JSON header | (u32 length | sample record)*``.
+
+Invariants: ``decode_sample(encode_sample(s))`` equals ``s`` field by field, except that logprobs
+round-trip through float32; records carry a format version and decoding rejects what it does not
+know with :class:`CodecError` instead of guessing.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from agentrl.buffer.sample import Sample
+
+FORMAT_VERSION = 1
+BATCH_MAGIC = b"ARB1"
+_U32 = struct.Struct("<I")
+_BATCH_HEAD = struct.Struct("<4sI")
+_I32 = np.dtype("<i4")
+_F32 = np.dtype("<f4")
+
+
+class CodecError(ValueError):
+    """Bytes that are not a sample or batch this version can read."""
+
+
+@dataclass
+class Batch:
+    """Samples leased to the learner under ``batch_id`` until it acknowledges them."""
+
+    batch_id: str
+    samples: list[Sample]
+    learner_version: int
+    info: dict[str, Any] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+
+def _runs(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Run-length encode a 1-D int array into (values, lengths)."""
+    n = values.shape[0]
+    if n == 0:
+        return np.zeros(0, _I32), np.zeros(0, _I32)
+    change = np.flatnonzero(values[1:] != values[:-1]) + 1
+    starts = np.concatenate(([0], change))
+    lengths = np.diff(np.concatenate((starts, [n])))
+    return values[starts].astype(_I32, copy=False), lengths.astype(_I32, copy=False)
+
+
+def _as_array(xs: Any, dtype: np.dtype) -> np.ndarray:
+    if isinstance(xs, np.ndarray):
+        return np.ascontiguousarray(xs, dtype=dtype)
+    return np.array(xs, dtype=dtype)
+
+
+def encode_sample(sample: Sample) -> tuple[bytes, dict[str, Any]]:
+    """Encode one sample; returns the record and its header (which carries ``min_version``)."""
+    tokens = _as_array(sample.token_ids, _I32)
+    logprobs = _as_array(sample.logprobs, _F32)
+    mask = _as_array(sample.loss_mask, _I32)
+    versions = _as_array(sample.versions, _I32)
+    generated = versions[mask != 0]
+    min_version = int(generated.min()) if generated.size else -1
+    mask_vals, mask_lens = _runs(mask)
+    ver_vals, ver_lens = _runs(versions)
+    head = {
+        "v": FORMAT_VERSION,
+        "n": int(tokens.shape[0]),
+        "km": int(mask_vals.shape[0]),
+        "kv": int(ver_vals.shape[0]),
+        "min_version": min_version,
+        "sample_id": sample.sample_id,
+        "episode_id": sample.episode_id,
+        "group_id": sample.group_id,
+        "env": sample.env,
+        "reward": float(sample.reward),
+        "truncated": bool(sample.truncated),
+        "error": sample.error,
+        "info": sample.info,
+        "timings": sample.timings,
+    }
+    hb = json.dumps(head, separators=(",", ":")).encode()
+    hb += b" " * (-len(hb) % 4)  # keep the arrays 4-byte aligned
+    parts = [_U32.pack(len(hb)), hb, tokens.tobytes(), logprobs.tobytes(), mask_vals.tobytes(),
+             mask_lens.tobytes(), ver_vals.tobytes(), ver_lens.tobytes()]
+    return b"".join(parts), head
+
+
+def read_header(record: bytes | memoryview) -> dict[str, Any]:
+    """The JSON header of a sample record, without decoding its arrays."""
+    try:
+        (hlen,) = _U32.unpack_from(record, 0)
+        head = json.loads(bytes(record[4 : 4 + hlen]))
+    except (struct.error, ValueError, UnicodeDecodeError) as e:
+        raise CodecError(f"unreadable sample header: {e}") from e
+    if not isinstance(head, dict) or head.get("v") != FORMAT_VERSION:
+        raise CodecError(f"unknown sample record format {head.get('v') if isinstance(head, dict) else head!r}")
+    return head
+
+
+def decode_sample(record: bytes | memoryview) -> Sample:
+    head = read_header(record)
+    (hlen,) = _U32.unpack_from(record, 0)
+    n, km, kv = head["n"], head["km"], head["kv"]
+    expected = 4 + hlen + 8 * n + 8 * km + 8 * kv
+    if len(record) != expected:
+        raise CodecError(f"sample {head.get('sample_id')}: record is {len(record)} bytes, expected {expected}")
+    arr = np.frombuffer(record, dtype=np.uint8, offset=4 + hlen)
+    off = 0
+
+    def take(count: int, dtype: np.dtype) -> np.ndarray:
+        nonlocal off
+        out = arr[off : off + 4 * count].view(dtype)
+        off += 4 * count
+        return out
+
+    tokens = take(n, _I32)
+    logprobs = take(n, _F32)
+    mask = np.repeat(take(km, _I32), take(km, _I32))
+    versions = np.repeat(take(kv, _I32), take(kv, _I32))
+    if mask.shape[0] != n or versions.shape[0] != n:
+        raise CodecError(f"sample {head['sample_id']}: run lengths do not add up to {n} tokens")
+    return Sample(
+        token_ids=tokens.tolist(),
+        loss_mask=mask.tolist(),
+        logprobs=logprobs.tolist(),
+        versions=versions.tolist(),
+        episode_id=head["episode_id"],
+        group_id=head["group_id"],
+        env=head["env"],
+        reward=head["reward"],
+        sample_id=head["sample_id"],
+        truncated=head["truncated"],
+        error=head["error"],
+        info=head["info"],
+        timings=head["timings"],
+    )
+
+
+def encode_batch_records(batch_id: str, learner_version: int, records: list[bytes],
+                         info: dict[str, Any] | None = None) -> bytes:
+    """Frame already-encoded sample records as a batch (what the HTTP route sends)."""
+    head = json.dumps({"v": FORMAT_VERSION, "batch_id": batch_id, "learner_version": learner_version,
+                       "n": len(records), "info": info or {}}, separators=(",", ":")).encode()
+    parts = [_BATCH_HEAD.pack(BATCH_MAGIC, len(head)), head]
+    for r in records:
+        parts.append(_U32.pack(len(r)))
+        parts.append(r)
+    return b"".join(parts)
+
+
+def encode_batch(batch: Batch) -> bytes:
+    return encode_batch_records(batch.batch_id, batch.learner_version,
+                                [encode_sample(s)[0] for s in batch.samples], batch.info)
+
+
+def decode_batch(data: bytes | memoryview) -> Batch:
+    view = memoryview(data)
+    try:
+        magic, hlen = _BATCH_HEAD.unpack_from(view, 0)
+    except struct.error as e:
+        raise CodecError(f"batch too short ({len(view)} bytes)") from e
+    if magic != BATCH_MAGIC:
+        raise CodecError(f"not a batch (magic {bytes(magic)!r})")
+    try:
+        head = json.loads(bytes(view[8 : 8 + hlen]))
+    except ValueError as e:
+        raise CodecError(f"unreadable batch header: {e}") from e
+    if head.get("v") != FORMAT_VERSION:
+        raise CodecError(f"unknown batch format {head.get('v')!r}")
+    off = 8 + hlen
+    samples = []
+    for _ in range(head["n"]):
+        if off + 4 > len(view):
+            raise CodecError("batch truncated")
+        (rlen,) = _U32.unpack_from(view, off)
+        off += 4
+        if off + rlen > len(view):
+            raise CodecError("batch truncated")
+        samples.append(decode_sample(view[off : off + rlen]))
+        off += rlen
+    if off != len(view):
+        raise CodecError(f"{len(view) - off} trailing bytes after batch")
+    return Batch(batch_id=head["batch_id"], samples=samples, learner_version=head["learner_version"],
+                 info=head.get("info", {}))

@@ -1,0 +1,583 @@
+"""The per-sample versioned buffer: samples wait here until the learner has consumed them.
+
+Role: the orchestrator ``put``s finished episodes' samples; the learner leases batches with
+``get_batch(learner_version, max_staleness, ...)`` and ``ack``s each after its optimizer step.
+
+Invariants:
+- Durable before stored: a sample counts as produced only once its PUT record is in the log
+  (flushed or fsynced per ``BufferConfig.sync``); an ack is logged the same way before it counts.
+- Bounded staleness: no batch contains a sample with ``learner_version - min_version`` above the
+  bound (``BufferConfig.bound``), including batches served again after a lease expired. Samples
+  found past the bound are dropped, counted under reason "stale".
+- Exactly-once consumption: a sample is in at most one lease at a time; it is consumed only by the
+  ack of the batch that holds it; a batch whose lease expired (or was released, or which the buffer
+  forgot by restarting) is never acked later and its samples are served again. Acks are
+  idempotent. A put repeating a known sample id is ignored (counted as a duplicate), so producers
+  may retry a put whose outcome they did not see.
+- Accounting identity, at all times and across restarts:
+  ``produced == consumed + sum(dropped_by_reason) + pending`` (pending includes leased samples).
+- Groups (``group_size`` G > 1 with ``require_full_groups``): a group is served whole once G distinct
+  episode ids have arrived (an episode split into several samples counts once, and all its
+  samples travel with it). A group that can no longer complete (deadline passed, or a member
+  dropped as stale) is served partial or dropped (reason "partial_group") per config; members
+  arriving after their group was closed are dropped (reason "group_closed"), except further
+  samples of an episode already in a group still waiting to be served, which join it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import struct
+import time
+import uuid
+from collections import Counter, OrderedDict
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from agentrl.buffer.codec import Batch, decode_sample, encode_batch_records, encode_sample, read_header
+from agentrl.buffer.config import BufferConfig
+from agentrl.buffer.log import HEADER_BYTES, Kind, Log, frame
+from agentrl.buffer.sample import Sample
+
+log = logging.getLogger(__name__)
+
+_ARRIVAL = struct.Struct("<d")
+
+
+@dataclass(slots=True)
+class _Entry:
+    sample_id: str
+    episode_id: str
+    group_id: str
+    min_version: int
+    arrival: float
+    payload: bytes  # the PUT payload: arrival time + sample record
+
+    @property
+    def record(self) -> memoryview:
+        return memoryview(self.payload)[_ARRIVAL.size :]
+
+
+@dataclass
+class _Unit:
+    """What is served whole: one group, or one sample when groups are off."""
+
+    key: str
+    ids: list[str]
+    episodes: set[str]
+    partial: bool = False
+
+
+@dataclass
+class _Group:
+    """A group still collecting its G episodes."""
+
+    group_id: str
+    first_arrival: float
+    ids: list[str] = field(default_factory=list)
+    episodes: set[str] = field(default_factory=set)
+
+
+@dataclass
+class _Lease:
+    batch_id: str
+    units: list[_Unit]
+    learner_version: int
+    deadline: float
+    staleness: Counter[int]
+
+    @property
+    def ids(self) -> list[str]:
+        return [i for u in self.units for i in u.ids]
+
+
+class _Bounded(OrderedDict[str, Any]):
+    """An insertion-ordered map that forgets its oldest keys beyond ``cap``."""
+
+    def __init__(self, cap: int) -> None:
+        super().__init__()
+        self.cap = cap
+
+    def add(self, key: str, value: Any = None) -> None:
+        self[key] = value
+        self.move_to_end(key)
+        while len(self) > self.cap:
+            self.popitem(last=False)
+
+
+class Buffer:
+    def __init__(self, cfg: BufferConfig) -> None:
+        self.cfg = cfg
+        self._entries: dict[str, _Entry] = {}
+        self._waiting: dict[str, _Group] = {}
+        self._ready: OrderedDict[str, _Unit] = OrderedDict()
+        self._ready_count = 0
+        self._leases: dict[str, _Lease] = {}
+        self._closed = _Bounded(cfg.remember_ids)
+        self._terminal = _Bounded(cfg.remember_ids)  # sample id -> "consumed" | "dropped:<reason>"
+        self._acked = _Bounded(cfg.remember_ids)
+        self._produced = 0
+        self._consumed = 0
+        self._dropped: Counter[str] = Counter()
+        self._staleness: Counter[int] = Counter()
+        self._live_bytes = 0
+        self._counters: Counter[str] = Counter()
+        self._pollers = 0
+        self._put_lock = asyncio.Lock()
+        self._event = asyncio.Event()
+        self._closed_flag = False
+        self._log: Log | None = None
+        if cfg.path is not None:
+            self._log = Log(cfg.path, cfg.sync)
+            self._recover()
+
+    # ------------------------------------------------------------------ producer side
+
+    async def put(self, samples: list[Sample]) -> int:
+        """Store samples durably; returns how many were new (known sample ids are ignored).
+
+        Put all samples of one episode in one call: group completeness is judged after each call.
+        """
+        async with self._put_lock:
+            fresh: list[Sample] = []
+            seen: set[str] = set()
+            for s in samples:
+                if s.sample_id in self._entries or s.sample_id in self._terminal or s.sample_id in seen:
+                    self._counters["duplicates_ignored"] += 1
+                    continue
+                seen.add(s.sample_id)
+                fresh.append(s)
+            if not fresh:
+                return 0
+            entries = await asyncio.to_thread(self._encode_and_write, fresh, time.time())
+            drops: dict[str, list[str]] = {}
+            touched: list[str] = []
+            for e in entries:
+                self._store(e)
+                self._admit(e, drops, touched)
+            for gid in touched:
+                self._check_complete(gid)
+            self._drop(drops)
+        self._notify()
+        return len(entries)
+
+    def _encode_and_write(self, samples: list[Sample], now: float) -> list[_Entry]:
+        entries = []
+        frames = []
+        for s in samples:
+            if s.error is not None and self.cfg.error_reward is not None and s.reward != self.cfg.error_reward:
+                s = replace(s, reward=self.cfg.error_reward)
+            record, head = encode_sample(s)
+            payload = _ARRIVAL.pack(now) + record
+            entries.append(_Entry(s.sample_id, s.episode_id, s.group_id, head["min_version"], now, payload))
+            if self._log is not None:
+                frames.append(frame(Kind.PUT, payload))
+        if self._log is not None:
+            self._log.append(frames)
+        return entries
+
+    def in_flight_allowance(self, in_flight: int) -> int:
+        """How many new episodes may start now: keeps in_flight + buffered <= (max_staleness+1) x batch_size.
+
+        Buffered counts unconsumed samples (leased ones too); an episode that is split into several
+        samples makes the rule conservative.
+        """
+        cap = (self.cfg.max_staleness + 1) * self.cfg.batch_size
+        allowance = max(0, cap - in_flight - len(self._entries))
+        self._counters["admission_calls"] += 1
+        if allowance == 0:
+            self._counters["admission_refusals"] += 1
+        return allowance
+
+    async def wait_for_room(self, in_flight: int, timeout_s: float) -> int:
+        """Wait until ``in_flight_allowance`` is positive (or the timeout); returns it."""
+        deadline = time.monotonic() + timeout_s
+        allowance = self.in_flight_allowance(in_flight)
+        if allowance:
+            return allowance
+        self._counters["admission_waits"] += 1
+        t0 = time.monotonic()
+        try:
+            while not allowance and not self._closed_flag:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                event = self._event
+                try:
+                    await asyncio.wait_for(event.wait(), left)
+                except TimeoutError:
+                    pass
+                allowance = self.in_flight_allowance(in_flight)
+        finally:
+            self._counters["admission_wait_ms"] += int(1000 * (time.monotonic() - t0))
+        return allowance
+
+    # ------------------------------------------------------------------ learner side
+
+    async def get_batch(self, learner_version: int, max_staleness: int | None = None,
+                        batch_size: int | None = None, timeout_s: float = 0.0) -> Batch | None:
+        lease = await self._lease_batch(learner_version, max_staleness, batch_size, timeout_s)
+        if lease is None:
+            return None
+        samples = [decode_sample(self._entries[i].record) for i in lease.ids]
+        return Batch(lease.batch_id, samples, learner_version, self._batch_info(lease, max_staleness))
+
+    async def get_batch_encoded(self, learner_version: int, max_staleness: int | None = None,
+                                batch_size: int | None = None, timeout_s: float = 0.0) -> bytes | None:
+        """Like ``get_batch`` but returns the batch already encoded for the wire (no decode)."""
+        lease = await self._lease_batch(learner_version, max_staleness, batch_size, timeout_s)
+        if lease is None:
+            return None
+        return encode_batch_records(lease.batch_id, learner_version,
+                                    [self._entries[i].record for i in lease.ids],
+                                    self._batch_info(lease, max_staleness))
+
+    def _batch_info(self, lease: _Lease, max_staleness: int | None) -> dict[str, Any]:
+        ms = self.cfg.max_staleness if max_staleness is None else max_staleness
+        return {"max_staleness": ms, "staleness_bound": self.cfg.bound(ms),
+                "partial_groups": sum(u.partial for u in lease.units)}
+
+    async def _lease_batch(self, learner_version: int, max_staleness: int | None, batch_size: int | None,
+                           timeout_s: float) -> _Lease | None:
+        ms = self.cfg.max_staleness if max_staleness is None else max_staleness
+        size = self.cfg.batch_size if batch_size is None else batch_size
+        if size < 1 or ms < 0:
+            raise ValueError(f"batch_size must be >= 1 and max_staleness >= 0 (got {size}, {ms})")
+        deadline = time.monotonic() + min(max(timeout_s, 0.0), self.cfg.max_poll_s)
+        self._pollers += 1
+        try:
+            while True:
+                event = self._event
+                lease = self._try_lease(learner_version, self.cfg.bound(ms), size)
+                if lease is not None or self._closed_flag:
+                    return lease
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return None
+                wake = self._next_timer()
+                if wake is not None:
+                    left = min(left, max(wake - time.time(), 0.001))
+                try:
+                    await asyncio.wait_for(event.wait(), left)
+                except TimeoutError:
+                    pass
+        finally:
+            self._pollers -= 1
+
+    def _try_lease(self, learner_version: int, bound: int, size: int) -> _Lease | None:
+        now = time.time()
+        self._expire_leases(now)
+        drops: dict[str, list[str]] = {}
+        self._expire_groups(now, drops)
+        self._enforce_staleness(learner_version, bound, drops)
+        self._drop(drops)
+        if self._ready_count < size:
+            return None
+        units: list[_Unit] = []
+        count = 0
+        while count < size:
+            _, unit = self._ready.popitem(last=False)
+            units.append(unit)
+            count += len(unit.ids)
+        self._ready_count -= count
+        staleness: Counter[int] = Counter()
+        for u in units:
+            for i in u.ids:
+                mv = self._entries[i].min_version
+                staleness[learner_version - mv if mv >= 0 else 0] += 1
+        lease = _Lease(uuid.uuid4().hex, units, learner_version, now + self.cfg.lease_s, staleness)
+        self._leases[lease.batch_id] = lease
+        self._counters["batches_served"] += 1
+        self._counters["samples_served"] += count
+        self._counters["partial_groups_served"] += sum(u.partial for u in units)
+        return lease
+
+    def ack(self, batch_id: str) -> bool:
+        """Mark a leased batch consumed (durably). True if acked now or before; False if the
+        batch is unknown, e.g. its lease expired or was released and its samples will be re-served."""
+        if batch_id in self._acked:
+            return True
+        lease = self._leases.get(batch_id)
+        if lease is None:
+            self._counters["acks_rejected"] += 1
+            return False
+        ids = lease.ids
+        if self._log is not None:
+            payload = json.dumps({"batch_id": batch_id, "sample_ids": ids,
+                                  "learner_version": lease.learner_version,
+                                  "staleness": {str(k): v for k, v in lease.staleness.items()}})
+            self._log.append([frame(Kind.ACK, payload.encode())])
+        del self._leases[batch_id]
+        self._acked.add(batch_id)
+        for i in ids:
+            self._forget(i, "consumed")
+        self._consumed += len(ids)
+        self._staleness.update(lease.staleness)
+        self._maybe_compact()
+        self._notify()
+        return True
+
+    def release_leases(self) -> int:
+        """Serve every leased batch again (a restarted learner calls this); returns how many."""
+        n = len(self._leases)
+        self._expire_leases(float("inf"))
+        self._notify()
+        return n
+
+    # ------------------------------------------------------------------ state machine
+
+    def _store(self, e: _Entry) -> None:
+        self._entries[e.sample_id] = e
+        self._produced += 1
+        self._live_bytes += len(e.payload) + HEADER_BYTES
+
+    def _forget(self, sample_id: str, state: str) -> None:
+        e = self._entries.pop(sample_id)
+        self._live_bytes -= len(e.payload) + HEADER_BYTES
+        self._terminal.add(sample_id, state)
+
+    def _admit(self, e: _Entry, drops: dict[str, list[str]], touched: list[str],
+               replay: bool = False) -> None:
+        if self.cfg.drop_errors and not replay and self._is_error(e):
+            drops.setdefault("error", []).append(e.sample_id)
+            return
+        if not self.cfg.grouped:
+            self._push_ready(_Unit("s:" + e.sample_id, [e.sample_id], {e.episode_id}))
+            return
+        gid = e.group_id
+        if gid in self._closed:
+            unit = self._ready.get("g:" + gid)
+            if unit is not None and (replay or e.episode_id in unit.episodes):
+                unit.ids.append(e.sample_id)
+                unit.episodes.add(e.episode_id)
+                self._ready_count += 1
+            elif replay:  # its group was closed before the crash and this member not yet served
+                self._push_ready(_Unit("g:" + gid, [e.sample_id], {e.episode_id}, partial=True))
+            else:
+                drops.setdefault("group_closed", []).append(e.sample_id)
+            return
+        g = self._waiting.get(gid)
+        if g is None:
+            g = self._waiting[gid] = _Group(gid, e.arrival)
+        g.ids.append(e.sample_id)
+        g.episodes.add(e.episode_id)
+        touched.append(gid)
+
+    def _is_error(self, e: _Entry) -> bool:
+        return read_header(e.record).get("error") is not None
+
+    def _check_complete(self, gid: str) -> None:
+        g = self._waiting.get(gid)
+        if g is not None and len(g.episodes) >= self.cfg.group_size:
+            del self._waiting[gid]
+            self._closed.add(gid)
+            self._push_ready(_Unit("g:" + gid, g.ids, g.episodes))
+            self._counters["groups_completed"] += 1
+
+    def _push_ready(self, unit: _Unit, front: bool = False) -> None:
+        self._ready[unit.key] = unit
+        if front:
+            self._ready.move_to_end(unit.key, last=False)
+        self._ready_count += len(unit.ids)
+
+    def _close_partial(self, key: str, ids: list[str], episodes: set[str], drops: dict[str, list[str]],
+                       front: bool = False) -> None:
+        """A group that can no longer complete: serve what is there, or drop it, per config."""
+        if not ids:
+            return
+        if self.cfg.partial_groups == "serve":
+            self._push_ready(_Unit(key, ids, episodes, partial=True), front=front)
+        else:
+            drops.setdefault("partial_group", []).extend(ids)
+
+    def _expire_groups(self, now: float, drops: dict[str, list[str]]) -> None:
+        if self.cfg.group_deadline_s is None:
+            return
+        while self._waiting:
+            gid, g = next(iter(self._waiting.items()))
+            if g.first_arrival + self.cfg.group_deadline_s > now:
+                break
+            del self._waiting[gid]
+            self._closed.add(gid)
+            self._counters["groups_past_deadline"] += 1
+            self._close_partial("g:" + gid, g.ids, g.episodes, drops)
+
+    def _enforce_staleness(self, learner_version: int, bound: int, drops: dict[str, list[str]]) -> None:
+        oldest_ok = learner_version - bound
+
+        def stale(i: str) -> bool:
+            mv = self._entries[i].min_version
+            return 0 <= mv < oldest_ok
+
+        for key in [k for k, u in self._ready.items() if any(stale(i) for i in u.ids)]:
+            unit = self._ready.pop(key)
+            self._ready_count -= len(unit.ids)
+            bad = [i for i in unit.ids if stale(i)]
+            drops.setdefault("stale", []).extend(bad)
+            if self.cfg.grouped:
+                rest = [i for i in unit.ids if not stale(i)]
+                eps = {self._entries[i].episode_id for i in rest}
+                self._close_partial(key, rest, eps, drops, front=True)
+        for gid in [gid for gid, g in self._waiting.items() if any(stale(i) for i in g.ids)]:
+            g = self._waiting.pop(gid)
+            self._closed.add(gid)
+            drops.setdefault("stale", []).extend(i for i in g.ids if stale(i))
+            rest = [i for i in g.ids if not stale(i)]
+            self._close_partial("g:" + gid, rest, {self._entries[i].episode_id for i in rest}, drops)
+
+    def _expire_leases(self, now: float) -> None:
+        expired = [b for b, lease in self._leases.items() if lease.deadline <= now]
+        for b in reversed(expired):
+            lease = self._leases.pop(b)
+            for unit in reversed(lease.units):
+                self._push_ready(unit, front=True)
+            self._counters["leases_expired"] += 1
+            log.warning("buffer: batch %s (%d samples) was not acknowledged in time; serving it again",
+                        b, len(lease.ids))
+
+    def _drop(self, drops: dict[str, list[str]]) -> None:
+        if not any(drops.values()):
+            return
+        if self._log is not None:
+            self._log.append([frame(Kind.DROP, json.dumps({"reason": r, "sample_ids": ids}).encode())
+                              for r, ids in drops.items() if ids])
+        for reason, ids in drops.items():
+            for i in ids:
+                gid = self._entries[i].group_id
+                self._forget(i, "dropped:" + reason)
+                if reason in ("stale", "partial_group"):
+                    self._closed.add(gid)
+            self._dropped[reason] += len(ids)
+        self._notify()
+
+    def _next_timer(self) -> float | None:
+        """Wall time of the next group deadline or lease expiry, if any."""
+        times = [lease.deadline for lease in self._leases.values()]
+        if self._waiting and self.cfg.group_deadline_s is not None:
+            times.append(next(iter(self._waiting.values())).first_arrival + self.cfg.group_deadline_s)
+        return min(times) if times else None
+
+    def _notify(self) -> None:
+        self._event.set()
+        self._event = asyncio.Event()
+
+    # ------------------------------------------------------------------ durability
+
+    def _recover(self) -> None:
+        assert self._log is not None
+        orphans = 0
+        for kind, payload in self._log.recover():
+            if kind == Kind.PUT:
+                (arrival,) = _ARRIVAL.unpack_from(payload, 0)
+                head = read_header(memoryview(payload)[_ARRIVAL.size :])
+                sid = head["sample_id"]
+                if sid in self._entries or sid in self._terminal:
+                    continue
+                self._store(_Entry(sid, head["episode_id"], head["group_id"], head["min_version"],
+                                   arrival, payload))
+            elif kind in (Kind.ACK, Kind.DROP):
+                d = json.loads(payload)
+                known = [i for i in d["sample_ids"] if i in self._entries]
+                orphans += len(d["sample_ids"]) - len(known)
+                for i in known:
+                    gid = self._entries[i].group_id
+                    if kind == Kind.ACK or d["reason"] in ("stale", "partial_group"):
+                        self._closed.add(gid)
+                    self._forget(i, "consumed" if kind == Kind.ACK else "dropped:" + d["reason"])
+                if kind == Kind.ACK:
+                    self._consumed += len(known)
+                    self._acked.add(d["batch_id"])
+                    self._staleness.update({int(k): v for k, v in d["staleness"].items()})
+                else:
+                    self._dropped[d["reason"]] += len(known)
+            elif kind == Kind.STATE:
+                self._load_state(json.loads(payload))
+        drops: dict[str, list[str]] = {}
+        touched: list[str] = []
+        for e in self._entries.values():
+            self._admit(e, drops, touched, replay=True)
+        for gid in dict.fromkeys(touched):
+            self._check_complete(gid)
+        if self.cfg.grouped:
+            for unit in self._ready.values():
+                unit.partial = len(unit.episodes) < self.cfg.group_size
+        self._drop(drops)
+        rep = self._log.report
+        self._counters.update(recovered_samples=len(self._entries), corrupt_regions_skipped=rep.corrupt_regions,
+                              corrupt_bytes_skipped=rep.skipped_bytes, truncated_tail_bytes=rep.truncated_bytes,
+                              orphan_log_ids=orphans)
+        log.info("buffer: recovered %d pending samples from %s (produced %d, consumed %d, dropped %d)",
+                 len(self._entries), self._log.path, self._produced, self._consumed, sum(self._dropped.values()))
+
+    def _state(self) -> dict[str, Any]:
+        return {"produced": self._produced - len(self._entries), "consumed": self._consumed,
+                "dropped": dict(self._dropped), "staleness": {str(k): v for k, v in self._staleness.items()},
+                "closed": list(self._closed), "terminal": list(self._terminal.items()),
+                "acked": list(self._acked)}
+
+    def _load_state(self, d: dict[str, Any]) -> None:
+        self._produced += d["produced"]
+        self._consumed += d["consumed"]
+        self._dropped.update(d["dropped"])
+        self._staleness.update({int(k): v for k, v in d["staleness"].items()})
+        for g in d["closed"]:
+            self._closed.add(g)
+        for i, s in d["terminal"]:
+            self._terminal.add(i, s)
+        for b in d["acked"]:
+            self._acked.add(b)
+
+    def _maybe_compact(self) -> None:
+        if self._log is None:
+            return
+        size = self._log.size
+        if size < self.cfg.compact_bytes or size < 2 * self._live_bytes:
+            return
+        records = [frame(Kind.STATE, json.dumps(self._state()).encode())]
+        records += [frame(Kind.PUT, e.payload) for e in self._entries.values()]
+        self._log.rewrite(records)
+        self._counters["compactions"] += 1
+        log.info("buffer: compacted log from %d to %d bytes", size, self._log.size)
+
+    # ------------------------------------------------------------------ observation
+
+    def stats(self) -> dict[str, Any]:
+        pending = len(self._entries)
+        leased = sum(len(lease.ids) for lease in self._leases.values())
+        dropped = sum(self._dropped.values())
+        return {
+            "depth": self._ready_count,
+            "produced": self._produced,
+            "consumed": self._consumed,
+            "dropped": dropped,
+            "dropped_by_reason": dict(self._dropped),
+            "pending": pending,
+            "leased": leased,
+            "leased_batches": len(self._leases),
+            "waiting_groups": len(self._waiting),
+            "waiting_group_samples": sum(len(g.ids) for g in self._waiting.values()),
+            "identity_holds": self._produced == self._consumed + dropped + pending,
+            "staleness_consumed": {str(k): v for k, v in sorted(self._staleness.items())},
+            "pollers": self._pollers,
+            "log_bytes": self._log.size if self._log is not None else 0,
+            **dict(self._counters),
+        }
+
+    def sample_state(self, sample_id: str) -> str | None:
+        """"pending", "leased", "consumed", "dropped:<reason>", or None (unknown or forgotten)."""
+        if sample_id in self._entries:
+            leased = any(sample_id in u.ids for lease in self._leases.values() for u in lease.units)
+            return "leased" if leased else "pending"
+        return self._terminal.get(sample_id)
+
+    @property
+    def pollers(self) -> int:
+        return self._pollers
+
+    def close(self) -> None:
+        self._closed_flag = True
+        self._notify()
+        if self._log is not None:
+            self._log.close()
