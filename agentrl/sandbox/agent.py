@@ -4,7 +4,9 @@ Role: the host starts it as the sandbox's main process (``python3 -u -c <this fi
 talks to it over the process's stdin/stdout, so a tool call costs one round trip on an already open
 pipe instead of a ``docker exec`` (which creates a process through the engine, about 70 ms).
 
-Wire format, both directions: a 4-byte big-endian length, then that many bytes of UTF-8 JSON.
+Wire format, both directions: a 4-byte big-endian length, then that many bytes holding the ``repr``
+of a dict of str/bytes/int/float/bool/None/list values, parsed with ``ast.literal_eval`` (safe,
+and unlike json it is in python3-minimal; bytes need no base64).
 Requests carry ``id`` and ``op``; every request gets exactly one response with the same ``id``.
 Requests are served concurrently (one thread each), except ``reset`` which runs alone.
 
@@ -14,14 +16,12 @@ Invariants:
 - Commands get ``oom_score_adj`` 1000 so that the kernel's OOM killer picks them, not the agent.
 - ``reset`` kills every process except the agent and its ancestors (the container's init) and
   empties the writable directories; it answers ``ok: false`` if it could not do both.
-- This file must run on the image's ``python3`` (3.9+) with the standard library only, and must not
-  import anything from agentrl.
+- This file must run on the image's ``python3`` (3.9+) with only what python3-minimal ships (no
+  json, no shutil), and must not import anything from agentrl.
 """
 
-import base64
-import json
+import ast
 import os
-import shutil
 import signal
 import struct
 import subprocess
@@ -38,7 +38,7 @@ _background = {}  # pid -> Popen
 
 
 def _send(msg):
-    data = json.dumps(msg, separators=(",", ":")).encode()
+    data = repr(msg).encode()
     with _out_lock:
         _out.write(struct.pack(">I", len(data)) + data)
         _out.flush()
@@ -119,7 +119,7 @@ def _kill_group(pgid):
 def op_exec(req):
     limit = int(req.get("max_output", 1 << 20))
     timeout = req.get("timeout")
-    stdin_data = base64.b64decode(req["stdin"]) if req.get("stdin") else None
+    stdin_data = req.get("stdin")
     oom_before = _oom_kills()
     start = time.monotonic()
     try:
@@ -150,13 +150,27 @@ def op_exec(req):
             proc.stdin.close()
         except OSError:
             pass
-    timed_out = False
-    try:
-        proc.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        timed_out = True
-        _kill_group(proc.pid)
-        proc.wait()
+    # A blocking wait returns the moment the command exits (wait(timeout) would poll with growing
+    # sleeps); a timer kills the group at the deadline instead.
+    expired = []
+    timer = None
+    if timeout is not None:
+        timer = threading.Timer(timeout, lambda: (expired.append(True), _kill_group(proc.pid)))
+        timer.daemon = True
+        try:
+            timer.start()
+        except RuntimeError:  # no thread left: fall back to polling
+            timer = None
+    if timer is None and timeout is not None:
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            expired.append(True)
+            _kill_group(proc.pid)
+    proc.wait()
+    if timer is not None:
+        timer.cancel()
+    timed_out = bool(expired)
     # Grandchildren may still hold the pipes open; kill the group so the readers see EOF.
     _kill_group(proc.pid)
     for t in readers:
@@ -181,7 +195,7 @@ def op_write(req):
     if parent:
         os.makedirs(parent, exist_ok=True)
     with open(path, "wb") as f:
-        f.write(base64.b64decode(req["data"]))
+        f.write(req["data"])
     if req.get("mode") is not None:
         os.chmod(path, int(req["mode"]))
     return {}
@@ -190,7 +204,7 @@ def op_write(req):
 def op_read(req):
     with open(req["path"], "rb") as f:
         data = f.read(int(req.get("max_bytes", 64 << 20)))
-    return {"data": base64.b64encode(data).decode()}
+    return {"data": data}
 
 
 def op_bg_start(req):
@@ -241,6 +255,19 @@ def _other_pids(protected):
     return [int(p) for p in os.listdir("/proc") if p.isdigit() and int(p) not in protected]
 
 
+def _remove_tree(path):
+    try:
+        if os.path.isdir(path) and not os.path.islink(path):
+            os.chmod(path, 0o700)  # a read-only dir the episode made must not stop the wipe
+            for name in os.listdir(path):
+                _remove_tree(os.path.join(path, name))
+            os.rmdir(path)
+        else:
+            os.unlink(path)
+    except OSError:
+        pass
+
+
 def op_reset(req):
     protected = _protected_pids()
     for _ in range(200):
@@ -267,13 +294,7 @@ def op_reset(req):
             continue
         for name in names:
             p = os.path.join(d, name)
-            try:
-                if os.path.isdir(p) and not os.path.islink(p):
-                    shutil.rmtree(p)
-                else:
-                    os.unlink(p)
-            except OSError:
-                pass
+            _remove_tree(p)
         try:
             if os.listdir(d):
                 clean = False
@@ -322,7 +343,7 @@ def main():
         body = _read_exact(stdin, struct.unpack(">I", header)[0])
         if body is None:
             break
-        req = json.loads(body)
+        req = ast.literal_eval(body.decode())
         with _active_cond:
             if req.get("op") == "reset":  # runs alone: wait for every other request to finish
                 while _active:

@@ -1,0 +1,131 @@
+"""Docker backend: one locked-down container per sandbox, driven through the engine's HTTP API.
+
+Each container runs the exec agent as its main process under `--init`, attached to our end of a
+hijacked API connection (stdin/stdout). Isolation: no network, read-only root, tmpfs /work and
+/tmp, memory with swap equal, CPU quota, pids limit, uid nobody, every capability dropped,
+no-new-privileges, private IPC, no host mounts, no logs kept by the engine.
+
+Invariants:
+- Every container carries `agentrl.*` owner labels (instance id, pid and its start time, host,
+  boot id), so any later process can tell whether its owner is alive.
+- Stdin closes when our connection does (StdinOnce) and containers are AutoRemove: if the owning
+  process dies, its agents read EOF, exit, and the engine removes their containers by itself;
+  `reap_stale` on the next start removes whatever is left (e.g. a command that ignored the agent's
+  death kept nothing alive, since init kills the namespace when the agent exits).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from agentrl.sandbox.backend import SandboxBackend, Slot, owner_is_dead, owner_labels
+from agentrl.sandbox.channel import AgentChannel, agent_source
+from agentrl.sandbox.docker_api import DockerAPI, remove_by_label
+from agentrl.sandbox.types import SandboxConfig, SandboxError
+
+log = logging.getLogger(__name__)
+
+
+class DockerBackend(SandboxBackend):
+    name = "docker"
+
+    def __init__(self, cfg: SandboxConfig, instance_id: str) -> None:
+        super().__init__(cfg, instance_id)
+        self.api = DockerAPI(cfg.resolved_docker_host(), timeout=cfg.api_timeout_s)
+        self._create_sem = asyncio.Semaphore(cfg.create_concurrency)
+        self._labels = {**cfg.labels, **owner_labels(instance_id)}
+
+    def container_spec(self) -> dict:
+        cfg = self.cfg
+        mem = cfg.memory_mb * 2**20
+        # (Docker 20.10 drops `mode` when nosuid/nodev are listed; it adds them by itself.)
+        tmpfs = f"rw,exec,size={cfg.work_size_mb}m,mode=1777"
+        return {
+            "Image": cfg.image,
+            "Cmd": ["python3", "-u", "-I", "-c", agent_source()],
+            "User": cfg.user,
+            # No WorkingDir: with it, Docker re-creates /work as root 0755 over the tmpfs mode.
+            # The agent chdirs to /work itself.
+            "Env": ["HOME=/work", "LANG=C.UTF-8", "PYTHONDONTWRITEBYTECODE=1",
+                    "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"],
+            "Labels": self._labels,
+            "AttachStdin": True, "AttachStdout": True, "AttachStderr": True,
+            "OpenStdin": True, "StdinOnce": True, "Tty": False,
+            "NetworkDisabled": True,
+            "HostConfig": {
+                "NetworkMode": "none",
+                "ReadonlyRootfs": True,
+                "Tmpfs": {"/work": tmpfs, "/tmp": tmpfs},
+                "Memory": mem, "MemorySwap": mem,
+                "NanoCpus": int(cfg.cpus * 1e9),
+                "PidsLimit": cfg.pids,
+                "CapDrop": ["ALL"],
+                "SecurityOpt": ["no-new-privileges"],
+                "Init": True,
+                "AutoRemove": True,
+                "IpcMode": "private",
+                "ShmSize": 64 * 2**20,
+                "LogConfig": {"Type": "none", "Config": {}},
+                "Ulimits": [{"Name": "nofile", "Soft": 4096, "Hard": 4096}],
+            },
+        }
+
+    async def start(self) -> int:
+        await self.api.ping()
+        if not await self.api.image_exists(self.cfg.image):
+            raise SandboxError(
+                f"sandbox image {self.cfg.image!r} is not built; run `agentrl sandbox build` "
+                "(or agentrl.sandbox.build_images())")
+        return await self.reap_stale()
+
+    async def reap_stale(self) -> int:
+        """Remove containers of dead owners, and any of our own instance id left by a predecessor."""
+        stale = [c["Id"] for c in await self.api.list(["agentrl.sandbox"])
+                 if (c.get("Labels") or {}).get("agentrl.instance") == self.instance_id
+                 or owner_is_dead(c.get("Labels") or {})]
+        await asyncio.gather(*(self.api.remove(cid) for cid in stale))
+        if stale:
+            log.info("removed %d sandbox containers left by dead owners", len(stale))
+        return len(stale)
+
+    async def create(self) -> Slot:
+        async with self._create_sem:
+            t0 = time.monotonic()
+            cid = await self.api.create(self.container_spec())
+            try:
+                chunks, writer = await self.api.attach(cid)
+                channel = AgentChannel(chunks, writer, cid[:12])
+                await self.api.start(cid)
+                await channel.wait_ready(self.cfg.start_timeout_s)
+            except BaseException:
+                # Shielded: a cancelled creator must not leave the container behind.
+                await asyncio.shield(self._remove_quietly(cid))
+                raise
+            log.debug("sandbox %s ready in %.0f ms", cid[:12], (time.monotonic() - t0) * 1e3)
+            return Slot(cid, channel)
+
+    async def _remove_quietly(self, cid: str) -> None:
+        try:
+            await self.api.remove(cid)
+        except SandboxError as e:
+            log.warning("could not remove sandbox %s: %s", cid[:12], e)
+
+    async def destroy(self, slot: Slot) -> None:
+        await slot.channel.aclose()
+        await self.api.remove(slot.id)
+
+    async def close(self) -> int:
+        try:
+            ids = await self.live_ids()
+            await asyncio.gather(*(self.api.remove(cid) for cid in ids))
+            return len(ids)
+        finally:
+            await self.api.close()
+
+    def close_sync(self) -> int:
+        return remove_by_label(self.api.host, f"agentrl.instance={self.instance_id}")
+
+    async def live_ids(self) -> list[str]:
+        return [c["Id"] for c in await self.api.list([f"agentrl.instance={self.instance_id}"])]

@@ -1,0 +1,98 @@
+"""Sandbox configuration, results and errors: the plain types every backend shares.
+
+Invariants: a tool failure (timeout, OOM, non-zero exit) is an `ExecResult`; only infrastructure
+failures (engine unreachable, container vanished, agent dead) are `SandboxError`.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Literal
+
+Backend = Literal["docker", "bubblewrap", "auto"]
+
+
+@dataclass
+class SandboxConfig:
+    """How sandboxes are made and bounded. Every field has a default that works on one machine."""
+
+    backend: Backend = "auto"
+    """"docker" (strong isolation), "bubblewrap" (weaker: shares the host kernel's user namespaces and
+    the host's /usr read-only; for machines without Docker), or "auto" (Docker when an engine answers)."""
+    image: str = "agentrl/base:bookworm"
+    """Docker image the sandboxes run (must contain python3 3.9+). Ignored by bubblewrap, which uses
+    the host's /usr."""
+    warm: int = 4
+    """Sandboxes kept started and idle ahead of demand."""
+    max_concurrency: int = 64
+    """Most sandboxes handed out at once; `acquire` waits beyond that."""
+    memory_mb: int = 512
+    """Memory limit per sandbox (swap limit equal, so no swap). The /work tmpfs counts against it."""
+    cpus: float = 1.0
+    """CPU limit per sandbox, in cores."""
+    pids: int = 256
+    """Most processes/threads alive in one sandbox (fork bombs stop here)."""
+    exec_timeout_s: float = 30.0
+    """Default timeout of `Sandbox.exec`; the command's whole process group is killed at it."""
+    work_size_mb: int = 256
+    """Size of the writable /work (and of /tmp) tmpfs."""
+    max_output_bytes: int = 1 << 20
+    """Stdout and stderr of one command are each truncated to this many bytes."""
+    max_reuses: int = 50
+    """A clean sandbox is reset (processes killed, writable dirs emptied) and reused up to this many
+    times before it is replaced; 0 replaces after every episode. Sandboxes whose episode was
+    cancelled mid-call or hit a timeout are always replaced."""
+    user: str = "65534:65534"
+    """uid:gid commands run as (Docker); the default is `nobody`."""
+    docker_host: str | None = None
+    """Docker engine address; default $DOCKER_HOST or unix:///var/run/docker.sock."""
+    create_concurrency: int = 4
+    """Most sandboxes being created at once (bounds the engine's load on small machines)."""
+    start_timeout_s: float = 60.0
+    """Longest wait for a new sandbox to answer; beyond it creation fails with SandboxError."""
+    api_timeout_s: float = 60.0
+    """Timeout of one Docker API call."""
+    bwrap_path: str = "bwrap"
+    """The bubblewrap executable."""
+    labels: dict[str, str] = field(default_factory=dict)
+    """Extra Docker labels put on every container."""
+
+    def __post_init__(self) -> None:
+        if self.backend not in ("docker", "bubblewrap", "auto"):
+            raise ValueError(f"sandbox.backend must be 'docker', 'bubblewrap' or 'auto', not {self.backend!r}")
+        for name in ("memory_mb", "pids", "max_concurrency", "create_concurrency", "work_size_mb"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"sandbox.{name} must be at least 1, got {getattr(self, name)}")
+        if self.warm < 0 or self.max_reuses < 0:
+            raise ValueError("sandbox.warm and sandbox.max_reuses must be >= 0")
+        if self.cpus <= 0 or self.exec_timeout_s <= 0:
+            raise ValueError("sandbox.cpus and sandbox.exec_timeout_s must be positive")
+        if self.memory_mb < 32:
+            raise ValueError(f"sandbox.memory_mb={self.memory_mb} is too small for python3; use at least 32")
+
+    def resolved_docker_host(self) -> str:
+        return self.docker_host or os.environ.get("DOCKER_HOST") or "unix:///var/run/docker.sock"
+
+
+@dataclass(frozen=True)
+class ExecResult:
+    """What a command did. `exit_code` is 124 on timeout and 128+N when killed by signal N."""
+
+    exit_code: int
+    stdout: str
+    stderr: str
+    timed_out: bool = False
+    oom_killed: bool = False
+    duration_s: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return self.exit_code == 0 and not self.timed_out and not self.oom_killed
+
+
+class SandboxError(RuntimeError):
+    """Infrastructure failure: the engine is unreachable, a container vanished, the agent died.
+
+    Never raised for what a command does (that is an ExecResult). Counted in `SandboxPool.stats()`.
+    """
