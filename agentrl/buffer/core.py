@@ -125,6 +125,7 @@ class Buffer:
         self._live_bytes = 0
         self._counters: Counter[str] = Counter()
         self._pollers = 0
+        self._learner_version = -1
         self._put_lock = asyncio.Lock()
         self._event = asyncio.Event()
         self._closed_flag = False
@@ -246,6 +247,7 @@ class Buffer:
         if size < 1 or ms < 0:
             raise ValueError(f"batch_size must be >= 1 and max_staleness >= 0 (got {size}, {ms})")
         deadline = time.monotonic() + min(max(timeout_s, 0.0), self.cfg.max_poll_s)
+        self._learner_version = max(self._learner_version, learner_version)
         self._pollers += 1
         try:
             while True:
@@ -489,6 +491,7 @@ class Buffer:
                 if kind == Kind.ACK:
                     self._consumed += len(known)
                     self._acked.add(d["batch_id"])
+                    self._learner_version = max(self._learner_version, d["learner_version"])
                     self._staleness.update({int(k): v for k, v in d["staleness"].items()})
                 else:
                     self._dropped[d["reason"]] += len(known)
@@ -561,6 +564,7 @@ class Buffer:
             "identity_holds": self._produced == self._consumed + dropped + pending,
             "staleness_consumed": {str(k): v for k, v in sorted(self._staleness.items())},
             "pollers": self._pollers,
+            "learner_version": self._learner_version,
             "log_bytes": self._log.size if self._log is not None else 0,
             **dict(self._counters),
         }
@@ -571,6 +575,11 @@ class Buffer:
             leased = any(sample_id in u.ids for lease in self._leases.values() for u in lease.units)
             return "leased" if leased else "pending"
         return self._terminal.get(sample_id)
+
+    @property
+    def learner_version(self) -> int:
+        """The newest version a learner has asked with (or acked at, before a restart); -1 if none."""
+        return self._learner_version
 
     @property
     def pollers(self) -> int:
