@@ -22,6 +22,7 @@ Invariants:
 
 import ast
 import os
+import selectors
 import signal
 import struct
 import subprocess
@@ -93,16 +94,92 @@ def _env(req):
     return env
 
 
-def _drain(pipe, limit, sink):
-    total = 0
-    while True:
-        chunk = pipe.read(65536)
-        if not chunk:
-            break
-        if total < limit:
-            sink.append(chunk[: limit - total])
-        total += len(chunk)
-    pipe.close()
+def _collect(proc, timeout, limit, stdin_data):
+    """Feed stdin, read stdout/stderr (each capped at `limit`) and wait for the command, in this
+    thread alone: a fork bomb may leave no pids for helper threads. When the command exits, its
+    group is killed so that leftover children release the pipes; at the deadline, likewise."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    sel = selectors.DefaultSelector()
+    fds = {proc.stdout.fileno(): 0, proc.stderr.fileno(): 1}
+    bufs, totals = [[], []], [0, 0]
+    for fd in fds:
+        os.set_blocking(fd, False)
+        sel.register(fd, selectors.EVENT_READ)
+    pending = memoryview(stdin_data) if stdin_data is not None else None
+    if pending is not None:
+        os.set_blocking(proc.stdin.fileno(), False)
+        sel.register(proc.stdin.fileno(), selectors.EVENT_WRITE)
+    pidfd = None
+    try:
+        pidfd = os.pidfd_open(proc.pid)
+        sel.register(pidfd, selectors.EVENT_READ)
+    except (AttributeError, OSError):
+        pass  # no pidfd: poll for the exit instead
+    timed_out = False
+    drain_until = None
+    try:
+        while True:
+            now = time.monotonic()
+            if drain_until is None and proc.poll() is not None:
+                if not fds:
+                    break
+                _kill_group(proc.pid)  # exited: its leftover children must let go of the pipes
+                drain_until = now + 1.0
+            if drain_until is not None and not fds:
+                break
+            if deadline is not None and now >= deadline and not timed_out and drain_until is None:
+                timed_out = True
+                _kill_group(proc.pid)
+                proc.wait()
+                continue
+            if drain_until is not None and now >= drain_until:
+                break  # something outside the group holds the pipes; stop reading
+            waits = [t - now for t in (deadline, drain_until) if t is not None]
+            if pidfd is None and drain_until is None:
+                waits.append(0.005)
+            for key, _ in sel.select(max(0.0, min(waits)) if waits else None):
+                fd = key.fd
+                if fd == pidfd:
+                    sel.unregister(pidfd)
+                    continue
+                if pending is not None and fd == proc.stdin.fileno():
+                    try:
+                        pending = pending[os.write(fd, pending[:65536]):]
+                    except OSError:
+                        pending = pending[:0]
+                    if not pending:
+                        sel.unregister(fd)
+                        proc.stdin.close()
+                        pending = None
+                    continue
+                try:
+                    chunk = os.read(fd, 65536)
+                except BlockingIOError:
+                    continue
+                if not chunk:
+                    sel.unregister(fd)
+                    del fds[fd]
+                    continue
+                i = fds[fd]
+                if totals[i] < limit:
+                    bufs[i].append(chunk[: limit - totals[i]])
+                totals[i] += len(chunk)
+    finally:
+        sel.close()
+        if pidfd is not None:
+            os.close(pidfd)
+        for f in (proc.stdin, proc.stdout, proc.stderr):
+            if f is not None:
+                try:
+                    f.close()
+                except OSError:
+                    pass
+    try:
+        proc.wait(timeout=5)
+    except subprocess.TimeoutExpired:
+        _kill_group(proc.pid)
+        proc.wait()
+    return (b"".join(bufs[0]), b"".join(bufs[1])), timed_out
 
 
 def _kill_group(pgid):
@@ -133,48 +210,7 @@ def op_exec(req):
         code = 127 if isinstance(e, FileNotFoundError) else 126
         return {"exit_code": code, "stdout": "", "stderr": "%s: %s\n" % (type(e).__name__, e),
                 "timed_out": False, "oom_killed": False, "duration_s": time.monotonic() - start}
-    out, err = [], []
-    readers = [threading.Thread(target=_drain, args=(proc.stdout, limit, out), daemon=True),
-               threading.Thread(target=_drain, args=(proc.stderr, limit, err), daemon=True)]
-    try:
-        for t in readers:
-            t.start()
-    except RuntimeError:  # no thread left (pids limit reached)
-        _kill_group(proc.pid)
-        proc.wait()
-        return {"exit_code": 126, "stdout": "", "stderr": "cannot start reader thread: pids limit reached\n",
-                "timed_out": False, "oom_killed": False, "duration_s": time.monotonic() - start}
-    if stdin_data is not None:
-        try:
-            proc.stdin.write(stdin_data)
-            proc.stdin.close()
-        except OSError:
-            pass
-    # A blocking wait returns the moment the command exits (wait(timeout) would poll with growing
-    # sleeps); a timer kills the group at the deadline instead.
-    expired = []
-    timer = None
-    if timeout is not None:
-        timer = threading.Timer(timeout, lambda: (expired.append(True), _kill_group(proc.pid)))
-        timer.daemon = True
-        try:
-            timer.start()
-        except RuntimeError:  # no thread left: fall back to polling
-            timer = None
-    if timer is None and timeout is not None:
-        try:
-            proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            expired.append(True)
-            _kill_group(proc.pid)
-    proc.wait()
-    if timer is not None:
-        timer.cancel()
-    timed_out = bool(expired)
-    # Grandchildren may still hold the pipes open; kill the group so the readers see EOF.
-    _kill_group(proc.pid)
-    for t in readers:
-        t.join(timeout=2.0)
+    out, timed_out = _collect(proc, timeout, limit, stdin_data)
     code = proc.returncode
     exit_code = 128 - code if code < 0 else code
     oom = False
@@ -183,8 +219,8 @@ def op_exec(req):
         oom = oom_after is None or oom_before is None or oom_after > oom_before
     return {
         "exit_code": 124 if timed_out else exit_code,
-        "stdout": b"".join(out).decode("utf-8", "replace"),
-        "stderr": b"".join(err).decode("utf-8", "replace"),
+        "stdout": out[0].decode("utf-8", "replace"),
+        "stderr": out[1].decode("utf-8", "replace"),
         "timed_out": timed_out, "oom_killed": oom, "duration_s": time.monotonic() - start,
     }
 

@@ -187,6 +187,7 @@ class BubblewrapBackend(SandboxBackend):
                  "--setenv", "LANG", "C.UTF-8", "--setenv", "PYTHONDONTWRITEBYTECODE", "1"]
         if oom_file is not None:
             argv += ["--ro-bind", str(oom_file), "/run/agentrl/oom", "--setenv", "AGENTRL_OOM_FILE", "/run/agentrl/oom"]
+        argv += ["--remount-ro", "/"]  # bwrap's root tmpfs would otherwise be writable (and ours)
         return [*argv, "--", self._python, "-u", "-I", "-c", agent_source()]
 
     async def create(self) -> Slot:

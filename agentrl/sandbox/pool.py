@@ -323,6 +323,15 @@ class SandboxPool:
 
     # --- introspection ---------------------------------------------------------------------------
 
+    async def wait_idle(self, timeout: float = 120.0) -> None:
+        """Wait until no creation, reset or removal is in flight (tests, benchmarks, draining)."""
+        deadline = time.monotonic() + timeout
+        while self._tasks:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise SandboxError(f"sandbox pool still busy after {timeout:.0f}s: {len(self._tasks)} tasks")
+            await asyncio.wait(set(self._tasks), timeout=left)
+
     def stats(self) -> dict[str, Any]:
         """warm, in_use, creating, created, destroyed, resets, exec counts and latencies, errors."""
         return {
