@@ -15,8 +15,10 @@ know with :class:`CodecError` instead of guessing.
 
 from __future__ import annotations
 
+import array
 import json
 import struct
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,6 +32,8 @@ _U32 = struct.Struct("<I")
 _BATCH_HEAD = struct.Struct("<4sI")
 _I32 = np.dtype("<i4")
 _F32 = np.dtype("<f4")
+_BIG_ENDIAN = sys.byteorder == "big"
+assert array.array("i").itemsize == 4 and array.array("f").itemsize == 4
 
 
 class CodecError(ValueError):
@@ -60,18 +64,39 @@ def _runs(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return values[starts].astype(_I32, copy=False), lengths.astype(_I32, copy=False)
 
 
-def _as_array(xs: Any, dtype: np.dtype) -> np.ndarray:
+def _as_array(xs: Any, dtype: np.dtype, typecode: str) -> np.ndarray:
+    """A little-endian array from a list or array. ``array.array`` converts a list faster than numpy."""
     if isinstance(xs, np.ndarray):
         return np.ascontiguousarray(xs, dtype=dtype)
-    return np.array(xs, dtype=dtype)
+    arr = array.array(typecode, xs)
+    if _BIG_ENDIAN:
+        arr.byteswap()
+    return np.frombuffer(arr, dtype=dtype)
+
+
+def _as_mask(xs: Any) -> np.ndarray:
+    if not isinstance(xs, np.ndarray):
+        try:
+            return np.frombuffer(bytes(xs), dtype=np.uint8)  # fastest for 0/1 lists
+        except (ValueError, TypeError):
+            pass
+    return (np.asarray(xs) != 0).astype(np.uint8)
+
+
+def _expand(values: np.ndarray, lengths: np.ndarray) -> list[int]:
+    """Undo ``_runs`` into a list (runs are few, so list repetition beats numpy here)."""
+    out: list[int] = []
+    for v, n in zip(values.tolist(), lengths.tolist(), strict=True):
+        out += [v] * n
+    return out
 
 
 def encode_sample(sample: Sample) -> tuple[bytes, dict[str, Any]]:
     """Encode one sample; returns the record and its header (which carries ``min_version``)."""
-    tokens = _as_array(sample.token_ids, _I32)
-    logprobs = _as_array(sample.logprobs, _F32)
-    mask = _as_array(sample.loss_mask, _I32)
-    versions = _as_array(sample.versions, _I32)
+    tokens = _as_array(sample.token_ids, _I32, "i")
+    logprobs = _as_array(sample.logprobs, _F32, "f")
+    mask = _as_mask(sample.loss_mask)
+    versions = _as_array(sample.versions, _I32, "i")
     generated = versions[mask != 0]
     min_version = int(generated.min()) if generated.size else -1
     mask_vals, mask_lens = _runs(mask)
@@ -129,15 +154,15 @@ def decode_sample(record: bytes | memoryview) -> Sample:
 
     tokens = take(n, _I32)
     logprobs = take(n, _F32)
-    mask = np.repeat(take(km, _I32), take(km, _I32))
-    versions = np.repeat(take(kv, _I32), take(kv, _I32))
-    if mask.shape[0] != n or versions.shape[0] != n:
+    mask = _expand(take(km, _I32), take(km, _I32))
+    versions = _expand(take(kv, _I32), take(kv, _I32))
+    if len(mask) != n or len(versions) != n:
         raise CodecError(f"sample {head['sample_id']}: run lengths do not add up to {n} tokens")
     return Sample(
         token_ids=tokens.tolist(),
-        loss_mask=mask.tolist(),
+        loss_mask=mask,
         logprobs=logprobs.tolist(),
-        versions=versions.tolist(),
+        versions=versions,
         episode_id=head["episode_id"],
         group_id=head["group_id"],
         env=head["env"],
