@@ -82,3 +82,16 @@ def test_an_ack_whose_samples_were_lost_to_corruption_keeps_the_identity(tmp_pat
     log.close()
     _, s = recovered(path)
     assert s["produced"] == 0 and s["consumed"] == 0 and s["orphan_log_ids"] == 1
+
+
+def test_a_well_framed_but_unreadable_record_is_skipped_with_a_warning(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    logfile = fill(tmp_path, 2)
+    with logfile.open("ab") as f:
+        f.write(frame(Kind.PUT, b"\x00" * 8 + b"not a sample record"))
+        f.write(frame(Kind.DROP, b"{not json"))
+    fill(tmp_path, 4)
+    with caplog.at_level(logging.WARNING):
+        _, s = recovered(tmp_path)
+    assert s["pending"] == 4 and s["unreadable_records"] == 2
+    assert "unreadable" in caplog.text

@@ -29,95 +29,38 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import struct
 import time
 import uuid
 from collections import Counter, OrderedDict
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any
 
-from agentrl.buffer.codec import Batch, decode_sample, encode_batch_records, encode_sample, read_header
+from agentrl.buffer.codec import (
+    Batch,
+    CodecError,
+    decode_sample,
+    encode_batch_records,
+    encode_sample,
+    read_header,
+)
 from agentrl.buffer.config import BufferConfig
 from agentrl.buffer.log import HEADER_BYTES, Kind, Log, frame
 from agentrl.buffer.sample import Sample
+from agentrl.buffer.units import ARRIVAL, Bounded, Entry, Group, Lease, Unit
 
 log = logging.getLogger(__name__)
-
-_ARRIVAL = struct.Struct("<d")
-
-
-@dataclass(slots=True)
-class _Entry:
-    sample_id: str
-    episode_id: str
-    group_id: str
-    min_version: int
-    arrival: float
-    payload: bytes  # the PUT payload: arrival time + sample record
-
-    @property
-    def record(self) -> memoryview:
-        return memoryview(self.payload)[_ARRIVAL.size :]
-
-
-@dataclass
-class _Unit:
-    """What is served whole: one group, or one sample when groups are off."""
-
-    key: str
-    ids: list[str]
-    episodes: set[str]
-    partial: bool = False
-
-
-@dataclass
-class _Group:
-    """A group still collecting its G episodes."""
-
-    group_id: str
-    first_arrival: float
-    ids: list[str] = field(default_factory=list)
-    episodes: set[str] = field(default_factory=set)
-
-
-@dataclass
-class _Lease:
-    batch_id: str
-    units: list[_Unit]
-    learner_version: int
-    deadline: float
-    staleness: Counter[int]
-
-    @property
-    def ids(self) -> list[str]:
-        return [i for u in self.units for i in u.ids]
-
-
-class _Bounded(OrderedDict[str, Any]):
-    """An insertion-ordered map that forgets its oldest keys beyond ``cap``."""
-
-    def __init__(self, cap: int) -> None:
-        super().__init__()
-        self.cap = cap
-
-    def add(self, key: str, value: Any = None) -> None:
-        self[key] = value
-        self.move_to_end(key)
-        while len(self) > self.cap:
-            self.popitem(last=False)
-
 
 class Buffer:
     def __init__(self, cfg: BufferConfig) -> None:
         self.cfg = cfg
-        self._entries: dict[str, _Entry] = {}
-        self._waiting: dict[str, _Group] = {}
-        self._ready: OrderedDict[str, _Unit] = OrderedDict()
+        self._entries: dict[str, Entry] = {}
+        self._waiting: dict[str, Group] = {}
+        self._ready: OrderedDict[str, Unit] = OrderedDict()
         self._ready_count = 0
-        self._leases: dict[str, _Lease] = {}
-        self._closed = _Bounded(cfg.remember_ids)
-        self._terminal = _Bounded(cfg.remember_ids)  # sample id -> "consumed" | "dropped:<reason>"
-        self._acked = _Bounded(cfg.remember_ids)
+        self._leases: dict[str, Lease] = {}
+        self._closed = Bounded(cfg.remember_ids)
+        self._terminal = Bounded(cfg.remember_ids)  # sample id -> "consumed" | "dropped:<reason>"
+        self._acked = Bounded(cfg.remember_ids)
         self._produced = 0
         self._consumed = 0
         self._dropped: Counter[str] = Counter()
@@ -164,15 +107,15 @@ class Buffer:
         self._notify()
         return len(entries)
 
-    def _encode_and_write(self, samples: list[Sample], now: float) -> list[_Entry]:
+    def _encode_and_write(self, samples: list[Sample], now: float) -> list[Entry]:
         entries = []
         frames = []
         for s in samples:
             if s.error is not None and self.cfg.error_reward is not None and s.reward != self.cfg.error_reward:
                 s = replace(s, reward=self.cfg.error_reward)
             record, head = encode_sample(s)
-            payload = _ARRIVAL.pack(now) + record
-            entries.append(_Entry(s.sample_id, s.episode_id, s.group_id, head["min_version"], now, payload))
+            payload = ARRIVAL.pack(now) + record
+            entries.append(Entry(s.sample_id, s.episode_id, s.group_id, head["min_version"], now, payload))
             if self._log is not None:
                 frames.append(frame(Kind.PUT, payload))
         if self._log is not None:
@@ -235,13 +178,13 @@ class Buffer:
                                     [self._entries[i].record for i in lease.ids],
                                     self._batch_info(lease, max_staleness))
 
-    def _batch_info(self, lease: _Lease, max_staleness: int | None) -> dict[str, Any]:
+    def _batch_info(self, lease: Lease, max_staleness: int | None) -> dict[str, Any]:
         ms = self.cfg.max_staleness if max_staleness is None else max_staleness
         return {"max_staleness": ms, "staleness_bound": self.cfg.bound(ms),
                 "partial_groups": sum(u.partial for u in lease.units)}
 
     async def _lease_batch(self, learner_version: int, max_staleness: int | None, batch_size: int | None,
-                           timeout_s: float) -> _Lease | None:
+                           timeout_s: float) -> Lease | None:
         ms = self.cfg.max_staleness if max_staleness is None else max_staleness
         size = self.cfg.batch_size if batch_size is None else batch_size
         if size < 1 or ms < 0:
@@ -268,7 +211,7 @@ class Buffer:
         finally:
             self._pollers -= 1
 
-    def _try_lease(self, learner_version: int, bound: int, size: int) -> _Lease | None:
+    def _try_lease(self, learner_version: int, bound: int, size: int) -> Lease | None:
         now = time.time()
         self._expire_leases(now)
         drops: dict[str, list[str]] = {}
@@ -277,7 +220,7 @@ class Buffer:
         self._drop(drops)
         if self._ready_count < size:
             return None
-        units: list[_Unit] = []
+        units: list[Unit] = []
         count = 0
         while count < size:
             _, unit = self._ready.popitem(last=False)
@@ -289,7 +232,7 @@ class Buffer:
             for i in u.ids:
                 mv = self._entries[i].min_version
                 staleness[learner_version - mv if mv >= 0 else 0] += 1
-        lease = _Lease(uuid.uuid4().hex, units, learner_version, now + self.cfg.lease_s, staleness)
+        lease = Lease(uuid.uuid4().hex, units, learner_version, now + self.cfg.lease_s, staleness)
         self._leases[lease.batch_id] = lease
         self._counters["batches_served"] += 1
         self._counters["samples_served"] += count
@@ -330,7 +273,7 @@ class Buffer:
 
     # ------------------------------------------------------------------ state machine
 
-    def _store(self, e: _Entry) -> None:
+    def _store(self, e: Entry) -> None:
         self._entries[e.sample_id] = e
         self._produced += 1
         self._live_bytes += len(e.payload) + HEADER_BYTES
@@ -340,13 +283,13 @@ class Buffer:
         self._live_bytes -= len(e.payload) + HEADER_BYTES
         self._terminal.add(sample_id, state)
 
-    def _admit(self, e: _Entry, drops: dict[str, list[str]], touched: list[str],
+    def _admit(self, e: Entry, drops: dict[str, list[str]], touched: list[str],
                replay: bool = False) -> None:
         if self.cfg.drop_errors and not replay and self._is_error(e):
             drops.setdefault("error", []).append(e.sample_id)
             return
         if not self.cfg.grouped:
-            self._push_ready(_Unit("s:" + e.sample_id, [e.sample_id], {e.episode_id}))
+            self._push_ready(Unit("s:" + e.sample_id, [e.sample_id], {e.episode_id}))
             return
         gid = e.group_id
         if gid in self._closed:
@@ -356,18 +299,18 @@ class Buffer:
                 unit.episodes.add(e.episode_id)
                 self._ready_count += 1
             elif replay:  # its group was closed before the crash and this member not yet served
-                self._push_ready(_Unit("g:" + gid, [e.sample_id], {e.episode_id}, partial=True))
+                self._push_ready(Unit("g:" + gid, [e.sample_id], {e.episode_id}, partial=True))
             else:
                 drops.setdefault("group_closed", []).append(e.sample_id)
             return
         g = self._waiting.get(gid)
         if g is None:
-            g = self._waiting[gid] = _Group(gid, e.arrival)
+            g = self._waiting[gid] = Group(gid, e.arrival)
         g.ids.append(e.sample_id)
         g.episodes.add(e.episode_id)
         touched.append(gid)
 
-    def _is_error(self, e: _Entry) -> bool:
+    def _is_error(self, e: Entry) -> bool:
         return read_header(e.record).get("error") is not None
 
     def _check_complete(self, gid: str) -> None:
@@ -375,10 +318,10 @@ class Buffer:
         if g is not None and len(g.episodes) >= self.cfg.group_size:
             del self._waiting[gid]
             self._closed.add(gid)
-            self._push_ready(_Unit("g:" + gid, g.ids, g.episodes))
+            self._push_ready(Unit("g:" + gid, g.ids, g.episodes))
             self._counters["groups_completed"] += 1
 
-    def _push_ready(self, unit: _Unit, front: bool = False) -> None:
+    def _push_ready(self, unit: Unit, front: bool = False) -> None:
         self._ready[unit.key] = unit
         if front:
             self._ready.move_to_end(unit.key, last=False)
@@ -390,7 +333,7 @@ class Buffer:
         if not ids:
             return
         if self.cfg.partial_groups == "serve":
-            self._push_ready(_Unit(key, ids, episodes, partial=True), front=front)
+            self._push_ready(Unit(key, ids, episodes, partial=True), front=front)
         else:
             drops.setdefault("partial_group", []).extend(ids)
 
@@ -471,32 +414,50 @@ class Buffer:
         assert self._log is not None
         orphans = 0
         for kind, payload in self._log.recover():
-            if kind == Kind.PUT:
-                (arrival,) = _ARRIVAL.unpack_from(payload, 0)
-                head = read_header(memoryview(payload)[_ARRIVAL.size :])
-                sid = head["sample_id"]
-                if sid in self._entries or sid in self._terminal:
-                    continue
-                self._store(_Entry(sid, head["episode_id"], head["group_id"], head["min_version"],
-                                   arrival, payload))
-            elif kind in (Kind.ACK, Kind.DROP):
-                d = json.loads(payload)
-                known = [i for i in d["sample_ids"] if i in self._entries]
-                orphans += len(d["sample_ids"]) - len(known)
-                for i in known:
-                    gid = self._entries[i].group_id
-                    if kind == Kind.ACK or d["reason"] in ("stale", "partial_group"):
-                        self._closed.add(gid)
-                    self._forget(i, "consumed" if kind == Kind.ACK else "dropped:" + d["reason"])
-                if kind == Kind.ACK:
-                    self._consumed += len(known)
-                    self._acked.add(d["batch_id"])
-                    self._learner_version = max(self._learner_version, d["learner_version"])
-                    self._staleness.update({int(k): v for k, v in d["staleness"].items()})
-                else:
-                    self._dropped[d["reason"]] += len(known)
-            elif kind == Kind.STATE:
-                self._load_state(json.loads(payload))
+            try:
+                orphans += self._replay(kind, payload)
+            except (CodecError, ValueError, KeyError, TypeError) as e:
+                self._counters["unreadable_records"] += 1
+                log.warning("buffer: skipping an unreadable %s record in %s: %s", kind.name, self._log.path, e)
+        self._rebuild()
+        rep = self._log.report
+        self._counters.update(recovered_samples=len(self._entries), corrupt_regions_skipped=rep.corrupt_regions,
+                              corrupt_bytes_skipped=rep.skipped_bytes, truncated_tail_bytes=rep.truncated_bytes,
+                              orphan_log_ids=orphans)
+        log.info("buffer: recovered %d pending samples from %s (produced %d, consumed %d, dropped %d)",
+                 len(self._entries), self._log.path, self._produced, self._consumed, sum(self._dropped.values()))
+
+    def _replay(self, kind: Kind, payload: bytes) -> int:
+        """Apply one log record to the state; returns how many sample ids it named that are unknown
+        (their PUT was lost to corruption: they are counted nowhere, which keeps the identity)."""
+        if kind == Kind.PUT:
+            (arrival,) = ARRIVAL.unpack_from(payload, 0)
+            head = read_header(memoryview(payload)[ARRIVAL.size :])
+            sid = head["sample_id"]
+            if sid not in self._entries and sid not in self._terminal:
+                self._store(Entry(sid, head["episode_id"], head["group_id"], head["min_version"], arrival, payload))
+            return 0
+        if kind == Kind.STATE:
+            self._load_state(json.loads(payload))
+            return 0
+        d = json.loads(payload)
+        known = [i for i in d["sample_ids"] if i in self._entries]
+        for i in known:
+            gid = self._entries[i].group_id
+            if kind == Kind.ACK or d["reason"] in ("stale", "partial_group"):
+                self._closed.add(gid)
+            self._forget(i, "consumed" if kind == Kind.ACK else "dropped:" + d["reason"])
+        if kind == Kind.ACK:
+            self._consumed += len(known)
+            self._acked.add(d["batch_id"])
+            self._learner_version = max(self._learner_version, d["learner_version"])
+            self._staleness.update({int(k): v for k, v in d["staleness"].items()})
+        else:
+            self._dropped[d["reason"]] += len(known)
+        return len(d["sample_ids"]) - len(known)
+
+    def _rebuild(self) -> None:
+        """Regroup the recovered pending samples, in arrival order."""
         drops: dict[str, list[str]] = {}
         touched: list[str] = []
         for e in self._entries.values():
@@ -507,12 +468,6 @@ class Buffer:
             for unit in self._ready.values():
                 unit.partial = len(unit.episodes) < self.cfg.group_size
         self._drop(drops)
-        rep = self._log.report
-        self._counters.update(recovered_samples=len(self._entries), corrupt_regions_skipped=rep.corrupt_regions,
-                              corrupt_bytes_skipped=rep.skipped_bytes, truncated_tail_bytes=rep.truncated_bytes,
-                              orphan_log_ids=orphans)
-        log.info("buffer: recovered %d pending samples from %s (produced %d, consumed %d, dropped %d)",
-                 len(self._entries), self._log.path, self._produced, self._consumed, sum(self._dropped.values()))
 
     def _state(self) -> dict[str, Any]:
         return {"produced": self._produced - len(self._entries), "consumed": self._consumed,
@@ -533,7 +488,9 @@ class Buffer:
             self._acked.add(b)
 
     def _maybe_compact(self) -> None:
-        if self._log is None:
+        # Not while a put is between writing its records and admitting them: the rewrite would
+        # leave out records of samples not yet in memory.
+        if self._log is None or self._put_lock.locked():
             return
         size = self._log.size
         if size < self.cfg.compact_bytes or size < 2 * self._live_bytes:
