@@ -36,6 +36,7 @@ class DockerBackend(SandboxBackend):
         self.api = DockerAPI(cfg.resolved_docker_host(), timeout=cfg.api_timeout_s)
         self._create_sem = asyncio.Semaphore(cfg.create_concurrency)
         self._labels = {**cfg.labels, **owner_labels(instance_id)}
+        self._creating: set[asyncio.Future[str]] = set()
 
     def container_spec(self) -> dict:
         cfg = self.cfg
@@ -93,7 +94,12 @@ class DockerBackend(SandboxBackend):
     async def create(self) -> Slot:
         async with self._create_sem:
             t0 = time.monotonic()
-            cid = await self.api.create(self.container_spec())
+            # Shielded: if we are cancelled while the engine is creating, the container still
+            # appears; close() waits for these calls so that its sweep by label sees it.
+            creating = asyncio.ensure_future(self.api.create(self.container_spec()))
+            self._creating.add(creating)
+            creating.add_done_callback(self._creating.discard)
+            cid = await asyncio.shield(creating)
             try:
                 chunks, writer = await self.api.attach(cid)
                 channel = AgentChannel(chunks, writer, cid[:12])
@@ -118,6 +124,7 @@ class DockerBackend(SandboxBackend):
 
     async def close(self) -> int:
         try:
+            await asyncio.gather(*self._creating, return_exceptions=True)
             ids = await self.live_ids()
             await asyncio.gather(*(self.api.remove(cid) for cid in ids))
             return len(ids)

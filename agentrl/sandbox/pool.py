@@ -248,7 +248,7 @@ class SandboxPool:
                 if ok:
                     slot.uses += 1
                     self._stats.resets += 1
-                    self._offer(slot)
+                    self._offer(slot, recycled=True)
                     return
                 reason = "reset failed"
             log.debug("replacing sandbox %s: %s", slot.id[:12], reason)
@@ -298,7 +298,7 @@ class SandboxPool:
         self._offer(slot)
         return slot
 
-    def _offer(self, slot: Slot) -> None:
+    def _offer(self, slot: Slot, recycled: bool = False) -> None:
         if self._closed:
             self._spawn(self._destroy(slot))
             return
@@ -308,7 +308,8 @@ class SandboxPool:
                 w.set_result(slot)
                 return
         if len(self._idle) < self.cfg.warm + self.cfg.max_concurrency:
-            self._idle.append(slot)
+            # Reset boxes go on top (taken first: their caches are warm), fresh ones at the bottom.
+            self._idle.insert(len(self._idle) if recycled else 0, slot)
         else:
             self._spawn(self._destroy(slot))
 
