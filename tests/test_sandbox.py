@@ -286,7 +286,7 @@ def test_after_kill_9_of_the_owner_the_next_start_removes_every_leftover(backend
         child.wait()
 
     async def body() -> None:
-        async with SandboxPool(config(backend), f"t-{uuid.uuid4().hex[:8]}") as pool:
+        async with SandboxPool(config(backend), f"t-{uuid.uuid4().hex[:8]}"):
             if backend == "docker":
                 assert docker_ids(f"agentrl.instance={instance}") == []
             else:  # bwrap sandboxes die with their owner; their cgroups are reaped here

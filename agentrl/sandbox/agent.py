@@ -208,7 +208,7 @@ def op_exec(req):
     except OSError as e:
         # Command not found, fork refused (pids limit), ...: a tool failure, reported like a shell would.
         code = 127 if isinstance(e, FileNotFoundError) else 126
-        return {"exit_code": code, "stdout": "", "stderr": "%s: %s\n" % (type(e).__name__, e),
+        return {"exit_code": code, "stdout": "", "stderr": f"{type(e).__name__}: {e}\n",
                 "timed_out": False, "oom_killed": False, "duration_s": time.monotonic() - start}
     out, timed_out = _collect(proc, timeout, limit, stdin_data)
     code = proc.returncode
@@ -246,7 +246,7 @@ def op_read(req):
 def op_bg_start(req):
     log_dir = "/tmp/.agentrl"
     os.makedirs(log_dir, exist_ok=True)
-    log_path = "%s/bg-%d.log" % (log_dir, len(_background) + 1)
+    log_path = f"{log_dir}/bg-{len(_background) + 1}.log"
     log = open(log_path, "wb")
     try:
         proc = subprocess.Popen(
@@ -262,7 +262,7 @@ def op_bg_start(req):
 def op_bg_poll(req):
     proc = _background.get(int(req["pid"]))
     if proc is None:
-        return {"error": "ProcessLookupError", "message": "no background process %s" % req["pid"]}
+        return {"error": "ProcessLookupError", "message": "no background process {}".format(req["pid"])}
     code = proc.poll()
     return {"running": code is None, "exit_code": None if code is None else (128 - code if code < 0 else code)}
 
@@ -280,7 +280,7 @@ def _protected_pids():
     while pid > 0:  # the agent and its ancestors (the container's init)
         pids.add(pid)
         try:
-            with open("/proc/%d/stat" % pid) as f:
+            with open(f"/proc/{pid}/stat") as f:
                 pid = int(f.read().rsplit(")", 1)[1].split()[1])
         except (OSError, ValueError, IndexError):
             break

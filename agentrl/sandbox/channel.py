@@ -7,9 +7,9 @@ timeout raises `AgentTimeout` (the caller treats the sandbox as broken and repla
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import contextlib
-import ast
 import itertools
 import logging
 import struct

@@ -37,6 +37,7 @@ class DockerBackend(SandboxBackend):
         self._create_sem = asyncio.Semaphore(cfg.create_concurrency)
         self._labels = {**cfg.labels, **owner_labels(instance_id)}
         self._creating: set[asyncio.Future[str]] = set()
+        self._closed = False
 
     def container_spec(self) -> dict:
         cfg = self.cfg
@@ -123,6 +124,7 @@ class DockerBackend(SandboxBackend):
         await self.api.remove(slot.id)
 
     async def close(self) -> int:
+        self._closed = True
         try:
             await asyncio.gather(*self._creating, return_exceptions=True)
             ids = await self.live_ids()
@@ -135,4 +137,8 @@ class DockerBackend(SandboxBackend):
         return remove_by_label(self.api.host, f"agentrl.instance={self.instance_id}")
 
     async def live_ids(self) -> list[str]:
-        return [c["Id"] for c in await self.api.list([f"agentrl.instance={self.instance_id}"])]
+        try:
+            return [c["Id"] for c in await self.api.list([f"agentrl.instance={self.instance_id}"])]
+        finally:
+            if self._closed:  # asked after close(): do not leave a client session open
+                await self.api.close()
