@@ -69,7 +69,7 @@ class Environment(ABC):
     async def step(self, message: Message) -> StepResult:
         """Answer one assistant message (OpenAI format: content and/or tool_calls)."""
 
-    async def close(self) -> None:
+    async def close(self) -> None:  # noqa: B027 - an optional hook, empty on purpose
         """Hook: release what the episode held (the sandbox is released by the machinery)."""
 
 

@@ -21,4 +21,28 @@ def resolve_model(name: str) -> str:
         from agentrl.models.tiny import build_tiny_model
 
         return str(build_tiny_model(home() / "models" / "tiny"))
+    if name == "tiny-tools":
+        return str(build_tiny_tools_model(home() / "models" / "tiny-tools"))
     return name
+
+
+def build_tiny_tools_model(out: Path, steps: int = 100) -> Path:
+    """The tiny model after a short supervised warm-start on the tool-call format (built once)."""
+    import json
+    import shutil
+
+    from agentrl.models.tiny import build_tiny_model
+
+    stamp = out / "agentrl_warmstart.json"
+    if stamp.exists() and json.loads(stamp.read_text()).get("steps") == steps:
+        return out
+    tmp = out.with_name(out.name + ".building")
+    shutil.rmtree(tmp, ignore_errors=True)
+    build_tiny_model(tmp, overwrite=True)
+    from agentrl.models.warmstart import warm_start
+
+    result = warm_start(tmp, steps=steps)
+    (tmp / "agentrl_warmstart.json").write_text(json.dumps({"steps": steps, **result}))
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    return out

@@ -1,0 +1,160 @@
+"""The ``agentrl`` command. Parses and validates configuration first; heavy imports come after.
+
+    agentrl run                      serve + learn on this machine (the quickstart)
+    agentrl serve [--config F] [--section.key=value ...]
+    agentrl learn --serve URL [...]
+    agentrl config show {serve,learn,run} [...]
+    agentrl model build {tiny,tiny-tools}
+    agentrl sandbox build
+    agentrl envs list | show NAME
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from typing import Any
+
+from agentrl import config as C
+
+
+def _setup_logging(verbose: bool = False) -> None:
+    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO,
+                        format="%(asctime)s %(levelname).1s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    for noisy in ("aiohttp.access", "httpx", "urllib3", "filelock"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def _load(cls: type, args: argparse.Namespace, extra: list[str]) -> Any:
+    try:
+        return C.load(cls, args.config, extra)
+    except C.ConfigError as e:
+        raise SystemExit(f"agentrl: configuration error: {e}") from None
+
+
+def cmd_serve(args: argparse.Namespace, extra: list[str]) -> int:
+    cfg = _load(C.ServeConfig, args, extra)
+    _setup_logging(args.verbose)
+    import asyncio
+
+    from agentrl.serve import serve_forever
+
+    asyncio.run(serve_forever(cfg))
+    return 0
+
+
+def cmd_learn(args: argparse.Namespace, extra: list[str]) -> int:
+    if args.serve:
+        extra = [f"serve={args.serve}", *extra]
+    cfg = _load(C.LearnConfig, args, extra)
+    _setup_logging(args.verbose)
+    from agentrl.learner.trainer import learn
+
+    learn(cfg)
+    return 0
+
+
+def cmd_run(args: argparse.Namespace, extra: list[str]) -> int:
+    cfg = _load(C.RunConfig, args, extra)
+    _setup_logging(args.verbose)
+    from agentrl.run import run
+
+    return run(cfg)
+
+
+def cmd_config_show(args: argparse.Namespace, extra: list[str]) -> int:
+    cls = {"serve": C.ServeConfig, "learn": C.LearnConfig, "run": C.RunConfig}[args.command_name]
+    print(C.to_toml(_load(cls, args, extra)), end="")
+    return 0
+
+
+def cmd_model_build(args: argparse.Namespace, extra: list[str]) -> int:
+    _setup_logging(args.verbose)
+    from agentrl.models import resolve_model
+
+    print(resolve_model(args.name))
+    return 0
+
+
+def cmd_sandbox_build(args: argparse.Namespace, extra: list[str]) -> int:
+    _setup_logging(args.verbose)
+    from agentrl.sandbox import build_images
+
+    for tag in build_images(progress=print):
+        print(tag)
+    return 0
+
+
+def cmd_envs(args: argparse.Namespace, extra: list[str]) -> int:
+    from agentrl.env import lookup, registered
+
+    if args.action == "list":
+        for name in registered():
+            obj = lookup(name)
+            doc = (obj.__doc__ or sys.modules[obj.__module__].__doc__ or "").strip().splitlines()
+            print(f"{name:20s} {doc[0] if doc else ''}")
+        return 0
+    import asyncio
+    import json
+
+    env = lookup(args.name)()
+    task = next(iter(env.tasks("test")))
+    opening = asyncio.run(env.reset(task))  # ToolEnv openings need no sandbox
+    print(json.dumps({"name": args.name, "sandbox_image": getattr(env, "sandbox_image", None),
+                      "example_task": task, "messages": opening.messages, "tools": opening.tools}, indent=2))
+    return 0
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="agentrl", description="Asynchronous RL for tool-using LLM agents. "
+                                "Settings: --config FILE (TOML/YAML) and --section.key=value overrides.")
+    p.add_argument("-v", "--verbose", action="store_true")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    def with_config(sp: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        sp.add_argument("--config", help="TOML or YAML file")
+        return sp
+
+    with_config(sub.add_parser("serve", help="engines, router, agent loops, sandboxes and buffer")).set_defaults(fn=cmd_serve)
+    sp = with_config(sub.add_parser("learn", help="the trainer; pulls batches from serve"))
+    sp.add_argument("--serve", help="serve's URL, e.g. http://HOST:8000")
+    sp.set_defaults(fn=cmd_learn)
+    with_config(sub.add_parser("run", help="serve and learn on this machine")).set_defaults(fn=cmd_run)
+
+    cp = sub.add_parser("config", help="inspect configuration")
+    csub = cp.add_subparsers(dest="action", required=True)
+    show = with_config(csub.add_parser("show", help="print the resolved config as TOML"))
+    show.add_argument("command_name", choices=["serve", "learn", "run"])
+    show.set_defaults(fn=cmd_config_show)
+
+    mp = sub.add_parser("model", help="built-in models")
+    msub = mp.add_subparsers(dest="action", required=True)
+    mb = msub.add_parser("build", help="build a built-in model folder (cached) and print its path")
+    mb.add_argument("name", choices=["tiny", "tiny-tools"])
+    mb.set_defaults(fn=cmd_model_build)
+
+    sbp = sub.add_parser("sandbox", help="sandbox images")
+    sbsub = sbp.add_subparsers(dest="action", required=True)
+    sbsub.add_parser("build", help="build the sandbox images under sandbox/ (skips up-to-date ones)").set_defaults(
+        fn=cmd_sandbox_build)
+
+    ep = sub.add_parser("envs", help="registered environments")
+    esub = ep.add_subparsers(dest="action", required=True)
+    esub.add_parser("list", help="list registered environments").set_defaults(fn=cmd_envs)
+    es = esub.add_parser("show", help="show an environment's tools and an example opening")
+    es.add_argument("name")
+    es.set_defaults(fn=cmd_envs)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, extra = parser().parse_known_args(argv)
+    bad = [x for x in extra if not x.startswith("--") or "=" not in x]
+    if bad:
+        raise SystemExit(f"agentrl: unrecognised arguments {bad}; settings look like --section.key=value")
+    return args.fn(args, extra)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,248 @@
+"""Typed configuration: one tree per command, loaded from TOML/YAML plus ``--a.b=value`` overrides.
+
+Every field is declared with its default and a comment saying what it does. Loading checks keys
+and types and names the offending key in its error; cross-field checks say what to change.
+This module imports nothing heavy, so ``agentrl --help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+
+class ConfigError(ValueError):
+    pass
+
+
+@dataclass
+class EngineConfig:
+    count: int = 1  # vLLM engines serve launches (ignored when `urls` is set)
+    urls: list[str] = field(default_factory=list)  # use running engines instead of launching any
+    base_port: int = 8100  # first engine's port; engine i listens on base_port + i
+    max_model_len: int = 2048  # context length (prompt + completion tokens)
+    kv_cache_gb: float = 1.0  # KV cache size per engine on CPU
+    enforce_eager: bool = True  # skip torch.compile: much faster start-up on CPU
+    dtype: str = "float32"  # fp32 on CPU keeps learner/engine logprobs in agreement
+    gpu: bool = False  # launch the GPU build of vLLM
+    start_timeout_s: float = 600.0  # give up on an engine that is not healthy by then
+
+
+@dataclass
+class RouterConfig:
+    host: str = "127.0.0.1"  # bind address; loopback unless told otherwise
+    port: int = 8000
+    api_keys: list[str] = field(default_factory=list)  # client keys for OpenAI routes (empty: open)
+    request_timeout_s: float = 600.0  # per engine call
+    retries: int = 1  # retries of calls that failed before anything was returned (never 4xx)
+
+
+@dataclass
+class EnvConfig:
+    name: str = "arithmetic"  # a registered environment (`agentrl envs list`)
+    config: dict[str, Any] = field(default_factory=dict)  # keyword arguments for the environment
+    group_size: int = 4  # episodes per task (GRPO group)
+    max_turns: int = 4  # assistant messages per episode
+    max_tokens: int = 128  # completion tokens per model call
+    max_episode_tokens: int = 1024  # completion tokens per episode before it is truncated
+    episode_timeout_s: float = 300.0  # wall-clock limit per episode
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_concurrency: int = 64  # episodes in flight at most
+
+
+@dataclass
+class SandboxSection:
+    backend: Literal["docker", "bubblewrap", "auto"] = "auto"
+    warm: int = 2  # containers started ahead of demand
+    max_concurrency: int = 32
+    memory_mb: int = 512
+    cpus: float = 1.0
+    pids: int = 256
+
+
+@dataclass
+class BufferSection:
+    batch_size: int = 16  # samples per learner batch
+    max_staleness: int = 2  # served samples are at most this many versions old
+    durable: bool = True  # append samples to a log on disk before they count as stored
+
+
+@dataclass
+class ServeConfig:
+    model: str = "tiny-tools"  # "tiny", "tiny-tools", a local folder or a hub name
+    run_dir: str = "runs/latest"  # metrics, event log, session records, buffer, weights
+    admin_token: str = ""  # control routes; empty: generated and written to run_dir/admin_token
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    router: RouterConfig = field(default_factory=RouterConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)
+    sandbox: SandboxSection = field(default_factory=SandboxSection)
+    buffer: BufferSection = field(default_factory=BufferSection)
+    max_episodes: int = 0  # stop generating after this many episodes (0: no limit)
+
+    def check(self) -> None:
+        if self.env.group_size < 1:
+            raise ConfigError("env.group_size must be at least 1")
+        if self.buffer.batch_size % self.env.group_size:
+            raise ConfigError(f"buffer.batch_size ({self.buffer.batch_size}) must be a multiple of "
+                              f"env.group_size ({self.env.group_size}) so batches hold whole groups")
+        if self.env.max_tokens >= self.engine.max_model_len:
+            raise ConfigError("env.max_tokens must be smaller than engine.max_model_len")
+
+
+@dataclass
+class LearnConfig:
+    serve: str = "http://127.0.0.1:8000"  # serve's URL
+    admin_token: str = ""  # serve's admin token; empty: read $AGENTRL_ADMIN_TOKEN or run_dir/admin_token
+    model: str = ""  # empty: the model serve reports
+    run_dir: str = "runs/latest"
+    steps: int = 3  # optimizer steps, then exit (0: run until stopped)
+    batch_size: int = 16
+    max_staleness: int = 2
+    lr: float = 1e-4
+    weight_decay: float = 0.0
+    warmup_steps: int = 0
+    grad_clip: float = 1.0
+    micro_batch_tokens: int = 8192  # tokens per forward/backward pass
+    loss: Literal["pg", "ppo", "decoupled_ppo"] = "pg"
+    correction: Literal["none", "tis", "mis"] = "tis"
+    tis_cap: float = 2.0
+    batch_timeout_s: float = 600.0  # give up waiting for a batch after this long
+    seed: int = 0
+
+    def check(self) -> None:
+        if self.lr <= 0:
+            raise ConfigError("lr must be positive")
+
+
+@dataclass
+class RunConfig:
+    serve: ServeConfig = field(default_factory=ServeConfig)
+    learn: LearnConfig = field(default_factory=LearnConfig)
+
+    def check(self) -> None:
+        self.serve.check()
+        self.learn.check()
+
+
+def _coerce(value: Any, tp: Any, key: str) -> Any:
+    origin = typing.get_origin(tp)
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: expected a table of settings, got {value!r}")
+        return build(tp, value, prefix=key + ".")
+    if origin is Literal:
+        if value not in typing.get_args(tp):
+            raise ConfigError(f"{key}: {value!r} is not one of {list(typing.get_args(tp))}")
+        return value
+    if origin in (typing.Union, types.UnionType):
+        errors = []
+        for option in typing.get_args(tp):
+            try:
+                return _coerce(value, option, key)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError("; ".join(errors))
+    if tp is type(None):
+        if value is not None:
+            raise ConfigError(f"{key}: expected nothing, got {value!r}")
+        return None
+    if origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(f"{key}: expected a list, got {value!r}")
+        (item,) = typing.get_args(tp) or (Any,)
+        return [_coerce(v, item, f"{key}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: expected a table, got {value!r}")
+        return dict(value)
+    if tp is Any:
+        return value
+    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if tp in (int, float, str, bool) and (type(value) is not tp):
+        raise ConfigError(f"{key}: expected {tp.__name__}, got {type(value).__name__} {value!r}")
+    return value
+
+
+def build(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        raise ConfigError(f"unknown setting {prefix}{unknown[0]}; known settings here: "
+                          f"{', '.join(prefix + n for n in sorted(names))}")
+    kwargs = {k: _coerce(v, hints[k], prefix + k) for k, v in data.items()}
+    return cls(**kwargs)
+
+
+def _parse_value(text: str) -> Any:
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        try:
+            return json.loads(text)
+        except ValueError:
+            return text  # a bare string
+
+
+def load(cls: type, path: str | Path | None = None, overrides: list[str] | None = None) -> Any:
+    """Build ``cls`` from an optional TOML/YAML file and ``a.b=value`` overrides, then check it."""
+    data: dict[str, Any] = {}
+    if path:
+        p = Path(path)
+        if not p.exists():
+            raise ConfigError(f"config file {p} does not exist")
+        if p.suffix in (".yaml", ".yml"):
+            import yaml
+
+            data = yaml.safe_load(p.read_text()) or {}
+        else:
+            data = tomllib.loads(p.read_text())
+    for item in overrides or []:
+        item = item[2:] if item.startswith("--") else item
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} must look like --section.key=value")
+        key, text = item.split("=", 1)
+        node = data
+        parts = key.split(".")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override {key}: {part} is not a section")
+        node[parts[-1]] = _parse_value(text)
+    cfg = build(cls, data)
+    cfg.check()
+    return cfg
+
+
+def to_dict(cfg: Any) -> dict[str, Any]:
+    return dataclasses.asdict(cfg)
+
+
+def to_toml(cfg: Any) -> str:
+    """Render a config as TOML (scalars first, then one table per section)."""
+    def emit(d: dict[str, Any], prefix: str) -> list[str]:
+        lines, tables = [], []
+        for k, v in d.items():
+            if isinstance(v, dict) and v and all(not isinstance(x, dict) or True for x in v.values()) \
+                    and k not in ("config",):
+                tables.append((k, v))
+            else:
+                lines.append(f"{k} = {json.dumps(v) if not isinstance(v, dict) else _inline(v)}")
+        out = lines
+        for k, v in tables:
+            out += ["", f"[{prefix}{k}]"] + emit(v, f"{prefix}{k}.")
+        return out
+
+    return "\n".join(emit(to_dict(cfg), "")) + "\n"
+
+
+def _inline(d: dict[str, Any]) -> str:
+    return "{" + ", ".join(f"{k} = {json.dumps(v)}" for k, v in d.items()) + "}"

@@ -1,0 +1,90 @@
+"""The orchestrator: keeps groups of episodes running, bounded by admission control.
+
+It starts a group of G episodes on one task only while the buffer's admission rule allows it
+(in flight plus buffered at most (max_staleness + 1) x batch size, so little is generated only to be
+thrown away as stale) and while fewer than ``max_concurrency`` episodes run. Finished episodes go
+to the buffer (durable) and to ``episodes.jsonl`` in the run directory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import logging
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+from agentrl.env import make
+from agentrl.rollout.episode import EpisodeLimits, EpisodeResult, run_episode
+
+log = logging.getLogger(__name__)
+
+
+class Orchestrator:
+    def __init__(self, *, router: Any, buffer: Any, env_name: str, env_config: dict[str, Any],
+                 group_size: int, limits: EpisodeLimits, max_concurrency: int, sandbox_pool: Any = None,
+                 run_dir: Path | None = None, max_episodes: int = 0) -> None:
+        self.router, self.buffer = router, buffer
+        self.env_name, self.env_config = env_name, env_config
+        self.group_size, self.limits = group_size, limits
+        self.max_concurrency = max_concurrency
+        self.sandbox_pool = sandbox_pool
+        self.max_episodes = max_episodes
+        self.in_flight = 0
+        self.counters: dict[str, float] = {"episodes": 0, "failed": 0, "truncated": 0, "samples": 0,
+                                           "reward_sum": 0.0, "tool_calls": 0}
+        self._log_path = run_dir / "episodes.jsonl" if run_dir else None
+        self._tasks: set[asyncio.Task] = set()
+        self._started = 0
+
+    async def run(self) -> None:
+        tasks = itertools.cycle(list(make(self.env_name, **self.env_config).tasks("train")))
+        try:
+            while not self.max_episodes or self._started < self.max_episodes:
+                room = await self.buffer.wait_for_room(self.in_flight + self.group_size - 1, timeout_s=5.0)
+                if room <= 0 or self.in_flight + self.group_size > max(self.max_concurrency, self.group_size):
+                    await asyncio.sleep(0.05)
+                    continue
+                task = next(tasks)
+                group_id = f"{task.get('id', 'task')}-{uuid.uuid4().hex[:8]}"
+                t = asyncio.create_task(self._group(task, group_id), name=f"group-{group_id}")
+                self._tasks.add(t)
+                t.add_done_callback(self._tasks.discard)
+            if self._tasks:
+                await asyncio.gather(*self._tasks, return_exceptions=True)
+        finally:
+            for t in list(self._tasks):
+                t.cancel()
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    async def _group(self, task: dict[str, Any], group_id: str) -> None:
+        self.in_flight += self.group_size
+        self._started += self.group_size
+        try:
+            await asyncio.gather(*(self._episode(task, group_id) for _ in range(self.group_size)))
+        finally:
+            self.in_flight -= self.group_size
+
+    async def _episode(self, task: dict[str, Any], group_id: str) -> None:
+        ep = await run_episode(self.router, self.env_name, task, group_id=group_id, env_config=self.env_config,
+                               sandbox_pool=self.sandbox_pool, limits=self.limits)
+        await self.buffer.put(ep.samples)
+        self._account(ep)
+
+    def _account(self, ep: EpisodeResult) -> None:
+        c = self.counters
+        c["episodes"] += 1
+        c["failed"] += ep.error is not None
+        c["truncated"] += ep.truncated
+        c["samples"] += len(ep.samples)
+        c["reward_sum"] += ep.reward
+        c["tool_calls"] += ep.info.get("tool_calls", 0)
+        if self._log_path is not None:
+            with open(self._log_path, "a") as f:
+                f.write(json.dumps({"time": time.time(), **ep.summary()}) + "\n")
+
+    def status(self) -> dict[str, Any]:
+        return {"in_flight": self.in_flight, **self.counters}

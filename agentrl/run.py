@@ -1,0 +1,51 @@
+"""``agentrl run``: serve in a child process and the learner in this one, on one machine.
+
+The child is started with the serve section written to ``run_dir/serve.toml``; it is stopped
+(SIGTERM, then SIGKILL) when the learner finishes or fails, and dies with us if we are killed.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from agentrl.config import RunConfig, to_toml
+
+log = logging.getLogger(__name__)
+
+
+def run(cfg: RunConfig) -> int:
+    from agentrl.learner.trainer import learn
+
+    run_dir = Path(cfg.serve.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "serve.toml").write_text(to_toml(cfg.serve))
+    learn_cfg = cfg.learn
+    learn_cfg.serve = f"http://{cfg.serve.router.host}:{cfg.serve.router.port}"
+    learn_cfg.run_dir = cfg.serve.run_dir
+    learn_cfg.batch_size = cfg.serve.buffer.batch_size
+    learn_cfg.max_staleness = cfg.serve.buffer.max_staleness
+    cmd = [sys.executable, "-m", "agentrl.engines.reaper", "--",
+           sys.executable, "-m", "agentrl.cli", "serve", "--config", str(run_dir / "serve.toml")]
+    log.info("starting serve (log: %s)", run_dir / "serve.log")
+    with open(run_dir / "serve.log", "ab") as logf:
+        serve = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    t0 = time.monotonic()
+    try:
+        history = learn(learn_cfg)
+    finally:
+        serve.send_signal(signal.SIGTERM)
+        try:
+            serve.wait(60)
+        except subprocess.TimeoutExpired:
+            serve.kill()
+    summary = {"steps": len(history), "final_version": history[-1]["version"] if history else 0,
+               "reward_by_step": [round(h["reward_mean"], 4) for h in history],
+               "wall_minutes": round((time.monotonic() - t0) / 60, 2), "run_dir": str(run_dir)}
+    print(json.dumps(summary), flush=True)
+    return 0

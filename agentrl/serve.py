@@ -1,0 +1,221 @@
+"""``agentrl serve``: engines, router, sandboxes, buffer and agent loops in one process.
+
+Start-up order: model folder -> engines (child processes, healthy) -> engine pool -> router ->
+sandbox pool -> buffer (recovered from disk) -> HTTP -> orchestrator. Shutdown runs in reverse and
+always stops the engines and removes this instance's containers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import secrets
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+
+from agentrl.config import ServeConfig, to_dict
+
+log = logging.getLogger(__name__)
+
+
+def eos_token_ids(model_dir: str) -> set[int]:
+    """End-of-turn token ids from a model folder's generation/model config."""
+    ids: set[int] = set()
+    for name in ("generation_config.json", "config.json"):
+        p = Path(model_dir) / name
+        if p.exists():
+            v = json.loads(p.read_text()).get("eos_token_id")
+            ids.update(v if isinstance(v, list) else [v] if v is not None else [])
+    return ids
+
+
+def admin_token_for(cfg_token: str, run_dir: Path) -> str:
+    """The admin token: config, then $AGENTRL_ADMIN_TOKEN, then run_dir/admin_token (created 0600)."""
+    token = cfg_token or os.environ.get("AGENTRL_ADMIN_TOKEN", "")
+    path = run_dir / "admin_token"
+    if not token:
+        if path.exists():
+            token = path.read_text().strip()
+        else:
+            token = secrets.token_urlsafe(24)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path.write_text(token)
+    path.chmod(0o600)
+    return token
+
+
+class Serve:
+    def __init__(self, cfg: ServeConfig) -> None:
+        self.cfg = cfg
+        self.run_dir = Path(cfg.run_dir)
+        self.engines: list[Any] = []
+        self.pool: Any = None
+        self.router: Any = None
+        self.sandbox_pool: Any = None
+        self.buffer: Any = None
+        self.orchestrator: Any = None
+        self._runner: web.AppRunner | None = None
+        self._orch_task: asyncio.Task | None = None
+        self._metrics_task: asyncio.Task | None = None
+        self.started = time.time()
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.cfg.router.host}:{self.cfg.router.port}"
+
+    async def start(self) -> None:
+        from agentrl.buffer import Buffer, BufferConfig, add_buffer_routes
+        from agentrl.engines.vllm import EngineSpec, VLLMEngine
+        from agentrl.env import lookup
+        from agentrl.models import resolve_model
+        from agentrl.rollout import EpisodeLimits, Orchestrator
+        from agentrl.router import EnginePool, Router
+        from agentrl.router.server import make_app, require_admin
+        from agentrl.weights import WeightReceiver
+
+        cfg = self.cfg
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.admin_token = admin_token_for(cfg.admin_token, self.run_dir)
+        (self.run_dir / "serve_config.json").write_text(json.dumps(to_dict(cfg), indent=2))
+        log.info("preparing model %s", cfg.model)
+        self.model_path = await asyncio.to_thread(resolve_model, cfg.model)
+
+        urls = list(cfg.engine.urls)
+        if not urls:
+            for i in range(cfg.engine.count):
+                spec = EngineSpec(model=self.model_path, served_name=cfg.model, port=cfg.engine.base_port + i,
+                                  max_model_len=cfg.engine.max_model_len, dtype=cfg.engine.dtype,
+                                  enforce_eager=cfg.engine.enforce_eager, kv_cache_gb=cfg.engine.kv_cache_gb,
+                                  gpu=cfg.engine.gpu)
+                engine = VLLMEngine(spec, self.run_dir / "logs")
+                engine.launch()  # from this (main) thread: the reaper dies with us
+                self.engines.append(engine)
+            await asyncio.gather(*(e.start(cfg.engine.start_timeout_s) for e in self.engines))
+            urls = [e.url for e in self.engines]
+        self.pool = EnginePool(urls, request_timeout_s=cfg.router.request_timeout_s)
+        await self.pool.start()
+        self.router = Router(self.pool, model_name=cfg.model, eos_token_ids=eos_token_ids(self.model_path),
+                             max_model_len=cfg.engine.max_model_len, sessions_dir=self.run_dir / "sessions",
+                             retries=cfg.router.retries)
+
+        env_cls = lookup(cfg.env.name)
+        if getattr(env_cls, "sandbox_image", None):
+            from agentrl.sandbox import SandboxConfig, SandboxPool
+
+            sc = cfg.sandbox
+            self.sandbox_pool = SandboxPool(
+                SandboxConfig(backend=sc.backend, image=env_cls.sandbox_image, warm=sc.warm,
+                              max_concurrency=sc.max_concurrency, memory_mb=sc.memory_mb, cpus=sc.cpus,
+                              pids=sc.pids),
+                instance_id=f"serve-{os.getpid()}-{secrets.token_hex(3)}",
+            )
+            await self.sandbox_pool.start()
+
+        b = cfg.buffer
+        self.buffer = Buffer(BufferConfig(
+            path=str(self.run_dir / "buffer") if b.durable else None, batch_size=b.batch_size,
+            max_staleness=b.max_staleness, group_size=cfg.env.group_size))
+
+        app = make_app(self.router, admin_token=self.admin_token, api_keys=frozenset(cfg.router.api_keys))
+        add_buffer_routes(app, self.buffer, self.admin_token)
+        self.weights = WeightReceiver(self.run_dir / "weights", self.pool)
+        self.weights.add_routes(app, require_admin)
+        app.router.add_get("/admin/info", self._info)
+        app.router.add_get("/admin/status", self._status)
+        self._runner = web.AppRunner(app, access_log=None)
+        await self._runner.setup()
+        await web.TCPSite(self._runner, cfg.router.host, cfg.router.port).start()
+        log.info("serving on %s (OpenAI base URL %s/v1; admin token in %s)", self.url, self.url,
+                 self.run_dir / "admin_token")
+
+        e = cfg.env
+        self.orchestrator = Orchestrator(
+            router=self.router, buffer=self.buffer, env_name=e.name, env_config=e.config,
+            group_size=e.group_size, max_concurrency=e.max_concurrency, sandbox_pool=self.sandbox_pool,
+            run_dir=self.run_dir, max_episodes=cfg.max_episodes,
+            limits=EpisodeLimits(max_turns=e.max_turns, max_tokens=e.max_tokens,
+                                 max_episode_tokens=e.max_episode_tokens, timeout_s=e.episode_timeout_s,
+                                 temperature=e.temperature, top_p=e.top_p))
+        self._orch_task = asyncio.create_task(self.orchestrator.run(), name="orchestrator")
+        self._metrics_task = asyncio.create_task(self._metrics_loop(), name="serve-metrics")
+
+    async def _info(self, request: web.Request) -> web.Response:
+        from agentrl.router.server import require_admin
+
+        require_admin(request)
+        return web.json_response({"model": self.cfg.model, "model_path": self.model_path,
+                                  "version": self.pool.version, "env": self.cfg.env.name})
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "uptime_s": time.time() - self.started, "version": self.pool.version,
+            "engines": self.pool.status(), "router": dict(self.router.counters),
+            "rollout": self.orchestrator.status() if self.orchestrator else {},
+            "buffer": self.buffer.stats(),
+            "sandbox": self.sandbox_pool.stats() if self.sandbox_pool else None,
+        }
+
+    async def _status(self, request: web.Request) -> web.Response:
+        from agentrl.router.server import require_admin
+
+        require_admin(request)
+        return web.json_response(self.status())
+
+    async def _metrics_loop(self) -> None:
+        path = self.run_dir / "serve_metrics.jsonl"
+        while True:
+            await asyncio.sleep(5.0)
+            try:
+                line = json.dumps({"time": time.time(), **self.status()}, default=str)
+            except Exception:
+                log.warning("could not collect serve metrics", exc_info=True)
+                continue
+            with open(path, "a") as f:
+                f.write(line + "\n")
+
+    async def wait(self) -> None:
+        """Until the orchestrator finishes (max_episodes) or forever."""
+        assert self._orch_task is not None
+        await self._orch_task
+        while True:
+            await asyncio.sleep(3600)
+
+    async def close(self) -> None:
+        for t in (self._orch_task, self._metrics_task):
+            if t is not None:
+                t.cancel()
+                await asyncio.gather(t, return_exceptions=True)
+        if self._runner is not None:
+            await self._runner.cleanup()
+        if self.sandbox_pool is not None:
+            await self.sandbox_pool.close()
+        if self.pool is not None:
+            await self.pool.close()
+        if self.buffer is not None:
+            self.buffer.close()
+        for e in self.engines:
+            await asyncio.to_thread(e.stop)
+
+
+async def serve_forever(cfg: ServeConfig) -> None:
+    serve = Serve(cfg)
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await serve.start()
+        waiter = asyncio.create_task(serve.wait())
+        stopper = asyncio.create_task(stop.wait())
+        await asyncio.wait([waiter, stopper], return_when=asyncio.FIRST_COMPLETED)
+        for t in (waiter, stopper):
+            t.cancel()
+        log.info("shutting down")
+    finally:
+        await serve.close()

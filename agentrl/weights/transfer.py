@@ -1,0 +1,160 @@
+"""HTTP/file weight transfer: the learner streams checksummed safetensors chunks to serve.
+
+Learner side: :func:`publish` serialises the state dict (safetensors), sends it in chunks, each with
+its SHA-256, then commits with the whole file's SHA-256 and the policy version. Serve side:
+:class:`WeightReceiver` appends chunks in order to a staging file, verifies the whole on commit,
+moves it into ``weights/v<version>/`` and asks the engine pool to load it (pause(keep) -> reload ->
+set version -> resume). Any mismatch is a 4xx the learner can retry; nothing half-written is loaded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+log = logging.getLogger(__name__)
+
+CHUNK_BYTES = 16 * 2**20
+
+
+class WeightTransferError(RuntimeError):
+    """A weight update did not complete (transport, checksum or engine failure)."""
+
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class WeightReceiver:
+    def __init__(self, root: Path, pool: Any, keep: int = 2) -> None:
+        self.root = root
+        self.pool = pool
+        self.keep = keep
+        self._staging: dict[int, tuple[Path, int, Any]] = {}  # version -> (path, next chunk, sha)
+        self._lock = asyncio.Lock()
+        self.last: dict[str, Any] = {}
+        root.mkdir(parents=True, exist_ok=True)
+
+    async def chunk(self, version: int, index: int, data: bytes, sha: str) -> None:
+        if hashlib.sha256(data).hexdigest() != sha:
+            raise web.HTTPBadRequest(reason=f"chunk {index} of version {version} failed its checksum")
+        if index == 0:
+            path = self.root / f"v{version}.staging"
+            path.unlink(missing_ok=True)
+            self._staging[version] = (path, 0, hashlib.sha256())
+        if version not in self._staging or self._staging[version][1] != index:
+            raise web.HTTPConflict(reason=f"chunk {index} of version {version} arrived out of order; restart at 0")
+        path, _, total = self._staging[version]
+        await asyncio.to_thread(_append, path, data)
+        total.update(data)
+        self._staging[version] = (path, index + 1, total)
+
+    async def commit(self, version: int, sha: str, chunks: int) -> dict[str, Any]:
+        staged = self._staging.pop(version, None)
+        if staged is None or staged[1] != chunks:
+            raise web.HTTPConflict(reason=f"version {version}: {0 if staged is None else staged[1]} of "
+                                          f"{chunks} chunks received")
+        path, _, total = staged
+        if total.hexdigest() != sha:
+            path.unlink(missing_ok=True)
+            raise web.HTTPBadRequest(reason=f"version {version}: the weights failed their checksum")
+        async with self._lock:
+            if version <= self.pool.version and self.pool.weights_path:
+                raise web.HTTPConflict(reason=f"version {version} is not newer than {self.pool.version}")
+            target = self.root / f"v{version}"
+            shutil.rmtree(target, ignore_errors=True)
+            target.mkdir(parents=True)
+            path.rename(target / "model.safetensors")
+            t0 = time.perf_counter()
+            result = await self.pool.update_weights(str(target), version)
+            result["sync_s"] = time.perf_counter() - t0
+            self.last = result
+            self._prune(version)
+            log.info("policy version %d loaded into %d engine(s) in %.2f s", version,
+                     sum("error" not in v for v in result["engines"].values()), result["sync_s"])
+            return result
+
+    def _prune(self, version: int) -> None:
+        for p in self.root.glob("v*"):
+            try:
+                v = int(p.name[1:].split(".")[0])
+            except ValueError:
+                continue
+            if p.is_dir() and v <= version - self.keep:
+                shutil.rmtree(p, ignore_errors=True)
+
+    def add_routes(self, app: web.Application, require_admin: Any) -> None:
+        async def put_chunk(request: web.Request) -> web.Response:
+            require_admin(request)
+            version, index = int(request.match_info["version"]), int(request.match_info["index"])
+            await self.chunk(version, index, await request.read(), request.headers.get("X-Sha256", ""))
+            return web.json_response({"ok": True})
+
+        async def commit(request: web.Request) -> web.Response:
+            require_admin(request)
+            body = await request.json()
+            result = await self.commit(int(request.match_info["version"]), body["sha256"], int(body["chunks"]))
+            return web.json_response(result)
+
+        app.router.add_put("/admin/weights/{version}/chunks/{index}", put_chunk)
+        app.router.add_post("/admin/weights/{version}/commit", commit)
+
+
+def _append(path: Path, data: bytes) -> None:
+    with open(path, "ab") as f:
+        f.write(data)
+
+
+def serialize_state_dict(state: dict[str, Any]) -> bytes:
+    """safetensors bytes of a (CPU, contiguous) state dict; tied weights are saved once."""
+    from safetensors.torch import save
+
+    seen: dict[int, str] = {}
+    out = {}
+    for name, t in state.items():
+        ptr = t.data_ptr()
+        if ptr in seen:  # tied (e.g. lm_head = embed_tokens): vLLM ties them again on load
+            continue
+        seen[ptr] = name
+        out[name] = t.detach().to("cpu").contiguous()
+    return save(out)
+
+
+async def publish(data: bytes, version: int, serve_url: str, admin_token: str, *,
+                  timeout_s: float = 600.0, attempts: int = 3) -> dict[str, Any]:
+    """Send serialised weights to serve as ``version`` and wait until engines serve them."""
+    headers = {"Authorization": f"Bearer {admin_token}"} if admin_token else {}
+    sha = hashlib.sha256(data).hexdigest()
+    chunks = [data[i : i + CHUNK_BYTES] for i in range(0, len(data), CHUNK_BYTES)] or [b""]
+    last_error: Exception | None = None
+    async with aiohttp.ClientSession(headers=headers) as http:
+        for attempt in range(attempts):
+            try:
+                for i, c in enumerate(chunks):
+                    async with http.put(f"{serve_url}/admin/weights/{version}/chunks/{i}", data=c,
+                                        headers={"X-Sha256": hashlib.sha256(c).hexdigest()},
+                                        timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
+                        if r.status != 200:
+                            raise WeightTransferError(f"chunk {i}: {r.status} {await r.text()}", r.status)
+                async with http.post(f"{serve_url}/admin/weights/{version}/commit",
+                                     json={"sha256": sha, "chunks": len(chunks)},
+                                     timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
+                    if r.status != 200:
+                        raise WeightTransferError(f"commit: {r.status} {await r.text()}", r.status)
+                    return await r.json()
+            except (TimeoutError, aiohttp.ClientError, WeightTransferError) as e:
+                last_error = e
+                status = getattr(e, "status", None)
+                if status is not None and 400 <= status < 500 and status != 409:
+                    break  # a 4xx other than a conflict will not be fixed by retrying
+                log.warning("weight publish attempt %d failed: %s", attempt + 1, e)
+                await asyncio.sleep(1.0 * (attempt + 1))
+    raise WeightTransferError(f"could not publish version {version}: {last_error}")

