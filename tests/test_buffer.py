@@ -312,3 +312,14 @@ def test_compaction_keeps_pending_samples_and_the_counters(tmp_path: Path) -> No
         assert check_identity(again)["dropped_by_reason"] == {"stale": 1}
 
     run(go())
+
+
+def test_samples_can_be_decoded_as_numpy_arrays_for_the_learner() -> None:
+    import numpy as np
+
+    s = make_sample(4)
+    batch = decode_batch(encode_batch(Batch("b", [s], 5)), as_arrays=True)
+    got = batch.samples[0]
+    assert isinstance(got.token_ids, np.ndarray) and got.token_ids.dtype == np.int32 and got.token_ids.flags.writeable
+    assert got.token_ids.tolist() == s.token_ids and got.loss_mask.tolist() == s.loss_mask
+    assert got.versions.tolist() == s.versions and got.logprobs.tolist() == s.logprobs

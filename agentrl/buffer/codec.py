@@ -136,7 +136,10 @@ def read_header(record: bytes | memoryview) -> dict[str, Any]:
     return head
 
 
-def decode_sample(record: bytes | memoryview) -> Sample:
+def decode_sample(record: bytes | memoryview, as_arrays: bool = False) -> Sample:
+    """Decode a record into a Sample with list fields, or (``as_arrays``) with writable numpy arrays
+    (int32 token ids, mask and versions, float32 logprobs): cheaper, and what a learner turns into
+    tensors without a copy (``torch.from_numpy``)."""
     head = read_header(record)
     (hlen,) = _U32.unpack_from(record, 0)
     n, km, kv = head["n"], head["km"], head["kv"]
@@ -154,15 +157,20 @@ def decode_sample(record: bytes | memoryview) -> Sample:
 
     tokens = take(n, _I32)
     logprobs = take(n, _F32)
-    mask = _expand(take(km, _I32), take(km, _I32))
-    versions = _expand(take(kv, _I32), take(kv, _I32))
-    if len(mask) != n or len(versions) != n:
+    mask_runs = take(km, _I32), take(km, _I32)
+    version_runs = take(kv, _I32), take(kv, _I32)
+    if int(mask_runs[1].sum()) != n or int(version_runs[1].sum()) != n:
         raise CodecError(f"sample {head['sample_id']}: run lengths do not add up to {n} tokens")
+    fields: dict[str, Any]
+    if as_arrays:
+        fields = {"token_ids": tokens.astype(np.int32), "logprobs": logprobs.astype(np.float32),
+                  "loss_mask": np.repeat(*mask_runs).astype(np.int32),
+                  "versions": np.repeat(*version_runs).astype(np.int32)}
+    else:
+        fields = {"token_ids": tokens.tolist(), "logprobs": logprobs.tolist(),
+                  "loss_mask": _expand(*mask_runs), "versions": _expand(*version_runs)}
     return Sample(
-        token_ids=tokens.tolist(),
-        loss_mask=mask,
-        logprobs=logprobs.tolist(),
-        versions=versions,
+        **fields,
         episode_id=head["episode_id"],
         group_id=head["group_id"],
         env=head["env"],
@@ -192,7 +200,8 @@ def encode_batch(batch: Batch) -> bytes:
                                 [encode_sample(s)[0] for s in batch.samples], batch.info)
 
 
-def decode_batch(data: bytes | memoryview) -> Batch:
+def decode_batch(data: bytes | memoryview, as_arrays: bool = False) -> Batch:
+    """Decode a batch; ``as_arrays`` as in ``decode_sample``."""
     view = memoryview(data)
     try:
         magic, hlen = _BATCH_HEAD.unpack_from(view, 0)
@@ -215,7 +224,7 @@ def decode_batch(data: bytes | memoryview) -> Batch:
         off += 4
         if off + rlen > len(view):
             raise CodecError("batch truncated")
-        samples.append(decode_sample(view[off : off + rlen]))
+        samples.append(decode_sample(view[off : off + rlen], as_arrays))
         off += rlen
     if off != len(view):
         raise CodecError(f"{len(view) - off} trailing bytes after batch")
