@@ -82,46 +82,50 @@ def test_keep_weighted_serves_up_to_the_loose_bound() -> None:
     run(go())
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
-    versions=st.lists(st.integers(min_value=-1, max_value=20), min_size=1, max_size=40),
-    ops=st.lists(st.tuples(st.integers(0, 3), st.integers(0, 20), st.integers(0, 4), st.integers(1, 5)),
-                 min_size=1, max_size=30),
+    ops=st.lists(st.tuples(st.sampled_from(["put", "get", "get", "ack", "bump", "release"]),
+                           st.integers(0, 7), st.integers(0, 4), st.integers(1, 5)), min_size=1, max_size=50),
     grouped=st.booleans(),
+    policy=st.sampled_from(["drop", "keep_weighted"]),
 )
-def test_no_served_sample_exceeds_the_staleness_bound(versions: list[int], ops: list[tuple[int, int, int, int]],
-                                                      grouped: bool) -> None:
-    """Random versions, arrival orders, learner versions, bounds, batch sizes, acks and releases."""
+def test_no_served_sample_exceeds_the_staleness_bound(ops: list[tuple[str, int, int, int]], grouped: bool,
+                                                      policy: str) -> None:
+    """Random sample versions (lagging the learner by 0-7), arrival orders, learner versions,
+    bounds, batch sizes, acks and releases."""
 
     async def go() -> None:
-        cfg = BufferConfig(batch_size=2, max_staleness=2, group_size=2 if grouped else 1,
-                           group_deadline_s=0.0 if grouped else None)
+        cfg = BufferConfig(batch_size=2, max_staleness=2, group_size=2 if grouped else 1, stale_policy=policy,
+                           loose_staleness=3, group_deadline_s=0.0 if grouped else None)
         buf = Buffer(cfg)
-        queue = [make_sample(v, group=f"g{i // 2}", episode=f"e{i}") for i, v in enumerate(versions)]
+        learner_version, n = 8, 0
         leased: list[Batch] = []
-        served_ids: list[str] = []
-        for op, learner_version, max_staleness, batch_size in ops:
-            if op == 0 and queue:
-                k = 1 + learner_version % 3
-                await buf.put(queue[:k])
-                del queue[:k]
-            elif op == 1:
-                bs = batch_size * 2 if grouped else batch_size
-                batch = await buf.get_batch(learner_version, max_staleness, bs)
+        consumed: list[str] = []
+        for op, a, b, c in ops:
+            if op == "put":
+                samples = [make_sample(max(learner_version - (a + j) % 8, -1) if (a + j) % 9 else -1,
+                                       group=f"g{(n + j) // 2}", episode=f"e{n + j}") for j in range(c)]
+                n += c
+                await buf.put(samples)
+            elif op == "get":
+                batch = await buf.get_batch(learner_version, b, c * 2 if grouped else c)
                 if batch is not None:
-                    bound = cfg.bound(max_staleness)
+                    bound = b if policy == "drop" else max(b, 3)
                     for s in batch.samples:
                         assert s.staleness(learner_version) <= bound, (s.min_version, learner_version, bound)
                     leased.append(batch)
-            elif op == 2 and leased:
-                b = leased.pop(0)
-                assert buf.ack(b.batch_id)
-                served_ids += [s.sample_id for s in b.samples]
-            elif op == 3:
+            elif op == "ack" and leased:
+                batch = leased.pop(0)
+                assert buf.ack(batch.batch_id)
+                consumed += [s.sample_id for s in batch.samples]
+            elif op == "bump":
+                learner_version += a
+            elif op == "release":
                 buf.release_leases()
                 leased.clear()
             check_identity(buf)
-        assert len(served_ids) == len(set(served_ids))
+        assert len(consumed) == len(set(consumed))
+        assert buf.stats()["consumed"] == len(consumed)
 
     run(go())
 
