@@ -46,7 +46,7 @@ class BufferConfig:
     """Concurrent long-polls beyond this get 429 with Retry-After (backpressure)."""
     compact_bytes: int = 256 << 20
     """Compact the log once it is this large and mostly consumed."""
-    remember_ids: int = 1 << 16
+    remember_ids: int = 1 << 18
     """How many consumed/dropped sample ids, acked batch ids and closed groups are remembered to make
     retried puts, retried acks and late group members exact (older ones are forgotten)."""
 
