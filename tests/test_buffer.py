@@ -327,3 +327,23 @@ def test_samples_can_be_decoded_as_numpy_arrays_for_the_learner() -> None:
     assert isinstance(got.token_ids, np.ndarray) and got.token_ids.dtype == np.int32 and got.token_ids.flags.writeable
     assert got.token_ids.tolist() == s.token_ids and got.loss_mask.tolist() == s.loss_mask
     assert got.versions.tolist() == s.versions and got.logprobs.tolist() == s.logprobs
+
+
+def test_versions_round_trip_whether_or_not_a_turn_crossed_a_weight_update() -> None:
+    import numpy as np
+
+    base = {"token_ids": list(range(10)), "logprobs": [0.0] * 10, "episode_id": "e", "group_id": "g", "env": "t",
+            "reward": 0.0}
+    cases = [
+        ([0, 0, 1, 1, 1, 0, 0, 1, 1, 1], [-1, -1, 4, 4, 4, -1, -1, 5, 5, 5]),  # one version per turn
+        ([0, 0, 1, 1, 1, 1, 1, 1, 1, 0], [-1, -1, 4, 4, 5, 5, 5, 6, 6, -1]),  # a turn across two updates
+        ([1] * 10, [7] * 10),
+        ([0] * 10, [-1] * 10),
+    ]
+    for mask, versions in cases:
+        for as_np in (False, True):
+            s = Sample(loss_mask=np.array(mask) if as_np else mask, versions=np.array(versions) if as_np else versions,
+                       **base)
+            got = decode_batch(encode_batch(Batch("b", [s], 9))).samples[0]
+            assert got.loss_mask == mask and got.versions == versions
+            assert got.min_version == Sample(loss_mask=mask, versions=versions, **base).min_version

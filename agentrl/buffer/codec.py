@@ -91,16 +91,55 @@ def _expand(values: np.ndarray, lengths: np.ndarray) -> list[int]:
     return out
 
 
+def _version_runs_from_mask(versions: Any, mask_vals: np.ndarray,
+                            mask_lens: np.ndarray) -> tuple[np.ndarray, np.ndarray, int] | None:
+    """Version runs without converting the whole list: versions are usually constant on each run
+    of the loss mask (one version per turn, -1 on prompt and tool tokens), which a C-speed slice
+    comparison confirms; only runs that are not (a turn that crossed a weight update) are converted.
+    None for non-list input."""
+    if not isinstance(versions, list):
+        return None
+    vals: list[int] = []
+    lens: list[int] = []
+    min_version: int | None = None
+    pos = 0
+    for m, n in zip(mask_vals.tolist(), mask_lens.tolist(), strict=True):
+        chunk = versions[pos : pos + n]
+        v = chunk[0]
+        if chunk == [v] * n:
+            sub = [(v, n)]
+        else:
+            cv, cl = _runs(np.frombuffer(array.array("i", chunk), dtype=np.int32))
+            sub = list(zip(cv.tolist(), cl.tolist(), strict=True))
+        for v, k in sub:
+            if m and (min_version is None or v < min_version):
+                min_version = v
+            if vals and vals[-1] == v:
+                lens[-1] += k
+            else:
+                vals.append(v)
+                lens.append(k)
+        pos += n
+    try:
+        return np.array(vals, _I32), np.array(lens, _I32), -1 if min_version is None else int(min_version)
+    except (OverflowError, TypeError, ValueError):
+        return None
+
+
 def encode_sample(sample: Sample) -> tuple[bytes, dict[str, Any]]:
     """Encode one sample; returns the record and its header (which carries ``min_version``)."""
     tokens = _as_array(sample.token_ids, _I32, "i")
     logprobs = _as_array(sample.logprobs, _F32, "f")
     mask = _as_mask(sample.loss_mask)
-    versions = _as_array(sample.versions, _I32, "i")
-    generated = versions[mask != 0]
-    min_version = int(generated.min()) if generated.size else -1
     mask_vals, mask_lens = _runs(mask)
-    ver_vals, ver_lens = _runs(versions)
+    fast = _version_runs_from_mask(sample.versions, mask_vals, mask_lens)
+    if fast is not None:
+        ver_vals, ver_lens, min_version = fast
+    else:
+        versions = _as_array(sample.versions, _I32, "i")
+        generated = versions[mask != 0]
+        min_version = int(generated.min()) if generated.size else -1
+        ver_vals, ver_lens = _runs(versions)
     head = {
         "v": FORMAT_VERSION,
         "n": int(tokens.shape[0]),
