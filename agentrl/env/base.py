@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from agentrl.env.tools import ToolCallError, call_tool, parse_arguments, tool_schema
+from agentrl.env.tools import ToolCallError, call_tool, parse_arguments, parse_tool_calls, tool_schema
 
 if TYPE_CHECKING:
     from agentrl.sandbox import Sandbox
@@ -109,6 +109,8 @@ class ToolEnv(Environment):
     async def reset(self, task: dict[str, Any]) -> Reset:
         self.task = task
         self.turns = 0
+        self.tool_calls = 0
+        self.tool_errors = {}
         messages: list[Message] = []
         if self.system_prompt:
             messages.append({"role": "system", "content": self.system_prompt})
@@ -123,10 +125,16 @@ class ToolEnv(Environment):
         content = message.get("content") or ""
         info = {"tool_calls": self.tool_calls, "tool_errors": dict(self.tool_errors)}
         if not calls and "<tool_call>" in content:
-            # The engine's parser rejected the call (bad JSON); tell the model rather than end.
-            obs = [{"role": "user", "content": "Error: your tool call was not valid JSON."}]
-            self._count_error("bad_json")
-            return self._continue(obs, info)
+            # No engine-side parser ran, or it rejected the reply: read it ourselves. Valid calls
+            # run; a malformed one is explained to the model and counted, never an exception.
+            parsed = parse_tool_calls(content, id_prefix=f"call_t{self.turns}")
+            if parsed.errors:
+                for err in parsed.errors:
+                    self._count_error(err.kind)
+                text = "; ".join(e.message for e in parsed.errors)
+                obs = [{"role": "user", "content": f"Error: your tool call could not be read: {text}"}]
+                return self._continue(obs, info)
+            calls = parsed.tool_calls
         if not calls:
             reward = await self.reward(self.task, content)
             return StepResult(messages=[], reward=reward, terminated=True, info=info)

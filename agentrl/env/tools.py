@@ -150,3 +150,41 @@ async def call_tool(fn: Callable, args: dict[str, Any]) -> str:
     if inspect.isawaitable(result):
         result = await result
     return result if isinstance(result, str) else json.dumps(result)
+
+
+_TOOL_CALL_RE = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
+
+
+@dataclass
+class ParsedToolCalls:
+    """The project's own reading of a text reply in the ``<tool_call>{json}</tool_call>`` format."""
+
+    content: str  # the text outside the tool-call blocks
+    tool_calls: list[dict[str, Any]]  # OpenAI format: {"id", "type": "function", "function": {...}}
+    errors: list[ToolCallError]  # blocks that are not a valid call (bad JSON, no name)
+
+
+def parse_tool_calls(text: str, id_prefix: str = "call") -> ParsedToolCalls:
+    """Parse hermes-style tool calls out of ``text``; never raises.
+
+    Used where no engine-side tool parser ran (text-only models, the gymnasium wrapper) and to
+    explain a reply the engine's parser rejected. An unterminated last block counts as a block.
+    """
+    calls: list[dict[str, Any]] = []
+    errors: list[ToolCallError] = []
+    for i, m in enumerate(_TOOL_CALL_RE.finditer(text or "")):
+        raw = m.group(1).strip()
+        try:
+            obj = json.loads(raw)
+        except json.JSONDecodeError as e:
+            errors.append(ToolCallError("bad_json", f"tool call {i + 1} is not valid JSON: {e}"))
+            continue
+        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+            errors.append(ToolCallError("bad_json", f"tool call {i + 1} must be a JSON object with a \"name\""))
+            continue
+        args = obj.get("arguments", {})
+        calls.append({"id": f"{id_prefix}_{i}", "type": "function",
+                      "function": {"name": obj["name"],
+                                   "arguments": args if isinstance(args, str) else json.dumps(args)}})
+    content = _TOOL_CALL_RE.sub("", text or "").strip()
+    return ParsedToolCalls(content=content, tool_calls=calls, errors=errors)
