@@ -147,3 +147,15 @@ def test_a_three_turn_tool_episode_is_exactly_the_tokens_the_engine_received_and
     assert [r["parent"] for r in records] == [None, 0, 1]
     assert [r["prompt_ids"] for r in records] == prompts
     assert [r["completions"][0]["token_ids"] for r in records] == outputs
+
+
+def test_envs_try_plays_one_episode_turn_by_turn_against_an_openai_endpoint(vllm_engine: Any) -> None:
+    from agentrl.env.cli import try_episode
+
+    lines: list[str] = []
+    summary = asyncio.run(try_episode("guess_number", f"{vllm_engine.url}/v1", max_turns=2, max_tokens=16,
+                                      out=lines.append, env_config={"high": 10}))
+    text = "".join(lines)
+    assert text.startswith("== guess_number | task test-0 | model tiny-tools | tools: none")
+    assert "-- turn 1" in text and "[assistant]" in text and "reward" in text
+    assert summary["turns"] in (1, 2) and summary["ended"] in ("terminated", "truncated", "max_turns")

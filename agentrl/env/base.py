@@ -11,6 +11,7 @@ task. A sandbox, when the class names an image, is attached by the rollout machi
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 from abc import ABC, abstractmethod
@@ -85,11 +86,7 @@ class ToolEnv(Environment):
     max_turns: int = 6
 
     def __init__(self) -> None:
-        self._tools: dict[str, Callable] = {
-            name: getattr(self, name)
-            for name in dir(type(self))
-            if getattr(getattr(type(self), name, None), "__agentrl_tool__", False)
-        }
+        self._tools: dict[str, Callable] = {name: getattr(self, name) for name in _tool_names(type(self))}
         self.task: dict[str, Any] = {}
         self.messages: list[Message] = []
         self.turns = 0
@@ -174,6 +171,12 @@ class ToolEnv(Environment):
                 log.debug("tool %s raised", name, exc_info=True)
                 result = f"Error: tool {name} failed: {type(e).__name__}: {e}"
         return {"role": "tool", "tool_call_id": call.get("id", ""), "content": result}
+
+
+@functools.cache
+def _tool_names(cls: type) -> tuple[str, ...]:
+    """Names of a class's ``@tool`` methods, found once per class (not once per episode)."""
+    return tuple(name for name in dir(cls) if getattr(getattr(cls, name, None), "__agentrl_tool__", False))
 
 
 def format_tool_call(name: str, arguments: dict[str, Any]) -> str:

@@ -9,6 +9,8 @@ argument types come back as a :class:`ToolCallError` that the environment turns 
 
 from __future__ import annotations
 
+import copy
+import functools
 import inspect
 import json
 import re
@@ -65,8 +67,26 @@ def _doc_parts(doc: str) -> tuple[str, dict[str, str]]:
     return description, params
 
 
+def _unbound(fn: Callable) -> Callable:
+    return getattr(fn, "__func__", fn)
+
+
+@functools.lru_cache(maxsize=4096)
+def _signature(fn: Callable) -> tuple[dict[str, inspect.Parameter], dict[str, Any]]:
+    """Parameters (without self/cls) and resolved type hints of a plain function, computed once:
+    episodes call the same tools millions of times and ``get_type_hints`` evaluates strings."""
+    sig = inspect.signature(fn)
+    params = {n: p for n, p in sig.parameters.items() if n not in ("self", "cls")}
+    return params, typing.get_type_hints(fn)
+
+
 def tool_schema(fn: Callable) -> dict[str, Any]:
-    """The OpenAI ``tools`` entry for ``fn``."""
+    """The OpenAI ``tools`` entry for ``fn`` (a fresh copy each call; derived once per function)."""
+    return copy.deepcopy(_tool_schema(_unbound(fn)))
+
+
+@functools.lru_cache(maxsize=4096)
+def _tool_schema(fn: Callable) -> dict[str, Any]:
     sig = inspect.signature(fn)
     hints = typing.get_type_hints(fn)
     description, param_docs = _doc_parts(fn.__doc__ or "")
@@ -128,9 +148,7 @@ def parse_arguments(fn: Callable, raw: str | dict | None) -> dict[str, Any] | To
             return ToolCallError("bad_json", f"arguments are not valid JSON: {e}")
         if not isinstance(args, dict):
             return ToolCallError("bad_json", "arguments must be a JSON object")
-    sig = inspect.signature(fn)
-    hints = typing.get_type_hints(fn)
-    params = {n: p for n, p in sig.parameters.items() if n not in ("self", "cls")}
+    params, hints = _signature(_unbound(fn))
     unknown = sorted(set(args) - set(params))
     if unknown:
         return ToolCallError("bad_arguments", f"unknown argument(s) {unknown}; expected {sorted(params)}")

@@ -1,0 +1,293 @@
+"""How many concurrent agent loops one process runs without starving its event loop.
+
+N episodes are kept in flight (closed loop: a finished episode's slot starts the next one) through
+the real :class:`Router` and the real ``run_episode`` against a fast stand-in engine: a small aiohttp
+server in its own process that implements the three vLLM routes the router uses
+(``/v1/chat/completions/render``, ``/inference/v1/generate``, ``/v1/chat/completions/derender``;
+plus ``/health`` and ``/update_weight_version``). Its "tokenizer" is bytes (prefix-stable ChatML, so
+the router's token-in/token-out continuation works as with vLLM) and its "model" replies with
+``--tool-calls`` tool calls and then an answer, after ``--engine-ms`` of simulated decode time.
+Each tool call sleeps a log-normal time (median ``--tool-median-ms``, shape ``--tool-sigma``: a
+heavy tail; sigma 1.0 puts p99 near 10x the median).
+
+Event-loop lag is sampled by a task that asks to wake every 10 ms and records how late it woke,
+over the measurement window only (after the ramp-up). The last line printed is JSON.
+
+    .venv/bin/python benchmarks/agent_loops.py --concurrency 5000 --duration 30
+    .venv/bin/python benchmarks/agent_loops.py --concurrency 200 --duration 10 --profile prof.out
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import cProfile
+import gc
+import json
+import logging
+import math
+import multiprocessing as mp
+import os
+import random
+import socket
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import psutil  # noqa: E402
+
+import agentrl  # noqa: E402
+from agentrl.env.tools import parse_tool_calls  # noqa: E402
+from agentrl.rollout.episode import EpisodeLimits, run_episode  # noqa: E402
+from agentrl.router import EnginePool, Router  # noqa: E402
+
+BOS, EOS, OFFSET = 1, 2, 10  # <|im_start|>, <|im_end|>; byte b is token b + OFFSET
+ENV_NAME = "bench_calc"
+
+
+# --- the stand-in engine (its own process) -----------------------------------------------------------
+
+def _text_ids(text: str) -> list[int]:
+    return [b + OFFSET for b in text.encode()]
+
+
+def _message_text(m: dict[str, Any]) -> str:
+    text = m.get("content") or ""
+    for c in m.get("tool_calls") or []:
+        fn = c.get("function") or {}
+        args = fn.get("arguments")
+        args = args if isinstance(args, str) else json.dumps(args)
+        text += f'<tool_call>\n{{"name": "{fn.get("name")}", "arguments": {args}}}\n</tool_call>'
+    return text
+
+
+def render(messages: list[dict[str, Any]], add_generation_prompt: bool) -> list[int]:
+    ids: list[int] = []
+    for m in messages:
+        ids += [BOS, *_text_ids(f"{m['role']}\n{_message_text(m)}"), EOS, *_text_ids("\n")]
+    if add_generation_prompt:
+        ids += [BOS, *_text_ids("assistant\n")]
+    return ids
+
+
+def engine_main(port: int, engine_ms: float, engine_sigma: float, tool_calls: int, ready: Any) -> None:
+    from aiohttp import web
+
+    async def on_render(req: web.Request) -> web.Response:
+        body = await req.json()
+        messages = body["messages"]
+        if body.get("tools"):  # like real chat templates: the tool schemas go into the system turn
+            head = f"{messages[0]['content']}\n# Tools\n{json.dumps(body['tools'])}" if messages[0]["role"] == "system" else ""
+            messages = [{"role": "system", "content": head}, *messages[1:]]
+        ids = render(messages, body.get("add_generation_prompt", True))
+        return web.json_response({"token_ids": ids, "sampling_params": {"max_tokens": body.get("max_tokens"),
+                                                                        "temperature": body.get("temperature")}})
+
+    async def on_generate(req: web.Request) -> web.Response:
+        body = await req.json()
+        turn = (body["token_ids"].count(EOS) - 2) // 2  # system + user, then assistant + tool per turn
+        if turn < tool_calls:
+            text = f'<tool_call>\n{{"name": "python", "arguments": {{"code": "print({turn} + 1)"}}}}\n</tool_call>'
+        else:
+            text = f"The answer is {tool_calls}."
+        ids = [*_text_ids(text), EOS]
+        await asyncio.sleep(engine_ms / 1000 * math.exp(engine_sigma * random.gauss(0, 1)))
+        return web.json_response({"choices": [{
+            "index": 0, "token_ids": ids, "finish_reason": "stop", "stop_reason": None,
+            "logprobs": {"content": [{"token_id": t, "logprob": -0.5} for t in ids]},
+            "weight_versions": [{"version": "0", "start": 0, "end": len(ids)}]}]})
+
+    async def on_derender(req: web.Request) -> web.Response:
+        body = await req.json()
+        choices = []
+        for i, ch in enumerate(body["generate_response"]["choices"]):
+            text = bytes(t - OFFSET for t in ch["token_ids"] if t >= OFFSET).decode(errors="replace")
+            parsed = parse_tool_calls(text)
+            message: dict[str, Any] = {"role": "assistant", "content": parsed.content}
+            if parsed.tool_calls:
+                message["tool_calls"] = parsed.tool_calls
+            choices.append({"index": i, "message": message,
+                            "finish_reason": "tool_calls" if parsed.tool_calls else "stop"})
+        return web.json_response({"id": "cmpl", "object": "chat.completion", "created": int(time.time()),
+                                  "model": "stand-in", "choices": choices, "usage": {}})
+
+    async def ok(req: web.Request) -> web.Response:
+        return web.json_response({})
+
+    async def serve() -> None:
+        app = web.Application(client_max_size=64 << 20)
+        app.add_routes([web.post("/v1/chat/completions/render", on_render),
+                        web.post("/inference/v1/generate", on_generate),
+                        web.post("/v1/chat/completions/derender", on_derender),
+                        web.get("/health", ok), web.post("/update_weight_version", ok)])
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", port, backlog=8192).start()
+        ready.set()
+        await asyncio.Event().wait()
+
+    asyncio.run(serve())
+
+
+# --- the environment: arithmetic with a slow, heavy-tailed tool --------------------------------------
+
+class BenchCalc(agentrl.ToolEnv):
+    system_prompt = "Use the python tool, then answer."
+    max_turns = 16
+    tool_median_s = 0.2
+    tool_sigma = 1.0
+
+    def tasks(self, split: str = "train"):
+        return ({"id": str(i), "question": "What is 1 + 1?"} for i in range(10**9))
+
+    @agentrl.tool
+    async def python(self, code: str) -> str:
+        """Run Python code (simulated: sleeps a log-normal time)."""
+        await asyncio.sleep(min(30.0, self.tool_median_s * math.exp(self.tool_sigma * random.gauss(0, 1))))
+        return "2"
+
+    async def reward(self, task: dict[str, Any], answer: str) -> float:
+        return 1.0 if "answer" in answer else 0.0
+
+
+agentrl.environment(ENV_NAME)(BenchCalc)
+
+
+# --- the driver ----------------------------------------------------------------------------------------
+
+def percentile(xs: list[float], q: float) -> float:
+    if not xs:
+        return float("nan")
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q / 100 * len(xs)))]
+
+
+async def lag_monitor(samples: list[float], measuring: asyncio.Event, interval: float = 0.01) -> None:
+    loop = asyncio.get_running_loop()
+    while True:
+        t = loop.time()
+        await asyncio.sleep(interval)
+        if measuring.is_set():
+            samples.append(max(0.0, loop.time() - t - interval) * 1000)
+
+
+async def bench(args: argparse.Namespace, port: int, engine_pid: int) -> dict[str, Any]:
+    proc, engine_proc = psutil.Process(), psutil.Process(engine_pid)
+    pool = EnginePool([f"http://127.0.0.1:{port}"], request_timeout_s=120, health_interval_s=5)
+    router = Router(pool, model_name="stand-in", eos_token_ids={EOS}, max_model_len=1 << 20)
+    await pool.start()
+    limits = EpisodeLimits(max_turns=args.tool_calls + 2, max_tokens=256, max_episode_tokens=1 << 16,
+                           timeout_s=300)
+    gc.collect()
+    rss0 = proc.memory_info().rss
+    stop, measuring = asyncio.Event(), asyncio.Event()
+    lags: list[float] = []
+    done = {"episodes": 0, "measured": 0, "errors": 0, "truncated": 0, "turns": 0}
+    errors: dict[str, int] = {}
+
+    async def slot(i: int) -> None:
+        await asyncio.sleep(args.ramp * i / args.concurrency)  # spread the start over the ramp
+        k = 0
+        while not stop.is_set():
+            ep = await run_episode(router, ENV_NAME, {"id": f"{i}-{k}", "question": "What is 1 + 1?"},
+                                   group_id=f"g{i}", limits=limits)
+            k += 1
+            done["episodes"] += 1
+            done["turns"] += ep.turns
+            if measuring.is_set():
+                done["measured"] += 1
+            if ep.error:
+                done["errors"] += 1
+                errors[ep.error[:80]] = errors.get(ep.error[:80], 0) + 1
+            done["truncated"] += ep.truncated
+
+    monitor = asyncio.create_task(lag_monitor(lags, measuring))
+    tasks = [asyncio.create_task(slot(i)) for i in range(args.concurrency)]
+    await asyncio.sleep(args.ramp + args.warmup)
+    profiler = cProfile.Profile() if args.profile else None
+    cpu0, ecpu0, calls0, t0 = proc.cpu_times(), engine_proc.cpu_times(), router.counters["calls"], time.monotonic()
+    measuring.set()
+    if profiler:
+        profiler.enable()
+    rss_peak = proc.memory_info().rss
+    while time.monotonic() - t0 < args.duration:
+        await asyncio.sleep(1.0)
+        rss_peak = max(rss_peak, proc.memory_info().rss)
+    measuring.clear()
+    if profiler:
+        profiler.disable()
+        profiler.dump_stats(args.profile)
+    wall, cpu1, ecpu1, calls1 = time.monotonic() - t0, proc.cpu_times(), engine_proc.cpu_times(), router.counters["calls"]
+    stop.set()
+    in_flight = sum(not t.done() for t in tasks)
+    await asyncio.gather(*tasks, return_exceptions=True)
+    monitor.cancel()
+    await pool.close()
+    cpu = (cpu1.user - cpu0.user) + (cpu1.system - cpu0.system)
+    ecpu = (ecpu1.user - ecpu0.user) + (ecpu1.system - ecpu0.system)
+    return {
+        "concurrent_episodes": args.concurrency,
+        "in_flight_at_end": in_flight,
+        "episodes_per_s": round(done["measured"] / wall, 1),
+        "model_calls_per_s": round((calls1 - calls0) / wall, 1),
+        "agent_cpu_ms_per_model_call": round(cpu * 1000 / max(1, calls1 - calls0), 3),
+        "loop_lag_p50_ms": round(percentile(lags, 50), 2),
+        "loop_lag_p99_ms": round(percentile(lags, 99), 2),
+        "loop_lag_max_ms": round(max(lags, default=float("nan")), 2),
+        "rss_mb_per_1k_episodes": round((rss_peak - rss0) / 2**20 / args.concurrency * 1000, 1),
+        "rss_mb": round(rss_peak / 2**20, 1),
+        "agent_process_cpu_util": round(cpu / wall, 2),
+        "engine_process_cpu_util": round(ecpu / wall, 2),
+        "episodes": done["episodes"], "errors": done["errors"], "error_kinds": errors,
+        "truncated": done["truncated"], "router_splits": router.counters["splits"],
+        "tool_median_ms": args.tool_median_s * 1000, "tool_sigma": args.tool_sigma,
+        "tool_calls_per_episode": args.tool_calls, "engine_ms": args.engine_ms, "engine_sigma": args.engine_sigma,
+        "loop": "uvloop" if args.uvloop else "asyncio", "duration_s": round(wall, 1),
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--concurrency", type=int, default=5000)
+    p.add_argument("--duration", type=float, default=30.0, help="measurement window, seconds")
+    p.add_argument("--ramp", type=float, default=10.0, help="seconds over which the episodes start")
+    p.add_argument("--warmup", type=float, default=5.0, help="seconds after the ramp before measuring")
+    p.add_argument("--tool-calls", type=int, default=3, help="tool calls per episode (then an answer)")
+    p.add_argument("--tool-median-ms", type=float, default=500.0)
+    p.add_argument("--tool-sigma", type=float, default=1.0)
+    p.add_argument("--engine-ms", type=float, default=20.0, help="median simulated decode time per model call")
+    p.add_argument("--engine-sigma", type=float, default=0.3, help="log-normal shape of the decode time")
+    p.add_argument("--uvloop", action="store_true", help="run the agent loops on uvloop")
+    p.add_argument("--profile", default="", help="write a cProfile of the measurement window here")
+    args = p.parse_args()
+    args.tool_median_s = args.tool_median_ms / 1000
+    BenchCalc.tool_median_s, BenchCalc.tool_sigma = args.tool_median_s, args.tool_sigma
+    logging.basicConfig(level=logging.WARNING)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    ready = ctx.Event()
+    engine = ctx.Process(target=engine_main, args=(port, args.engine_ms, args.engine_sigma, args.tool_calls, ready), daemon=True)
+    engine.start()
+    try:
+        if not ready.wait(30):
+            raise SystemExit("the stand-in engine did not start")
+        if args.uvloop:
+            import uvloop
+
+            result = uvloop.run(bench(args, port, engine.pid))
+        else:
+            result = asyncio.run(bench(args, port, engine.pid))
+    finally:
+        engine.terminate()
+        engine.join(10)
+    print(json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONHASHSEED", "0")
+    main()

@@ -1,0 +1,28 @@
+"""`agentrl envs list | show` helpers (the `try` helper runs against real vLLM in test_environments_vllm)."""
+
+from __future__ import annotations
+
+import json
+
+from agentrl.env.cli import list_envs, show_env
+
+
+def test_list_shows_every_built_in_environment_with_its_summary() -> None:
+    lines: list[str] = []
+    assert list_envs(lines.append) == 0
+    text = "".join(lines)
+    for name in ("arithmetic", "coding", "shell", "guess_number"):
+        assert name in text
+    assert "Guess the number" in text
+
+
+def test_show_prints_an_example_task_and_the_opening_with_tools() -> None:
+    chunks: list[str] = []
+    assert show_env("coding", chunks.append) == 0
+    info = json.loads("".join(chunks))
+    assert info["name"] == "coding" and info["sandbox_image"] == "agentrl/base:bookworm"
+    assert info["example_task"]["id"] and [t["function"]["name"] for t in info["tools"]] == ["run_python"]
+    chunks.clear()
+    show_env("guess_number", chunks.append, high=10)
+    info = json.loads("".join(chunks))
+    assert "from 1 to 10" in info["messages"][-1]["content"] and info["tools"] == []
