@@ -7,6 +7,8 @@
     agentrl model build {tiny,tiny-tools}
     agentrl sandbox build
     agentrl envs list | show NAME
+    agentrl status --serve URL [--admin-token-file F | --run-dir D] [--watch S] [--json]
+    agentrl plot RUN_DIR [--out DIR]
 """
 
 from __future__ import annotations
@@ -106,6 +108,38 @@ def cmd_envs(args: argparse.Namespace, extra: list[str]) -> int:
     return 0
 
 
+def _no_settings(command: str, extra: list[str]) -> None:
+    if extra:
+        raise SystemExit(f"agentrl {command}: takes no --section.key=value settings (got {extra})")
+
+
+def cmd_status(args: argparse.Namespace, extra: list[str]) -> int:
+    _no_settings("status", extra)
+    from agentrl.status import StatusError, main
+
+    try:
+        return main(args.serve, args.admin_token_file, args.run_dir, as_json=args.json, watch_s=args.watch,
+                    timeout_s=args.timeout)
+    except StatusError as e:
+        raise SystemExit(f"agentrl status: {e}") from None
+    except KeyboardInterrupt:
+        return 130
+
+
+def cmd_plot(args: argparse.Namespace, extra: list[str]) -> int:
+    _no_settings("plot", extra)
+    _setup_logging(args.verbose)
+    from agentrl.plot import plot_run
+
+    try:
+        paths = plot_run(args.run_dir, args.out)
+    except FileNotFoundError as e:
+        raise SystemExit(f"agentrl plot: {e}") from None
+    for path in paths:
+        print(path)
+    return 0
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="agentrl", description="Asynchronous RL for tool-using LLM agents. "
                                 "Settings: --config FILE (TOML/YAML) and --section.key=value overrides.")
@@ -145,6 +179,24 @@ def parser() -> argparse.ArgumentParser:
     es = esub.add_parser("show", help="show an environment's tools and an example opening")
     es.add_argument("name")
     es.set_defaults(fn=cmd_envs)
+
+    st = sub.add_parser("status", help="engines, versions, episodes in flight, buffer, sandboxes, throughput",
+                        description="Ask a running serve for its status. The admin token is read from "
+                        "--admin-token-file, $AGENTRL_ADMIN_TOKEN, or RUN_DIR/admin_token (never a command-line value).")
+    st.add_argument("--serve", default="http://127.0.0.1:8000", help="serve's URL (default: %(default)s)")
+    st.add_argument("--admin-token-file", help="file holding serve's admin token")
+    st.add_argument("--run-dir", default="runs/latest", help="serve's run directory, for its admin_token file")
+    st.add_argument("--watch", type=float, default=0.0, metavar="SECONDS", help="refresh every SECONDS")
+    st.add_argument("--json", action="store_true", help="print the raw status JSON")
+    st.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for serve")
+    st.set_defaults(fn=cmd_status)
+
+    pp = sub.add_parser("plot", help="PNG charts of a run directory's logs",
+                        description="Read learner.jsonl, episodes.jsonl and serve_metrics.jsonl and write PNG "
+                        "charts (reward, staleness, importance weights, throughput, learner idle time, sandbox latency).")
+    pp.add_argument("run_dir", help="a run directory, e.g. runs/latest")
+    pp.add_argument("--out", help="where to write the PNGs (default: RUN_DIR/plots)")
+    pp.set_defaults(fn=cmd_plot)
     return p
 
 
