@@ -50,9 +50,13 @@ class Orchestrator:
                     continue
                 task = next(tasks)
                 group_id = f"{task.get('id', 'task')}-{uuid.uuid4().hex[:8]}"
+                # Count the group as in flight before it runs: admission must see it at once.
+                self.in_flight += self.group_size
+                self._started += self.group_size
                 t = asyncio.create_task(self._group(task, group_id), name=f"group-{group_id}")
                 self._tasks.add(t)
                 t.add_done_callback(self._tasks.discard)
+                await asyncio.sleep(0)  # let the new episodes (and HTTP handlers) run
             if self._tasks:
                 await asyncio.gather(*self._tasks, return_exceptions=True)
         finally:
@@ -61,8 +65,6 @@ class Orchestrator:
             await asyncio.gather(*self._tasks, return_exceptions=True)
 
     async def _group(self, task: dict[str, Any], group_id: str) -> None:
-        self.in_flight += self.group_size
-        self._started += self.group_size
         try:
             await asyncio.gather(*(self._episode(task, group_id) for _ in range(self.group_size)))
         finally:

@@ -107,12 +107,13 @@ class EnginePool:
                     text = await r.text()
                     message = _engine_message(text)
                     if 400 <= r.status < 500:
-                        raise InvalidRequest(message, status=r.status if r.status != 404 else 400)
+                        code = "context_length_exceeded" if "context length" in message.lower() else None
+                        raise InvalidRequest(message, status=r.status if r.status != 404 else 400, code=code)
                     raise EngineError(f"engine {engine.name} answered {r.status}: {message}")
                 data = await r.json()
                 engine.served += 1
                 return data
-        except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as e:
+        except (TimeoutError, aiohttp.ClientConnectionError) as e:
             engine.failures += 1
             engine.last_error = f"{type(e).__name__}: {e}"
             if isinstance(e, aiohttp.ClientConnectionError):
@@ -139,7 +140,7 @@ class EnginePool:
         try:
             async with self._http.get(engine.url + "/health", timeout=aiohttp.ClientTimeout(total=5)) as r:
                 ok = r.status == 200
-        except (aiohttp.ClientError, asyncio.TimeoutError):
+        except (TimeoutError, aiohttp.ClientError):
             ok = False
         if not ok:
             self._mark_down(engine, "health check failed")
@@ -180,6 +181,12 @@ class EnginePool:
             await self._control(engine, "/collective_rpc",
                                 {"method": "reload_weights", "kwargs": {"weights_path": weights_path}})
             t_reloaded = time.perf_counter()
+            # KV blocks computed under the old weights must not serve new tokens: drop the prefix
+            # cache and have in-flight requests re-prefill (they continue; none is aborted), so every
+            # token stamped with the new version really is the new policy's.
+            text = await self._control(engine, "/reset_prefix_cache", params={"reset_running_requests": "true"})
+            if '"success":true' not in text.replace(" ", ""):
+                raise EngineError(f"{engine.name} could not reset its prefix cache after the reload: {text[:200]}")
             await self._set_version(engine, version)
         finally:
             # Never leave an engine paused: resume even if the reload failed or we were cancelled.

