@@ -119,7 +119,7 @@ class VLLMEngine:
                         if r.status == 200:
                             log.info("engine on port %d healthy after %.0f s", self.spec.port, time.monotonic() - t0)
                             return
-                except (aiohttp.ClientError, asyncio.TimeoutError):
+                except (TimeoutError, aiohttp.ClientError):
                     pass
                 now = time.monotonic()
                 if now - t0 > timeout_s:
