@@ -42,8 +42,8 @@ def test_serve_and_learn_processes_train_on_exact_tokens_and_leave_nothing_behin
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    from agentrl.learner.trainer import pad_batch, token_logprobs
     from agentrl.buffer.sample import Sample
+    from agentrl.learner.trainer import pad_batch, token_logprobs
 
     run_dir = tmp_path / "run"
     port, engine_port = free_port(), free_port()
