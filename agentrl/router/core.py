@@ -1,9 +1,13 @@
 """The router's call path, independent of HTTP: validate, render, generate, derender, record.
 
-Every chat completion goes render -> token-in generate -> derender on one engine, so the router
-holds the exact prompt ids, sampled ids, behaviour logprobs and the weight version of every
-sampled token (vLLM reports version spans over output indexes). The built-in agent loop calls
-:meth:`Router.chat` in-process; HTTP clients reach the same method through the server.
+Every completion goes render -> token-in generate -> derender on one engine, so the router holds
+the exact prompt ids, sampled ids, behaviour logprobs and the weight version of every sampled token
+(vLLM reports version spans over output indexes). The built-in agent loop calls :meth:`Router.chat`
+in-process; HTTP clients reach the same methods through the server. Streaming calls
+(:mod:`agentrl.router.streaming`) share the preparation and record the same :class:`CallRecord`.
+
+Retries: a call is retried on another engine only when the engine failed before anything was
+returned to the client; a 4xx is never retried.
 """
 
 from __future__ import annotations
@@ -11,25 +15,46 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
-from agentrl.router.errors import EngineError, InvalidRequest, NotFound
+from agentrl.router.errors import EngineError, InvalidRequest, NotFound, RouterError
+from agentrl.router.metrics import RouterMetrics
 from agentrl.router.pool import Engine, EnginePool, parse_version
 from agentrl.router.sessions import CallRecord, Session, continued_prompt, normalize_message
+from agentrl.router.validate import validate_chat, validate_completion
 
 log = logging.getLogger(__name__)
 
-_ALLOWED_ROLES = {"system", "user", "assistant", "tool", "developer"}
+T = TypeVar("T")
 
 
-def _token_versions(choice: dict[str, Any], n: int) -> list[int]:
+def token_versions(weight_versions: list[dict[str, Any]] | None, n: int) -> list[int]:
+    """Per-token policy versions from vLLM's spans over output indexes."""
     versions = [0] * n
-    for span in choice.get("weight_versions") or []:
+    for span in weight_versions or []:
         v = parse_version(span.get("version"))
         for i in range(max(0, span.get("start", 0)), min(n, span.get("end", n))):
             versions[i] = v
     return versions
+
+
+@dataclass
+class Prepared:
+    """A request rendered to tokens on one engine, ready for token-in generate."""
+
+    kind: str  # "chat" or "completion"
+    engine: Engine
+    body: dict[str, Any]  # the validated client body (what derender parses against)
+    gen_req: dict[str, Any]  # the generate request, prompt ids and sampling params final
+    prompt_ids: list[int]
+    session: Session | None
+    parent: CallRecord | None
+    choice: int
+    want_logprobs: bool
+    t0: float
 
 
 class Router:
@@ -44,8 +69,9 @@ class Router:
         self.sessions: dict[str, Session] = {}
         self.counters: dict[str, float] = {
             "calls": 0, "errors_4xx": 0, "errors_5xx": 0, "prompt_tokens": 0, "completion_tokens": 0,
-            "continued": 0, "splits": 0, "retries": 0,
+            "continued": 0, "splits": 0, "retries": 0, "streams": 0, "streams_aborted": 0,
         }
+        self.metrics = RouterMetrics()
         if sessions_dir is not None:
             sessions_dir.mkdir(parents=True, exist_ok=True)
 
@@ -69,66 +95,62 @@ class Router:
         self.pool.forget_session(session_id)
         return self.sessions.pop(session_id, None)
 
-    # -- the call path ----------------------------------------------------------------------------
+    # -- validation -------------------------------------------------------------------------------
     def validate(self, body: Any) -> dict[str, Any]:
-        if not isinstance(body, dict):
-            raise InvalidRequest("the request body must be a JSON object")
-        model = body.get("model")
-        if model is not None and model not in (self.model_name, "default"):
-            raise InvalidRequest(f"the model {model!r} does not exist; this endpoint serves "
-                                 f"{self.model_name!r}", param="model", code="model_not_found", status=404)
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages:
-            raise InvalidRequest("'messages' must be a non-empty list of chat messages", param="messages")
-        for i, m in enumerate(messages):
-            if not isinstance(m, dict) or m.get("role") not in _ALLOWED_ROLES:
-                raise InvalidRequest(f"messages[{i}] must be an object with a role in {sorted(_ALLOWED_ROLES)}",
-                                     param=f"messages[{i}]")
-        if body.get("stream"):
-            raise InvalidRequest("stream=true is not supported by this endpoint yet", param="stream")
-        n = body.get("n", 1)
-        if not isinstance(n, int) or n < 1 or n > 64:
-            raise InvalidRequest("'n' must be an integer between 1 and 64", param="n")
-        for key in ("max_tokens", "max_completion_tokens"):
-            v = body.get(key)
-            if v is not None and (not isinstance(v, int) or v < 1):
-                raise InvalidRequest(f"'{key}' must be a positive integer", param=key)
-        t = body.get("temperature")
-        if t is not None and (not isinstance(t, (int, float)) or t < 0 or t > 2):
-            raise InvalidRequest("'temperature' must be a number between 0 and 2", param="temperature")
-        body = dict(body)
-        body["model"] = self.model_name
-        return body
+        return validate_chat(body, self.model_name)
 
+    # -- the call path ----------------------------------------------------------------------------
     async def chat(self, body: Any, session_id: str | None = None) -> dict[str, Any]:
         """One chat completion through the pool, recorded in ``session_id`` when given."""
+        async def once(engine: Engine, t0: float) -> dict[str, Any]:
+            prep = await self.prepare_chat(engine, body, session_id, t0)
+            return await self._finish(prep)
+        return await self._counted("chat", lambda: self.with_retries(session_id, once))
+
+    async def complete(self, body: Any, session_id: str | None = None) -> dict[str, Any]:
+        """One text completion (``/v1/completions``), token-exact and recorded like a chat call."""
+        async def once(engine: Engine, t0: float) -> dict[str, Any]:
+            prep = await self.prepare_completion(engine, body, session_id, t0)
+            return await self._finish(prep)
+        return await self._counted("completion", lambda: self.with_retries(session_id, once))
+
+    async def _counted(self, route: str, fn: Callable[[], Awaitable[T]]) -> T:
         self.counters["calls"] += 1
         t0 = time.perf_counter()
+        status = "200"
         try:
-            body = self.validate(body)
-            session = self.open_session(session_id) if session_id else None
-            attempts = 1 + self.retries
-            for attempt in range(attempts):
-                engine = self.pool.pick(session_id)
-                try:
-                    return await self._chat_on(engine, body, session, t0)
-                except EngineError:
-                    if attempt + 1 >= attempts:
-                        raise
-                    self.counters["retries"] += 1  # nothing was streamed: safe to retry elsewhere
-            raise AssertionError("unreachable")
-        except InvalidRequest:
-            self.counters["errors_4xx"] += 1
+            return await fn()
+        except RouterError as e:
+            status = str(e.status)
+            self.counters["errors_4xx" if e.status < 500 else "errors_5xx"] += 1
             raise
-        except EngineError:
-            self.counters["errors_5xx"] += 1
-            raise
+        finally:
+            self.metrics.request_seconds.observe(time.perf_counter() - t0, route=route, status=status)
 
-    async def _chat_on(self, engine: Engine, body: dict[str, Any], session: Session | None,
-                       t0: float) -> dict[str, Any]:
+    async def with_retries(self, session_id: str | None,
+                           fn: Callable[[Engine, float], Awaitable[T]]) -> T:
+        """Run ``fn`` on a picked engine; on an engine failure (nothing sent yet) try another one."""
+        t0 = time.perf_counter()
+        attempts = 1 + self.retries
+        for attempt in range(attempts):
+            engine = self.pool.pick(session_id)
+            try:
+                return await fn(engine, t0)
+            except EngineError as e:
+                if attempt + 1 >= attempts:
+                    raise
+                self.counters["retries"] += 1
+                log.warning("retrying a call after %s failed: %s", engine.name, e.message)
+        raise AssertionError("unreachable")
+
+    async def prepare_chat(self, engine: Engine, body: Any, session_id: str | None, t0: float) -> Prepared:
+        body = self.validate(body)
+        session = self.open_session(session_id) if session_id else None
         want_logprobs = bool(body.get("logprobs"))
-        engine_body = dict(body, logprobs=True)  # behaviour logprobs are always captured
-        engine_body.pop("top_logprobs", None) if not want_logprobs else None
+        engine_body = dict(body, logprobs=True, stream=False)  # behaviour logprobs are always captured
+        engine_body.pop("stream_options", None)
+        if not want_logprobs:
+            engine_body.pop("top_logprobs", None)
         gen_req = await self.pool.call(engine, "/v1/chat/completions/render", engine_body)
         full_ids: list[int] = gen_req["token_ids"]
         prompt_ids = full_ids
@@ -151,41 +173,80 @@ class Router:
                 self.counters["splits"] += 1
             else:
                 self.counters["continued"] += 1
-        self._check_length(prompt_ids, gen_req.get("sampling_params", {}))
+        self._check_length(prompt_ids, gen_req.setdefault("sampling_params", {}))
         gen_req["token_ids"] = prompt_ids
-        gen = await self.pool.call(engine, "/inference/v1/generate", gen_req)
-        completion = await self.pool.call(engine, "/v1/chat/completions/derender", {
-            "generate_response": gen, "prompt_token_ids": prompt_ids, "prompt_tokens": len(prompt_ids),
-            "chat_request": body,
-        })
+        return Prepared("chat", engine, body, gen_req, prompt_ids, session, parent, choice, want_logprobs, t0)
+
+    async def prepare_completion(self, engine: Engine, body: Any, session_id: str | None,
+                                 t0: float) -> Prepared:
+        body = validate_completion(body, self.model_name)
+        session = self.open_session(session_id) if session_id else None
+        want_logprobs = body.get("logprobs") is not None
+        engine_body = dict(body, stream=False, logprobs=body.get("logprobs") or 0)
+        engine_body.pop("stream_options", None)
+        rendered = await self.pool.call(engine, "/v1/completions/render", engine_body)
+        gen_req = rendered[0] if isinstance(rendered, list) else rendered
+        prompt_ids: list[int] = gen_req["token_ids"]
+        self._check_length(prompt_ids, gen_req.setdefault("sampling_params", {}))
+        return Prepared("completion", engine, body, gen_req, prompt_ids, session, None, 0, want_logprobs, t0)
+
+    async def _finish(self, prep: Prepared) -> dict[str, Any]:
+        """Non-streaming: generate, derender, record."""
+        engine = prep.engine
+        gen = await self.pool.call(engine, "/inference/v1/generate", prep.gen_req)
+        if prep.kind == "chat":
+            out = await self.pool.call(engine, "/v1/chat/completions/derender", {
+                "generate_response": gen, "prompt_token_ids": prep.prompt_ids,
+                "prompt_tokens": len(prep.prompt_ids), "chat_request": prep.body})
+        else:
+            out = await self.pool.call(engine, "/v1/completions/derender", {
+                "generate_responses": [gen], "prompt_token_ids": [prep.prompt_ids],
+                "prompt_tokens": [len(prep.prompt_ids)], "completion_request": prep.body})
         comps = []
-        for ch, out in zip(gen["choices"], completion["choices"], strict=True):
+        for ch, oc in zip(gen["choices"], out["choices"], strict=True):
             ids = ch.get("token_ids") or []
             lps = [c["logprob"] for c in ((ch.get("logprobs") or {}).get("content") or [])]
-            if len(lps) != len(ids):
-                raise EngineError(f"engine {engine.name} returned {len(lps)} logprobs for {len(ids)} tokens")
-            if ch.get("finish_reason") == "stop" and ch.get("stop_reason") is None and ids:
-                self.eos_token_ids.add(ids[-1])
-            comps.append({"token_ids": ids, "logprobs": lps, "versions": _token_versions(ch, len(ids)),
-                          "finish_reason": ch.get("finish_reason"), "message": out["message"]})
-            if not want_logprobs:
-                out["logprobs"] = None
-            out["token_ids"] = ids
-        self.counters["prompt_tokens"] += len(prompt_ids)
+            message = oc.get("message") if prep.kind == "chat" else {"role": "assistant", "content": oc.get("text")}
+            comps.append(self.completion_entry(engine, ids, lps, ch.get("weight_versions"),
+                                               ch.get("finish_reason"), ch.get("stop_reason"), message))
+            if not prep.want_logprobs:
+                oc["logprobs"] = None
+            oc["token_ids"] = ids
+        out["model"] = self.model_name
+        out["prompt_token_ids"] = prep.prompt_ids
+        rec = self.record(prep, comps)
+        if rec is not None:
+            out["agentrl"] = {"session_id": rec.session_id, "call_index": rec.index, "parent": rec.parent,
+                              "versions": [c["versions"] for c in comps]}
+        return out
+
+    def completion_entry(self, engine: Engine, ids: list[int], lps: list[float],
+                         weight_versions: list[dict[str, Any]] | None, finish_reason: str | None,
+                         stop_reason: Any, message: dict[str, Any]) -> dict[str, Any]:
+        """One choice as captured: exact ids, behaviour logprobs, per-token versions."""
+        if len(lps) != len(ids):
+            raise EngineError(f"engine {engine.name} returned {len(lps)} logprobs for {len(ids)} tokens")
+        if finish_reason == "stop" and stop_reason is None and ids:
+            self.eos_token_ids.add(ids[-1])
+        return {"token_ids": ids, "logprobs": lps, "versions": token_versions(weight_versions, len(ids)),
+                "finish_reason": finish_reason, "message": message}
+
+    def record(self, prep: Prepared, comps: list[dict[str, Any]]) -> CallRecord | None:
+        """Count the call's tokens and, in a session, write its record (as the call completes)."""
+        self.counters["prompt_tokens"] += len(prep.prompt_ids)
         self.counters["completion_tokens"] += sum(len(c["token_ids"]) for c in comps)
-        completion["model"] = self.model_name
-        completion["prompt_token_ids"] = prompt_ids
-        if session is not None:
-            rec = CallRecord(
-                session_id=session.session_id, index=len(session.records),
-                parent=parent.index if parent else None, choice=choice, prompt_ids=prompt_ids,
-                completions=comps, engine=engine.name, latency_s=time.perf_counter() - t0,
-                messages=[normalize_message(m) for m in body["messages"]],
-            )
-            session.record(rec)
-            completion["agentrl"] = {"session_id": session.session_id, "call_index": rec.index,
-                                     "parent": rec.parent, "versions": [c["versions"] for c in comps]}
-        return completion
+        if prep.session is None:
+            return None
+        session = prep.session
+        messages = [normalize_message(m) for m in prep.body["messages"]] if prep.kind == "chat" else []
+        rec = CallRecord(
+            session_id=session.session_id, index=len(session.records),
+            parent=prep.parent.index if prep.parent else None, choice=prep.choice,
+            prompt_ids=prep.prompt_ids, completions=comps, engine=prep.engine.name,
+            latency_s=time.perf_counter() - prep.t0, messages=messages,
+        )
+        session.record(rec)
+        return rec
 
     def _check_length(self, prompt_ids: list[int], sampling: dict[str, Any]) -> None:
         if len(prompt_ids) >= self.max_model_len:

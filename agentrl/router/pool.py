@@ -10,8 +10,10 @@ timeout, and engines are resumed whatever happens.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -63,6 +65,10 @@ class EnginePool:
         self._http: aiohttp.ClientSession | None = None
         self._health_task: asyncio.Task | None = None
         self.weights_path: str | None = None
+        # Closed (cleared) by the weight-update code around a pause window: new engine calls wait
+        # here instead of failing; calls already in flight are kept by vLLM's pause(mode=keep).
+        self.gate = asyncio.Event()
+        self.gate.set()
 
     async def start(self) -> None:
         self._http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
@@ -98,10 +104,12 @@ class EnginePool:
                    count: bool = True) -> dict[str, Any]:
         """POST to one engine. 4xx -> InvalidRequest (never retried); other failures -> EngineError."""
         assert self._http is not None, "EnginePool.start() was not awaited"
+        if not self.gate.is_set():
+            await self.wait_gate()
         if count:
             engine.outstanding += 1
         try:
-            async with self._http.post(engine.url + path, json=body,
+            async with self._http.post(engine.url + path, data=_dumps(body), headers=_JSON,
                                        timeout=aiohttp.ClientTimeout(total=timeout_s or self.request_timeout_s)) as r:
                 if r.status >= 400:
                     text = await r.text()
@@ -113,7 +121,7 @@ class EnginePool:
                 data = await r.json()
                 engine.served += 1
                 return data
-        except (TimeoutError, aiohttp.ClientConnectionError) as e:
+        except (TimeoutError, aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as e:
             engine.failures += 1
             engine.last_error = f"{type(e).__name__}: {e}"
             if isinstance(e, aiohttp.ClientConnectionError):
@@ -122,6 +130,52 @@ class EnginePool:
         finally:
             if count:
                 engine.outstanding -= 1
+
+    async def wait_gate(self) -> None:
+        """Hold a new call while a weight update has the gate closed (bounded by the request timeout)."""
+        try:
+            await asyncio.wait_for(self.gate.wait(), self.request_timeout_s)
+        except TimeoutError:
+            raise EngineError("timed out waiting for a weight update to finish") from None
+
+    async def stream(self, engine: Engine, path: str, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+        """POST a streaming request and yield each server-sent event's JSON (stops at ``[DONE]``).
+
+        Same error mapping as :meth:`call`. A connection lost mid-stream takes the engine out.
+        """
+        assert self._http is not None, "EnginePool.start() was not awaited"
+        if not self.gate.is_set():
+            await self.wait_gate()
+        engine.outstanding += 1
+        try:
+            async with self._http.post(engine.url + path, data=_dumps(body), headers=_JSON,
+                                       timeout=aiohttp.ClientTimeout(total=self.request_timeout_s)) as r:
+                if r.status >= 400:
+                    message = _engine_message(await r.text())
+                    if 400 <= r.status < 500:
+                        code = "context_length_exceeded" if "context length" in message.lower() else None
+                        raise InvalidRequest(message, status=r.status if r.status != 404 else 400, code=code)
+                    raise EngineError(f"engine {engine.name} answered {r.status}: {message}")
+                async for raw in r.content:
+                    line = raw.strip()
+                    if not line.startswith(b"data:"):
+                        continue
+                    data = line[5:].strip()
+                    if data == b"[DONE]":
+                        break
+                    event = json.loads(data)
+                    if isinstance(event, dict) and "error" in event and "choices" not in event:
+                        raise EngineError(f"engine {engine.name} failed mid-stream: {_engine_message(data.decode())}")
+                    yield event
+                engine.served += 1
+        except (TimeoutError, aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as e:
+            engine.failures += 1
+            engine.last_error = f"{type(e).__name__}: {e}"
+            if not isinstance(e, TimeoutError):
+                self._mark_down(engine, engine.last_error)
+            raise EngineError(f"engine {engine.name} failed: {engine.last_error}") from e
+        finally:
+            engine.outstanding -= 1
 
     def _mark_down(self, engine: Engine, why: str) -> None:
         if engine.healthy:
@@ -147,11 +201,17 @@ class EnginePool:
             return
         if not engine.healthy and not self.updating:
             async with self._update_lock:  # a returning engine joins at the current version
+                # The process may have restarted with its base weights, whatever version it last
+                # reported: reload the current weights before it takes traffic.
                 try:
-                    if self.weights_path and engine.version != self.version:
+                    if self.weights_path:
                         await self._update_one(engine, self.weights_path, self.version)
-                    else:
+                    elif self.version == 0:
                         await self._set_version(engine, self.version)
+                    else:  # NCCL-only versions are on no disk: it waits for the group to be re-formed
+                        log.warning("%s answered but version %d exists only in the NCCL group; it stays out "
+                                    "until the learner re-forms the group", engine.name, self.version)
+                        return
                 except Exception as e:
                     log.warning("%s answered but could not be brought to version %d: %s", engine.name, self.version, e)
                     return
@@ -159,6 +219,16 @@ class EnginePool:
             log.info("%s (%s) is back in the pool at version %d", engine.name, engine.url, self.version)
 
     # -- weight updates ---------------------------------------------------------------------------
+    # Every step of an update has its own limit (seconds); override per pool with
+    # ``pool.step_timeouts_s = dict(pool.step_timeouts_s, reload=...)``. ``update`` bounds one
+    # engine's whole choreography, ``nccl_init`` the NCCL rendezvous.
+    step_timeouts_s: dict[str, float] = {  # noqa: RUF012 - replaced, never mutated in place
+        "pause": 30.0, "reload": 300.0, "reset": 30.0, "version": 30.0, "resume": 10.0,
+        "nccl_init": 120.0, "nccl_start": 30.0, "nccl_transfer": 300.0, "nccl_finish": 60.0, "update": 600.0,
+    }
+    resume_attempts: int = 3
+    nccl_members: tuple[str, ...] = ()  # engine names in the NCCL weight-transfer group, in rank order
+
     async def _control(self, engine: Engine, path: str, body: dict | None = None, params: dict | None = None,
                        timeout_s: float | None = None) -> Any:
         assert self._http is not None
@@ -169,77 +239,224 @@ class EnginePool:
                 raise EngineError(f"{engine.name} {path} answered {r.status}: {text[:300]}")
             return text
 
+    async def _step(self, engine: Engine, step: str, path: str, body: dict | None = None,
+                    params: dict | None = None) -> str:
+        """One control call of an update, bounded by its own timeout; errors name the engine and step."""
+        limit = self.step_timeouts_s[step]
+        try:
+            return await asyncio.wait_for(self._control(engine, path, body, params, timeout_s=limit), limit + 1.0)
+        except TimeoutError as e:
+            raise EngineError(f"{engine.name} ({engine.url}): step {step!r} ({path}) timed out after {limit:g} s") from e
+        except aiohttp.ClientError as e:
+            raise EngineError(f"{engine.name} ({engine.url}): step {step!r} ({path}) failed: "
+                              f"{type(e).__name__}: {e}") from e
+
     async def _set_version(self, engine: Engine, version: int) -> None:
-        await self._control(engine, "/update_weight_version", {"new_version": str(version)})
+        await self._step(engine, "version", "/update_weight_version", {"new_version": str(version)})
         engine.version = version
 
-    async def _update_one(self, engine: Engine, weights_path: str, version: int) -> dict[str, float]:
+    async def _apply(self, engine: Engine, version: int, load: Any) -> dict[str, float]:
+        """pause(keep) -> ``await load(engine)`` -> reset prefix cache -> set version -> resume.
+
+        In-flight requests stay in the engine across the pause; the reset makes them re-prefill
+        under the new weights (none is aborted), so every token stamped ``version`` really is the
+        new policy's. Resume runs whatever happens, even if the pause itself timed out.
+        """
         t0 = time.perf_counter()
-        await self._control(engine, "/pause", params={"mode": "keep"})
-        t_paused = time.perf_counter()
+        t_paused = t_loaded = t0
+        resumed = False
         try:
-            await self._control(engine, "/collective_rpc",
-                                {"method": "reload_weights", "kwargs": {"weights_path": weights_path}})
-            t_reloaded = time.perf_counter()
-            # KV blocks computed under the old weights must not serve new tokens: drop the prefix
-            # cache and have in-flight requests re-prefill (they continue; none is aborted), so every
-            # token stamped with the new version really is the new policy's.
-            text = await self._control(engine, "/reset_prefix_cache", params={"reset_running_requests": "true"})
+            await self._step(engine, "pause", "/pause", params={"mode": "keep"})
+            t_paused = time.perf_counter()
+            await load(engine)
+            t_loaded = time.perf_counter()
+            text = await self._step(engine, "reset", "/reset_prefix_cache", params={"reset_running_requests": "true"})
             if '"success":true' not in text.replace(" ", ""):
                 raise EngineError(f"{engine.name} could not reset its prefix cache after the reload: {text[:200]}")
             await self._set_version(engine, version)
         finally:
-            # Never leave an engine paused: resume even if the reload failed or we were cancelled.
-            await asyncio.shield(self._resume(engine))
+            # Never leave an engine paused: resume even if a step failed or we were cancelled.
+            resumed = await asyncio.shield(self._resume(engine))
+        if not resumed:
+            raise EngineError(f"{engine.name} ({engine.url}) loaded version {version} but could not be resumed")
         t_resumed = time.perf_counter()
-        return {"pause_s": t_paused - t0, "reload_s": t_reloaded - t_paused,
+        return {"pause_s": t_paused - t0, "reload_s": t_loaded - t_paused,
                 "pause_window_s": t_resumed - t_paused, "total_s": t_resumed - t0}
 
-    async def _resume(self, engine: Engine) -> None:
-        try:
-            await self._control(engine, "/resume", timeout_s=10)
-        except Exception as e:
-            log.error("could not resume %s: %s; taking it out of the pool", engine.name, e)
-            self._mark_down(engine, f"resume failed: {e}")
+    async def _update_one(self, engine: Engine, weights_path: str, version: int) -> dict[str, float]:
+        async def reload(e: Engine) -> None:
+            await self._step(e, "reload", "/collective_rpc",
+                             {"method": "reload_weights", "kwargs": {"weights_path": weights_path}})
 
-    async def update_weights(self, weights_path: str, version: int, timeout_s: float = 300.0) -> dict[str, Any]:
+        return await self._apply(engine, version, reload)
+
+    async def _resume(self, engine: Engine) -> bool:
+        last: Exception | None = None
+        for _ in range(self.resume_attempts):
+            try:
+                await self._step(engine, "resume", "/resume")
+                return True
+            except Exception as e:
+                last = e
+        log.error("could not resume %s: %s; taking it out of the pool", engine.name, last)
+        self._mark_down(engine, f"resume failed: {last}")
+        return False
+
+    async def _update_all(self, version: int, targets: list[Engine], load: Any, timeout_s: float | None,
+                          kind: str) -> dict[str, Any]:
+        """Run the choreography on ``targets`` at once (caller holds the update lock)."""
+        limit = timeout_s or self.step_timeouts_s["update"]
+        t0 = time.perf_counter()
+        results = await asyncio.gather(
+            *(asyncio.wait_for(self._apply(e, version, load), limit) for e in targets), return_exceptions=True)
+        per_engine: dict[str, Any] = {}
+        failed: list[str] = []
+        for e, res in zip(targets, results, strict=True):
+            if isinstance(res, BaseException):
+                why = str(res) if isinstance(res, EngineError) else f"{type(res).__name__}: {res}"
+                if isinstance(res, TimeoutError):
+                    why = f"{e.name} ({e.url}): the update did not finish within {limit:g} s"
+                self._mark_down(e, f"weight update to version {version} failed: {why}")
+                e.last_error = why
+                per_engine[e.name] = {"error": why, "url": e.url}
+                failed.append(e.name)
+            else:
+                per_engine[e.name] = res
+        if len(failed) == len(targets):
+            from agentrl.weights.errors import WeightUpdateFailed
+
+            raise WeightUpdateFailed(version, per_engine)
+        if failed:
+            log.error("version %d (%s): %s taken out of the pool: %s", version, kind, ", ".join(failed),
+                      "; ".join(per_engine[n]["error"] for n in failed))
+        self.version = version
+        return {"version": version, "kind": kind, "engines": per_engine, "failed": failed,
+                "update_s": time.perf_counter() - t0}
+
+    async def update_weights(self, weights_path: str, version: int, timeout_s: float | None = None) -> dict[str, Any]:
         """Load ``weights_path`` into every healthy engine and stamp it ``version``.
 
-        Engines that fail are taken out of the pool (the health checker re-adds them at the current
-        version); the update succeeds if at least one engine took it.
+        Updates serialise. Engines that fail are resumed, taken out of the pool and named in
+        ``failed`` (the health checker re-adds them at the current version once they answer); the
+        update succeeds if at least one engine took it, else :class:`WeightUpdateFailed` names
+        every engine and why, and the pool stays at its previous version.
         """
         async with self._update_lock:
             self.updating = True
             try:
                 targets = [e for e in self.engines if e.healthy]
-                results = await asyncio.gather(
-                    *(asyncio.wait_for(self._update_one(e, weights_path, version), timeout_s) for e in targets),
-                    return_exceptions=True,
-                )
-                per_engine: dict[str, Any] = {}
-                ok = 0
-                for e, res in zip(targets, results, strict=True):
-                    if isinstance(res, BaseException):
-                        self._mark_down(e, f"weight update failed: {type(res).__name__}: {res}")
-                        per_engine[e.name] = {"error": f"{type(res).__name__}: {res}"}
-                    else:
-                        ok += 1
-                        per_engine[e.name] = res
-                if ok == 0:
-                    raise EngineError(f"weight update to version {version} failed on every engine: {per_engine}")
-                self.version = version
+                if not targets:
+                    from agentrl.weights.errors import WeightUpdateFailed
+
+                    raise WeightUpdateFailed(version, {e.name: {"error": e.last_error or "unhealthy", "url": e.url}
+                                                       for e in self.engines})
+
+                async def reload(e: Engine) -> None:
+                    await self._step(e, "reload", "/collective_rpc",
+                                     {"method": "reload_weights", "kwargs": {"weights_path": weights_path}})
+
+                result = await self._update_all(version, targets, reload, timeout_s, "file")
                 self.weights_path = weights_path
-                return {"version": version, "engines": per_engine}
+                return result
             finally:
                 self.updating = False
+
+    async def init_weight_transfer(self, master_address: str, master_port: int, *, workers_per_engine: int = 1,
+                                   packed: bool = True, packed_buffer_size_bytes: int | None = None,
+                                   packed_num_buffers: int | None = None,
+                                   world_size: int | None = None) -> dict[str, Any]:
+        """Have every answering engine join the learner's NCCL weight-transfer group.
+
+        The group is its own communicator (vLLM's stateless process group on ``master_port``), apart
+        from any training process group. The learner is rank 0; engine ``i``'s workers take ranks
+        ``1 + i * workers_per_engine ...``. The learner must open rank 0 while this call waits; if
+        it expects a different ``world_size`` (an engine came or went), :class:`WeightGroupStale`.
+        """
+        from agentrl.weights.errors import WeightGroupStale, WeightUpdateFailed
+
+        async with self._update_lock:
+            members = [e for e in self.engines if await self._answers(e)]
+            if not members:
+                raise WeightUpdateFailed(0, {e.name: {"error": "does not answer /health", "url": e.url}
+                                             for e in self.engines})
+            world = 1 + len(members) * workers_per_engine
+            if world_size is not None and world_size != world:
+                raise WeightGroupStale(f"{len(members)} engines answer ({world} ranks), not {world_size} ranks")
+            wire: dict[str, Any] = {"packed": packed}
+            if packed_buffer_size_bytes is not None:
+                wire["packed_buffer_size_bytes"] = packed_buffer_size_bytes
+            if packed_num_buffers is not None:
+                wire["packed_num_buffers"] = packed_num_buffers
+            results = await asyncio.gather(*(
+                self._step(e, "nccl_init", "/init_weight_transfer_engine", {"init_info": {
+                    "master_address": master_address, "master_port": master_port,
+                    "rank_offset": 1 + i * workers_per_engine, "world_size": world, **wire}})
+                for i, e in enumerate(members)), return_exceptions=True)
+            errors = {e.name: {"error": str(r), "url": e.url} for e, r in zip(members, results, strict=True)
+                      if isinstance(r, BaseException)}
+            if errors:
+                self.nccl_members = ()
+                raise WeightUpdateFailed(0, errors, what="the NCCL weight-transfer group could not be formed")
+            self.nccl_members = tuple(e.name for e in members)
+            return {"world_size": world, "members": list(self.nccl_members)}
+
+    async def update_weights_nccl(self, version: int, update_info: dict[str, Any],
+                                  timeout_s: float | None = None) -> dict[str, Any]:
+        """Receive ``version`` over the NCCL group while the learner broadcasts it (packed buckets).
+
+        Every member must take part (a broadcast to a missing rank would hang), so if the group's
+        membership no longer matches the engines, this raises :class:`WeightGroupStale` before
+        touching any engine and the learner re-forms the group.
+        """
+        from agentrl.weights.errors import WeightGroupStale
+
+        async with self._update_lock:
+            self.updating = True
+            try:
+                by_name = {e.name: e for e in self.engines}
+                members = [by_name[n] for n in self.nccl_members]
+                if not members:
+                    raise WeightGroupStale("no NCCL weight-transfer group: call init first")
+                gone = [e.name for e in members if not e.healthy and not await self._answers(e)]
+                if gone:
+                    raise WeightGroupStale(f"engines {gone} left the NCCL weight-transfer group; re-form it")
+
+                async def receive(e: Engine) -> None:
+                    await self._step(e, "nccl_start", "/start_weight_update")
+                    await self._step(e, "nccl_transfer", "/update_weights", {"update_info": update_info})
+                    await self._step(e, "nccl_finish", "/finish_weight_update", {})
+
+                result = await self._update_all(version, members, receive, timeout_s, "nccl")
+                if result["failed"]:
+                    self.nccl_members = ()  # the communicator is unusable once a rank failed mid-collective
+                for e in members:
+                    if e.name not in result["failed"]:
+                        e.healthy = True  # a member that answered but had been out now serves this version
+                self.weights_path = None  # nothing on disk holds this version
+                return result
+            finally:
+                self.updating = False
+
+    async def _answers(self, engine: Engine) -> bool:
+        assert self._http is not None
+        try:
+            async with self._http.get(engine.url + "/health", timeout=aiohttp.ClientTimeout(total=5)) as r:
+                return r.status == 200
+        except (TimeoutError, aiohttp.ClientError):
+            return False
 
     def status(self) -> list[dict[str, Any]]:
         return [e.status() for e in self.engines]
 
 
-def _engine_message(text: str) -> str:
-    import json
+_JSON = {"Content-Type": "application/json"}
 
+
+def _dumps(body: Any) -> bytes:
+    return json.dumps(body, separators=(",", ":")).encode()
+
+
+def _engine_message(text: str) -> str:
     try:
         data = json.loads(text)
     except ValueError:

@@ -1,10 +1,16 @@
 """The router's HTTP face: OpenAI-compatible routes, sessions, health, metrics, admin control.
 
-OpenAI routes: ``/v1/chat/completions``, ``/v1/models`` and the same under
+OpenAI routes: ``/v1/chat/completions``, ``/v1/completions``, ``/v1/models`` and the same under
 ``/sessions/<id>/v1/...`` (a scaffold's base URL). A session can also be named by the
-``X-Agentrl-Session`` header or by an API key of the form ``sess-<id>``. Control routes under
-``/admin`` need the admin token. Every error is an OpenAI-style JSON body; nothing a client sends
-crashes the router.
+``X-Agentrl-Session`` header or by an API key of the form ``sess-<id>``. ``stream: true`` answers
+with server-sent events. Control routes under ``/admin`` need the admin token.
+
+Access: when API keys are configured, an OpenAI route needs one of them, the admin token, or a
+session (path, header or ``sess-`` key) that the admin opened (``POST /admin/sessions``); an
+unknown session is refused rather than created. A session's own records
+(``GET /sessions/<id>/records``) need that session's key ``sess-<id>`` or the admin token, so
+one session cannot read another's. Every error is an OpenAI-style JSON body; nothing a client
+sends crashes the router.
 """
 
 from __future__ import annotations
@@ -12,13 +18,14 @@ from __future__ import annotations
 import hmac
 import json
 import logging
-import time
 from typing import Any
 
 from aiohttp import web
 
 from agentrl.router.core import Router
-from agentrl.router.errors import InvalidRequest, RouterError, Unauthorized
+from agentrl.router.errors import InvalidRequest, NotFound, RouterError, Unauthorized
+from agentrl.router.metrics import metrics_text
+from agentrl.router.streaming import open_stream
 
 log = logging.getLogger(__name__)
 
@@ -47,15 +54,21 @@ def _session_of(request: web.Request) -> str | None:
     return sid
 
 
+def _is_admin(request: web.Request, key: str) -> bool:
+    token = request.app[ADMIN_TOKEN]
+    return bool(token) and hmac.compare_digest(key, token)
+
+
 def _check_client(request: web.Request) -> None:
     keys = request.app[API_KEYS]
     if not keys:
         return
     key = _bearer(request) or ""
-    if key in keys or key.startswith("sess-") or "session_id" in request.match_info:
+    if key in keys or _is_admin(request, key):
         return
-    if request.app[ADMIN_TOKEN] and hmac.compare_digest(key, request.app[ADMIN_TOKEN]):
-        return
+    sid = _session_of(request)
+    if sid is not None and sid in request.app[ROUTER_KEY].sessions:
+        return  # a session the admin opened: its base URL / key is the credential
     raise Unauthorized("invalid API key", code="invalid_api_key")
 
 
@@ -84,14 +97,65 @@ async def _json_body(request: web.Request) -> Any:
         raise InvalidRequest(f"the request body is not valid JSON: {e}") from None
 
 
-async def chat_completions(request: web.Request) -> web.Response:
+def _dumps(obj: Any) -> str:
+    return json.dumps(obj, separators=(",", ":"))
+
+
+async def _completion_route(request: web.Request, kind: str) -> web.StreamResponse:
     _check_client(request)
     body = await _json_body(request)
-    result = await request.app[ROUTER_KEY].chat(body, session_id=_session_of(request))
-    return web.json_response(result)
+    router = request.app[ROUTER_KEY]
+    sid = _session_of(request)
+    if isinstance(body, dict) and body.get("stream") is True:
+        return await _stream(request, await open_stream(router, kind, body, sid))
+    fn = router.chat if kind == "chat" else router.complete
+    return web.json_response(await fn(body, session_id=sid), dumps=_dumps)
+
+
+async def _stream(request: web.Request, stream: Any) -> web.StreamResponse:
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    events = stream.events()
+    try:
+        await resp.prepare(request)
+        try:
+            async for chunk in events:
+                await resp.write(b"data: " + _dumps(chunk).encode() + b"\n\n")
+        except RouterError as e:  # the engine failed mid-stream: tell the client in-band
+            log.warning("stream failed after it started: %s", e.message)
+            await resp.write(b"data: " + _dumps(e.body()).encode() + b"\n\n")
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+    except (ConnectionResetError, ConnectionError):
+        log.info("a streaming client went away; recorded what was produced")
+    finally:
+        await events.aclose()
+        await stream.close()  # records the call whatever happened
+    return resp
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    return await _completion_route(request, "chat")
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    return await _completion_route(request, "completion")
+
+
+async def own_records(request: web.Request) -> web.Response:
+    """A session's own call records: needs ``sess-<id>`` of that very session, or the admin token."""
+    sid = request.match_info["session_id"]
+    key = _bearer(request) or ""
+    if not (_is_admin(request, key) or (key.startswith("sess-") and hmac.compare_digest(key[5:], sid))):
+        raise Unauthorized("a session's records need its own key (Authorization: Bearer sess-<id>)",
+                           code="invalid_api_key")
+    s = request.app[ROUTER_KEY].sessions.get(sid)
+    if s is None:
+        raise NotFound(f"unknown session {sid!r}", param="session_id")
+    return web.json_response({"session_id": sid, "records": [vars(r) for r in s.records]}, dumps=_dumps)
 
 
 async def models(request: web.Request) -> web.Response:
+    _check_client(request)
     r = request.app[ROUTER_KEY]
     return web.json_response({"object": "list", "data": [
         {"id": r.model_name, "object": "model", "created": 0, "owned_by": "agentrl",
@@ -126,21 +190,6 @@ async def engines_status(request: web.Request) -> web.Response:
     return web.json_response({"version": r.pool.version, "engines": r.pool.status(), "counters": r.counters})
 
 
-def metrics_text(router: Router, extra: dict[str, float] | None = None) -> str:
-    lines = []
-    for k, v in router.counters.items():
-        lines.append(f"agentrl_router_{k}_total {v}")
-    lines.append(f"agentrl_policy_version {router.pool.version}")
-    for e in router.pool.engines:
-        lab = f'{{engine="{e.name}"}}'
-        lines += [f"agentrl_engine_healthy{lab} {int(e.healthy)}", f"agentrl_engine_outstanding{lab} {e.outstanding}",
-                  f"agentrl_engine_version{lab} {e.version}"]
-    for k, v in (extra or {}).items():
-        lines.append(f"agentrl_{k} {v}")
-    lines.append(f"agentrl_scrape_time_seconds {time.time():.3f}")
-    return "\n".join(lines) + "\n"
-
-
 async def metrics(request: web.Request) -> web.Response:
     return web.Response(text=metrics_text(request.app[ROUTER_KEY]), content_type="text/plain")
 
@@ -152,7 +201,10 @@ def add_router_routes(app: web.Application, router: Router, *, admin_token: str 
     app[API_KEYS] = api_keys
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/v1/models", models)
+    app.router.add_post("/v1/completions", completions)
     app.router.add_post("/sessions/{session_id}/v1/chat/completions", chat_completions)
+    app.router.add_post("/sessions/{session_id}/v1/completions", completions)
+    app.router.add_get("/sessions/{session_id}/records", own_records)
     app.router.add_get("/sessions/{session_id}/v1/models", models)
     app.router.add_get("/health", health)
     app.router.add_post("/admin/sessions", create_session)

@@ -1,0 +1,117 @@
+"""Request validation for the OpenAI routes: bad input becomes a 4xx with an OpenAI error body.
+
+The checks here are the ones a client can get wrong cheaply and the engine would otherwise answer
+with a less helpful message (or not at all, e.g. ``n`` far beyond what the pool should sample).
+Everything else is passed through to vLLM's render route, whose 4xx answers are returned as-is.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from agentrl.router.errors import InvalidRequest
+
+ALLOWED_ROLES = {"system", "user", "assistant", "tool", "developer"}
+MAX_N = 64
+MAX_TOP_LOGPROBS = 20
+
+
+def _number(body: dict[str, Any], key: str, lo: float, hi: float) -> None:
+    v = body.get(key)
+    if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not lo <= v <= hi):
+        raise InvalidRequest(f"'{key}' must be a number between {lo:g} and {hi:g}", param=key)
+
+
+def _positive_int(body: dict[str, Any], key: str) -> None:
+    v = body.get(key)
+    if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+        raise InvalidRequest(f"'{key}' must be a positive integer", param=key)
+
+
+def check_model(body: dict[str, Any], model_name: str) -> None:
+    model = body.get("model")
+    if model is not None and model not in (model_name, "default"):
+        raise InvalidRequest(f"the model {model!r} does not exist; this endpoint serves {model_name!r}",
+                             param="model", code="model_not_found", status=404)
+
+
+def check_sampling(body: dict[str, Any]) -> None:
+    """Parameters shared by chat and text completions."""
+    n = body.get("n", 1)
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_N:
+        raise InvalidRequest(f"'n' must be an integer between 1 and {MAX_N}", param="n")
+    _positive_int(body, "max_tokens")
+    _positive_int(body, "max_completion_tokens")
+    _number(body, "temperature", 0, 2)
+    _number(body, "top_p", 0, 1)
+    if body.get("top_p") == 0:
+        raise InvalidRequest("'top_p' must be greater than 0", param="top_p")
+    _number(body, "presence_penalty", -2, 2)
+    _number(body, "frequency_penalty", -2, 2)
+    seed = body.get("seed")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise InvalidRequest("'seed' must be an integer", param="seed")
+    stop = body.get("stop")
+    if stop is not None and not isinstance(stop, str) and not (
+            isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
+        raise InvalidRequest("'stop' must be a string or a list of strings", param="stop")
+    if "stream" in body and not isinstance(body["stream"], bool):
+        raise InvalidRequest("'stream' must be a boolean", param="stream")
+    opts = body.get("stream_options")
+    if opts is not None and not isinstance(opts, dict):
+        raise InvalidRequest("'stream_options' must be an object", param="stream_options")
+
+
+def validate_chat(body: Any, model_name: str) -> dict[str, Any]:
+    if not isinstance(body, dict):
+        raise InvalidRequest("the request body must be a JSON object")
+    check_model(body, model_name)
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise InvalidRequest("'messages' must be a non-empty list of chat messages", param="messages")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or m.get("role") not in ALLOWED_ROLES:
+            raise InvalidRequest(f"messages[{i}] must be an object with a role in {sorted(ALLOWED_ROLES)}",
+                                 param=f"messages[{i}]")
+    check_sampling(body)
+    lp = body.get("logprobs")
+    if lp is not None and not isinstance(lp, bool):
+        raise InvalidRequest("'logprobs' must be a boolean for chat completions", param="logprobs")
+    top = body.get("top_logprobs")
+    if top is not None:
+        if isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= MAX_TOP_LOGPROBS:
+            raise InvalidRequest(f"'top_logprobs' must be an integer between 0 and {MAX_TOP_LOGPROBS}",
+                                 param="top_logprobs")
+        if not lp:
+            raise InvalidRequest("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
+    tools = body.get("tools")
+    if tools is not None and not (isinstance(tools, list) and all(
+            isinstance(t, dict) and isinstance(t.get("function"), dict) and t["function"].get("name")
+            for t in tools)):
+        raise InvalidRequest("'tools' must be a list of {\"type\": \"function\", \"function\": {\"name\": ...}}",
+                             param="tools")
+    body = dict(body)
+    body["model"] = model_name
+    return body
+
+
+def validate_completion(body: Any, model_name: str) -> dict[str, Any]:
+    if not isinstance(body, dict):
+        raise InvalidRequest("the request body must be a JSON object")
+    check_model(body, model_name)
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # one prompt wrapped in a list
+    token_prompt = isinstance(prompt, list) and prompt and all(
+        isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in prompt)
+    if not (isinstance(prompt, str) and prompt) and not token_prompt:
+        raise InvalidRequest("'prompt' must be one non-empty string or one list of token ids "
+                             "(send one prompt per request)", param="prompt")
+    check_sampling(body)
+    lp = body.get("logprobs")
+    if lp is not None and (isinstance(lp, bool) or not isinstance(lp, int) or not 0 <= lp <= 5):
+        raise InvalidRequest("'logprobs' must be an integer between 0 and 5 for completions", param="logprobs")
+    if body.get("echo"):
+        raise InvalidRequest("'echo' is not supported by this router", param="echo")
+    body = dict(body, prompt=prompt, model=model_name)
+    return body

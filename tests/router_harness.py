@@ -1,0 +1,70 @@
+"""Test helper: serve a real Router over HTTP on a loopback port, from a background thread.
+
+The official (synchronous) ``openai`` client then talks to it exactly as a scaffold would.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from tests.conftest import free_port
+
+
+class RouterServer:
+    def __init__(self, router: Any, port: int, loop: asyncio.AbstractEventLoop) -> None:
+        self.router = router
+        self.port = port
+        self.loop = loop
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def run(self, coro: Any, timeout: float = 120) -> Any:
+        """Run a coroutine on the router's loop (e.g. to inspect or change the pool)."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+
+@contextmanager
+def serve_router(urls: list[str], model_dir: str, *, api_keys: frozenset[str] = frozenset(),
+                 admin_token: str = "", sessions_dir: Path | None = None, retries: int = 1,
+                 request_timeout_s: float = 120, health_interval_s: float = 1.0) -> Iterator[RouterServer]:
+    from aiohttp import web
+
+    from agentrl.router import EnginePool, Router, make_app
+    from agentrl.serve import eos_token_ids
+
+    loop = asyncio.new_event_loop()
+    port = free_port()
+    state: dict[str, Any] = {}
+
+    async def start() -> RouterServer:
+        pool = EnginePool(urls, request_timeout_s=request_timeout_s, health_interval_s=health_interval_s)
+        await pool.start()
+        router = Router(pool, model_name="tiny-tools", eos_token_ids=eos_token_ids(model_dir), max_model_len=2048,
+                        sessions_dir=sessions_dir, retries=retries)
+        runner = web.AppRunner(make_app(router, admin_token=admin_token, api_keys=api_keys))
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        state["runner"] = runner
+        return RouterServer(router, port, loop)
+
+    async def stop() -> None:
+        await state["runner"].cleanup()
+        await state["server"].router.pool.close()
+
+    thread = threading.Thread(target=loop.run_forever, daemon=True, name="router-test-loop")
+    thread.start()
+    try:
+        state["server"] = asyncio.run_coroutine_threadsafe(start(), loop).result(60)
+        yield state["server"]
+    finally:
+        if "server" in state:
+            asyncio.run_coroutine_threadsafe(stop(), loop).result(60)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
