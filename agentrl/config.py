@@ -107,18 +107,31 @@ class LearnConfig:
     max_staleness: int = 2
     lr: float = 1e-4
     weight_decay: float = 0.0
-    warmup_steps: int = 0
-    grad_clip: float = 1.0
-    micro_batch_tokens: int = 8192  # tokens per forward/backward pass
+    warmup_steps: int = 0  # linear warm-up of the learning rate from lr/warmup_steps to lr
+    decay_steps: int = 0  # after warm-up, linear decay to min_lr_ratio * lr over this many steps (0: constant)
+    min_lr_ratio: float = 0.0  # floor of the decay, as a fraction of lr
+    grad_clip: float = 1.0  # max global gradient norm (0: no clipping)
+    micro_batch_tokens: int = 8192  # tokens per packed row; one row per forward/backward pass
+    activation_checkpointing: bool = False  # recompute decoder-layer activations in backward (less memory)
+    precision: Literal["auto", "bf16", "fp32"] = "auto"  # auto: bf16 compute + fp32 master weights on GPU, fp32 on CPU
     loss: Literal["pg", "ppo", "decoupled_ppo"] = "pg"
     correction: Literal["none", "tis", "mis"] = "tis"
     tis_cap: float = 2.0
     batch_timeout_s: float = 600.0  # give up waiting for a batch after this long
     seed: int = 0
+    checkpoint_every: int = 0  # save a torch.distributed.checkpoint every this many steps (0: never)
+    checkpoint_dir: str = ""  # empty: run_dir/checkpoints (shared by all ranks on several machines)
+    keep_checkpoints: int = 2  # newest checkpoints kept on disk (0: keep all)
+    resume: bool = False  # continue from the latest checkpoint in checkpoint_dir (none there: start fresh)
+    export_dir: str = ""  # at exit, write the policy here as a Hugging Face folder (empty: no export)
 
     def check(self) -> None:
         if self.lr <= 0:
             raise ConfigError("lr must be positive")
+        if self.micro_batch_tokens < 2:
+            raise ConfigError("micro_batch_tokens must be at least 2")
+        if self.warmup_steps < 0 or self.decay_steps < 0 or self.checkpoint_every < 0:
+            raise ConfigError("warmup_steps, decay_steps and checkpoint_every must not be negative")
 
 
 @dataclass

@@ -1,0 +1,166 @@
+"""The learner's process group and model sharding: one process, or many under torchrun with FSDP2.
+
+Role: start ``torch.distributed`` when torchrun set ``WORLD_SIZE`` (gloo on CPU, NCCL on GPU),
+load the model with transformers and shard it with ``fully_shard`` per decoder layer plus the
+root; gather the full weights for publishing and export; move Python objects from rank 0.
+
+Invariants:
+- Without torchrun nothing distributed is started: the model is a plain module, every helper
+  here is the identity, and the learner behaves as a single process always has.
+- Under torchrun every rank makes the same sequence of collective calls; only rank 0 talks to
+  serve, and the others receive what it got through ``broadcast_object``.
+- Parameters stay fp32 (the optimizer's master weights); ``precision="bf16"`` only changes the
+  compute dtype of the sharded forward/backward, gradients are reduced in fp32.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Dist:
+    rank: int = 0
+    world: int = 1
+    local_rank: int = 0
+    device: torch.device = torch.device("cpu")
+    distributed: bool = False  # a process group exists and the model is FSDP2-sharded
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def broadcast_object(self, obj: Any) -> Any:
+        """Rank 0's ``obj`` on every rank."""
+        if not self.distributed:
+            return obj
+        import torch.distributed as dist
+
+        box = [obj]
+        dist.broadcast_object_list(box, src=0, device=self.device if self.device.type == "cuda" else None)
+        return box[0]
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        if not self.distributed:
+            return [obj]
+        import torch.distributed as dist
+
+        out: list[Any] = [None] * self.world
+        dist.all_gather_object(out, obj)
+        return out
+
+    def all_reduce_sum(self, values: list[float]) -> list[float]:
+        if not self.distributed:
+            return list(values)
+        import torch.distributed as dist
+
+        t = torch.tensor(values, dtype=torch.float64, device=self.device)
+        dist.all_reduce(t)
+        return t.tolist()
+
+    def barrier(self) -> None:
+        if self.distributed:
+            import torch.distributed as dist
+
+            dist.barrier()
+
+    def close(self) -> None:
+        if self.distributed:
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.destroy_process_group()
+
+
+def init_dist(timeout_s: float = 1800.0) -> Dist:
+    """Join torchrun's process group if there is one; otherwise a single-process context."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    cuda = torch.cuda.is_available()
+    if "WORLD_SIZE" not in os.environ:
+        return Dist(device=torch.device("cuda") if cuda else torch.device("cpu"))
+    import torch.distributed as dist
+
+    rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
+    if cuda:
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cpu")
+    if not dist.is_initialized():
+        # rank 0 may wait a long time for a batch while the others sit in a broadcast
+        dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=timeout_s))
+    log.info("rank %d of %d on %s", rank, world, device)
+    return Dist(rank=rank, world=world, local_rank=local_rank, device=device, distributed=True)
+
+
+def decoder_layers(model: Any) -> list[torch.nn.Module]:
+    """The repeated transformer blocks of a transformers causal LM (Llama, Qwen2, Mistral, ...)."""
+    inner = getattr(model, "model", None)
+    layers = getattr(inner, "layers", None)
+    if layers is None:
+        raise ValueError(f"cannot find decoder layers in {type(model).__name__} (expected model.model.layers)")
+    return list(layers)
+
+
+def load_model(model_path: str, ctx: Dist, *, precision: str = "auto", activation_checkpointing: bool = False
+               ) -> torch.nn.Module:
+    """fp32 model from a local folder or hub name; sharded with FSDP2 under torchrun."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    if activation_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    bf16 = precision == "bf16" or (precision == "auto" and ctx.device.type == "cuda")
+    if not ctx.distributed:
+        if bf16:
+            log.warning("precision bf16 needs FSDP2 (run under torchrun); training in fp32")
+        return model.to(ctx.device)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mesh = init_device_mesh(ctx.device.type, (ctx.world,))
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 \
+        else MixedPrecisionPolicy()
+    layers = decoder_layers(model)
+    for i, layer in enumerate(layers):
+        # the last layer's parameters are needed again at once by backward: keep them gathered
+        fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=i < len(layers) - 1)
+    fully_shard(model, mesh=mesh, mp_policy=mp)  # embeddings, final norm, (tied) lm_head
+    return model
+
+
+def tied_names(model: torch.nn.Module) -> set[str]:
+    """Names of parameters that are another parameter under a second name (e.g. a tied lm_head)."""
+    unique = {n for n, _ in model.named_parameters()}
+    return {n for n, _ in model.named_parameters(remove_duplicate=False)} - unique
+
+
+def full_state_dict(model: torch.nn.Module, ctx: Dist) -> dict[str, torch.Tensor]:
+    """Unsharded CPU weights on rank 0 (empty elsewhere); tied duplicates left out. Collective."""
+    skip = tied_names(model)
+    if not ctx.distributed:
+        return {k: v.detach().to("cpu") for k, v in model.state_dict().items() if k not in skip}
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return {k: v for k, v in sd.items() if k not in skip} if ctx.is_main else {}
+
+
+def grad_norm_and_clip(model: torch.nn.Module, max_norm: float) -> float:
+    """Global L2 norm of the gradients (over all shards), clipped to ``max_norm`` when positive."""
+    params = [p for p in model.parameters() if p.grad is not None]
+    if not params:
+        return 0.0
+    norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"))
+    if hasattr(norm, "full_tensor"):
+        norm = norm.full_tensor()
+    return float(norm)

@@ -1,0 +1,104 @@
+"""Sequence packing: samples concatenated into rows of at most ``max_tokens`` tokens.
+
+Role: turn a batch of variable-length samples into few dense rows so no compute is spent on
+padding, and turn the row's logprobs back into one right-padded row per sample.
+
+Invariants:
+- Position ids restart at 0 for every sample and the model is called with ``attention_mask=None``,
+  so transformers reads the sample boundaries from the position ids (block-diagonal causal mask
+  for sdpa/eager, varlen kernels for flash attention): attention never crosses samples.
+- ``packed_logprobs`` returns exactly the [S, T-1] layout of ``pad_batch`` + ``token_logprobs``
+  (position t predicts token t+1, zeros past each sample's end), so every loss, aggregation and
+  sequence-level correction sees the same tensors as without packing.
+- Packing is a pure function of the token counts: every rank computes the same rows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+
+def token_logprobs(model: Any, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
+    """log pi(token_t | tokens_<t) for t >= 1 on a right-padded batch, shape [B, T-1] (fp32)."""
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits.float()
+    logp = torch.log_softmax(logits[:, :-1], dim=-1)
+    return logp.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+
+
+def pad_batch(samples: Sequence[Any], pad_id: int) -> dict[str, Tensor]:
+    """Right-padded tensors; per-token fields shifted to align with next-token logprobs."""
+    width = max(len(s.token_ids) for s in samples)
+    b = len(samples)
+    ids = torch.full((b, width), pad_id, dtype=torch.long)
+    attn = torch.zeros((b, width), dtype=torch.long)
+    mask = torch.zeros((b, width), dtype=torch.float32)
+    behaviour = torch.zeros((b, width), dtype=torch.float32)
+    versions = torch.full((b, width), -1, dtype=torch.long)
+    for i, s in enumerate(samples):
+        n = len(s.token_ids)
+        ids[i, :n] = torch.as_tensor(s.token_ids, dtype=torch.long)
+        attn[i, :n] = 1
+        mask[i, :n] = torch.as_tensor(s.loss_mask, dtype=torch.float32)
+        behaviour[i, :n] = torch.as_tensor(s.logprobs, dtype=torch.float32)
+        versions[i, :n] = torch.as_tensor(s.versions, dtype=torch.long)
+    # position t of the [B, T-1] logprob tensor predicts token t+1
+    return {"input_ids": ids, "attention_mask": attn, "mask": mask[:, 1:], "behaviour": behaviour[:, 1:],
+            "versions": versions[:, 1:]}
+
+
+def pack(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
+    """First-fit-decreasing bins of sample indexes whose lengths sum to at most ``max_tokens``.
+
+    A sample longer than ``max_tokens`` gets a row of its own (it cannot be split: its tokens
+    attend to each other). Rows come out longest-first; members keep their index order.
+    """
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    rows: list[list[int]] = []
+    room: list[int] = []
+    for i in order:
+        n = lengths[i]
+        for r, free in enumerate(room):
+            if n <= free:
+                rows[r].append(i)
+                room[r] -= n
+                break
+        else:
+            rows.append([i])
+            room.append(max_tokens - n)
+    return [sorted(r) for r in rows]
+
+
+def packed_inputs(samples: Sequence[Any], device: torch.device | str = "cpu") -> tuple[Tensor, Tensor]:
+    """One row: concatenated token ids [1, N] and per-sample restarting position ids [1, N]."""
+    ids = torch.cat([torch.as_tensor(s.token_ids, dtype=torch.long) for s in samples])
+    pos = torch.cat([torch.arange(len(s.token_ids), dtype=torch.long) for s in samples])
+    return ids.unsqueeze(0).to(device), pos.unsqueeze(0).to(device)
+
+
+def unpack_index(lengths: Sequence[int], device: torch.device | str = "cpu") -> tuple[Tensor, Tensor]:
+    """Gather index [S, W-1] into the row's N-1 next-token logprobs, and where it is valid."""
+    width = max(lengths) - 1
+    offsets = torch.tensor([0, *lengths[:-1]], dtype=torch.long).cumsum(0)
+    n = torch.tensor(lengths, dtype=torch.long)
+    t = torch.arange(max(width, 0), dtype=torch.long)
+    valid = t.unsqueeze(0) < (n - 1).unsqueeze(1)
+    index = torch.where(valid, offsets.unsqueeze(1) + t.unsqueeze(0), torch.zeros_like(valid, dtype=torch.long))
+    return index.to(device), valid.to(device)
+
+
+def packed_logprobs(model: Any, samples: Sequence[Any], device: torch.device | str = "cpu") -> Tensor:
+    """Next-token logprobs of ``samples`` packed into one row, unpacked to [S, T-1] (fp32).
+
+    Equal (to float rounding) to ``token_logprobs(model, **pad_batch(samples))`` on the valid
+    positions; zero past each sample's end.
+    """
+    ids, pos = packed_inputs(samples, device)
+    logits = model(input_ids=ids, position_ids=pos, attention_mask=None, use_cache=False).logits
+    logp = torch.log_softmax(logits[0, :-1].float(), dim=-1)
+    row = logp.gather(-1, ids[0, 1:].unsqueeze(-1)).squeeze(-1)  # [N-1]; boundary entries unused
+    index, valid = unpack_index([len(s.token_ids) for s in samples], device)
+    return torch.where(valid, row[index], torch.zeros((), dtype=row.dtype, device=row.device))
