@@ -4,7 +4,7 @@ N episodes are kept in flight (closed loop: a finished episode's slot starts the
 the real :class:`Router` and the real ``run_episode`` against a fast stand-in engine: a small aiohttp
 server in its own process that implements the three vLLM routes the router uses
 (``/v1/chat/completions/render``, ``/inference/v1/generate``, ``/v1/chat/completions/derender``;
-plus ``/health`` and ``/update_weight_version``). Its "tokenizer" is bytes (prefix-stable ChatML, so
+plus ``/health`` and ``/update_weight_version``). Its "tokenizer" packs 3 bytes per token (prefix-stable ChatML, so
 the router's token-in/token-out continuation works as with vLLM) and its "model" replies with
 ``--tool-calls`` tool calls and then an answer, after ``--engine-ms`` of simulated decode time.
 Each tool call sleeps a log-normal time (median ``--tool-median-ms``, shape ``--tool-sigma``: a
@@ -44,14 +44,21 @@ from agentrl.env.tools import parse_tool_calls  # noqa: E402
 from agentrl.rollout.episode import EpisodeLimits, run_episode  # noqa: E402
 from agentrl.router import EnginePool, Router  # noqa: E402
 
-BOS, EOS, OFFSET = 1, 2, 10  # <|im_start|>, <|im_end|>; byte b is token b + OFFSET
+BOS, EOS, OFFSET = 1, 2, 10  # <|im_start|>, <|im_end|>; text tokens start at OFFSET
 ENV_NAME = "bench_calc"
 
 
 # --- the stand-in engine (its own process) -----------------------------------------------------------
 
 def _text_ids(text: str) -> list[int]:
-    return [b + OFFSET for b in text.encode()]
+    """Up to 3 bytes per token (about what a BPE tokenizer averages), length in the high bits."""
+    raw = text.encode()
+    return [OFFSET + (len(c) << 24 | int.from_bytes(c, "big")) for c in (raw[i:i + 3] for i in range(0, len(raw), 3))]
+
+
+def _ids_text(ids: list[int]) -> str:
+    return b"".join(((t - OFFSET) & 0xFFFFFF).to_bytes((t - OFFSET) >> 24, "big")
+                    for t in ids if t >= OFFSET).decode(errors="replace")
 
 
 def _message_text(m: dict[str, Any]) -> str:
@@ -104,7 +111,7 @@ def engine_main(port: int, engine_ms: float, engine_sigma: float, tool_calls: in
         body = await req.json()
         choices = []
         for i, ch in enumerate(body["generate_response"]["choices"]):
-            text = bytes(t - OFFSET for t in ch["token_ids"] if t >= OFFSET).decode(errors="replace")
+            text = _ids_text(ch["token_ids"])
             parsed = parse_tool_calls(text)
             message: dict[str, Any] = {"role": "assistant", "content": parsed.content}
             if parsed.tool_calls:
@@ -165,13 +172,20 @@ def percentile(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q / 100 * len(xs)))]
 
 
-async def lag_monitor(samples: list[float], measuring: asyncio.Event, interval: float = 0.01) -> None:
+async def lag_monitor(samples: list[float], own: list[float], measuring: asyncio.Event,
+                      interval: float = 0.01) -> None:
+    """Wall-clock lag of a 10 ms sleep, and the part of it this thread spent on the CPU.
+
+    On a shared machine the wall lag includes time the OS ran other processes; the CPU part is
+    the lag the event loop's own work caused (at most the wall lag)."""
     loop = asyncio.get_running_loop()
     while True:
-        t = loop.time()
+        t, c = loop.time(), time.thread_time()
         await asyncio.sleep(interval)
         if measuring.is_set():
-            samples.append(max(0.0, loop.time() - t - interval) * 1000)
+            lag = max(0.0, loop.time() - t - interval)
+            samples.append(lag * 1000)
+            own.append(min(lag, time.thread_time() - c) * 1000)
 
 
 async def bench(args: argparse.Namespace, port: int, engine_pid: int) -> dict[str, Any]:
@@ -185,6 +199,8 @@ async def bench(args: argparse.Namespace, port: int, engine_pid: int) -> dict[st
     rss0 = proc.memory_info().rss
     stop, measuring = asyncio.Event(), asyncio.Event()
     lags: list[float] = []
+    own_lags: list[float] = []
+    load0 = os.getloadavg()[0]
     done = {"episodes": 0, "measured": 0, "errors": 0, "truncated": 0, "turns": 0}
     errors: dict[str, int] = {}
 
@@ -204,7 +220,17 @@ async def bench(args: argparse.Namespace, port: int, engine_pid: int) -> dict[st
                 errors[ep.error[:80]] = errors.get(ep.error[:80], 0) + 1
             done["truncated"] += ep.truncated
 
-    monitor = asyncio.create_task(lag_monitor(lags, measuring))
+    gc_pauses: dict[int, list[float]] = {0: [], 1: [], 2: []}
+    gc_start = [0.0]
+
+    def on_gc(phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            gc_start[0] = time.perf_counter()
+        elif measuring.is_set():
+            gc_pauses[info["generation"]].append((time.perf_counter() - gc_start[0]) * 1000)
+
+    gc.callbacks.append(on_gc)
+    monitor = asyncio.create_task(lag_monitor(lags, own_lags, measuring))
     tasks = [asyncio.create_task(slot(i)) for i in range(args.concurrency)]
     await asyncio.sleep(args.ramp + args.warmup)
     profiler = cProfile.Profile() if args.profile else None
@@ -213,6 +239,7 @@ async def bench(args: argparse.Namespace, port: int, engine_pid: int) -> dict[st
     if profiler:
         profiler.enable()
     rss_peak = proc.memory_info().rss
+    tracked = len(gc.get_objects())
     while time.monotonic() - t0 < args.duration:
         await asyncio.sleep(1.0)
         rss_peak = max(rss_peak, proc.memory_info().rss)
@@ -223,8 +250,12 @@ async def bench(args: argparse.Namespace, port: int, engine_pid: int) -> dict[st
     wall, cpu1, ecpu1, calls1 = time.monotonic() - t0, proc.cpu_times(), engine_proc.cpu_times(), router.counters["calls"]
     stop.set()
     in_flight = sum(not t.done() for t in tasks)
+    for t in tasks:  # cancelled episodes still close their router sessions (run_episode's finally)
+        t.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
+    leaked_sessions = len(router.sessions)
     monitor.cancel()
+    gc.callbacks.remove(on_gc)
     await pool.close()
     cpu = (cpu1.user - cpu0.user) + (cpu1.system - cpu0.system)
     ecpu = (ecpu1.user - ecpu0.user) + (ecpu1.system - ecpu0.system)
@@ -237,10 +268,16 @@ async def bench(args: argparse.Namespace, port: int, engine_pid: int) -> dict[st
         "loop_lag_p50_ms": round(percentile(lags, 50), 2),
         "loop_lag_p99_ms": round(percentile(lags, 99), 2),
         "loop_lag_max_ms": round(max(lags, default=float("nan")), 2),
+        "loop_lag_own_cpu_p99_ms": round(percentile(own_lags, 99), 2),
+        "machine_load_avg_1m": [round(load0, 1), round(os.getloadavg()[0], 1)], "cpus": os.cpu_count(),
         "rss_mb_per_1k_episodes": round((rss_peak - rss0) / 2**20 / args.concurrency * 1000, 1),
         "rss_mb": round(rss_peak / 2**20, 1),
+        "gc_tracked_objects": tracked, "gc_thresholds": list(gc.get_threshold()),
+        "gc_full_collections": len(gc_pauses[2]), "gc_full_pause_max_ms": round(max(gc_pauses[2], default=0), 1),
+        "gc_pause_total_ms": round(sum(map(sum, gc_pauses.values())), 1),
         "agent_process_cpu_util": round(cpu / wall, 2),
         "engine_process_cpu_util": round(ecpu / wall, 2),
+        "leaked_sessions": leaked_sessions,
         "episodes": done["episodes"], "errors": done["errors"], "error_kinds": errors,
         "truncated": done["truncated"], "router_splits": router.counters["splits"],
         "tool_median_ms": args.tool_median_s * 1000, "tool_sigma": args.tool_sigma,
@@ -261,11 +298,15 @@ def main() -> None:
     p.add_argument("--engine-ms", type=float, default=20.0, help="median simulated decode time per model call")
     p.add_argument("--engine-sigma", type=float, default=0.3, help="log-normal shape of the decode time")
     p.add_argument("--uvloop", action="store_true", help="run the agent loops on uvloop")
+    p.add_argument("--gc-threshold", type=int, nargs=3, default=None, metavar=("G0", "G1", "G2"),
+                   help="gc.set_threshold for the agent process (default: Python's)")
     p.add_argument("--profile", default="", help="write a cProfile of the measurement window here")
     args = p.parse_args()
     args.tool_median_s = args.tool_median_ms / 1000
     BenchCalc.tool_median_s, BenchCalc.tool_sigma = args.tool_median_s, args.tool_sigma
     logging.basicConfig(level=logging.WARNING)
+    if args.gc_threshold:
+        gc.set_threshold(*args.gc_threshold)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
