@@ -31,6 +31,7 @@ class EngineConfig:
     enforce_eager: bool = True  # skip torch.compile: much faster start-up on CPU
     dtype: str = "float32"  # fp32 on CPU keeps learner/engine logprobs in agreement
     gpu: bool = False  # launch the GPU build of vLLM
+    cpu_cores: str = ""  # CPU engines: "" = vLLM's default (keeps one core free for a learner), "all", "0-3"
     start_timeout_s: float = 600.0  # give up on an engine that is not healthy by then
 
 

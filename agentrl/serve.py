@@ -92,7 +92,7 @@ class Serve:
                 spec = EngineSpec(model=self.model_path, served_name=cfg.model, port=cfg.engine.base_port + i,
                                   max_model_len=cfg.engine.max_model_len, dtype=cfg.engine.dtype,
                                   enforce_eager=cfg.engine.enforce_eager, kv_cache_gb=cfg.engine.kv_cache_gb,
-                                  gpu=cfg.engine.gpu)
+                                  gpu=cfg.engine.gpu, cpu_cores=cfg.engine.cpu_cores)
                 engine = VLLMEngine(spec, self.run_dir / "logs")
                 engine.launch()  # from this (main) thread: the reaper dies with us
                 self.engines.append(engine)

@@ -45,6 +45,7 @@ class EngineSpec:
     kv_cache_gb: float = 1.0
     gpu: bool = False
     tool_parser: str = "hermes"
+    cpu_cores: str = ""  # CPU only: "" keeps vLLM's default (one core left free), "all", or e.g. "0-3"
     extra_args: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
 
@@ -66,9 +67,10 @@ class EngineSpec:
         env.update(VLLM_SERVER_DEV_MODE="1", VLLM_CACHE_ROOT=str(cache_root))
         if not self.gpu:
             env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(self.kv_cache_gb))))
-            ncpu = os.cpu_count() or 1
-            env.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{ncpu - 1}")
-            env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+            cores = f"0-{(os.cpu_count() or 1) - 1}" if self.cpu_cores == "all" else self.cpu_cores
+            if cores:  # vLLM's OpenMP threads spin: leave a core free when a learner shares the machine
+                env.setdefault("VLLM_CPU_OMP_THREADS_BIND", cores)
+                env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
         env.update(self.env)
         return env
 
