@@ -41,6 +41,37 @@ def token_versions(weight_versions: list[dict[str, Any]] | None, n: int) -> list
     return versions
 
 
+def strip_eos(choice: dict[str, Any], eos_ids: set[int]) -> tuple[dict[str, Any], bool]:
+    """The generate choice as derender should see it: without a sampled end-of-sequence token.
+
+    vLLM's own chat route does not show the eos token as text; derender would. The captured ids
+    keep it (it was sampled, and the learner trains on it). Derender refuses a choice with no
+    tokens, so an eos-only choice goes as it is and the second value says to blank its text.
+    """
+    ids = choice.get("token_ids") or []
+    if not (ids and choice.get("finish_reason") == "stop" and choice.get("stop_reason") is None
+            and ids[-1] in eos_ids):
+        return choice, False
+    if len(ids) == 1:
+        return choice, True
+    out = dict(choice, token_ids=ids[:-1])
+    content = (choice.get("logprobs") or {}).get("content")
+    if content:
+        out["logprobs"] = dict(choice["logprobs"], content=content[:-1])
+    return out, False
+
+
+def blank_text(out: dict[str, Any]) -> None:
+    """Empty the visible text of a derendered choice (chat message, chat delta or completion text)."""
+    for key in ("message", "delta"):
+        if isinstance(out.get(key), dict) and out[key].get("content") is not None:
+            out[key]["content"] = ""
+    if out.get("text") is not None:
+        out["text"] = ""
+    if isinstance(out.get("logprobs"), dict) and out["logprobs"].get("content") is not None:
+        out["logprobs"]["content"] = []
+
+
 @dataclass
 class Prepared:
     """A request rendered to tokens on one engine, ready for token-in generate."""
@@ -151,7 +182,12 @@ class Router:
         engine_body.pop("stream_options", None)
         if not want_logprobs:
             engine_body.pop("top_logprobs", None)
-        gen_req = await self.pool.call(engine, "/v1/chat/completions/render", engine_body)
+        try:
+            gen_req = await self.pool.call(engine, "/v1/chat/completions/render", engine_body)
+        except InvalidRequest as e:
+            if e.code == "context_length_exceeded":
+                e.param = "messages"
+            raise
         full_ids: list[int] = gen_req["token_ids"]
         prompt_ids = full_ids
         parent: CallRecord | None = None
@@ -194,16 +230,20 @@ class Router:
         """Non-streaming: generate, derender, record."""
         engine = prep.engine
         gen = await self.pool.call(engine, "/inference/v1/generate", prep.gen_req)
+        stripped = [strip_eos(ch, self.eos_token_ids) for ch in gen["choices"]]
+        shown = dict(gen, choices=[ch for ch, _ in stripped])
         if prep.kind == "chat":
             out = await self.pool.call(engine, "/v1/chat/completions/derender", {
-                "generate_response": gen, "prompt_token_ids": prep.prompt_ids,
+                "generate_response": shown, "prompt_token_ids": prep.prompt_ids,
                 "prompt_tokens": len(prep.prompt_ids), "chat_request": prep.body})
         else:
             out = await self.pool.call(engine, "/v1/completions/derender", {
-                "generate_responses": [gen], "prompt_token_ids": [prep.prompt_ids],
+                "generate_responses": [shown], "prompt_token_ids": [prep.prompt_ids],
                 "prompt_tokens": [len(prep.prompt_ids)], "completion_request": prep.body})
         comps = []
-        for ch, oc in zip(gen["choices"], out["choices"], strict=True):
+        for ch, oc, (_, blank) in zip(gen["choices"], out["choices"], stripped, strict=True):
+            if blank:
+                blank_text(oc)
             ids = ch.get("token_ids") or []
             lps = [c["logprob"] for c in ((ch.get("logprobs") or {}).get("content") or [])]
             message = oc.get("message") if prep.kind == "chat" else {"role": "assistant", "content": oc.get("text")}
@@ -214,6 +254,9 @@ class Router:
             oc["token_ids"] = ids
         out["model"] = self.model_name
         out["prompt_token_ids"] = prep.prompt_ids
+        n_out = sum(len(c["token_ids"]) for c in comps)
+        out["usage"] = {"prompt_tokens": len(prep.prompt_ids), "completion_tokens": n_out,
+                        "total_tokens": len(prep.prompt_ids) + n_out}
         rec = self.record(prep, comps)
         if rec is not None:
             out["agentrl"] = {"session_id": rec.session_id, "call_index": rec.index, "parent": rec.parent,

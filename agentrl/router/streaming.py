@@ -20,7 +20,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from agentrl.router.core import Prepared, Router
+from agentrl.router.core import Prepared, Router, blank_text, strip_eos
 from agentrl.router.pool import Engine
 
 log = logging.getLogger(__name__)
@@ -120,7 +120,8 @@ class Stream:
             c.weight_versions = ch["weight_versions"]  # cumulative spans over the whole output
         if ch.get("finish_reason"):
             c.finish_reason, c.stop_reason = ch["finish_reason"], ch.get("stop_reason")
-        one = dict(event, choices=[ch])
+        shown, blank = strip_eos(ch, router.eos_token_ids)
+        one = dict(event, choices=[shown])
         if prep.kind == "chat":
             path = "/v1/chat/completions/derender"
             req = {"stream": True, "generate_chunk": one, "stream_state": c.state, "chat_request": prep.body,
@@ -135,6 +136,8 @@ class Stream:
         chunk = res["chunk"]
         chunk["model"] = router.model_name
         for out in chunk.get("choices") or []:
+            if blank:
+                blank_text(out)
             c.add_delta(prep.kind, out)
             if not prep.want_logprobs:
                 out["logprobs"] = None
