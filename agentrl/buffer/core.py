@@ -40,11 +40,12 @@ from agentrl.buffer.codec import (
     CodecError,
     decode_sample,
     encode_batch_records,
-    encode_sample,
+    encode_with_prefix,
+    gc_paused,
     read_header,
 )
 from agentrl.buffer.config import BufferConfig
-from agentrl.buffer.log import HEADER_BYTES, Kind, Log, frame
+from agentrl.buffer.log import HEADER_BYTES, Kind, Log, frame, frame_header
 from agentrl.buffer.sample import Sample
 from agentrl.buffer.units import ARRIVAL, Bounded, Entry, Group, Lease, Unit
 
@@ -113,11 +114,10 @@ class Buffer:
         for s in samples:
             if s.error is not None and self.cfg.error_reward is not None and s.reward != self.cfg.error_reward:
                 s = replace(s, reward=self.cfg.error_reward)
-            record, head = encode_sample(s)
-            payload = ARRIVAL.pack(now) + record
+            payload, head = encode_with_prefix(s, prefix=ARRIVAL.pack(now))
             entries.append(Entry(s.sample_id, s.episode_id, s.group_id, head["min_version"], now, payload))
             if self._log is not None:
-                frames.append(frame(Kind.PUT, payload))
+                frames += (frame_header(Kind.PUT, payload), payload)
         if self._log is not None:
             self._log.append(frames)
         return entries
@@ -168,7 +168,8 @@ class Buffer:
         lease = await self._lease_batch(learner_version, max_staleness, batch_size, timeout_s)
         if lease is None:
             return None
-        samples = [decode_sample(self._entries[i].record, as_arrays) for i in lease.ids]
+        with gc_paused():
+            samples = [decode_sample(self._entries[i].record, as_arrays) for i in lease.ids]
         return Batch(lease.batch_id, samples, learner_version, self._batch_info(lease, max_staleness))
 
     async def get_batch_encoded(self, learner_version: int, max_staleness: int | None = None,

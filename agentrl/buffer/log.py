@@ -44,9 +44,14 @@ class Kind(IntEnum):
     STATE = 4  # payload: JSON counters carried over by compaction; first record of a compacted log
 
 
-def frame(kind: Kind, payload: bytes) -> bytes:
+def frame_header(kind: Kind, payload: bytes) -> bytes:
+    """The header that frames ``payload`` as a record (write the two back to back)."""
     crc = zlib.crc32(payload, zlib.crc32(bytes((kind,)) + struct.pack("<I", len(payload))))
-    return _HEAD.pack(MAGIC, kind, len(payload), crc) + payload
+    return _HEAD.pack(MAGIC, kind, len(payload), crc)
+
+
+def frame(kind: Kind, payload: bytes) -> bytes:
+    return frame_header(kind, payload) + payload
 
 
 @dataclass
@@ -147,7 +152,8 @@ class Log:
         return os.fstat(self._fd).st_size if self._fd is not None else 0
 
     def append(self, records: Iterable[bytes]) -> None:
-        """Write framed records as one write; durable per ``sync`` when this returns."""
+        """Write framed records (or their headers and payloads, in order) as one write; durable
+        per ``sync`` when this returns."""
         data = b"".join(records)
         if not data:
             return
