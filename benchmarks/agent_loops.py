@@ -289,13 +289,15 @@ async def bench(args: argparse.Namespace, port: int, engine_pid: int) -> dict[st
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--concurrency", type=int, default=5000)
-    p.add_argument("--duration", type=float, default=30.0, help="measurement window, seconds")
-    p.add_argument("--ramp", type=float, default=10.0, help="seconds over which the episodes start")
-    p.add_argument("--warmup", type=float, default=5.0, help="seconds after the ramp before measuring")
+    p.add_argument("--duration", type=float, default=60.0, help="measurement window, seconds")
+    p.add_argument("--ramp", type=float, default=30.0, help="seconds over which the episodes start")
+    p.add_argument("--warmup", type=float, default=60.0, help="seconds after the ramp before measuring")
     p.add_argument("--tool-calls", type=int, default=3, help="tool calls per episode (then an answer)")
-    p.add_argument("--tool-median-ms", type=float, default=500.0)
+    p.add_argument("--tool-median-ms", type=float, default=2000.0)
     p.add_argument("--tool-sigma", type=float, default=1.0)
-    p.add_argument("--engine-ms", type=float, default=20.0, help="median simulated decode time per model call")
+    p.add_argument("--engine-ms", type=float, default=20000.0,
+                   help="median simulated decode time per model call (a few hundred tokens at the 20-50 "
+                        "tokens/s one sequence gets in a heavily batched engine)")
     p.add_argument("--engine-sigma", type=float, default=0.3, help="log-normal shape of the decode time")
     p.add_argument("--uvloop", action="store_true", help="run the agent loops on uvloop")
     p.add_argument("--gc-threshold", type=int, nargs=3, default=None, metavar=("G0", "G1", "G2"),
