@@ -1,10 +1,24 @@
-"""Environments: the API users write against, the registry, and tool schemas."""
+"""Environments: the API users write against, the registry, tools, and task sources.
+
+Importing this package stays cheap: gymnasium loads only with ``agentrl.env.gym``, Hugging Face
+``datasets`` only when a dataset source is read.
+"""
 
 from agentrl.env.base import Environment, Message, Reset, StepResult, ToolEnv
-from agentrl.env.registry import UnknownEnvironmentError, environment, lookup, make, registered
-from agentrl.env.tools import ToolCallError, tool, tool_schema
+from agentrl.env.registry import (
+    DuplicateEnvironmentError,
+    UnknownEnvironmentError,
+    environment,
+    lookup,
+    make,
+    registered,
+    unregister,
+)
+from agentrl.env.tasks import TaskSource, load_tasks
+from agentrl.env.tools import ToolCallError, parse_tool_calls, tool, tool_schema
 
 __all__ = [
-    "Environment", "Message", "Reset", "StepResult", "ToolEnv", "ToolCallError",
-    "UnknownEnvironmentError", "environment", "lookup", "make", "registered", "tool", "tool_schema",
+    "DuplicateEnvironmentError", "Environment", "Message", "Reset", "StepResult", "TaskSource", "ToolCallError",
+    "ToolEnv", "UnknownEnvironmentError", "environment", "load_tasks", "lookup", "make", "parse_tool_calls",
+    "registered", "tool", "tool_schema", "unregister",
 ]
