@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Coroutine
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -347,3 +348,152 @@ def test_versions_round_trip_whether_or_not_a_turn_crossed_a_weight_update() -> 
             got = decode_batch(encode_batch(Batch("b", [s], 9))).samples[0]
             assert got.loss_mask == mask and got.versions == versions
             assert got.min_version == Sample(loss_mask=mask, versions=versions, **base).min_version
+
+
+def _v1_record(s: Sample) -> bytes:
+    """A sample record in format 1 (JSON header), as logs written before format 2 hold them."""
+    import json
+
+    import numpy as np
+
+    def runs(xs: list[int]) -> tuple[list[int], list[int]]:
+        vals: list[int] = []
+        lens: list[int] = []
+        for x in xs:
+            if vals and vals[-1] == x:
+                lens[-1] += 1
+            else:
+                vals.append(x)
+                lens.append(1)
+        return vals, lens
+
+    mv, ml = runs(s.loss_mask)
+    vv, vl = runs(s.versions)
+    head = {"v": 1, "n": len(s.token_ids), "km": len(mv), "kv": len(vv), "min_version": s.min_version,
+            "sample_id": s.sample_id, "episode_id": s.episode_id, "group_id": s.group_id, "env": s.env,
+            "reward": s.reward, "truncated": s.truncated, "error": s.error, "info": s.info, "timings": s.timings}
+    hb = json.dumps(head).encode()
+    hb += b" " * (-len(hb) % 4)
+    arrays = [np.array(s.token_ids, "<i4"), np.array(s.logprobs, "<f4")] + [np.array(x, "<i4") for x in (mv, ml, vv, vl)]
+    return len(hb).to_bytes(4, "little") + hb + b"".join(a.tobytes() for a in arrays)
+
+
+int32s = st.integers(min_value=-(2**31), max_value=2**31 - 1)
+
+
+@st.composite
+def samples(draw: st.DrawFn) -> Sample:
+    """Samples with turns, weight updates inside turns, negative and extreme versions, and logprobs
+    that float32 must round (or overflow to -inf)."""
+    mask: list[int] = []
+    versions: list[int] = []
+    for _ in range(draw(st.integers(0, 6))):
+        n = draw(st.integers(1, 120))
+        generated = draw(st.booleans())
+        mask += [1 if generated else 0] * n
+        if generated:
+            first = draw(int32s)
+            split = draw(st.integers(0, n))
+            versions += [first] * split + [draw(int32s)] * (n - split)
+        else:
+            versions += [draw(st.sampled_from([-1, -5, 0]))] * n
+    n = len(mask)
+    logprob = st.one_of(st.floats(allow_nan=False, width=64), st.floats(-1e-44, 0), st.just(-0.1))
+    return Sample(
+        token_ids=draw(st.lists(int32s, min_size=n, max_size=n)),
+        loss_mask=mask,
+        logprobs=draw(st.lists(logprob, min_size=n, max_size=n)),
+        versions=versions,
+        episode_id=draw(st.text(max_size=8)), group_id=draw(st.text(max_size=8)), env=draw(st.text(max_size=8)),
+        reward=draw(st.floats(allow_nan=False)), truncated=draw(st.booleans()),
+        error=draw(st.one_of(st.none(), st.text(max_size=8))),
+        info=draw(st.one_of(st.just({}), st.dictionaries(st.text(max_size=4), st.integers(), max_size=3))),
+        timings=draw(st.one_of(st.just({}), st.dictionaries(st.text(max_size=4), st.floats(0, 1e6), max_size=3))),
+    )
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(s=samples())
+def test_every_sample_round_trips_exactly_with_logprobs_rounded_to_float32(s: Sample) -> None:
+    import array
+
+    import numpy as np
+
+    from agentrl.buffer import decode_sample, encode_sample
+    from agentrl.buffer.codec import read_header
+
+    record, head = encode_sample(s)
+    got = decode_sample(record)
+    want_logprobs = array.array("f", s.logprobs).tolist()  # C (float) cast: nearest, -inf past float32
+    assert got.logprobs == want_logprobs
+    assert got == replace(s, logprobs=want_logprobs)
+    assert head["min_version"] == read_header(record)["min_version"] == s.min_version
+    # The general path (numpy input) writes the same bytes as the list fast paths.
+    arrays = replace(s, token_ids=np.array(s.token_ids, np.int64), loss_mask=np.array(s.loss_mask, np.int8),
+                     logprobs=np.array(s.logprobs), versions=np.array(s.versions, np.int64))
+    with np.errstate(over="ignore"):  # float32 overflow to -inf is the documented rounding
+        assert encode_sample(arrays)[0] == record
+        v1 = _v1_record(s)
+    as_np = decode_sample(record, as_arrays=True)
+    assert as_np.token_ids.tolist() == s.token_ids and as_np.versions.tolist() == s.versions
+    assert as_np.loss_mask.tolist() == s.loss_mask and as_np.logprobs.tolist() == want_logprobs
+    # Format 1 records (older logs) decode to the same sample.
+    assert decode_sample(v1) == got
+
+
+def test_unusual_masks_and_values_keep_their_former_meaning() -> None:
+    from agentrl.buffer import decode_sample, encode_sample
+
+    base = {"token_ids": [1, 2, 3, 4], "logprobs": [0.0, -1.0, -1e39, 1e-50], "episode_id": "e", "group_id": "g",
+            "env": "t", "reward": 0.0}
+    bools = decode_sample(encode_sample(Sample(loss_mask=[False, True, True, 1.0], versions=[-1, 2, 3, 3],
+                                               **base))[0])
+    assert bools.loss_mask == [0, 1, 1, 1] and bools.versions == [-1, 2, 3, 3]
+    assert bools.logprobs == [0.0, -1.0, float("-inf"), 0.0]
+    twos = decode_sample(encode_sample(Sample(loss_mask=[0, 2, 2, 1], versions=[-1, 2, 2, 2], **base))[0])
+    assert twos.loss_mask == [0, 2, 2, 1]
+    with pytest.raises(OverflowError):
+        encode_sample(Sample(loss_mask=[0, 1, 1, 1], versions=[-1, 2**31, 2, 2], **base))
+    with pytest.raises(OverflowError):
+        encode_sample(Sample(loss_mask=[0, 1, 1, 1], versions=[-1, 2, 2, 2], **{**base, "token_ids": [1, 2, 3, 2**40]}))
+
+
+def test_a_log_written_in_format_1_is_recovered_and_served(tmp_path: Path) -> None:
+    from agentrl.buffer.log import Kind, Log, frame
+    from agentrl.buffer.units import ARRIVAL
+
+    old = [make_sample(3, sid=f"old{i}") for i in range(2)]
+    log = Log(tmp_path)
+    list(log.recover())
+    log.append([frame(Kind.PUT, ARRIVAL.pack(time.time()) + _v1_record(s)) for s in old])
+    log.close()
+
+    async def go() -> None:
+        buf = Buffer(BufferConfig(path=str(tmp_path), batch_size=3, max_staleness=4))
+        await buf.put([make_sample(4, sid="new")])
+        batch = await buf.get_batch(5)
+        assert batch is not None and batch.samples == [*old, make_sample(4, sid="new", episode=batch.samples[2].episode_id)]
+        buf.close()
+
+    run(go())
+
+
+def test_decoding_a_batch_pauses_the_collector_only_while_it_runs() -> None:
+    import gc
+
+    from agentrl.buffer.codec import gc_paused
+
+    assert gc.isenabled()
+    with gc_paused():
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with gc_paused():
+            pass
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+    with pytest.raises(RuntimeError), gc_paused():
+        raise RuntimeError
+    assert gc.isenabled()
