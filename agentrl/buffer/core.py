@@ -51,6 +51,8 @@ from agentrl.buffer.units import ARRIVAL, Bounded, Entry, Group, Lease, Unit
 
 log = logging.getLogger(__name__)
 
+_NO_FLOOR = 1 << 62
+
 class Buffer:
     def __init__(self, cfg: BufferConfig) -> None:
         self.cfg = cfg
@@ -58,6 +60,9 @@ class Buffer:
         self._waiting: dict[str, Group] = {}
         self._ready: OrderedDict[str, Unit] = OrderedDict()
         self._ready_count = 0
+        # No ready or waiting sample has a min_version (>= 0) below this, so a lease whose oldest
+        # servable version is at most this needs no staleness scan (an O(pending) walk).
+        self._version_floor = _NO_FLOOR
         self._leases: dict[str, Lease] = {}
         self._closed = Bounded(cfg.remember_ids)
         self._terminal = Bounded(cfg.remember_ids)  # sample id -> "consumed" | "dropped:<reason>"
@@ -281,6 +286,8 @@ class Buffer:
         self._entries[e.sample_id] = e
         self._produced += 1
         self._live_bytes += len(e.payload) + HEADER_BYTES
+        if 0 <= e.min_version < self._version_floor:
+            self._version_floor = e.min_version
 
     def _forget(self, sample_id: str, state: str) -> None:
         e = self._entries.pop(sample_id)
@@ -355,6 +362,8 @@ class Buffer:
 
     def _enforce_staleness(self, learner_version: int, bound: int, drops: dict[str, list[str]]) -> None:
         oldest_ok = learner_version - bound
+        if self._version_floor >= oldest_ok:
+            return
 
         def stale(i: str) -> bool:
             mv = self._entries[i].min_version
@@ -375,6 +384,8 @@ class Buffer:
             drops.setdefault("stale", []).extend(i for i in g.ids if stale(i))
             rest = [i for i in g.ids if not stale(i)]
             self._close_partial("g:" + gid, rest, {self._entries[i].episode_id for i in rest}, drops)
+        ids = [i for u in self._ready.values() for i in u.ids] + [i for g in self._waiting.values() for i in g.ids]
+        self._version_floor = min((mv for i in ids if (mv := self._entries[i].min_version) >= 0), default=_NO_FLOOR)
 
     def _expire_leases(self, now: float) -> None:
         expired = [b for b, lease in self._leases.items() if lease.deadline <= now]
@@ -382,6 +393,10 @@ class Buffer:
             lease = self._leases.pop(b)
             for unit in reversed(lease.units):
                 self._push_ready(unit, front=True)
+                for i in unit.ids:
+                    mv = self._entries[i].min_version
+                    if 0 <= mv < self._version_floor:
+                        self._version_floor = mv
             self._counters["leases_expired"] += 1
             log.warning("buffer: batch %s (%d samples) was not acknowledged in time; serving it again",
                         b, len(lease.ids))
