@@ -1,7 +1,7 @@
 """Buffer throughput: durable put, in-process get+ack, and 256-sample fetches over loopback HTTP.
 
 Samples are 2,048 tokens (512 prompt, 1,536 generated across two policy versions) built as plain
-Python lists, as the router produces them. The log is on with ``sync="fsync"``. Prints one JSON
+Python lists, as the router produces them, with the info and timings the rollout code attaches. The log is on with ``sync="fsync"``. Prints one JSON
 line at the end: put_samples_per_s, put_samples_per_s_one_per_call, get_samples_per_s,
 batch_fetch_ms_p50 (and p90), bytes_per_sample, the same rates per CPU-second of this process
 (meaningful on a shared, loaded machine), the load average, and the parameters.
@@ -44,6 +44,10 @@ def make_pool(n: int, rng: random.Random) -> list[Sample]:
             logprobs=[0.0] * PROMPT + [-rng.random() * 3 for _ in range(gen)],
             versions=[-1] * PROMPT + [10] * switch + [11] * (gen - switch),
             episode_id=f"e{i}", group_id=f"g{i}", env="bench", reward=rng.random(),
+            # What the rollout code attaches to every sample (episode.py), so headers cost what they will.
+            info={"task_id": f"task-{i}", "turns": 3, "sandbox_id": f"sb-{i:08x}", "calls": 2,
+                  "truncation": None, "splits": 0},
+            timings={"episode_s": 12.5 + rng.random(), "started": 1.7e9 + i},
         ))
     return pool
 

@@ -348,7 +348,7 @@ def decode_sample(record: bytes | memoryview, as_arrays: bool = False) -> Sample
         mv, ml, vv, vl = runs[:km], runs[km : 2 * km], runs[2 * km : 2 * km + kv], runs[2 * km + kv :]
         _check_lengths(head, n, ml, vl)
         fields = {"token_ids": _unpack_list(record, off, n, "i"),
-                  "logprobs": _unpack_list(record, off + 4 * n, n, "f"),
+                  "logprobs": _logprob_list(record, off + 4 * n, n, mv, ml),
                   "loss_mask": _expand(mv, ml), "versions": _expand(vv, vl)}
     return Sample(
         **fields,
@@ -372,6 +372,23 @@ def _unpack_list(record: bytes | memoryview, off: int, n: int, typecode: str) ->
     if _BIG_ENDIAN:
         arr.byteswap()
     return arr.tolist()
+
+
+def _logprob_list(record: bytes | memoryview, off: int, n: int, mask_values: Any, mask_lengths: Any) -> list[float]:
+    """The logprobs as a list. Tokens outside the loss mask (prompt, tool output) carry 0.0, so
+    such a run whose bytes are all zero becomes one shared 0.0 repeated: no float per token to
+    allocate, and none for the garbage collector to visit. Other runs are converted."""
+    if len(mask_values) == 1 or not any(v == 0 for v in mask_values):
+        return _unpack_list(record, off, n, "f")
+    view = memoryview(record)
+    out: list[float] = []
+    for v, k in zip(mask_values, mask_lengths, strict=True):
+        if v == 0 and not view[off : off + 4 * k].tobytes().strip(b"\x00"):
+            out += [0.0] * k
+        else:
+            out += _unpack_list(record, off, k, "f")
+        off += 4 * k
+    return out
 
 
 def _check_lengths(head: dict[str, Any], n: int, mask_lengths: Any, version_lengths: Any) -> None:
