@@ -24,6 +24,7 @@ class FakeEngine:
         self.calls: list[tuple[float, str, Any]] = []
         self.delay: dict[str, float] = {}
         self.fail: set[str] = set()
+        self.missing: set[str] = set()  # collective_rpc methods this engine lacks
         self.healthy = True
         self.paused = False
         self.version = "0"
@@ -39,7 +40,7 @@ class FakeEngine:
         if path == "/is_paused":
             return web.json_response({"is_paused": self.paused})
         await asyncio.sleep(self.delay.get(path, 0.0))
-        if path in self.fail:
+        if path in self.fail or (path == "/collective_rpc" and body.get("method") in self.missing):
             return web.json_response({"error": f"{path} broke"}, status=500)
         if path == "/pause":
             self.paused = True
@@ -86,7 +87,9 @@ async def _close(pool: EnginePool, fakes: list[FakeEngine]) -> None:
         await f.stop()
 
 
-FILE_UPDATE = ["/pause", "/collective_rpc", "/reset_prefix_cache", "/update_weight_version", "/resume"]
+# the second collective_rpc re-ties a tied LM head (agentrl.weights.vllm_ext)
+FILE_UPDATE = ["/pause", "/collective_rpc", "/collective_rpc", "/reset_prefix_cache", "/update_weight_version",
+               "/resume"]
 
 
 def test_an_update_pauses_reloads_resets_stamps_and_resumes_every_engine_in_that_order():
@@ -99,7 +102,8 @@ def test_an_update_pauses_reloads_resets_stamps_and_resumes_every_engine_in_that
                 assert f.paths() == FILE_UPDATE
                 assert f.calls[1][2]["kwargs"] == {"weights_path": "/w/v1"}
                 assert f.calls[0][2] == {"mode": "keep"}
-                assert f.calls[2][2] == {"reset_running_requests": "true"}
+                assert f.calls[2][2] == {"method": "agentrl_retie_word_embeddings"}
+                assert f.calls[3][2] == {"reset_running_requests": "true"}
                 assert f.version == "1" and not f.paused
         finally:
             await _close(pool, fakes)
@@ -138,6 +142,21 @@ def test_a_stuck_engine_times_out_is_resumed_and_taken_out_while_the_others_take
             assert pool.pick(None) is pool.engines[0]
         finally:
             await _close(pool, [good, stuck])
+
+    asyncio.run(go())
+
+
+def test_engines_without_the_retie_extension_are_asked_once_and_still_take_updates():
+    async def go():
+        pool, (f,) = await _pool(1)
+        f.missing.add("agentrl_retie_word_embeddings")
+        try:
+            await pool.update_weights("/w/v1", 1)
+            await pool.update_weights("/w/v2", 2)
+            assert pool.retie_supported is False and pool.version == 2 and f.version == "2"
+            assert f.paths().count("/collective_rpc") == 3  # reload, retie (missing), reload
+        finally:
+            await _close(pool, [f])
 
     asyncio.run(go())
 
@@ -239,7 +258,7 @@ def test_an_nccl_update_receives_inside_the_pause_window_on_every_member_with_it
             assert result["kind"] == "nccl" and result["failed"] == [] and pool.version == 1
             for f in fakes:
                 assert f.paths() == ["/pause", "/start_weight_update", "/update_weights", "/finish_weight_update",
-                                     "/reset_prefix_cache", "/update_weight_version", "/resume"]
+                                     "/collective_rpc", "/reset_prefix_cache", "/update_weight_version", "/resume"]
                 assert f.calls[2][2] == {"update_info": info}
         finally:
             await _close(pool, fakes)

@@ -227,6 +227,9 @@ class EnginePool:
         "nccl_init": 120.0, "nccl_start": 30.0, "nccl_transfer": 300.0, "nccl_finish": 60.0, "update": 600.0,
     }
     resume_attempts: int = 3
+    # Engines started with agentrl.weights.vllm_ext re-tie a tied LM head after each load (vLLM's
+    # reload leaves the old one); None until the first engine says whether it has the extension.
+    retie_supported: bool | None = None
     nccl_members: tuple[str, ...] = ()  # engine names in the NCCL weight-transfer group, in rank order
 
     async def _control(self, engine: Engine, path: str, body: dict | None = None, params: dict | None = None,
@@ -284,11 +287,30 @@ class EnginePool:
                 "pause_window_s": t_resumed - t_paused, "total_s": t_resumed - t0}
 
     async def _update_one(self, engine: Engine, weights_path: str, version: int) -> dict[str, float]:
+        return await self._apply(engine, version, self._file_loader(weights_path))
+
+    def _file_loader(self, weights_path: str) -> Any:
         async def reload(e: Engine) -> None:
             await self._step(e, "reload", "/collective_rpc",
                              {"method": "reload_weights", "kwargs": {"weights_path": weights_path}})
+            await self._retie(e)
 
-        return await self._apply(engine, version, reload)
+        return reload
+
+    async def _retie(self, engine: Engine) -> None:
+        """Point a tied LM head at the new embedding (see agentrl.weights.vllm_ext)."""
+        if self.retie_supported is False:
+            return
+        try:
+            await self._step(engine, "reload", "/collective_rpc", {"method": "agentrl_retie_word_embeddings"})
+            self.retie_supported = True
+        except EngineError as e:
+            if self.retie_supported is None:  # the first engine asked has no extension
+                self.retie_supported = False
+                log.warning("engines lack --worker-extension-cls agentrl.weights.vllm_ext.WeightSyncExtension "
+                            "(%s): a model with tied embeddings keeps its old LM head after each reload", e)
+                return
+            raise
 
     async def _resume(self, engine: Engine) -> bool:
         last: Exception | None = None
@@ -351,11 +373,7 @@ class EnginePool:
                     raise WeightUpdateFailed(version, {e.name: {"error": e.last_error or "unhealthy", "url": e.url}
                                                        for e in self.engines})
 
-                async def reload(e: Engine) -> None:
-                    await self._step(e, "reload", "/collective_rpc",
-                                     {"method": "reload_weights", "kwargs": {"weights_path": weights_path}})
-
-                result = await self._update_all(version, targets, reload, timeout_s, "file")
+                result = await self._update_all(version, targets, self._file_loader(weights_path), timeout_s, "file")
                 self.weights_path = weights_path
                 return result
             finally:
@@ -425,6 +443,7 @@ class EnginePool:
                     await self._step(e, "nccl_start", "/start_weight_update")
                     await self._step(e, "nccl_transfer", "/update_weights", {"update_info": update_info})
                     await self._step(e, "nccl_finish", "/finish_weight_update", {})
+                    await self._retie(e)
 
                 result = await self._update_all(version, members, receive, timeout_s, "nccl")
                 if result["failed"]:
