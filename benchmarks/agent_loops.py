@@ -29,6 +29,7 @@ import math
 import multiprocessing as mp
 import os
 import random
+import signal
 import socket
 import sys
 import time
@@ -134,7 +135,9 @@ def engine_main(port: int, engine_ms: float, engine_sigma: float, tool_calls: in
         await runner.setup()
         await web.TCPSite(runner, "127.0.0.1", port, backlog=8192).start()
         ready.set()
-        await asyncio.Event().wait()
+        parent = os.getppid()
+        while os.getppid() == parent:  # die with the benchmark, however it ends
+            await asyncio.sleep(1.0)
 
     asyncio.run(serve())
 
@@ -312,6 +315,7 @@ def main() -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the finally below on `timeout`
     ctx = mp.get_context("spawn")
     ready = ctx.Event()
     engine = ctx.Process(target=engine_main, args=(port, args.engine_ms, args.engine_sigma, args.tool_calls, ready), daemon=True)
