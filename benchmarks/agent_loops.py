@@ -81,8 +81,12 @@ def render(messages: list[dict[str, Any]], add_generation_prompt: bool) -> list[
     return ids
 
 
-def engine_main(port: int, engine_ms: float, engine_sigma: float, tool_calls: int, ready: Any) -> None:
+def engine_main(port: int, engine_ms: float, engine_sigma: float, tool_calls: int, ready: Any,
+                gc_threshold: list[int] | None = None) -> None:
     from aiohttp import web
+
+    if gc_threshold:
+        gc.set_threshold(*gc_threshold)
 
     async def on_render(req: web.Request) -> web.Response:
         body = await req.json()
@@ -221,6 +225,9 @@ async def bench(args: argparse.Namespace, port: int, engine_pid: int) -> dict[st
             if ep.error:
                 done["errors"] += 1
                 errors[ep.error[:80]] = errors.get(ep.error[:80], 0) + 1
+                # An episode can fail without ever suspending (e.g. no engine in the pool): back off,
+                # or this loop never yields and starves the health checker that would recover it.
+                await asyncio.sleep(1.0)
             done["truncated"] += ep.truncated
 
     gc_pauses: dict[int, list[float]] = {0: [], 1: [], 2: []}
@@ -318,7 +325,7 @@ def main() -> None:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the finally below on `timeout`
     ctx = mp.get_context("spawn")
     ready = ctx.Event()
-    engine = ctx.Process(target=engine_main, args=(port, args.engine_ms, args.engine_sigma, args.tool_calls, ready), daemon=True)
+    engine = ctx.Process(target=engine_main, args=(port, args.engine_ms, args.engine_sigma, args.tool_calls, ready, args.gc_threshold), daemon=True)
     engine.start()
     try:
         if not ready.wait(30):
