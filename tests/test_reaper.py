@@ -1,0 +1,66 @@
+"""The engine reaper: a launched engine never outlives the process that launched it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _wait_gone(pid: int, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if not _alive(pid):
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def _spawn_owner(tmp_path) -> tuple[subprocess.Popen, int]:
+    """A stand-in for serve: launches `sleep` through the reaper, prints the grandchild's pid."""
+    script = textwrap.dedent(f"""
+        import subprocess, sys, time
+        p = subprocess.Popen([sys.executable, "-m", "agentrl.engines.reaper", "--", "sh", "-c",
+                              "echo $$ > {tmp_path}/child.pid; exec sleep 600"])
+        time.sleep(600)
+    """)
+    owner = subprocess.Popen([sys.executable, "-c", script], env=dict(os.environ, AGENTRL_REAPER_GRACE_S="2"))
+    pid_file = tmp_path / "child.pid"
+    deadline = time.monotonic() + 30
+    while not pid_file.exists() or not pid_file.read_text().strip():
+        assert time.monotonic() < deadline, "the reaper did not start its child"
+        time.sleep(0.05)
+    return owner, int(pid_file.read_text())
+
+
+def test_a_kill_9_of_the_owner_takes_the_engine_down(tmp_path):
+    owner, child = _spawn_owner(tmp_path)
+    assert _alive(child)
+    owner.send_signal(signal.SIGKILL)
+    owner.wait()
+    assert _wait_gone(child, 10), "the engine outlived its owner"
+
+
+def test_a_sigterm_to_the_reaper_takes_its_whole_group_down(tmp_path):
+    script = f"echo $$ > {tmp_path}/child.pid; sleep 600 & echo $! > {tmp_path}/grandchild.pid; wait"
+    reaper = subprocess.Popen([sys.executable, "-m", "agentrl.engines.reaper", "--", "sh", "-c", script],
+                              env=dict(os.environ, AGENTRL_REAPER_GRACE_S="2"))
+    deadline = time.monotonic() + 30
+    while not (tmp_path / "grandchild.pid").exists() or not (tmp_path / "grandchild.pid").read_text().strip():
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    grandchild = int((tmp_path / "grandchild.pid").read_text())
+    reaper.send_signal(signal.SIGTERM)
+    reaper.wait(30)
+    assert _wait_gone(grandchild, 10), "a grandchild of the engine survived"
