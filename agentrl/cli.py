@@ -6,7 +6,7 @@
     agentrl config show {serve,learn,run} [...]
     agentrl model build {tiny,tiny-tools}
     agentrl sandbox build
-    agentrl envs list | show NAME
+    agentrl envs list | show NAME | try NAME --endpoint URL
     agentrl status --serve URL [--admin-token-file F | --run-dir D] [--watch S] [--json]
     agentrl plot RUN_DIR [--out DIR]
 """
@@ -89,23 +89,15 @@ def cmd_sandbox_build(args: argparse.Namespace, extra: list[str]) -> int:
 
 
 def cmd_envs(args: argparse.Namespace, extra: list[str]) -> int:
-    from agentrl.env import lookup, registered
+    from agentrl.env import cli as env_cli
 
     if args.action == "list":
-        for name in registered():
-            obj = lookup(name)
-            doc = (obj.__doc__ or sys.modules[obj.__module__].__doc__ or "").strip().splitlines()
-            print(f"{name:20s} {doc[0] if doc else ''}")
-        return 0
-    import asyncio
-    import json
-
-    env = lookup(args.name)()
-    task = next(iter(env.tasks("test")))
-    opening = asyncio.run(env.reset(task))  # ToolEnv openings need no sandbox
-    print(json.dumps({"name": args.name, "sandbox_image": getattr(env, "sandbox_image", None),
-                      "example_task": task, "messages": opening.messages, "tools": opening.tools}, indent=2))
-    return 0
+        return env_cli.list_envs()
+    if args.action == "show":
+        return env_cli.show_env(args.name)
+    _setup_logging(args.verbose)
+    return env_cli.try_env(args.name, args.endpoint, model=args.model, max_turns=args.max_turns,
+                           max_tokens=args.max_tokens, temperature=args.temperature)
 
 
 def _no_settings(command: str, extra: list[str]) -> None:
@@ -179,6 +171,14 @@ def parser() -> argparse.ArgumentParser:
     es = esub.add_parser("show", help="show an environment's tools and an example opening")
     es.add_argument("name")
     es.set_defaults(fn=cmd_envs)
+    et = esub.add_parser("try", help="play one episode against an OpenAI-compatible endpoint, turn by turn")
+    et.add_argument("name")
+    et.add_argument("--endpoint", required=True, help="base URL ending in /v1, e.g. http://127.0.0.1:8000/v1")
+    et.add_argument("--model", default="", help="model name (default: the endpoint's first model)")
+    et.add_argument("--max-turns", type=int, default=6)
+    et.add_argument("--max-tokens", type=int, default=256)
+    et.add_argument("--temperature", type=float, default=1.0)
+    et.set_defaults(fn=cmd_envs)
 
     st = sub.add_parser("status", help="engines, versions, episodes in flight, buffer, sandboxes, throughput",
                         description="Ask a running serve for its status. The admin token is read from "

@@ -8,6 +8,7 @@ always stops the engines and removes this instance's containers.
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import logging
 import os
@@ -142,6 +143,11 @@ class Serve:
             limits=EpisodeLimits(max_turns=e.max_turns, max_tokens=e.max_tokens,
                                  max_episode_tokens=e.max_episode_tokens, timeout_s=e.episode_timeout_s,
                                  temperature=e.temperature, top_p=e.top_p))
+        # Thousands of live episodes hold many small objects: with the default thresholds a full
+        # collection stalls the event loop for up to a second (measured in benchmarks/agent_loops.py).
+        gc.collect()
+        gc.freeze()
+        gc.set_threshold(50_000, 50, 100)
         self._orch_task = asyncio.create_task(self.orchestrator.run(), name="orchestrator")
         self._metrics_task = asyncio.create_task(self._metrics_loop(), name="serve-metrics")
 

@@ -39,6 +39,7 @@ class Orchestrator:
         self._log_path = run_dir / "episodes.jsonl" if run_dir else None
         self._tasks: set[asyncio.Task] = set()
         self._started = 0
+        self._infra_failures = 0  # consecutive episodes that failed for want of a working engine
 
     async def run(self) -> None:
         tasks = itertools.cycle(list(make(self.env_name, **self.env_config).tasks("train")))
@@ -48,6 +49,9 @@ class Orchestrator:
                 if room <= 0 or self.in_flight + self.group_size > max(self.max_concurrency, self.group_size):
                     await asyncio.sleep(0.05)
                     continue
+                if self._infra_failures:
+                    # No engine (or every call failing): back off instead of churning out failed episodes.
+                    await asyncio.sleep(min(10.0, 0.1 * 2 ** min(self._infra_failures, 7)))
                 task = next(tasks)
                 group_id = f"{task.get('id', 'task')}-{uuid.uuid4().hex[:8]}"
                 # Count the group as in flight before it runs: admission must see it at once.
@@ -80,6 +84,10 @@ class Orchestrator:
         c = self.counters
         c["episodes"] += 1
         c["failed"] += ep.error is not None
+        if ep.error is not None and ep.error.startswith("ModelError"):
+            self._infra_failures += 1
+        elif ep.error is None:
+            self._infra_failures = 0
         c["truncated"] += ep.truncated
         c["samples"] += len(ep.samples)
         c["reward_sum"] += ep.reward
