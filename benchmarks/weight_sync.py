@@ -9,9 +9,13 @@ update first; the figures are the second. Prints JSON lines, the last one the re
 - ``model_mb``: the safetensors payload; ``sync_total_s``: learner's publish call, first chunk to
   commit answered; ``engine_reload_s``: vLLM's reload call alone; ``disk_read_floor_s``: reading
   the same file from disk (page cache) in the same run;
-- ``pause_window_s``: how long generation stood still, seen by the streams (the longest gap between
-  tokens, over all streams, that overlaps the update); ``engine_paused_s``: pause answered to
-  resume answered, as the pool timed it; ``inter_token_s``: the streams' median gap, for scale;
+- ``pause_window_s``: how long generation stood still: the larger of ``engine_paused_s`` (pause
+  answered to resume answered, as the pool timed it: reload, re-tie, prefix-cache reset, version,
+  resume) and ``stream_stall_s`` (the longest gap between tokens, over all streams, that overlaps
+  the engine update; streams deliver in bursts, so alone it can understate);
+  ``max_gap_during_upload_s``: the same during the upload before it (hashing and writing compete
+  with the engine for the same CPUs here, but generation does not stop); ``inter_token_s``: the
+  streams' median gap, for scale; ``retie_s``: the tied-LM-head fix (agentrl.weights.vllm_ext);
 - ``aborted_requests``: streams that did not finish all their tokens.
 
     python benchmarks/weight_sync.py --model tiny|smollm2|DIR [--concurrency 4] [--max-tokens 400]
@@ -23,6 +27,7 @@ import argparse
 import asyncio
 import json
 import logging
+import socket
 import statistics
 import tempfile
 import time
@@ -33,6 +38,12 @@ import aiohttp
 from aiohttp import web
 
 log = logging.getLogger("benchmarks.weight_sync")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def resolve(name: str) -> str:
@@ -86,8 +97,6 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     from agentrl.engines.vllm import EngineSpec, VLLMEngine
     from agentrl.router.pool import EnginePool
     from agentrl.weights import WeightReceiver, publish
-    from tests.conftest import free_port
-
     model_dir = resolve(args.model)
     work = Path(tempfile.mkdtemp(prefix="weight-sync-"))
     engine = VLLMEngine(EngineSpec(model=model_dir, served_name="bench", port=free_port(),
@@ -132,15 +141,22 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     eng = result["engines"]["engine-0"]
     arrivals = sorted(t for o in outs for t in o["times"])
     gaps = [(b - a, a, b) for a, b in zip(arrivals, arrivals[1:], strict=False)]
-    stall = max((g for g, a, b in gaps if b >= t_pub and a <= t_done), default=0.0)
+    # The engine update is the last update_s of the publish call (the upload before it competes for
+    # the same CPUs but does not stop generation); a gap counts if it overlaps that window.
+    t_update = t_done - result["update_s"]
+    stall = max((g for g, a, b in gaps if b >= t_update and a <= t_done), default=0.0)
+    upload = [g for g, a, b in gaps if t_pub <= a and b <= t_update]
+    pause = max(stall, eng["pause_window_s"])  # streams deliver in bursts: never report less than the pause
     per_stream = [b - a for o in outs for a, b in zip(o["times"], o["times"][1:], strict=False)]
     return {"model": args.model, "model_mb": round(len(payloads[1]) / 2**20, 1),
-            "sync_total_s": round(t_done - t_pub, 4), "pause_window_s": round(stall, 4),
-            "engine_paused_s": round(eng["pause_window_s"], 4), "engine_reload_s": round(eng["reload_s"], 4),
+            "sync_total_s": round(t_done - t_pub, 4), "pause_window_s": round(pause, 4),
+            "engine_paused_s": round(eng["pause_window_s"], 4), "stream_stall_s": round(stall, 4),
+            "engine_reload_s": round(eng["reload_rpc_s"], 4), "retie_s": round(eng["retie_s"], 4),
             "disk_read_floor_s": round(disk_read, 4),
             "aborted_requests": sum(1 for o in outs if o["finish"] != "length" or len(o["times"]) < args.max_tokens),
-            "pause_over_reload": round(stall / max(eng["reload_s"], 1e-9), 3),
+            "pause_over_reload": round(pause / max(eng["reload_rpc_s"], 1e-9), 3),
             "inter_token_s": round(statistics.median(per_stream), 4) if per_stream else None,
+            "max_gap_during_upload_s": round(max(upload, default=0.0), 4),
             "concurrency": args.concurrency, "max_tokens": args.max_tokens}
 
 

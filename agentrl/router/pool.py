@@ -271,7 +271,7 @@ class EnginePool:
         try:
             await self._step(engine, "pause", "/pause", params={"mode": "keep"})
             t_paused = time.perf_counter()
-            await load(engine)
+            parts = await load(engine) or {}
             t_loaded = time.perf_counter()
             text = await self._step(engine, "reset", "/reset_prefix_cache", params={"reset_running_requests": "true"})
             if '"success":true' not in text.replace(" ", ""):
@@ -284,16 +284,19 @@ class EnginePool:
             raise EngineError(f"{engine.name} ({engine.url}) loaded version {version} but could not be resumed")
         t_resumed = time.perf_counter()
         return {"pause_s": t_paused - t0, "reload_s": t_loaded - t_paused,
-                "pause_window_s": t_resumed - t_paused, "total_s": t_resumed - t0}
+                "pause_window_s": t_resumed - t_paused, "total_s": t_resumed - t0, **parts}
 
     async def _update_one(self, engine: Engine, weights_path: str, version: int) -> dict[str, float]:
         return await self._apply(engine, version, self._file_loader(weights_path))
 
     def _file_loader(self, weights_path: str) -> Any:
-        async def reload(e: Engine) -> None:
+        async def reload(e: Engine) -> dict[str, float]:
+            t0 = time.perf_counter()
             await self._step(e, "reload", "/collective_rpc",
                              {"method": "reload_weights", "kwargs": {"weights_path": weights_path}})
+            t1 = time.perf_counter()
             await self._retie(e)
+            return {"reload_rpc_s": t1 - t0, "retie_s": time.perf_counter() - t1}
 
         return reload
 

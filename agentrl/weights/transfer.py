@@ -58,7 +58,9 @@ class WeightReceiver:
         root.mkdir(parents=True, exist_ok=True)
 
     async def chunk(self, version: int, index: int, data: bytes, sha: str) -> None:
-        if hashlib.sha256(data).hexdigest() != sha:
+        # Hashing and writing run off the event loop: the router shares it, and a 16 MiB SHA-256
+        # would stall every agent's call for tens of milliseconds per chunk.
+        if await asyncio.to_thread(_sha256, data) != sha:
             raise web.HTTPBadRequest(reason=f"chunk {index} of version {version} failed its checksum")
         if index == 0:
             path = self.root / f"v{version}.staging"
@@ -67,8 +69,7 @@ class WeightReceiver:
         if version not in self._staging or self._staging[version][1] != index:
             raise web.HTTPConflict(reason=f"chunk {index} of version {version} arrived out of order; restart at 0")
         path, _, total = self._staging[version]
-        await asyncio.to_thread(_append, path, data)
-        total.update(data)
+        await asyncio.to_thread(_append, path, data, total)
         self._staging[version] = (path, index + 1, total)
 
     async def commit(self, version: int, sha: str, chunks: int) -> dict[str, Any]:
@@ -175,9 +176,14 @@ def _error_message(text: str) -> str:
         return text[:2000]
 
 
-def _append(path: Path, data: bytes) -> None:
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def _append(path: Path, data: bytes, total: Any) -> None:
     with open(path, "ab") as f:
         f.write(data)
+    total.update(data)
 
 
 def serialize_state_dict(state: dict[str, Any]) -> bytes:
@@ -199,15 +205,16 @@ async def publish(data: bytes, version: int, serve_url: str, admin_token: str, *
                   timeout_s: float = 600.0, attempts: int = 3) -> dict[str, Any]:
     """Send serialised weights to serve as ``version`` and wait until engines serve them."""
     headers = {"Authorization": f"Bearer {admin_token}"} if admin_token else {}
-    sha = hashlib.sha256(data).hexdigest()
+    sha = await asyncio.to_thread(_sha256, data)  # off the loop: the learner's loop serves other work
     chunks = [data[i : i + CHUNK_BYTES] for i in range(0, len(data), CHUNK_BYTES)] or [b""]
+    chunk_shas = await asyncio.to_thread(lambda: [_sha256(c) for c in chunks])
     last_error: Exception | None = None
     async with aiohttp.ClientSession(headers=headers) as http:
         for attempt in range(attempts):
             try:
                 for i, c in enumerate(chunks):
                     async with http.put(f"{serve_url}/admin/weights/{version}/chunks/{i}", data=c,
-                                        headers={"X-Sha256": hashlib.sha256(c).hexdigest()},
+                                        headers={"X-Sha256": chunk_shas[i]},
                                         timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
                         if r.status != 200:
                             raise WeightTransferError(f"chunk {i}: {r.status} {await r.text()}", r.status)
