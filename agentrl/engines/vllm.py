@@ -57,6 +57,8 @@ class EngineSpec:
             "--dtype", self.dtype, "--max-model-len", str(self.max_model_len),
             "--enable-scale-out", "--enable-auto-tool-choice", "--tool-call-parser", self.tool_parser,
             "--disable-uvicorn-access-log",
+            # Re-ties a tied LM head after in-place reloads (vLLM 0.32 leaves the old head otherwise).
+            "--worker-extension-cls", "agentrl.weights.vllm_ext.WeightSyncExtension",
         ]
         if self.enforce_eager:
             cmd.append("--enforce-eager")

@@ -86,10 +86,16 @@ class ServeSource:
         return None if batch is None else (batch.batch_id, batch.samples)
 
     async def publish(self, state: dict[str, Any], version: int) -> dict[str, Any]:
-        from agentrl.weights import publish, serialize_state_dict
+        from agentrl.weights import EnginesFailed, publish, serialize_state_dict
 
         data = await asyncio.to_thread(serialize_state_dict, state)
-        return await publish(data, version, self.cfg.serve, self.token)
+        try:
+            return await publish(data, version, self.cfg.serve, self.token)
+        except EnginesFailed as e:
+            # Every engine failed to load this version; serve keeps serving the previous one and the
+            # next version is a fresh attempt. Training goes on; the failure is in the metrics.
+            log.error("version %d was not loaded by any engine: %s", version, e)
+            return {"error": str(e)}
 
     async def ack(self, batch_id: str) -> bool:
         return await self.client.ack(batch_id)

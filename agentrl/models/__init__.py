@@ -14,8 +14,9 @@ def home() -> Path:
 def resolve_model(name: str) -> str:
     """Turn a model name from config into something transformers/vLLM load.
 
-    ``"tiny"`` builds (once) and returns the project's tiny model; a local folder is returned as is;
-    anything else is passed through as a hub name.
+    ``"tiny"`` builds (once) and returns the project's tiny model, ``"tiny-tools"`` the same after a
+    short tool-call warm-start, ``"smollm2"`` converts SmolLM2-135M-Instruct offline from its PyPI
+    wheel; a local folder is returned as is; anything else is passed through as a hub name.
     """
     if name == "tiny":
         from agentrl.models.tiny import build_tiny_model
@@ -23,6 +24,10 @@ def resolve_model(name: str) -> str:
         return str(build_tiny_model(home() / "models" / "tiny"))
     if name == "tiny-tools":
         return str(build_tiny_tools_model(home() / "models" / "tiny-tools"))
+    if name in ("smollm2", "smollm2-135m"):
+        from agentrl.models.smollm2 import build_smollm2
+
+        return str(build_smollm2(home() / "models" / "smollm2-135m"))
     return name
 
 
