@@ -32,7 +32,7 @@ def test_the_chat_template_renders_tools_tool_calls_and_tool_results(tmp_path):
         {"role": "tool", "tool_call_id": "c1", "content": "7"},
     ]
     text = tok.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
-    assert '"name": "python"' in text.split("</tools>")[0]
+    assert '<tools>\n{"type": "function", "function": {"name": "python"' in text
     assert '<tool_call>\n{"name": "python", "arguments": {"code": "print(3 + 4)"}}\n</tool_call><|im_end|>' in text
     assert "<|im_start|>user\n<tool_response>\n7\n</tool_response><|im_end|>" in text
     assert text.endswith("<|im_start|>assistant\n")
