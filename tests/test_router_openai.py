@@ -80,13 +80,15 @@ def test_a_streamed_chat_matches_the_unstreamed_one_and_is_recorded_the_same(ser
 def test_tool_calls_come_back_parsed_streamed_or_not(server):
     c = _session(server, "tools")
     forced = {"type": "function", "function": {"name": "python"}}
+    # Greedy and with room to close the JSON: a forced call cut off by max_tokens parses as no call.
     r = c.chat.completions.create(model="tiny-tools", messages=[{"role": "user", "content": "compute 3*4"}],
-                                  tools=TOOLS, tool_choice=forced, max_tokens=40)
+                                  tools=TOOLS, tool_choice=forced, max_tokens=200, temperature=0.0, seed=0)
     (call,) = r.choices[0].message.tool_calls
     assert call.function.name == "python"
     assert "code" in json.loads(call.function.arguments)
     chunks = list(c.chat.completions.create(model="tiny-tools", messages=[{"role": "user", "content": "run"}],
-                                            tools=TOOLS, tool_choice="required", max_tokens=60, stream=True))
+                                            tools=TOOLS, tool_choice="required", max_tokens=200, temperature=0.0,
+                                            seed=0, stream=True))
     deltas = [tc for ch in chunks if ch.choices for tc in (ch.choices[0].delta.tool_calls or [])]
     assert deltas and "python" in "".join(d.function.name or "" for d in deltas if d.function)
     rec = server.router.sessions["tools"].records[-1]
