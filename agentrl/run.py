@@ -25,9 +25,14 @@ def run(cfg: RunConfig) -> int:
     run_dir = Path(cfg.serve.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "serve.toml").write_text(to_toml(cfg.serve))
+    # Settle the admin token before either side starts: serve reads this file, the learner gets it.
+    from agentrl.serve import admin_token_for
+
+    token = admin_token_for(cfg.serve.admin_token, run_dir)
     learn_cfg = cfg.learn
     learn_cfg.serve = f"http://{cfg.serve.router.host}:{cfg.serve.router.port}"
     learn_cfg.run_dir = cfg.serve.run_dir
+    learn_cfg.admin_token = learn_cfg.admin_token or token
     learn_cfg.batch_size = cfg.serve.buffer.batch_size
     learn_cfg.max_staleness = cfg.serve.buffer.max_staleness
     cmd = [sys.executable, "-m", "agentrl.engines.reaper", "--",
