@@ -33,7 +33,7 @@ def test_learner_logprobs_match_vllm_behaviour_logprobs(vllm_engine, tiny_tools_
         router = make_router(vllm_engine, tiny_tools_model)
         await router.pool.start()
         try:
-            out = await router.chat({"messages": [{"role": "user", "content": "What is 12 * 7?"}], "tools": TOOLS,
+            await router.chat({"messages": [{"role": "user", "content": "What is 12 * 7?"}], "tools": TOOLS,
                                      "max_tokens": 48, "temperature": 1.0}, session_id="parity")
             return router.sessions["parity"].records[0]
         finally:
