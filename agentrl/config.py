@@ -245,8 +245,7 @@ def to_toml(cfg: Any) -> str:
     def emit(d: dict[str, Any], prefix: str) -> list[str]:
         lines, tables = [], []
         for k, v in d.items():
-            if isinstance(v, dict) and v and all(not isinstance(x, dict) or True for x in v.values()) \
-                    and k not in ("config",):
+            if isinstance(v, dict) and v and k != "config":  # a section; env.config stays inline
                 tables.append((k, v))
             else:
                 lines.append(f"{k} = {json.dumps(v) if not isinstance(v, dict) else _inline(v)}")
