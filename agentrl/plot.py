@@ -98,6 +98,11 @@ def _num(row: dict[str, Any], key: str) -> float | None:
     return float(node)
 
 
+def _steps(rows: list[dict[str, Any]]) -> list[float]:
+    """The learner step of each row (its position where a row lacks one)."""
+    return [r.get("step", i + 1) for i, r in enumerate(rows)]
+
+
 def _series(rows: list[dict[str, Any]], key: str, xs: list[float]) -> tuple[list[float], list[float]]:
     pairs = [(x, v) for x, r in zip(xs, rows, strict=True) if (v := _num(r, key)) is not None]
     return [p[0] for p in pairs], [p[1] for p in pairs]
@@ -182,7 +187,7 @@ def chart_staleness(logs: RunLogs, axes: list[Any]) -> bool:
         _no_data(ax1, "learner steps")
         _no_data(ax2, "learner steps")
         return False
-    steps = [r.get("step", i + 1) for i, r in enumerate(rows)]
+    steps = _steps(rows)
     for key, color, label in (("staleness_mean", PALETTE[0], "mean"), ("staleness_max", PALETTE[1], "max")):
         x, y = _series(rows, key, steps)
         if x:
@@ -220,7 +225,7 @@ def chart_importance(logs: RunLogs, axes: list[Any]) -> bool:
         for ax in axes:
             _no_data(ax, "importance-weight statistics")
         return False
-    steps = [r.get("step", i + 1) for i, r in enumerate(rows)]
+    steps = _steps(rows)
     weight_keys = [k for k in keys if not k.startswith("mismatch/") and "frac" not in k]
     frac_keys = [k for k in keys if "frac" in k]
     kl_keys = [k for k in keys if k.startswith("mismatch/kl")]
@@ -291,7 +296,7 @@ def chart_learner_time(logs: RunLogs, axes: list[Any]) -> bool:
         _no_data(ax1, "learner steps")
         _no_data(ax2, "learner steps")
         return False
-    steps = [r.get("step", i + 1) for i, r in enumerate(rows)]
+    steps = _steps(rows)
     x, y = _series(rows, "idle_fraction", steps)
     if x:
         ax1.plot(x, y, "o-", ms=3, color=PALETTE[1], label="idle fraction (waiting for batches)")
