@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from agentrl.tokens import SecretError, check_override
+
 
 class ConfigError(ValueError):
     pass
@@ -39,7 +41,8 @@ class EngineConfig:
 class RouterConfig:
     host: str = "127.0.0.1"  # bind address; loopback unless told otherwise
     port: int = 8000
-    api_keys: list[str] = field(default_factory=list)  # client keys for OpenAI routes (empty: open)
+    api_keys: list[str] = field(default_factory=list)  # client keys for OpenAI routes (empty: open); config file only
+    api_keys_file: str = ""  # file with client keys, one a line (also $AGENTRL_API_KEYS / $AGENTRL_API_KEYS_FILE)
     request_timeout_s: float = 600.0  # per engine call
     retries: int = 1  # retries of calls that failed before anything was returned (never 4xx)
 
@@ -79,7 +82,8 @@ class BufferSection:
 class ServeConfig:
     model: str = "tiny-tools"  # "tiny", "tiny-tools", a local folder or a hub name
     run_dir: str = "runs/latest"  # metrics, event log, session records, buffer, weights
-    admin_token: str = ""  # control routes; empty: generated and written to run_dir/admin_token
+    admin_token: str = ""  # control routes; config file only (never --admin_token=); empty: see admin_token_file
+    admin_token_file: str = ""  # file holding the token; empty: $AGENTRL_ADMIN_TOKEN(_FILE), run_dir/admin_token, generated
     engine: EngineConfig = field(default_factory=EngineConfig)
     router: RouterConfig = field(default_factory=RouterConfig)
     env: EnvConfig = field(default_factory=EnvConfig)
@@ -100,7 +104,8 @@ class ServeConfig:
 @dataclass
 class LearnConfig:
     serve: str = "http://127.0.0.1:8000"  # serve's URL
-    admin_token: str = ""  # serve's admin token; empty: read $AGENTRL_ADMIN_TOKEN or run_dir/admin_token
+    admin_token: str = ""  # serve's admin token; config file only (never --admin_token=)
+    admin_token_file: str = ""  # file holding it; empty: $AGENTRL_ADMIN_TOKEN(_FILE), then run_dir/admin_token
     model: str = ""  # empty: the model serve reports
     run_dir: str = "runs/latest"
     steps: int = 3  # optimizer steps, then exit (0: run until stopped)
@@ -224,6 +229,10 @@ def load(cls: type, path: str | Path | None = None, overrides: list[str] | None 
         if "=" not in item:
             raise ConfigError(f"override {item!r} must look like --section.key=value")
         key, text = item.split("=", 1)
+        try:
+            check_override(key)
+        except SecretError as e:
+            raise ConfigError(str(e)) from None
         node = data
         parts = key.split(".")
         for part in parts[:-1]:

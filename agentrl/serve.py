@@ -21,6 +21,7 @@ from typing import Any
 from aiohttp import web
 
 from agentrl.config import ServeConfig, to_dict
+from agentrl.tokens import find_api_keys, settle_admin_token
 
 log = logging.getLogger(__name__)
 
@@ -36,19 +37,17 @@ def eos_token_ids(model_dir: str) -> set[int]:
     return ids
 
 
-def admin_token_for(cfg_token: str, run_dir: Path) -> str:
-    """The admin token: config, then $AGENTRL_ADMIN_TOKEN, then run_dir/admin_token (created 0600)."""
-    token = cfg_token or os.environ.get("AGENTRL_ADMIN_TOKEN", "")
-    path = run_dir / "admin_token"
-    if not token:
-        if path.exists():
-            token = path.read_text().strip()
-        else:
-            token = secrets.token_urlsafe(24)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    path.write_text(token)
-    path.chmod(0o600)
-    return token
+def admin_token_for(cfg: ServeConfig, run_dir: Path) -> str:
+    """serve's admin token (see :mod:`agentrl.tokens`), written to run_dir/admin_token with mode 0600."""
+    return settle_admin_token(cfg.admin_token, cfg.admin_token_file, run_dir)
+
+
+def redacted(cfg: ServeConfig) -> dict[str, Any]:
+    """The config as a dict without its secrets (for files others may read)."""
+    d = to_dict(cfg)
+    d["admin_token"] = "<redacted>" if d["admin_token"] else ""
+    d["router"]["api_keys"] = ["<redacted>"] * len(d["router"]["api_keys"])
+    return d
 
 
 class Serve:
@@ -82,8 +81,9 @@ class Serve:
 
         cfg = self.cfg
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.admin_token = admin_token_for(cfg.admin_token, self.run_dir)
-        (self.run_dir / "serve_config.json").write_text(json.dumps(to_dict(cfg), indent=2))
+        self.admin_token = admin_token_for(cfg, self.run_dir)
+        self.api_keys = frozenset(find_api_keys(cfg.router.api_keys, cfg.router.api_keys_file))
+        (self.run_dir / "serve_config.json").write_text(json.dumps(redacted(cfg), indent=2))
         log.info("preparing model %s", cfg.model)
         self.model_path = await asyncio.to_thread(resolve_model, cfg.model)
 
@@ -123,7 +123,7 @@ class Serve:
             path=str(self.run_dir / "buffer") if b.durable else None, batch_size=b.batch_size,
             max_staleness=b.max_staleness, group_size=cfg.env.group_size))
 
-        app = make_app(self.router, admin_token=self.admin_token, api_keys=frozenset(cfg.router.api_keys))
+        app = make_app(self.router, admin_token=self.admin_token, api_keys=self.api_keys)
         add_buffer_routes(app, self.buffer, self.admin_token)
         self.weights = WeightReceiver(self.run_dir / "weights", self.pool)
         self.weights.add_routes(app, require_admin)

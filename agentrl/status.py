@@ -25,7 +25,7 @@ class StatusError(RuntimeError):
 
 
 def resolve_token(token_file: str | None = None, run_dir: str | Path | None = "runs/latest") -> str:
-    """The admin token: ``token_file``, then ``$AGENTRL_ADMIN_TOKEN``, then ``run_dir/admin_token``."""
+    """The admin token: ``token_file``, ``$AGENTRL_ADMIN_TOKEN``, ``$AGENTRL_ADMIN_TOKEN_FILE``, ``run_dir/admin_token``."""
     if token_file:
         p = Path(token_file)
         if not p.is_file():
@@ -36,6 +36,8 @@ def resolve_token(token_file: str | None = None, run_dir: str | Path | None = "r
         return token
     if os.environ.get("AGENTRL_ADMIN_TOKEN"):
         return os.environ["AGENTRL_ADMIN_TOKEN"].strip()
+    if os.environ.get("AGENTRL_ADMIN_TOKEN_FILE"):
+        return resolve_token(os.environ["AGENTRL_ADMIN_TOKEN_FILE"], None)
     if run_dir is not None and (Path(run_dir) / "admin_token").is_file():
         return (Path(run_dir) / "admin_token").read_text().strip()
     raise StatusError("no admin token: pass --admin-token-file FILE, set $AGENTRL_ADMIN_TOKEN, or point --run-dir "

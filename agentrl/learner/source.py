@@ -13,9 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
-from pathlib import Path
 from typing import Any, Protocol
 
 from agentrl.config import LearnConfig
@@ -52,16 +50,18 @@ class ServeSource:
         self.client = BufferClient(cfg.serve, self.token, timeout_s=60.0)
 
     def _token(self) -> str:
+        from agentrl.tokens import SecretError, find_admin_token
+
         cfg = self.cfg
-        if cfg.admin_token:
-            return cfg.admin_token
-        if os.environ.get("AGENTRL_ADMIN_TOKEN"):
-            return os.environ["AGENTRL_ADMIN_TOKEN"]
-        p = Path(cfg.run_dir) / "admin_token"
-        if p.exists():
-            return p.read_text().strip()
-        raise SystemExit("agentrl learn needs serve's admin token: set learn.admin_token, "
-                         "$AGENTRL_ADMIN_TOKEN, or point learn.run_dir at serve's run directory")
+        try:
+            token = find_admin_token(cfg.admin_token, cfg.admin_token_file, cfg.run_dir)
+        except SecretError as e:
+            raise SystemExit(f"agentrl learn: {e}") from None
+        if not token:
+            raise SystemExit("agentrl learn needs serve's admin token: pass --admin_token_file=FILE, set "
+                             "$AGENTRL_ADMIN_TOKEN or $AGENTRL_ADMIN_TOKEN_FILE, or point run_dir at serve's "
+                             "run directory")
+        return token
 
     async def info(self) -> dict[str, Any]:
         import aiohttp
