@@ -8,6 +8,7 @@
     agentrl sandbox build
     agentrl envs list | show NAME | try NAME --endpoint URL
     agentrl status --serve URL [--admin-token-file F | --run-dir D] [--watch S] [--json]
+    agentrl eval --env NAME --endpoint URL [--tasks N] [--split test] [--api-key-file F] [--out F]
     agentrl plot RUN_DIR [--out DIR]
 """
 
@@ -118,6 +119,30 @@ def cmd_status(args: argparse.Namespace, extra: list[str]) -> int:
         return 130
 
 
+def cmd_eval(args: argparse.Namespace, extra: list[str]) -> int:
+    _no_settings("eval", extra)
+    _setup_logging(args.verbose)
+    env_config = {}
+    if args.env_config:
+        import json
+
+        try:
+            env_config = json.loads(args.env_config)
+        except ValueError as e:
+            raise SystemExit(f"agentrl eval: --env-config is not a JSON object: {e}") from None
+    from agentrl.env.registry import UnknownEnvironmentError
+    from agentrl.evaluate import main as eval_main
+    from agentrl.tokens import SecretError
+
+    try:
+        return eval_main(args.env, args.endpoint, out=args.out, api_key_file=args.api_key_file or "",
+                         tasks=args.tasks, split=args.split, env_config=env_config, model=args.model,
+                         max_turns=args.max_turns, max_tokens=args.max_tokens, temperature=args.temperature,
+                         concurrency=args.concurrency, success_reward=args.success_reward)
+    except (UnknownEnvironmentError, SecretError) as e:
+        raise SystemExit(f"agentrl eval: {e}") from None
+
+
 def cmd_plot(args: argparse.Namespace, extra: list[str]) -> int:
     _no_settings("plot", extra)
     _setup_logging(args.verbose)
@@ -190,6 +215,27 @@ def parser() -> argparse.ArgumentParser:
     st.add_argument("--json", action="store_true", help="print the raw status JSON")
     st.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for serve")
     st.set_defaults(fn=cmd_status)
+
+    ev = sub.add_parser("eval", help="success rate and reward on held-out tasks, with 95% confidence intervals",
+                        description="Run an environment's held-out tasks through the built-in agent loop against "
+                        "an OpenAI-compatible endpoint (serve's router at URL/v1, vLLM, or any OpenAI API). "
+                        "Success: the environment ended the episode with reward above --success-reward. "
+                        "The API key comes from --api-key-file, $AGENTRL_API_KEY or $OPENAI_API_KEY "
+                        "(never a command-line value).")
+    ev.add_argument("--env", required=True, help="a registered environment (agentrl envs list)")
+    ev.add_argument("--endpoint", required=True, help="OpenAI base URL ending in /v1, e.g. http://127.0.0.1:8000/v1")
+    ev.add_argument("--tasks", type=int, default=100, help="how many tasks, from the start of the split (default: %(default)s)")
+    ev.add_argument("--split", default="test", help="task split: test (alias heldout) or train (default: %(default)s)")
+    ev.add_argument("--env-config", default="", help="environment keyword arguments as a JSON object")
+    ev.add_argument("--model", default="", help="model name (default: the endpoint's first model)")
+    ev.add_argument("--api-key-file", help="file holding the endpoint's API key")
+    ev.add_argument("--max-turns", type=int, default=4)
+    ev.add_argument("--max-tokens", type=int, default=128, help="completion tokens per model call")
+    ev.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default: greedy)")
+    ev.add_argument("--concurrency", type=int, default=16, help="episodes in flight")
+    ev.add_argument("--success-reward", type=float, default=0.0, help="an episode succeeds above this reward")
+    ev.add_argument("--out", help="JSON result file (default: runs/eval/ENV-SPLIT-TIME.json)")
+    ev.set_defaults(fn=cmd_eval)
 
     pp = sub.add_parser("plot", help="PNG charts of a run directory's logs",
                         description="Read learner.jsonl, episodes.jsonl and serve_metrics.jsonl and write PNG "

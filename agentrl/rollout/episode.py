@@ -15,6 +15,7 @@ import contextlib
 import logging
 import time
 import uuid
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -96,19 +97,28 @@ async def run_episode(router: Router, env_name: str, task: dict[str, Any], *, gr
         ep.error = f"{type(e).__name__}: {e}"
         log.warning("episode %s failed: %s", ep.episode_id, ep.error)
     finally:
-        session = router.close_session(ep.episode_id)
         ep.seconds = time.monotonic() - t0
-        if session is not None:
-            ep.splits = session.splits
-            ep.samples = _samples(session, ep)
-    if not ep.samples:  # keep the group countable: an empty, flagged sample
-        ep.samples = [Sample([], [], [], [], episode_id=ep.episode_id, group_id=group_id, env=env_name,
-                             reward=0.0, truncated=ep.truncated, error=ep.error or "NoModelCall")]
+        finish_samples(router, ep)
     return ep
 
 
-async def _episode_body(router: Router, env_name: str, task: dict[str, Any], env_config: dict[str, Any],
-                        sandbox_pool: Any, limits: EpisodeLimits, ep: EpisodeResult) -> None:
+def finish_samples(router: Router, ep: EpisodeResult) -> None:
+    """Close the episode's session and turn its records into ``ep.samples`` (at least one sample:
+    an episode with no model call gets an empty, flagged one so its group stays countable)."""
+    session = router.close_session(ep.episode_id)
+    if session is not None:
+        ep.splits = session.splits
+        ep.samples = _samples(session, ep)
+    if not ep.samples:
+        ep.samples = [Sample([], [], [], [], episode_id=ep.episode_id, group_id=ep.group_id, env=ep.env,
+                             reward=0.0, truncated=ep.truncated, error=ep.error or "NoModelCall")]
+
+
+@contextlib.asynccontextmanager
+async def episode_env(env_name: str, env_config: dict[str, Any], sandbox_pool: Any,
+                      ep: EpisodeResult) -> AsyncIterator[Any]:
+    """The episode's environment, with its sandbox attached when it names an image; both are
+    released on the way out, cancellation included. A failure to build one is EnvironmentFailure."""
     try:
         env = make(env_name, **env_config)
     except Exception as e:
@@ -120,6 +130,12 @@ async def _episode_body(router: Router, env_name: str, task: dict[str, Any], env
                 raise EnvironmentFailure(f"{env_name} needs a sandbox but none is configured")
             env.sandbox = await stack.enter_async_context(sandbox_pool.acquire())
             ep.sandbox_id = env.sandbox.id
+        yield env
+
+
+async def _episode_body(router: Router, env_name: str, task: dict[str, Any], env_config: dict[str, Any],
+                        sandbox_pool: Any, limits: EpisodeLimits, ep: EpisodeResult) -> None:
+    async with episode_env(env_name, env_config, sandbox_pool, ep) as env:
         try:
             opening = await env.reset(task)
         except Exception as e:
@@ -147,7 +163,9 @@ async def _episode_body(router: Router, env_name: str, task: dict[str, Any], env
             ep.turns += 1
             versions = out.get("agentrl", {}).get("versions", [[]])[0]
             ep.versions.extend(sorted(set(versions)))
-            ep.completion_tokens += len(out["choices"][0].get("token_ids") or [])
+            # a plain OpenAI endpoint (agentrl eval) returns no token ids: count its usage instead
+            ep.completion_tokens += len(out["choices"][0].get("token_ids") or []) or int(
+                (out.get("usage") or {}).get("completion_tokens") or 0)
             message = _clean(out["choices"][0]["message"])
             messages.append(message)
             try:
@@ -177,7 +195,8 @@ async def _close_env(env: Any) -> None:
 
 def _samples(session: Any, ep: EpisodeResult) -> list[Sample]:
     out = []
-    for st in session.samples():
+    # numpy per-token fields, built once: the buffer stores their bytes without converting lists
+    for st in session.samples(as_arrays=True):
         out.append(Sample(
             token_ids=st.token_ids, loss_mask=st.loss_mask, logprobs=st.logprobs, versions=st.versions,
             episode_id=ep.episode_id, group_id=ep.group_id, env=ep.env, reward=ep.reward,

@@ -1,0 +1,266 @@
+"""``agentrl eval``: success rate and reward of a model on an environment's held-out tasks.
+
+Episodes run through the built-in agent loop (:func:`agentrl.rollout.episode.run_episode`), the
+same code that produces training data, against any OpenAI-compatible endpoint: serve's router
+(``http://HOST:8000/v1``), a vLLM server, or a hosted API. Over HTTP nothing is recorded for
+training (no session is opened), so evaluation never feeds the buffer. An in-process
+:class:`~agentrl.router.core.Router` works too (``endpoint=router``).
+
+Success of an episode: the environment ended it (terminated, not truncated, no error) with a total
+reward above ``success_reward`` (default 0). The result carries a 95% Wilson score interval for
+the success rate and a normal-approximation interval for the mean reward, so two evaluations
+(before and after training) can be compared honestly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from agentrl.router.errors import EngineError, InvalidRequest, RouterError
+
+log = logging.getLogger(__name__)
+
+SPLIT_ALIASES = {"heldout": "test", "held-out": "test", "eval": "test", "test": "test", "train": "train"}
+
+
+def wilson_interval(successes: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    """The Wilson score interval for a binomial proportion (95% for z = 1.96); (0, 1) when n = 0."""
+    if n <= 0:
+        return 0.0, 1.0
+    p = successes / n
+    denom = 1 + z * z / n
+    centre = (p + z * z / (2 * n)) / denom
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denom
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def mean_interval(values: list[float], z: float = 1.96) -> tuple[float, float, float]:
+    """Mean and its normal-approximation interval (mean +- z * sd / sqrt(n))."""
+    n = len(values)
+    if n == 0:
+        return 0.0, 0.0, 0.0
+    mean = sum(values) / n
+    if n == 1:
+        return mean, mean, mean
+    sd = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1))
+    half = z * sd / math.sqrt(n)
+    return mean, mean - half, mean + half
+
+
+@dataclass
+class EvalResult:
+    env: str
+    split: str
+    endpoint: str
+    model: str
+    n: int
+    successes: int
+    success_rate: float
+    success_ci95: tuple[float, float]
+    reward_mean: float
+    reward_ci95: tuple[float, float]
+    failed: int  # episodes that ended in an error (model, environment, sandbox)
+    truncated: int
+    turns_mean: float
+    seconds: float
+    temperature: float
+    episodes: list[dict[str, Any]] = field(default_factory=list)
+
+    def summary(self) -> dict[str, Any]:
+        """Everything but the per-episode list (one JSON line)."""
+        return {k: v for k, v in asdict(self).items() if k != "episodes"}
+
+    def line(self) -> str:
+        lo, hi = self.success_ci95
+        rlo, rhi = self.reward_ci95
+        return (f"{self.env} [{self.split}] {self.n} tasks: success {self.success_rate:.1%} "
+                f"(95% CI {lo:.1%}-{hi:.1%}) | mean reward {self.reward_mean:.3f} (95% CI {rlo:.3f}-{rhi:.3f}) | "
+                f"failed {self.failed} truncated {self.truncated} | mean turns {self.turns_mean:.2f} | "
+                f"{self.seconds:.1f} s")
+
+
+class OpenAIChat:
+    """The agent loop's view of a plain OpenAI-compatible endpoint: chat calls, no sessions.
+
+    Errors map onto the router's: a 4xx is an :class:`InvalidRequest` (never retried), a 5xx or a
+    connection failure an :class:`EngineError` (the episode is recorded as a model failure).
+    """
+
+    def __init__(self, endpoint: str, *, api_key: str = "", model: str = "", timeout_s: float = 600.0) -> None:
+        self.endpoint = endpoint.rstrip("/")
+        self.model = model
+        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self._http: aiohttp.ClientSession | None = None
+
+    async def __aenter__(self) -> OpenAIChat:
+        self._http = aiohttp.ClientSession(headers=self._headers, timeout=self._timeout)
+        if not self.model:
+            self.model = await self._first_model()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self._http is not None:
+            await self._http.close()
+
+    async def _first_model(self) -> str:
+        assert self._http is not None
+        try:
+            async with self._http.get(f"{self.endpoint}/models") as r:
+                data = await r.json(content_type=None)
+                if r.status != 200:
+                    raise EngineError(f"GET {self.endpoint}/models answered {r.status}: {json.dumps(data)[:300]}",
+                                      status=r.status)
+                return str(data["data"][0]["id"])
+        except (aiohttp.ClientError, TimeoutError) as e:
+            raise EngineError(f"cannot reach {self.endpoint}: {type(e).__name__}: {e}") from None
+
+    # the session hooks of the agent loop: plain endpoints record nothing
+    def open_session(self, session_id: str | None = None, **meta: Any) -> None:
+        return None
+
+    def close_session(self, session_id: str) -> None:
+        return None
+
+    async def chat(self, body: dict[str, Any], session_id: str | None = None) -> dict[str, Any]:
+        assert self._http is not None, "use OpenAIChat as an async context manager"
+        body = dict(body, model=body.get("model") or self.model)
+        try:
+            async with self._http.post(f"{self.endpoint}/chat/completions", json=body) as r:
+                data = await r.json(content_type=None)
+                status = r.status
+        except (aiohttp.ClientError, TimeoutError, ValueError) as e:
+            raise EngineError(f"chat call to {self.endpoint} failed: {type(e).__name__}: {e}") from None
+        if status >= 400 or not isinstance(data, dict) or "choices" not in data:
+            err = (data.get("error") if isinstance(data, dict) else None) or {}
+            message = err.get("message") if isinstance(err, dict) else str(err)
+            cls = InvalidRequest if 400 <= status < 500 else EngineError
+            raise cls(f"{self.endpoint} answered {status}: {message or json.dumps(data)[:300]}",
+                      code=err.get("code") if isinstance(err, dict) else None, status=status)
+        return data
+
+
+def eval_tasks(env_name: str, env_config: dict[str, Any], split: str, n: int) -> list[dict[str, Any]]:
+    """The first ``n`` tasks of ``split`` (aliases: heldout, eval -> test); fewer when the split is smaller."""
+    from agentrl.env import make
+
+    real = SPLIT_ALIASES.get(split, split)
+    out = []
+    for task in make(env_name, **env_config).tasks(real):
+        if len(out) >= n:
+            break
+        out.append(task)
+    if not out:
+        raise ValueError(f"environment {env_name!r} has no tasks in split {real!r}")
+    return out
+
+
+def is_success(ep: Any, success_reward: float = 0.0) -> bool:
+    return ep.error is None and ep.terminated and not ep.truncated and ep.reward > success_reward
+
+
+async def evaluate(env: str, endpoint: Any, tasks: int | list[dict[str, Any]] = 100, *, split: str = "test",
+                   env_config: dict[str, Any] | None = None, api_key: str = "", model: str = "",
+                   max_turns: int = 4, max_tokens: int = 128, max_episode_tokens: int = 1024,
+                   temperature: float = 0.0, top_p: float = 1.0, episode_timeout_s: float = 300.0,
+                   concurrency: int = 16, success_reward: float = 0.0, sandbox_pool: Any = None,
+                   sandbox_config: Any = None) -> EvalResult:
+    """Run one episode per task and measure success.
+
+    ``endpoint``: an OpenAI base URL ending in ``/v1`` or an object with the router's ``chat`` /
+    ``open_session`` / ``close_session`` (a :class:`Router`). ``tasks``: how many of ``split``'s
+    tasks (from the start, so two evaluations see the same tasks) or the task dicts themselves.
+    Environments that need a sandbox get a pool here unless ``sandbox_pool`` is given.
+    """
+    from agentrl.env import lookup
+    from agentrl.rollout.episode import EpisodeLimits, run_episode
+
+    env_config = dict(env_config or {})
+    task_list = eval_tasks(env, env_config, split, tasks) if isinstance(tasks, int) else list(tasks)
+    limits = EpisodeLimits(max_turns=max_turns, max_tokens=max_tokens, max_episode_tokens=max_episode_tokens,
+                           timeout_s=episode_timeout_s, temperature=temperature, top_p=top_p)
+    t0 = time.monotonic()
+    owned: list[Any] = []
+    try:
+        if isinstance(endpoint, str):
+            client = OpenAIChat(endpoint, api_key=api_key, model=model, timeout_s=episode_timeout_s)
+            await client.__aenter__()
+            owned.append(client)
+            router, endpoint_name, model_name = client, endpoint, client.model
+        else:
+            router, endpoint_name, model_name = endpoint, "in-process router", getattr(endpoint, "model_name", "")
+        if sandbox_pool is None and getattr(lookup(env), "sandbox_image", None):
+            from agentrl.sandbox import SandboxConfig, SandboxPool
+
+            cfg = sandbox_config or SandboxConfig(image=lookup(env).sandbox_image, warm=0,
+                                                  max_concurrency=concurrency)
+            sandbox_pool = SandboxPool(cfg, instance_id=f"eval-{uuid.uuid4().hex[:6]}")
+            await sandbox_pool.start()
+            owned.append(sandbox_pool)
+        gate = asyncio.Semaphore(max(1, concurrency))
+
+        async def one(task: dict[str, Any]) -> Any:
+            async with gate:
+                return await run_episode(router, env, task, group_id=f"eval-{task.get('id', '')}",
+                                         env_config=env_config, sandbox_pool=sandbox_pool, limits=limits)
+
+        episodes = await asyncio.gather(*(one(t) for t in task_list))
+    finally:
+        for thing in reversed(owned):
+            if isinstance(thing, OpenAIChat):
+                await thing.__aexit__(None, None, None)
+            else:
+                await thing.close()
+    wins = [is_success(ep, success_reward) for ep in episodes]
+    rewards = [float(ep.reward) for ep in episodes]
+    reward_mean, rlo, rhi = mean_interval(rewards)
+    n = len(episodes)
+    rows = []
+    for ep, won in zip(episodes, wins, strict=True):
+        row = ep.summary()
+        row.pop("info", None)
+        row["success"] = won
+        rows.append(row)
+    errors = [ep.error for ep in episodes if ep.error]
+    if errors:
+        log.warning("%d of %d evaluation episodes failed; first: %s", len(errors), n, errors[0])
+    return EvalResult(
+        env=env, split=SPLIT_ALIASES.get(split, split), endpoint=endpoint_name, model=model_name, n=n,
+        successes=sum(wins), success_rate=sum(wins) / n if n else 0.0, success_ci95=wilson_interval(sum(wins), n),
+        reward_mean=reward_mean, reward_ci95=(rlo, rhi), failed=len(errors),
+        truncated=sum(bool(ep.truncated) for ep in episodes),
+        turns_mean=sum(ep.turns for ep in episodes) / n if n else 0.0, seconds=time.monotonic() - t0,
+        temperature=temperature, episodes=rows)
+
+
+def write_result(result: EvalResult, path: str | Path) -> Path:
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_text(json.dumps(asdict(result), indent=1, default=str) + "\n")
+    return p
+
+
+def main(env: str, endpoint: str, *, out: str | None, api_key_file: str = "", **kwargs: Any) -> int:
+    """The CLI command: print a summary line, write the JSON result, print it as the last line."""
+    from agentrl.tokens import find_client_key
+
+    api_key = find_client_key(api_key_file)
+    try:
+        result = asyncio.run(evaluate(env, endpoint, api_key=api_key, **kwargs))
+    except (RouterError, ValueError) as e:
+        raise SystemExit(f"agentrl eval: {getattr(e, 'message', e)}") from None
+    path = write_result(result, out or f"runs/eval/{env}-{result.split}-{time.strftime('%Y%m%d-%H%M%S')}.json")
+    print(result.line(), flush=True)
+    print(f"wrote {path}", flush=True)
+    print(json.dumps(result.summary()), flush=True)
+    return 0
