@@ -45,6 +45,11 @@ class RouterConfig:
     api_keys_file: str = ""  # file with client keys, one a line (also $AGENTRL_API_KEYS / $AGENTRL_API_KEYS_FILE)
     request_timeout_s: float = 600.0  # per engine call
     retries: int = 1  # retries of calls that failed before anything was returned (never 4xx)
+    # "auto": render prompts and parse replies in the router with the model's own tokenizer and chat
+    # template (one engine round trip per completion), checked against the engine at start-up;
+    # "engine": always use the engine's render/derender routes (three round trips).
+    render: Literal["auto", "engine"] = "auto"
+    health_failures: int = 3  # consecutive failed health checks before an engine is taken out
 
 
 @dataclass
@@ -102,6 +107,14 @@ class ServeConfig:
 
 
 @dataclass
+class WandbSection:
+    project: str = ""  # a Weights & Biases project: log every step there (extra agentrl[wandb]); empty: off
+    entity: str = ""  # team or user (empty: wandb's default)
+    name: str = ""  # run name (empty: wandb picks one)
+    mode: Literal["", "online", "offline", "disabled"] = ""  # empty: $WANDB_MODE or online
+
+
+@dataclass
 class LearnConfig:
     serve: str = "http://127.0.0.1:8000"  # serve's URL
     admin_token: str = ""  # serve's admin token; config file only (never --admin_token=)
@@ -130,6 +143,10 @@ class LearnConfig:
     keep_checkpoints: int = 2  # newest checkpoints kept on disk (0: keep all)
     resume: bool = False  # continue from the latest checkpoint in checkpoint_dir (none there: start fresh)
     export_dir: str = ""  # at exit, write the policy here as a Hugging Face folder (empty: no export)
+    metrics_port: int = 0  # Prometheus /metrics of the learner (rank 0); 0: a free port (logged, in run_dir/learner_metrics_url); -1: off
+    metrics_host: str = "127.0.0.1"  # bind address of /metrics; loopback unless told otherwise
+    tensorboard: bool = False  # also write each step's metrics as TensorBoard events in run_dir/tensorboard (extra agentrl[tensorboard])
+    wandb: WandbSection = field(default_factory=WandbSection)
 
     def check(self) -> None:
         if self.lr <= 0:

@@ -99,11 +99,12 @@ class Serve:
                 self.engines.append(engine)
             await asyncio.gather(*(e.start(cfg.engine.start_timeout_s) for e in self.engines))
             urls = [e.url for e in self.engines]
-        self.pool = EnginePool(urls, request_timeout_s=cfg.router.request_timeout_s)
+        self.pool = EnginePool(urls, request_timeout_s=cfg.router.request_timeout_s,
+                               health_failures=cfg.router.health_failures)
         await self.pool.start()
         self.router = Router(self.pool, model_name=cfg.model, eos_token_ids=eos_token_ids(self.model_path),
                              max_model_len=cfg.engine.max_model_len, sessions_dir=self.run_dir / "sessions",
-                             retries=cfg.router.retries)
+                             retries=cfg.router.retries, model_dir=self.model_path, render=cfg.router.render)
 
         env_cls = lookup(cfg.env.name)
         if getattr(env_cls, "sandbox_image", None):

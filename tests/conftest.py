@@ -49,11 +49,11 @@ def vllm_engine(tiny_tools_model: str, tmp_path_factory: pytest.TempPathFactory)
         engine.stop()
 
 
-def make_router(engine: object, model_dir: str, sessions_dir: Path | None = None):
+def make_router(engine: object, model_dir: str, sessions_dir: Path | None = None, render: str = "auto"):
     """A Router over one engine (call inside a running event loop; await router.pool.start())."""
     from agentrl.router import EnginePool, Router
     from agentrl.serve import eos_token_ids
 
     pool = EnginePool([engine.url])  # type: ignore[attr-defined]
     return Router(pool, model_name="tiny-tools", eos_token_ids=eos_token_ids(model_dir), max_model_len=2048,
-                  sessions_dir=sessions_dir)
+                  sessions_dir=sessions_dir, model_dir=model_dir, render=render)

@@ -33,7 +33,8 @@ class RouterServer:
 @contextmanager
 def serve_router(urls: list[str], model_dir: str, *, api_keys: frozenset[str] = frozenset(),
                  admin_token: str = "", sessions_dir: Path | None = None, retries: int = 1,
-                 request_timeout_s: float = 120, health_interval_s: float = 1.0) -> Iterator[RouterServer]:
+                 request_timeout_s: float = 120, health_interval_s: float = 1.0, render: str = "auto",
+                 health_failures: int = 1) -> Iterator[RouterServer]:
     from aiohttp import web
 
     from agentrl.router import EnginePool, Router, make_app
@@ -44,10 +45,11 @@ def serve_router(urls: list[str], model_dir: str, *, api_keys: frozenset[str] = 
     state: dict[str, Any] = {}
 
     async def start() -> RouterServer:
-        pool = EnginePool(urls, request_timeout_s=request_timeout_s, health_interval_s=health_interval_s)
+        pool = EnginePool(urls, request_timeout_s=request_timeout_s, health_interval_s=health_interval_s,
+                          health_failures=health_failures)
         await pool.start()
         router = Router(pool, model_name="tiny-tools", eos_token_ids=eos_token_ids(model_dir), max_model_len=2048,
-                        sessions_dir=sessions_dir, retries=retries)
+                        sessions_dir=sessions_dir, retries=retries, model_dir=model_dir, render=render)
         runner = web.AppRunner(make_app(router, admin_token=admin_token, api_keys=api_keys))
         await runner.setup()
         await web.TCPSite(runner, "127.0.0.1", port).start()

@@ -5,7 +5,9 @@ The loop never waits on a rollout barrier: it asks serve's buffer for a batch no
 between two forward passes; in-flight requests continue), checkpoints when due, and only then
 acknowledges the batch, so a learner killed mid-step has its batch served again. Per step it
 prints one line and appends a JSON row to ``learner.jsonl`` (reward, version, staleness, loss,
-importance weights, mismatch KL, tokens/s, wait fraction).
+importance weights, mismatch KL, tokens/s, wait fraction); the same numbers are served at the
+learner's Prometheus ``/metrics`` and, when enabled, written to TensorBoard / W&B
+(:mod:`agentrl.learner.metrics`).
 
 Under ``torchrun`` the same loop runs on every rank with an FSDP2-sharded model
 (``agentrl.learner.dist``); rank 0 alone talks to serve and broadcasts each batch, every rank
@@ -60,8 +62,15 @@ class Learner:
         ctx = init_dist(timeout_s=cfg.batch_timeout_s + 600.0)
         torch.manual_seed(cfg.seed + ctx.rank)
         source = None
+        metrics_server: Any = None
+        writers: list[Any] = []
         if ctx.is_main:
+            from agentrl.config import to_dict
+            from agentrl.learner.metrics import make_writers, start_metrics_server
+
             self.run_dir.mkdir(parents=True, exist_ok=True)
+            writers = make_writers(cfg, self.run_dir, to_dict(cfg))  # a missing extra fails before training
+            metrics_server = start_metrics_server(cfg, self.run_dir)
             if self.source is None:
                 from agentrl.learner.source import ServeSource
 
@@ -134,12 +143,24 @@ class Learner:
                     history.append(row)
                     with open(self.metrics_path, "a") as f:
                         f.write(json.dumps(row, default=str) + "\n")
+                    if metrics_server is not None:
+                        metrics_server.update(row)
+                    if writers:
+                        from agentrl.learner.metrics import flatten
+
+                        flat = flatten({k: v for k, v in row.items() if k not in ("time", "step")})
+                        for w in writers:
+                            w.write(state.step, flat)
                     print(self._line(row), flush=True)
             if cfg.export_dir:
                 await asyncio.to_thread(export_hf, model, ctx, model_path, cfg.export_dir)
         finally:
             if source is not None:
                 await source.close()
+            for w in writers:
+                w.close()
+            if metrics_server is not None:
+                metrics_server.close()
             ctx.close()
         return history
 

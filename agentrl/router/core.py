@@ -8,10 +8,16 @@ in-process; HTTP clients reach the same methods through the server. Streaming ca
 
 Retries: a call is retried on another engine only when the engine failed before anything was
 returned to the client; a 4xx is never retried.
+
+Session limits (:class:`SessionLimits`, set when a session is opened for an external scaffold):
+a call beyond the session's model-call or token budget is refused with a 400 whose code names
+the limit (``max_turns_exceeded``, ``max_tokens_exceeded``), and each call's ``max_tokens`` is
+capped, so a program that knows nothing of the episode's limits still keeps them.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 import uuid
@@ -20,6 +26,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
+import aiohttp
+
+from agentrl.router.codec import LocalCodec
 from agentrl.router.errors import EngineError, InvalidRequest, NotFound, RouterError
 from agentrl.router.metrics import RouterMetrics
 from agentrl.router.pool import Engine, EnginePool, parse_version
@@ -73,6 +82,16 @@ def blank_text(out: dict[str, Any]) -> None:
 
 
 @dataclass
+class SessionLimits:
+    """What one session may spend; 0 means no limit. ``refused`` says why a call was turned away."""
+
+    max_calls: int = 0  # model calls (an episode's turns)
+    max_tokens: int = 0  # completion tokens per call: caps the request's max_tokens
+    max_session_tokens: int = 0  # completion tokens over the whole session
+    refused: str | None = None  # "max_turns" | "max_tokens" once a call was refused
+
+
+@dataclass
 class Prepared:
     """A request rendered to tokens on one engine, ready for token-in generate."""
 
@@ -86,29 +105,46 @@ class Prepared:
     choice: int
     want_logprobs: bool
     t0: float
+    codec: LocalCodec | None = None  # set when rendered locally: derender locally too where exact
+    engine_body: dict[str, Any] | None = None  # the body as rendered (logprobs forced on)
 
 
 class Router:
     def __init__(self, pool: EnginePool, *, model_name: str, eos_token_ids: set[int],
-                 max_model_len: int, sessions_dir: Path | None = None, retries: int = 1) -> None:
+                 max_model_len: int, sessions_dir: Path | None = None, retries: int = 1,
+                 model_dir: str | Path | None = None, render: str = "auto") -> None:
+        """``render``: "auto" renders and derenders here when the model folder's tokenizer allows it
+        and calibration against an engine agrees (else the engine's routes); "engine" always uses
+        the engine's routes (three round trips per completion)."""
         self.pool = pool
+        if render not in ("auto", "engine"):
+            raise ValueError(f"render must be 'auto' or 'engine', not {render!r}")
+        self.codec: LocalCodec | None = (
+            LocalCodec.load(model_dir, max_model_len=max_model_len) if render == "auto" else None)
+        self.codec_state = "unchecked" if self.codec else "off"  # -> "on" | "off" after calibration
+        self._calibrating = asyncio.Lock()
         self.model_name = model_name
         self.eos_token_ids = set(eos_token_ids)
         self.max_model_len = max_model_len
         self.sessions_dir = sessions_dir
         self.retries = retries
         self.sessions: dict[str, Session] = {}
+        self.session_limits: dict[str, SessionLimits] = {}
         self.counters: dict[str, float] = {
             "calls": 0, "errors_4xx": 0, "errors_5xx": 0, "prompt_tokens": 0, "completion_tokens": 0,
             "continued": 0, "splits": 0, "retries": 0, "streams": 0, "streams_aborted": 0,
+            "local_renders": 0, "engine_renders": 0, "local_derenders": 0, "engine_derenders": 0,
         }
         self.metrics = RouterMetrics()
         if sessions_dir is not None:
             sessions_dir.mkdir(parents=True, exist_ok=True)
 
     # -- sessions ---------------------------------------------------------------------------------
-    def open_session(self, session_id: str | None = None, **meta: Any) -> Session:
+    def open_session(self, session_id: str | None = None, limits: SessionLimits | None = None,
+                     **meta: Any) -> Session:
         sid = session_id or uuid.uuid4().hex
+        if limits is not None:
+            self.session_limits[sid] = limits
         if sid in self.sessions:
             return self.sessions[sid]
         path = self.sessions_dir / f"{sid}.jsonl" if self.sessions_dir else None
@@ -124,7 +160,32 @@ class Router:
 
     def close_session(self, session_id: str) -> Session | None:
         self.pool.forget_session(session_id)
+        self.session_limits.pop(session_id, None)
         return self.sessions.pop(session_id, None)
+
+    def _admit(self, session: Session | None) -> int:
+        """Refuse a call beyond its session's limits; else the cap on its max_tokens (0: none)."""
+        lim = self.session_limits.get(session.session_id) if session is not None else None
+        if lim is None or session is None:
+            return 0
+        if lim.max_calls and len(session.records) >= lim.max_calls:
+            lim.refused = "max_turns"
+            raise InvalidRequest(f"this episode allows at most {lim.max_calls} model calls",
+                                 param="messages", code="max_turns_exceeded")
+        caps = [lim.max_tokens] if lim.max_tokens else []
+        if lim.max_session_tokens:
+            left = lim.max_session_tokens - sum(len(c["token_ids"]) for r in session.records for c in r.completions)
+            if left <= 0:
+                lim.refused = "max_tokens"
+                raise InvalidRequest(f"this episode allows at most {lim.max_session_tokens} completion tokens",
+                                     param="max_tokens", code="max_tokens_exceeded")
+            caps.append(left)
+        return min(caps, default=0)
+
+    @staticmethod
+    def _cap(sampling: dict[str, Any], cap: int) -> None:
+        if cap:
+            sampling["max_tokens"] = min(sampling.get("max_tokens") or cap, cap)
 
     # -- validation -------------------------------------------------------------------------------
     def validate(self, body: Any) -> dict[str, Any]:
@@ -174,6 +235,44 @@ class Router:
                 log.warning("retrying a call after %s failed: %s", engine.name, e.message)
         raise AssertionError("unreachable")
 
+    async def local_codec(self, engine: Engine) -> LocalCodec | None:
+        """The codec once calibration on a live engine agreed with it; None means the engine's routes."""
+        if self.codec_state == "unchecked":
+            async with self._calibrating:
+                if self.codec_state == "unchecked" and self.codec is not None:
+                    try:
+                        why = await self.codec.calibrate(self.pool, engine)
+                    except (RouterError, OSError, TimeoutError, aiohttp.ClientError) as e:
+                        # the engine failed: this call takes the engine's routes (and fails or is
+                        # retried there); calibration is tried again on a later call
+                        log.warning("could not calibrate the local render on %s: %s", engine.name, e)
+                        return None
+                    if why is None:
+                        self.codec_state = "on"
+                        log.info("rendering and derendering locally (calibrated on %s)", engine.name)
+                    else:
+                        self.codec_state = "off"
+                        log.warning("local render differs from the engine's (%s): using the engine's "
+                                    "render/derender routes", why)
+        return self.codec if self.codec_state == "on" else None
+
+    async def _engine_render(self, engine: Engine, body: dict[str, Any]) -> dict[str, Any]:
+        """The engine's render route: a generate request (prompt ids and sampling params)."""
+        try:
+            return await self.pool.call(engine, "/v1/chat/completions/render", body)
+        except InvalidRequest as e:
+            if e.code == "context_length_exceeded":
+                e.param = "messages"
+            raise
+
+    async def _base_ids(self, engine: Engine, body: dict[str, Any], codec: LocalCodec | None,
+                        messages: list[dict[str, Any]]) -> list[int]:
+        """Ids of ``messages`` rendered without a generation prompt (a continued session's base)."""
+        if codec is not None:
+            return codec.render_ids(body, messages, add_generation_prompt=False)
+        base = await self._engine_render(engine, dict(body, messages=messages, add_generation_prompt=False))
+        return base["token_ids"]
+
     async def prepare_chat(self, engine: Engine, body: Any, session_id: str | None, t0: float) -> Prepared:
         body = self.validate(body)
         session = self.open_session(session_id) if session_id else None
@@ -182,13 +281,23 @@ class Router:
         engine_body.pop("stream_options", None)
         if not want_logprobs:
             engine_body.pop("top_logprobs", None)
-        try:
-            gen_req = await self.pool.call(engine, "/v1/chat/completions/render", engine_body)
-        except InvalidRequest as e:
-            if e.code == "context_length_exceeded":
-                e.param = "messages"
-            raise
-        full_ids: list[int] = gen_req["token_ids"]
+        codec = await self.local_codec(engine) if self.codec_state != "off" else None
+        if codec is not None and not codec.can_render(engine_body):
+            codec = None
+        gen_req: dict[str, Any]
+        if codec is not None:
+            try:
+                full_ids = codec.render_ids(engine_body)
+            except Exception as e:  # a template that raises: the engine answers with its own 4xx
+                log.debug("local render failed (%s); asking the engine", e)
+                codec = None
+        if codec is not None:
+            self.counters["local_renders"] += 1
+            gen_req = {}
+        else:
+            self.counters["engine_renders"] += 1
+            gen_req = await self._engine_render(engine, engine_body)
+            full_ids = gen_req["token_ids"]
         prompt_ids = full_ids
         parent: CallRecord | None = None
         choice = 0
@@ -197,9 +306,8 @@ class Router:
             if found is not None:
                 parent, choice = found
                 k = len(parent.messages) + 1
-                base_body = dict(engine_body, messages=body["messages"][:k], add_generation_prompt=False)
-                base = await self.pool.call(engine, "/v1/chat/completions/render", base_body)
-                ids = continued_prompt(parent, choice, base["token_ids"], full_ids, self.eos_token_ids)
+                base_ids = await self._base_ids(engine, engine_body, codec, body["messages"][:k])
+                ids = continued_prompt(parent, choice, base_ids, full_ids, self.eos_token_ids)
                 if ids is None:
                     parent = None
                 else:
@@ -209,21 +317,32 @@ class Router:
                 self.counters["splits"] += 1
             else:
                 self.counters["continued"] += 1
-        self._check_length(prompt_ids, gen_req.setdefault("sampling_params", {}))
+        if codec is not None:
+            self._check_length(prompt_ids, {})
+            gen_req = codec.generate_request(engine_body, prompt_ids)
+        else:
+            self._check_length(prompt_ids, gen_req.setdefault("sampling_params", {}))
+            if prompt_ids is not full_ids:  # the engine's max_tokens was for the re-rendered prompt
+                sp = gen_req["sampling_params"]
+                sp["max_tokens"] = min(sp.get("max_tokens") or self.max_model_len,
+                                       self.max_model_len - len(prompt_ids))
         gen_req["token_ids"] = prompt_ids
-        return Prepared("chat", engine, body, gen_req, prompt_ids, session, parent, choice, want_logprobs, t0)
+        return Prepared("chat", engine, body, gen_req, prompt_ids, session, parent, choice, want_logprobs, t0,
+                        codec, engine_body)
 
     async def prepare_completion(self, engine: Engine, body: Any, session_id: str | None,
                                  t0: float) -> Prepared:
         body = validate_completion(body, self.model_name)
         session = self.open_session(session_id) if session_id else None
+        cap = self._admit(session)
         want_logprobs = body.get("logprobs") is not None
         engine_body = dict(body, stream=False, logprobs=body.get("logprobs") or 0)
         engine_body.pop("stream_options", None)
         rendered = await self.pool.call(engine, "/v1/completions/render", engine_body)
         gen_req = rendered[0] if isinstance(rendered, list) else rendered
         prompt_ids: list[int] = gen_req["token_ids"]
-        self._check_length(prompt_ids, gen_req.setdefault("sampling_params", {}))
+        self._cap(gen_req.setdefault("sampling_params", {}), cap)
+        self._check_length(prompt_ids, gen_req["sampling_params"])
         return Prepared("completion", engine, body, gen_req, prompt_ids, session, None, 0, want_logprobs, t0)
 
     async def _finish(self, prep: Prepared) -> dict[str, Any]:
@@ -232,7 +351,13 @@ class Router:
         gen = await self.pool.call(engine, "/inference/v1/generate", prep.gen_req)
         stripped = [strip_eos(ch, self.eos_token_ids) for ch in gen["choices"]]
         shown = dict(gen, choices=[ch for ch, _ in stripped])
-        if prep.kind == "chat":
+        out = None
+        if prep.codec is not None and prep.codec.can_derender(prep.body, shown):
+            out = prep.codec.derender_chat(shown, prep.body)
+        if out is not None:
+            self.counters["local_derenders"] += 1
+        elif prep.kind == "chat":
+            self.counters["engine_derenders"] += 1
             out = await self.pool.call(engine, "/v1/chat/completions/derender", {
                 "generate_response": shown, "prompt_token_ids": prep.prompt_ids,
                 "prompt_tokens": len(prep.prompt_ids), "chat_request": prep.body})
