@@ -67,6 +67,14 @@ class EnvConfig:
 
 
 @dataclass
+class ScaffoldSection:
+    """Who plays the episodes: the built-in agent loop, or an external program (docs/scaffolds.md)."""
+
+    agent: str = ""  # "package.module:function": an async scaffold run in serve, e.g. "scaffolds.openai_minimal:agent"
+    command: str = ""  # or a command line run per episode with OPENAI_BASE_URL/OPENAI_API_KEY set ({python}: this Python)
+
+
+@dataclass
 class SandboxSection:
     backend: Literal["docker", "bubblewrap", "auto"] = "auto"
     warm: int = 2  # containers started ahead of demand
@@ -93,6 +101,7 @@ class ServeConfig:
     router: RouterConfig = field(default_factory=RouterConfig)
     env: EnvConfig = field(default_factory=EnvConfig)
     sandbox: SandboxSection = field(default_factory=SandboxSection)
+    scaffold: ScaffoldSection = field(default_factory=ScaffoldSection)
     buffer: BufferSection = field(default_factory=BufferSection)
     max_episodes: int = 0  # stop generating after this many episodes (0: no limit)
 
@@ -104,6 +113,8 @@ class ServeConfig:
                               f"env.group_size ({self.env.group_size}) so batches hold whole groups")
         if self.env.max_tokens >= self.engine.max_model_len:
             raise ConfigError("env.max_tokens must be smaller than engine.max_model_len")
+        if self.scaffold.agent and self.scaffold.command:
+            raise ConfigError("set scaffold.agent (a Python callable) or scaffold.command (a program), not both")
 
 
 @dataclass

@@ -80,6 +80,7 @@ class Serve:
         from agentrl.weights import WeightReceiver
 
         cfg = self.cfg
+        episode_fn = self._episode_fn()  # a scaffold that cannot be loaded fails before engines start
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.admin_token = admin_token_for(cfg, self.run_dir)
         self.api_keys = frozenset(find_api_keys(cfg.router.api_keys, cfg.router.api_keys_file))
@@ -140,7 +141,7 @@ class Serve:
         self.orchestrator = Orchestrator(
             router=self.router, buffer=self.buffer, env_name=e.name, env_config=e.config,
             group_size=e.group_size, max_concurrency=e.max_concurrency, sandbox_pool=self.sandbox_pool,
-            run_dir=self.run_dir, max_episodes=cfg.max_episodes,
+            run_dir=self.run_dir, max_episodes=cfg.max_episodes, episode_fn=episode_fn,
             limits=EpisodeLimits(max_turns=e.max_turns, max_tokens=e.max_tokens,
                                  max_episode_tokens=e.max_episode_tokens, timeout_s=e.episode_timeout_s,
                                  temperature=e.temperature, top_p=e.top_p))
@@ -151,6 +152,21 @@ class Serve:
         gc.set_threshold(50_000, 50, 100)
         self._orch_task = asyncio.create_task(self.orchestrator.run(), name="orchestrator")
         self._metrics_task = asyncio.create_task(self._metrics_loop(), name="serve-metrics")
+
+    def _episode_fn(self) -> Any:
+        """The built-in agent loop, or the configured external scaffold behind a router session."""
+        from agentrl.rollout import run_episode
+
+        sc = self.cfg.scaffold
+        if not (sc.agent or sc.command):
+            return run_episode
+        from agentrl.rollout.scaffold import load_scaffold, scaffold_producer
+
+        host = self.cfg.router.host
+        host = "127.0.0.1" if host in ("0.0.0.0", "", "::") else host  # scaffolds run on this machine
+        scaffold = load_scaffold(sc.agent or sc.command)
+        log.info("episodes are played by the scaffold %s", sc.agent or sc.command)
+        return scaffold_producer(scaffold, f"http://{host}:{self.cfg.router.port}")
 
     async def _info(self, request: web.Request) -> web.Response:
         from agentrl.router.server import require_admin

@@ -3,7 +3,9 @@
 It starts a group of G episodes on one task only while the buffer's admission rule allows it
 (in flight plus buffered at most (max_staleness + 1) x batch size, so little is generated only to be
 thrown away as stale) and while fewer than ``max_concurrency`` episodes run. Finished episodes go
-to the buffer (durable) and to ``episodes.jsonl`` in the run directory.
+to the buffer (durable) and to ``episodes.jsonl`` in the run directory. Episodes are played by
+``episode_fn``: the built-in agent loop (:func:`run_episode`) unless serve is given an external
+scaffold (:func:`agentrl.rollout.scaffold.scaffold_producer`), which takes the same arguments.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import json
 import logging
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -26,13 +29,15 @@ log = logging.getLogger(__name__)
 class Orchestrator:
     def __init__(self, *, router: Any, buffer: Any, env_name: str, env_config: dict[str, Any],
                  group_size: int, limits: EpisodeLimits, max_concurrency: int, sandbox_pool: Any = None,
-                 run_dir: Path | None = None, max_episodes: int = 0) -> None:
+                 run_dir: Path | None = None, max_episodes: int = 0,
+                 episode_fn: Callable[..., Awaitable[EpisodeResult]] = run_episode) -> None:
         self.router, self.buffer = router, buffer
         self.env_name, self.env_config = env_name, env_config
         self.group_size, self.limits = group_size, limits
         self.max_concurrency = max_concurrency
         self.sandbox_pool = sandbox_pool
         self.max_episodes = max_episodes
+        self.episode_fn = episode_fn
         self.in_flight = 0
         self.counters: dict[str, float] = {"episodes": 0, "failed": 0, "truncated": 0, "samples": 0,
                                            "reward_sum": 0.0, "tool_calls": 0}
@@ -75,7 +80,7 @@ class Orchestrator:
             self.in_flight -= self.group_size
 
     async def _episode(self, task: dict[str, Any], group_id: str) -> None:
-        ep = await run_episode(self.router, self.env_name, task, group_id=group_id, env_config=self.env_config,
+        ep = await self.episode_fn(self.router, self.env_name, task, group_id=group_id, env_config=self.env_config,
                                sandbox_pool=self.sandbox_pool, limits=self.limits)
         await self.buffer.put(ep.samples)
         self._account(ep)

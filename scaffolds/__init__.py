@@ -1,0 +1,1 @@
+"""Reference scaffolds: agent programs that only see an OpenAI endpoint (see README.md here)."""

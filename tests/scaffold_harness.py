@@ -1,0 +1,151 @@
+"""Test helper: run a group of scaffold episodes through ``agentrl serve`` (the :class:`Serve`
+composition, in this process) against the session's real vLLM engine, and check their samples.
+
+What crosses to the engine is captured at the engine pool (every token-in generate request and the
+ids it returned, streamed or not), so the checks compare samples with the engine's own ids, not
+with what the router recorded about itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tests.conftest import free_port
+
+
+@dataclass
+class GroupRun:
+    episodes: list[dict[str, Any]]  # episodes.jsonl lines
+    samples: list[Any]  # what the orchestrator put into the buffer
+    records: dict[str, list[dict[str, Any]]]  # session id -> call records (run_dir/sessions)
+    generated: list[tuple[list[int], list[int]]]  # (prompt ids, completion ids) of every generate
+    router_counters: dict[str, float]
+    instance_id: str | None
+    containers_left: list[str] = field(default_factory=list)
+
+
+def ids(x: Any) -> list[int]:
+    return [int(t) for t in x]
+
+
+async def _run(engine_url: str, run_dir: Path, *, env: str, group_size: int, scaffold: dict[str, str],
+               env_overrides: dict[str, Any], env_config: dict[str, Any] | None) -> GroupRun:
+    from agentrl.config import ServeConfig
+    from agentrl.serve import Serve
+
+    cfg = ServeConfig(model="tiny-tools", run_dir=str(run_dir), admin_token="scaffold-test-admin",
+                      max_episodes=group_size)
+    cfg.engine.urls = [engine_url]
+    cfg.router.port = free_port()
+    cfg.env.name, cfg.env.group_size, cfg.env.max_concurrency = env, group_size, group_size
+    cfg.env.config = env_config or {}
+    for k, v in {"max_tokens": 48, "max_turns": 3, "episode_timeout_s": 120.0, **env_overrides}.items():
+        setattr(cfg.env, k, v)
+    cfg.buffer.batch_size = group_size
+    cfg.sandbox.backend, cfg.sandbox.warm, cfg.sandbox.memory_mb = "docker", 0, 256
+    cfg.scaffold.agent = scaffold.get("agent", "")
+    cfg.scaffold.command = scaffold.get("command", "")
+    cfg.check()
+    serve = Serve(cfg)
+    samples: list[Any] = []
+    generated: list[tuple[list[int], list[int]]] = []
+    try:
+        await serve.start()
+        # start() returns before the orchestrator's first step: wrap the seams it will use.
+        real_put, real_call, real_stream = serve.buffer.put, serve.pool.call, serve.pool.stream
+
+        async def put(batch: list[Any]) -> int:
+            samples.extend(batch)
+            return await real_put(batch)
+
+        async def call(engine: Any, path: str, body: dict[str, Any], *a: Any, **kw: Any) -> dict[str, Any]:
+            out = await real_call(engine, path, body, *a, **kw)
+            if path == "/inference/v1/generate":
+                generated.append((ids(body["token_ids"]), ids(out["choices"][0]["token_ids"])))
+            return out
+
+        async def stream(engine: Any, path: str, body: dict[str, Any]) -> Any:
+            got: list[int] = []
+            try:
+                async for event in real_stream(engine, path, body):
+                    for ch in event.get("choices") or []:
+                        got.extend(ch.get("token_ids") or [])
+                    yield event
+            finally:
+                generated.append((ids(body["token_ids"]), ids(got)))
+
+        serve.buffer.put, serve.pool.call, serve.pool.stream = put, call, stream  # type: ignore[method-assign]
+        assert serve._orch_task is not None
+        await asyncio.wait_for(serve._orch_task, timeout=600)
+        counters = dict(serve.router.counters)
+        instance = serve.sandbox_pool.instance_id if serve.sandbox_pool else None
+    finally:
+        await serve.close()
+    episodes = [json.loads(x) for x in (run_dir / "episodes.jsonl").read_text().splitlines() if x.strip()]
+    records: dict[str, list[dict[str, Any]]] = {}
+    for p in sorted((run_dir / "sessions").glob("*.jsonl")):
+        records[p.stem] = [json.loads(x) for x in p.read_text().splitlines() if x.strip()]
+    left: list[str] = []
+    if instance is not None:
+        left = subprocess.run(["docker", "ps", "-aq", "--filter", f"label=agentrl.instance={instance}"],
+                              capture_output=True, text=True, check=True).stdout.split()
+    return GroupRun(episodes, samples, records, generated, counters, instance, left)
+
+
+def run_group(engine_url: str, run_dir: Path, *, env: str, group_size: int = 2, scaffold: dict[str, str],
+              env_config: dict[str, Any] | None = None, **env_overrides: Any) -> GroupRun:
+    """One group of ``group_size`` episodes of ``env`` played by ``scaffold`` ({"agent": ...} or
+    {"command": ...}) through Serve; returns what it produced once serve has shut down."""
+    return asyncio.run(_run(engine_url, run_dir, env=env, group_size=group_size, scaffold=scaffold,
+                            env_overrides=env_overrides, env_config=env_config))
+
+
+def check_exact_samples(run: GroupRun) -> None:
+    """The plumbing invariants every scaffold run must keep.
+
+    - every model call went through an episode's session: each generate the engine served is one
+      recorded call, and the router saw no other call;
+    - each record's prompt and completion are a generate request and the ids the engine returned;
+    - one sample per chain of calls that extend each other token for token, and each sample is the
+      leaf's prompt plus completion with the loss mask exactly on the chain's sampled ids.
+    """
+    episode_ids = {e["episode_id"] for e in run.episodes}
+    all_records = [r for sid, recs in run.records.items() if sid in episode_ids for r in recs]
+    assert len(all_records) == len(run.generated), (len(all_records), len(run.generated))
+    assert sum(len(v) for v in run.records.values()) == len(all_records), "a call outside the episodes"
+    assert run.router_counters["calls"] == len(all_records) + run.router_counters["errors_4xx"]
+    engine_pairs = sorted((tuple(p), tuple(c)) for p, c in run.generated)
+    record_pairs = sorted((tuple(r["prompt_ids"]), tuple(r["completions"][0]["token_ids"])) for r in all_records)
+    assert record_pairs == engine_pairs
+    by_episode: dict[str, list[Any]] = {}
+    for s in run.samples:
+        by_episode.setdefault(s.episode_id, []).append(s)
+    assert set(by_episode) == episode_ids
+    for ep in run.episodes:
+        recs = {r["index"]: r for r in run.records.get(ep["episode_id"], [])}
+        samples = [s for s in by_episode[ep["episode_id"]] if len(s.token_ids)]
+        extended = {r["parent"] for r in recs.values() if r["parent"] is not None}
+        leaves = [i for i in recs if i not in extended]
+        assert len(samples) == len(leaves) == ep["num_samples"] if recs else ep["num_samples"] == 1
+        assert ep["splits"] == sum(r["parent"] is None for r in recs.values()) - (1 if recs else 0)
+        for s in samples:
+            chain = s.info["calls"]
+            leaf = recs[chain[-1]]
+            tokens, mask = ids(s.token_ids), ids(s.loss_mask)
+            assert tokens == leaf["prompt_ids"] + leaf["completions"][0]["token_ids"]
+            want_mask = [0] * len(tokens)
+            for i in chain:
+                r = recs[i]
+                start, comp = len(r["prompt_ids"]), r["completions"][0]["token_ids"]
+                assert tokens[start:start + len(comp)] == comp  # the sampled ids, in place
+                want_mask[start:start + len(comp)] = [1] * len(comp)
+            assert mask == want_mask
+            for a, b in zip(chain, chain[1:], strict=False):
+                assert recs[b]["parent"] == a  # the chain extends call by call
+            assert s.reward == ep["reward"]
+    assert run.containers_left == []
