@@ -99,8 +99,8 @@ class LocalCodec:
         if tools is not None:
             for t in tools:
                 if not t.keys() <= _TOOL_KEYS or t.get("type", "function") != "function" \
-                        or not t["function"].keys() <= _FUNCTION_KEYS:
-                    return False
+                        or not t["function"].keys() <= _FUNCTION_KEYS or t["function"].get("strict"):
+                    return False  # strict tools make vLLM add a structured-output grammar
         for m in body["messages"]:
             if not m.keys() <= _MESSAGE_KEYS or m["role"] not in _ROLES or _text(m.get("content")) is None:
                 return False
@@ -167,6 +167,8 @@ class LocalCodec:
             sp["seed"] = body["seed"]
         stop = body.get("stop")
         sp["stop"] = [stop] if isinstance(stop, str) else list(stop or [])
+        if sp["stop"]:  # SamplingParams holds back this much text while it looks for a stop string
+            sp["output_text_buffer_length"] = max(len(x) for x in sp["stop"]) - 1
         sp["stop_token_ids"] = []
         wanted = body.get("max_completion_tokens")
         if wanted is None:
@@ -275,7 +277,7 @@ SAMPLING_DEFAULTS: dict[str, Any] = {
     "n": 1, "max_tokens": 16, "top_k": 0, "skip_special_tokens": True, "seed": None, "stop": [],
     "stop_token_ids": [], "logprobs": None, "output_kind": 0, "skip_clone": False, "bad_words": [],
     "skip_reading_prefix_cache": False, "temperature": 1.0, "top_p": 1.0, "min_p": 0.0,
-    "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0,
+    "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0, "output_text_buffer_length": 0,
 }
 
 
