@@ -1,10 +1,17 @@
 """Buffer throughput: durable put, in-process get+ack, and 256-sample fetches over loopback HTTP.
 
-Samples are 2,048 tokens (512 prompt, 1,536 generated across two policy versions) built as plain
-Python lists, as the router produces them, with the info and timings the rollout code attaches. The log is on with ``sync="fsync"``. Prints one JSON
-line at the end: put_samples_per_s, put_samples_per_s_one_per_call, get_samples_per_s,
-batch_fetch_ms_p50 (and p90), bytes_per_sample, the same rates per CPU-second of this process
-(meaningful on a shared, loaded machine), the load average, and the parameters.
+Samples are 2,048 tokens (512 prompt, 1,536 generated across two policy versions) with the info
+and timings the rollout code attaches. The headline figures use what the product passes around:
+the rollout builds per-token numpy arrays once (``Session.samples(as_arrays=True)`` in
+``agentrl/rollout/episode.py``: int32 ids, mask and versions, float32 logprobs), so puts store
+their bytes; the learner decodes batches to numpy arrays (``as_arrays=True`` in
+``agentrl/learner/source.py``), so gets and fetches decode to arrays. The same phases with
+Python-list fields (``*_lists``: samples built as lists, gets decoded to lists) are reported beside
+them. The log is on with ``sync="fsync"`` (one ``fdatasync`` per put call: group commit of the
+call's samples). Prints one JSON line at the end: put_samples_per_s, get_samples_per_s,
+batch_fetch_ms_p50 (and p90), bytes_per_sample, put_samples_per_s_one_per_call, the list figures,
+the same rates per CPU-second of this process (meaningful on a shared, loaded machine), the load
+average, and the parameters.
 
     python benchmarks/buffer.py [--samples 8192] [--put-chunk 64] [--fetches 20] [--dir DIR]
 """
@@ -24,6 +31,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from aiohttp import web
 
 from agentrl.buffer import Buffer, BufferClient, BufferConfig, Sample, add_buffer_routes
@@ -33,16 +41,21 @@ ROUND = 1024
 PROMPT = 512
 
 
-def make_pool(n: int, rng: random.Random) -> list[Sample]:
+def make_pool(n: int, rng: random.Random, as_arrays: bool) -> list[Sample]:
     pool = []
     for i in range(n):
         gen = TOKENS - PROMPT
         switch = rng.randrange(gen)
+        fields: dict[str, Any] = {
+            "token_ids": [rng.randrange(151_000) for _ in range(TOKENS)],
+            "loss_mask": [0] * PROMPT + [1] * gen,
+            "logprobs": [0.0] * PROMPT + [-rng.random() * 3 for _ in range(gen)],
+            "versions": [-1] * PROMPT + [10] * switch + [11] * (gen - switch),
+        }
+        if as_arrays:  # the dtypes Session.samples(as_arrays=True) builds
+            fields = {k: np.array(v, dtype=np.float32 if k == "logprobs" else np.int32) for k, v in fields.items()}
         pool.append(Sample(
-            token_ids=[rng.randrange(151_000) for _ in range(TOKENS)],
-            loss_mask=[0] * PROMPT + [1] * gen,
-            logprobs=[0.0] * PROMPT + [-rng.random() * 3 for _ in range(gen)],
-            versions=[-1] * PROMPT + [10] * switch + [11] * (gen - switch),
+            **fields,
             episode_id=f"e{i}", group_id=f"g{i}", env="bench", reward=rng.random(),
             # What the rollout code attaches to every sample (episode.py), so headers cost what they will.
             info={"task_id": f"task-{i}", "turns": 3, "sandbox_id": f"sb-{i:08x}", "calls": 2,
@@ -53,54 +66,76 @@ def make_pool(n: int, rng: random.Random) -> list[Sample]:
 
 
 def fresh(pool: list[Sample], n: int, tag: str) -> list[Sample]:
-    """n samples with distinct ids, sharing the pool's token lists (building lists is not timed)."""
+    """n samples with distinct ids, sharing the pool's token fields (building them is not timed)."""
     return [replace(pool[i % len(pool)], sample_id=f"{tag}-{i}") for i in range(n)]
+
+
+async def put_get(buf: Buffer, pool: list[Sample], rounds: int, put_chunk: int, as_arrays: bool,
+                  tag: str) -> dict[str, list[float]]:
+    """Put ``rounds`` rounds of 1,024 samples, then get+ack them all; rates per round (and the log's
+    bytes per sample after the puts, framing included)."""
+    out: dict[str, list[float]] = {"put": [], "put_cpu": [], "get": [], "get_cpu": []}
+    for r in range(rounds):
+        samples = fresh(pool, ROUND, tag=f"{tag}{r}")
+        t0, c0 = time.perf_counter(), time.process_time()
+        for i in range(0, ROUND, put_chunk):
+            await buf.put(samples[i : i + put_chunk])
+        out["put"].append(ROUND / (time.perf_counter() - t0))
+        out["put_cpu"].append(ROUND / (time.process_time() - c0))
+    out["log_bytes_per_put_sample"] = [buf.stats()["log_bytes"] / buf.stats()["produced"]]
+    while buf.stats()["depth"] >= ROUND:
+        t0, c0 = time.perf_counter(), time.process_time()
+        for _ in range(ROUND // 256):
+            batch = await buf.get_batch(12, batch_size=256, as_arrays=as_arrays)
+            assert batch is not None
+            buf.ack(batch.batch_id)
+        out["get"].append(ROUND / (time.perf_counter() - t0))
+        out["get_cpu"].append(ROUND / (time.process_time() - c0))
+    return out
+
+
+async def fetches(buf: Buffer, client: BufferClient, pool: list[Sample], n: int, as_arrays: bool,
+                  tag: str) -> tuple[list[float], list[float]]:
+    """n fetches of 256 samples over HTTP (decoded as the learner does), ms and CPU-ms each."""
+    wall, cpu = [], []
+    for k in range(n):
+        await buf.put(fresh(pool, 256, tag=f"{tag}{k}"))
+        t0, c0 = time.perf_counter(), time.process_time()
+        batch = await client.get_batch(12, batch_size=256, timeout_s=5, as_arrays=as_arrays)
+        wall.append(1000 * (time.perf_counter() - t0))
+        cpu.append(1000 * (time.process_time() - c0))
+        assert batch is not None and len(batch.samples) == 256
+        assert await client.ack(batch.batch_id)
+    return wall, cpu
+
+
+def _med(xs: list[float], digits: int = 1) -> float:
+    return round(statistics.median(xs), digits)
 
 
 async def bench(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     rng = random.Random(0)
-    pool = make_pool(256, rng)
+    arrays = make_pool(256, rng, as_arrays=True)
+    lists = [replace(s, **{k: getattr(s, k).tolist() for k in ("token_ids", "loss_mask", "logprobs", "versions")})
+             for s in arrays]
     cfg = BufferConfig(path=str(workdir / "buf"), batch_size=256, max_staleness=4, sync="fsync",
                        compact_bytes=1 << 40)
     buf = Buffer(cfg)
 
     # Each phase runs in rounds of 1,024 samples; the figures are the median round, and the best
     # round is reported beside it because shared build machines are often heavily loaded.
-    put_rates, put_cpu_rates = [], []
-    for r in range(args.samples // ROUND):
-        samples = fresh(pool, ROUND, tag=f"r{r}")
-        t0, c0 = time.perf_counter(), time.process_time()
-        for i in range(0, ROUND, args.put_chunk):
-            await buf.put(samples[i : i + args.put_chunk])
-        put_rates.append(ROUND / (time.perf_counter() - t0))
-        put_cpu_rates.append(ROUND / (time.process_time() - c0))
-    bytes_per_sample = buf.stats()["log_bytes"] / buf.stats()["produced"]
+    rounds = args.samples // ROUND
+    main = await put_get(buf, arrays, rounds, args.put_chunk, as_arrays=True, tag="a")
+    (bytes_per_sample,) = main["log_bytes_per_put_sample"]
+    with_lists = await put_get(buf, lists, max(1, rounds // 2), args.put_chunk, as_arrays=False, tag="l")
 
-    singles = fresh(pool, 256, tag="single")
+    singles = fresh(arrays, 256, tag="single")
     t0 = time.perf_counter()
     for s in singles:
         await buf.put([s])
     put_single_rate = len(singles) / (time.perf_counter() - t0)
-
-    get_rates, get_cpu_rates = [], []
-    while buf.stats()["depth"] >= ROUND:
-        t0, c0 = time.perf_counter(), time.process_time()
-        for _ in range(ROUND // 256):
-            batch = await buf.get_batch(12, batch_size=256)
-            assert batch is not None
-            buf.ack(batch.batch_id)
-        get_rates.append(ROUND / (time.perf_counter() - t0))
-        get_cpu_rates.append(ROUND / (time.process_time() - c0))
-
-    array_rates = []
-    for r in range(2):
-        await buf.put(fresh(pool, ROUND, tag=f"a{r}"))
-        t0 = time.perf_counter()
-        for _ in range(ROUND // 256):
-            batch = await buf.get_batch(12, batch_size=256, as_arrays=True)
-            assert batch is not None
-            buf.ack(batch.batch_id)
-        array_rates.append(ROUND / (time.perf_counter() - t0))
+    while (batch := await buf.get_batch(12, batch_size=256)) is not None:
+        buf.ack(batch.batch_id)
 
     app = web.Application(client_max_size=1 << 30)
     add_buffer_routes(app, buf, "bench-token")
@@ -110,43 +145,35 @@ async def bench(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     await site.start()
     port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
     client = BufferClient(f"http://127.0.0.1:{port}", "bench-token", timeout_s=30)
-    fetch_ms, fetch_cpu_ms = [], []
-    for _ in range(args.fetches):
-        await buf.put(fresh(pool, 256, tag=f"f{len(fetch_ms)}"))
-        t0, c0 = time.perf_counter(), time.process_time()
-        batch = await client.get_batch(12, batch_size=256, timeout_s=5)
-        fetch_ms.append(1000 * (time.perf_counter() - t0))
-        fetch_cpu_ms.append(1000 * (time.process_time() - c0))
-        assert batch is not None and len(batch.samples) == 256
-        assert await client.ack(batch.batch_id)
-    fetch_array_ms = []
-    for _ in range(args.fetches // 2):
-        await buf.put(fresh(pool, 256, tag=f"fa{len(fetch_array_ms)}"))
-        t0 = time.perf_counter()
-        batch = await client.get_batch(12, batch_size=256, timeout_s=5, as_arrays=True)
-        fetch_array_ms.append(1000 * (time.perf_counter() - t0))
-        assert batch is not None and await client.ack(batch.batch_id)
+    fetch_ms, fetch_cpu_ms = await fetches(buf, client, arrays, args.fetches, as_arrays=True, tag="f")
+    fetch_list_ms, fetch_list_cpu_ms = await fetches(buf, client, lists, max(1, args.fetches // 2),
+                                                     as_arrays=False, tag="fl")
     await client.close()
     await runner.cleanup()
     stats = buf.stats()
     assert stats["identity_holds"]
     buf.close()
     return {
-        "put_samples_per_s": round(statistics.median(put_rates), 1),
-        "get_samples_per_s": round(statistics.median(get_rates), 1),
-        "batch_fetch_ms_p50": round(statistics.median(fetch_ms), 2),
+        "put_samples_per_s": _med(main["put"]),
+        "get_samples_per_s": _med(main["get"]),
+        "batch_fetch_ms_p50": _med(fetch_ms, 2),
         "bytes_per_sample": round(bytes_per_sample, 1),
-        "put_samples_per_s_best_round": round(max(put_rates), 1),
-        "get_samples_per_s_best_round": round(max(get_rates), 1),
+        "put_samples_per_s_best_round": round(max(main["put"]), 1),
+        "get_samples_per_s_best_round": round(max(main["get"]), 1),
         "batch_fetch_ms_min": round(min(fetch_ms), 2),
         "batch_fetch_ms_p90": round(sorted(fetch_ms)[int(0.9 * (len(fetch_ms) - 1))], 2),
-        "get_samples_per_s_as_arrays": round(statistics.median(array_rates), 1),
-        "batch_fetch_ms_p50_as_arrays": round(statistics.median(fetch_array_ms), 2),
         "put_samples_per_s_one_per_call": round(put_single_rate, 1),
+        # Python-list fields end to end (the representation before the rollout built arrays).
+        "put_samples_per_s_lists": _med(with_lists["put"]),
+        "get_samples_per_s_lists": _med(with_lists["get"]),
+        "batch_fetch_ms_p50_lists": _med(fetch_list_ms, 2),
         # Per CPU-second of this process (inflated too when the machine is oversubscribed).
-        "put_samples_per_cpu_s": round(statistics.median(put_cpu_rates), 1),
-        "get_samples_per_cpu_s": round(statistics.median(get_cpu_rates), 1),
-        "batch_fetch_cpu_ms_p50": round(statistics.median(fetch_cpu_ms), 2),
+        "put_samples_per_cpu_s": _med(main["put_cpu"]),
+        "get_samples_per_cpu_s": _med(main["get_cpu"]),
+        "batch_fetch_cpu_ms_p50": _med(fetch_cpu_ms, 2),
+        "put_samples_per_cpu_s_lists": _med(with_lists["put_cpu"]),
+        "get_samples_per_cpu_s_lists": _med(with_lists["get_cpu"]),
+        "batch_fetch_cpu_ms_p50_lists": _med(fetch_list_cpu_ms, 2),
         "load_avg_1m": round(os.getloadavg()[0], 2),
         "cpus": os.cpu_count(),
         "tokens_per_sample": TOKENS,
@@ -154,6 +181,7 @@ async def bench(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         "put_chunk": args.put_chunk,
         "sync": cfg.sync,
         "fetch_batch_size": 256,
+        "sample_fields": "numpy int32/float32 (lists: *_lists)",
     }
 
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import numpy as np
+
 import agentrl
 from agentrl.rollout import EpisodeLimits, run_episode
 from agentrl.router.sessions import CallRecord, Session
@@ -80,6 +82,21 @@ def test_an_episode_with_a_tool_call_and_an_answer_is_one_rewarded_sample():
     assert sum(sample.loss_mask) == 6  # two completions of three tokens, nothing else
 
 
+def test_episode_samples_are_compact_arrays_equal_to_the_session_lists():
+    router = ScriptedRouter([_call("shout", '{"text": "hi"}'), {"role": "assistant", "content": "42"}])
+    sessions: list[Session] = []
+    close = router.close_session
+    router.close_session = lambda sid: sessions.append(close(sid)) or sessions[-1]  # type: ignore[method-assign]
+    ep = asyncio.run(run_episode(router, "test-echo", {"id": "t0", "question": "q", "answer": "42"}, group_id="g"))
+    (sample,) = ep.samples
+    (lists,) = sessions[0].samples()
+    assert sample.token_ids.dtype == np.int32 and sample.loss_mask.dtype == np.int32
+    assert sample.versions.dtype == np.int32 and sample.logprobs.dtype == np.float32
+    assert sample.token_ids.tolist() == lists.token_ids and sample.loss_mask.tolist() == lists.loss_mask
+    assert sample.logprobs.tolist() == lists.logprobs and sample.versions.tolist() == lists.versions
+    assert lists.loss_mask == [0, 0, 0, 1, 1, 1, 0, 1, 1, 1] and sample.min_version == 0
+
+
 def test_an_environment_that_raises_produces_a_failed_episode_not_an_exception():
     router = ScriptedRouter([{"role": "assistant", "content": "42"}])
     ep = asyncio.run(run_episode(router, "test-broken", {"id": "t0", "question": "q", "answer": "42"}, group_id="g"))
@@ -101,7 +118,7 @@ def test_the_turn_limit_truncates_an_episode_and_keeps_its_data():
     ep = asyncio.run(run_episode(router, "test-echo", {"id": "t0", "question": "q", "answer": "42"}, group_id="g",
                                  limits=EpisodeLimits(max_turns=2)))
     assert ep.truncated and ep.truncation == "max_turns" and ep.turns == 2
-    assert ep.samples[0].token_ids and ep.samples[0].truncated
+    assert len(ep.samples[0].token_ids) and ep.samples[0].truncated
 
 
 def test_an_episode_past_its_wall_clock_limit_is_truncated():

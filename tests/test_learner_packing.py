@@ -73,3 +73,28 @@ def test_train_step_packing_equals_one_sample_per_pass(tiny_model):
     assert abs(a["loss"] - b["loss"]) <= 1e-5 * max(1.0, abs(b["loss"]))
     assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-4 * b["grad_norm"]
     assert (pa - pb).abs().max().item() < 1e-5
+
+
+def test_a_train_step_on_samples_decoded_as_arrays_equals_one_on_lists(tiny_model):
+    import json
+
+    from agentrl.buffer.codec import Batch, decode_batch, encode_batch
+    from agentrl.config import LearnConfig
+    from agentrl.learner.dist import Dist, load_model
+    from agentrl.learner.step import build_state, train_step
+
+    samples = make_samples(8, seed=3)
+    arrays = decode_batch(encode_batch(Batch("b", samples, 1)), as_arrays=True).samples  # what ServeSource gets
+    lists = decode_batch(encode_batch(Batch("b", samples, 1))).samples  # same float32-rounded logprobs
+    results = []
+    for batch in (lists, arrays):
+        torch.manual_seed(0)
+        cfg = LearnConfig(micro_batch_tokens=64, lr=1e-3)
+        state = build_state(cfg, load_model(tiny_model, Dist()), Dist())
+        stats = train_step(state, batch, cfg, version=1)
+        json.dumps(stats)  # the learner journals these: no numpy scalars
+        results.append((stats, torch.cat([p.detach().flatten() for p in state.model.parameters()])))
+    (a, pa), (b, pb) = results
+    assert a["tokens"] == b["tokens"] and a["trained_samples"] == b["trained_samples"] == 8
+    assert a["staleness_max"] == b["staleness_max"] == 1 and a["loss"] == b["loss"]
+    assert torch.equal(pa, pb)

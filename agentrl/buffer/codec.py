@@ -176,8 +176,36 @@ def _runs(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return values[starts].astype(_I32, copy=False), lengths.astype(_I32, copy=False)
 
 
+def _array_runs(a: np.ndarray) -> tuple[list[int], list[int]]:
+    """Run-length encode a 1-D array into (values, lengths) lists: one comparison and one
+    ``flatnonzero`` at C speed, the few runs in Python (cheaper than more numpy calls)."""
+    n = a.shape[0]
+    if n == 0:
+        return [], []
+    cuts = (np.flatnonzero(a[1:] != a[:-1]) + 1).tolist()
+    if not cuts:
+        return [a[0].item()], [n]
+    starts = [0, *cuts]
+    return a[starts].tolist(), [e - s for s, e in zip(starts, [*cuts, n], strict=True)]
+
+
+def _byte_runs(raw: bytes) -> tuple[list[int], list[int]]:
+    """Runs of a byte string of 0s and 1s, found with ``bytes.find`` at C speed."""
+    vals, lens, pos, n = [], [], 0, len(raw)
+    while pos < n:
+        v = raw[pos]
+        end = raw.find(1 - v, pos)
+        end = n if end < 0 else end
+        vals.append(v)
+        lens.append(end - pos)
+        pos = end
+    return vals, lens
+
+
 def _mask_runs(xs: Any) -> tuple[list[int], list[int]]:
     mask: np.ndarray | None = None
+    if isinstance(xs, np.ndarray) and xs.ndim == 1:
+        return _byte_runs((xs != 0).view(np.uint8).tobytes())
     if not isinstance(xs, np.ndarray):
         try:
             raw = bytes(xs)  # keeps small ints as they are; the fastest look at a list of 0/1
@@ -185,15 +213,7 @@ def _mask_runs(xs: Any) -> tuple[list[int], list[int]]:
             pass
         else:
             if not raw.translate(None, b"\x00\x01"):  # only 0 and 1: find the runs at C speed
-                vals, lens, pos, n = [], [], 0, len(raw)
-                while pos < n:
-                    v = raw[pos]
-                    end = raw.find(1 - v, pos)
-                    end = n if end < 0 else end
-                    vals.append(v)
-                    lens.append(end - pos)
-                    pos = end
-                return vals, lens
+                return _byte_runs(raw)
             mask = np.frombuffer(raw, dtype=np.uint8)
     if mask is None:
         mask = (np.asarray(xs) != 0).astype(np.uint8)
@@ -205,8 +225,10 @@ def _version_runs(xs: Any, mask_lengths: list[int]) -> tuple[list[int], list[int
     fast = _version_list_runs(xs, mask_lengths)
     if fast is not None:
         return fast
-    vals, lens = _runs(_as_array(xs, _I32, "i"))
-    return vals.tolist(), lens.tolist()
+    arr = _as_array(xs, _I32, "i")
+    if arr.ndim != 1:
+        raise ValueError(f"versions must be 1-D, got shape {arr.shape}")
+    return _array_runs(arr)
 
 
 def _min_generated(mask: tuple[list[int], list[int]], versions: tuple[list[int], list[int]]) -> int:

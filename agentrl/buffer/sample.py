@@ -1,6 +1,12 @@
 """The training sample: what crosses from serve to the learner.
 
-Invariants: all per-token lists have the same length; ``loss_mask[i] == 1`` exactly on tokens the
+The per-token fields are Python lists or 1-D numpy arrays (int32 token ids, mask and versions,
+float32 logprobs). The rollout builds arrays once (``Session.samples(as_arrays=True)``), the buffer
+stores their bytes as they are, and the learner decodes straight into arrays
+(``decode_sample(..., as_arrays=True)``) for ``torch.from_numpy``; lists stay accepted everywhere.
+Compare array samples field by field (``np.array_equal``), not with ``==``.
+
+Invariants: all per-token fields have the same length; ``loss_mask[i] == 1`` exactly on tokens the
 engine generated, and only those tokens carry a behaviour logprob and a policy version
 (``versions[i] == -1`` and ``logprobs[i] == 0.0`` elsewhere). Token ids are the engine's own,
 never re-tokenised text.
@@ -11,6 +17,8 @@ from __future__ import annotations
 import uuid
 from dataclasses import asdict, dataclass, field
 from typing import Any
+
+import numpy as np
 
 
 @dataclass
@@ -38,15 +46,24 @@ class Sample:
                 f"versions {len(self.versions)})"
             )
 
+    def _generated_versions(self) -> np.ndarray | list[int]:
+        if isinstance(self.versions, np.ndarray) or isinstance(self.loss_mask, np.ndarray):
+            return np.asarray(self.versions)[np.asarray(self.loss_mask) != 0]
+        return [v for v, m in zip(self.versions, self.loss_mask, strict=True) if m]
+
     @property
     def min_version(self) -> int:
         """Oldest policy version that produced any generated token (-1 if none was generated)."""
-        generated = [v for v, m in zip(self.versions, self.loss_mask, strict=True) if m]
+        generated = self._generated_versions()
+        if isinstance(generated, np.ndarray):
+            return int(generated.min()) if generated.size else -1
         return min(generated) if generated else -1
 
     @property
     def max_version(self) -> int:
-        generated = [v for v, m in zip(self.versions, self.loss_mask, strict=True) if m]
+        generated = self._generated_versions()
+        if isinstance(generated, np.ndarray):
+            return int(generated.max()) if generated.size else -1
         return max(generated) if generated else -1
 
     def staleness(self, learner_version: int) -> int:

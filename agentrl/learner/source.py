@@ -82,7 +82,9 @@ class ServeSource:
                     await asyncio.sleep(2.0)
 
     async def get_batch(self, version: int) -> tuple[str, list[Any]] | None:
-        batch = await self.client.get_batch(version, self.cfg.max_staleness, self.cfg.batch_size, timeout_s=30.0)
+        # numpy per-token fields straight from the wire bytes; packing makes tensors of them
+        batch = await self.client.get_batch(version, self.cfg.max_staleness, self.cfg.batch_size, timeout_s=30.0,
+                                            as_arrays=True)
         return None if batch is None else (batch.batch_id, batch.samples)
 
     async def publish(self, state: dict[str, Any], version: int) -> dict[str, Any]:

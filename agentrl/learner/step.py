@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from agentrl.config import LearnConfig
@@ -64,7 +65,7 @@ def build_state(cfg: LearnConfig, model: torch.nn.Module, ctx: Dist) -> TrainSta
 
 def usable_samples(samples: Sequence[Any]) -> list[Any]:
     """Samples that carry a gradient: no error, and at least one generated token after the first."""
-    return [s for s in samples if s.error is None and len(s.token_ids) > 1 and any(s.loss_mask[1:])]
+    return [s for s in samples if s.error is None and len(s.token_ids) > 1 and np.count_nonzero(s.loss_mask[1:])]
 
 
 def _merge_stats(parts: list[list[tuple[float, dict[str, float]]]]) -> dict[str, float]:
@@ -93,7 +94,7 @@ def train_step(state: TrainState, samples: Sequence[Any], cfg: LearnConfig, vers
     rewards = torch.tensor([s.reward for s in usable], dtype=torch.float32)
     adv = group_advantages(rewards, [s.group_id for s in usable]) if usable else rewards
     # the loss sees mask[:, 1:] (the first token is never predicted)
-    total_tokens = sum(sum(s.loss_mask[1:]) for s in usable)
+    total_tokens = sum(int(np.count_nonzero(s.loss_mask[1:])) for s in usable)  # lists or arrays
     rows = pack([len(s.token_ids) for s in usable], cfg.micro_batch_tokens)
     passes = math.ceil(len(rows) / ctx.world) if rows else 0
     mine = rows[ctx.rank::ctx.world]

@@ -70,7 +70,7 @@ class CallRecord:
 class SampleTokens:
     """Token-level content of one sample built from a chain of calls."""
 
-    token_ids: list[int]
+    token_ids: list[int]  # or numpy arrays from ``Session.samples(as_arrays=True)``
     loss_mask: list[int]
     logprobs: list[float]
     versions: list[int]
@@ -104,8 +104,13 @@ class Session:
                     return rec, ci
         return None
 
-    def samples(self) -> list[SampleTokens]:
-        """One sample per leaf call: the call and the chain of calls it extends."""
+    def samples(self, as_arrays: bool = False) -> list[SampleTokens]:
+        """One sample per leaf call: the call and the chain of calls it extends.
+
+        ``as_arrays``: the per-token fields as numpy arrays (int32 ids, mask and versions, float32
+        logprobs), what the rollout hands the buffer, which stores their bytes without converting
+        lists; by default lists (JSON-ready).
+        """
         extended = {(r.parent, r.choice) for r in self.records if r.parent is not None}
         by_index = {r.index: r for r in self.records}
         out: list[SampleTokens] = []
@@ -113,20 +118,32 @@ class Session:
             for ci, comp in enumerate(leaf.completions):
                 if (leaf.index, ci) in extended:
                     continue
-                tokens = leaf.prompt_ids + comp["token_ids"]
-                mask = [0] * len(tokens)
-                logprobs = [0.0] * len(tokens)
-                versions = [-1] * len(tokens)
+                tokens: Any = leaf.prompt_ids + comp["token_ids"]
+                n = len(tokens)
+                mask: Any
+                logprobs: Any
+                versions: Any
+                if as_arrays:
+                    import numpy as np
+
+                    tokens = np.array(tokens, dtype=np.int32)
+                    mask = np.zeros(n, dtype=np.int32)
+                    logprobs = np.zeros(n, dtype=np.float32)
+                    versions = np.full(n, -1, dtype=np.int32)
+                else:
+                    mask, logprobs, versions = [0] * n, [0.0] * n, [-1] * n
                 chain: list[int] = []
                 rec, c = leaf, ci
                 while True:
                     chain.append(rec.index)
                     cc = rec.completions[c]
-                    start = len(rec.prompt_ids)
-                    for j, (lp, v) in enumerate(zip(cc["logprobs"], cc["versions"], strict=True)):
-                        mask[start + j] = 1
-                        logprobs[start + j] = lp
-                        versions[start + j] = v
+                    start, k = len(rec.prompt_ids), len(cc["logprobs"])
+                    if len(cc["versions"]) != k or start + k > n:
+                        raise ValueError(f"session {self.session_id} call {rec.index}: {k} logprobs, "
+                                         f"{len(cc['versions'])} versions, at {start} of {n} tokens")
+                    mask[start : start + k] = [1] * k
+                    logprobs[start : start + k] = cc["logprobs"]
+                    versions[start : start + k] = cc["versions"]
                     if rec.parent is None:
                         break
                     rec, c = by_index[rec.parent], rec.choice
