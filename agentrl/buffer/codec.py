@@ -13,7 +13,9 @@ The loss mask and the per-token policy versions travel run-length encoded becaus
 runs in practice (prompt / generated turns, one version per weight update). A 2,048-token sample is
 about 8 bytes per token plus a few dozen bytes of header; no number ever travels as JSON text.
 
-Converting Python lists is the whole cost of a put, so the list path avoids numpy: ``struct``
+The rollout hands over numpy arrays (int32/float32): their bytes are written as they are, and
+their mask and version runs come from one comparison each. For Python lists, converting them is
+the whole cost of a put, so the list path avoids numpy: ``struct``
 packs and unpacks the token ids and logprobs (about twice as fast as ``array.array`` or numpy for
 a list), and runs are found by comparing list slices at C speed instead of converting the mask
 and versions at all. Anything unusual (other sequence types, many runs, values a fast path does
