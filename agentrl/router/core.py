@@ -276,6 +276,7 @@ class Router:
     async def prepare_chat(self, engine: Engine, body: Any, session_id: str | None, t0: float) -> Prepared:
         body = self.validate(body)
         session = self.open_session(session_id) if session_id else None
+        cap = self._admit(session)
         want_logprobs = bool(body.get("logprobs"))
         engine_body = dict(body, logprobs=True, stream=False)  # behaviour logprobs are always captured
         engine_body.pop("stream_options", None)
@@ -326,6 +327,7 @@ class Router:
                 sp = gen_req["sampling_params"]
                 sp["max_tokens"] = min(sp.get("max_tokens") or self.max_model_len,
                                        self.max_model_len - len(prompt_ids))
+        self._cap(gen_req.setdefault("sampling_params", {}), cap)
         gen_req["token_ids"] = prompt_ids
         return Prepared("chat", engine, body, gen_req, prompt_ids, session, parent, choice, want_logprobs, t0,
                         codec, engine_body)
