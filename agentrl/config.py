@@ -64,6 +64,9 @@ class EnvConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     max_concurrency: int = 64  # episodes in flight at most
+    # "sync": the synchronous baseline (generate a whole batch, wait for the slowest episode, train,
+    # sync weights, repeat), for measuring what the asynchronous pipeline gains
+    mode: Literal["async", "sync"] = "async"
 
 
 @dataclass
@@ -92,6 +95,24 @@ class BufferSection:
 
 
 @dataclass
+class RaySection:
+    """Engines and rollout workers as Ray actors across a cluster (router and buffer stay in serve)."""
+
+    address: str = ""  # Ray cluster to use ("auto": the one this machine belongs to, or "HOST:6379"); empty: no Ray
+    namespace: str = "agentrl"
+    engine_gpus: float = 0.0  # GPUs per engine actor: 1 per engine, or a tensor-parallel group's size (0 on CPU)
+    engine_cpus: float = 1.0  # CPUs reserved per engine actor
+    engine_resources: dict[str, float] = field(default_factory=dict)  # custom Ray resources per engine (placement)
+    engine_host: str = ""  # address engines listen on; empty: their node's IP
+    workers: int = 2  # rollout worker actors, each running an orchestrator of agent loops
+    worker_cpus: float = 1.0
+    worker_resources: dict[str, float] = field(default_factory=dict)
+    worker_concurrency: int = 0  # episodes in flight per worker (0: env.max_concurrency / workers)
+    serve_url: str = ""  # how workers reach serve; empty: http://router.host:router.port (0.0.0.0: this node's IP)
+    max_restarts: int = -1  # Ray restarts a dead actor this many times (-1: always); serve re-adds it
+
+
+@dataclass
 class ServeConfig:
     model: str = "tiny-tools"  # "tiny", "tiny-tools", a local folder or a hub name
     run_dir: str = "runs/latest"  # metrics, event log, session records, buffer, weights
@@ -103,6 +124,7 @@ class ServeConfig:
     sandbox: SandboxSection = field(default_factory=SandboxSection)
     scaffold: ScaffoldSection = field(default_factory=ScaffoldSection)
     buffer: BufferSection = field(default_factory=BufferSection)
+    ray: RaySection = field(default_factory=RaySection)
     max_episodes: int = 0  # stop generating after this many episodes (0: no limit)
 
     def check(self) -> None:

@@ -60,6 +60,7 @@ class Serve:
         self.sandbox_pool: Any = None
         self.buffer: Any = None
         self.orchestrator: Any = None
+        self.cluster: Any = None  # agentrl.cluster.RayCluster with serve.ray.address
         self._runner: web.AppRunner | None = None
         self._orch_task: asyncio.Task | None = None
         self._metrics_task: asyncio.Task | None = None
@@ -89,6 +90,11 @@ class Serve:
         self.model_path = await asyncio.to_thread(resolve_model, cfg.model)
 
         urls = list(cfg.engine.urls)
+        if not urls and cfg.ray.address:  # engines (and later rollout workers) as Ray actors
+            from agentrl.cluster import RayCluster
+
+            self.cluster = RayCluster(cfg, self.model_path, self.run_dir)
+            urls = await self.cluster.start_engines()
         if not urls:
             for i in range(cfg.engine.count):
                 spec = EngineSpec(model=self.model_path, served_name=cfg.model, port=cfg.engine.base_port + i,
@@ -108,7 +114,7 @@ class Serve:
                              retries=cfg.router.retries, model_dir=self.model_path, render=cfg.router.render)
 
         env_cls = lookup(cfg.env.name)
-        if getattr(env_cls, "sandbox_image", None):
+        if getattr(env_cls, "sandbox_image", None) and self.cluster is None:  # Ray workers have their own
             from agentrl.sandbox import SandboxConfig, SandboxPool
 
             sc = cfg.sandbox
@@ -142,6 +148,7 @@ class Serve:
             router=self.router, buffer=self.buffer, env_name=e.name, env_config=e.config,
             group_size=e.group_size, max_concurrency=e.max_concurrency, sandbox_pool=self.sandbox_pool,
             run_dir=self.run_dir, max_episodes=cfg.max_episodes, episode_fn=episode_fn,
+            sync=e.mode == "sync", batch_size=cfg.buffer.batch_size,
             limits=EpisodeLimits(max_turns=e.max_turns, max_tokens=e.max_tokens,
                                  max_episode_tokens=e.max_episode_tokens, timeout_s=e.episode_timeout_s,
                                  temperature=e.temperature, top_p=e.top_p))
@@ -150,7 +157,14 @@ class Serve:
         gc.collect()
         gc.freeze()
         gc.set_threshold(50_000, 50, 100)
-        self._orch_task = asyncio.create_task(self.orchestrator.run(), name="orchestrator")
+        if self.cluster is not None:  # the rollout workers on the cluster play the episodes
+            from agentrl.cluster import default_serve_url
+
+            self.orchestrator = self.cluster
+            self._orch_task = asyncio.create_task(
+                self.cluster.run_workers(default_serve_url(cfg), self.admin_token, self.pool), name="rollout-workers")
+        else:
+            self._orch_task = asyncio.create_task(self.orchestrator.run(), name="orchestrator")
         self._metrics_task = asyncio.create_task(self._metrics_loop(), name="serve-metrics")
 
     def _episode_fn(self) -> Any:
@@ -224,6 +238,8 @@ class Serve:
             self.buffer.close()
         for e in self.engines:
             await asyncio.to_thread(e.stop)
+        if self.cluster is not None:
+            await self.cluster.close()
 
 
 async def serve_forever(cfg: ServeConfig) -> None:

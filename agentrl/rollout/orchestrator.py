@@ -6,6 +6,11 @@ thrown away as stale) and while fewer than ``max_concurrency`` episodes run. Fin
 to the buffer (durable) and to ``episodes.jsonl`` in the run directory. Episodes are played by
 ``episode_fn``: the built-in agent loop (:func:`run_episode`) unless serve is given an external
 scaffold (:func:`agentrl.rollout.scaffold.scaffold_producer`), which takes the same arguments.
+
+``sync=True`` turns it into the synchronous baseline that the asynchronous design is measured
+against (``benchmarks/async_vs_sync.py``): start one batch of groups, wait for the slowest
+episode, then wait until the learner has trained on the batch and the engines serve the new
+weights, and only then start the next batch.
 """
 
 from __future__ import annotations
@@ -30,7 +35,8 @@ class Orchestrator:
     def __init__(self, *, router: Any, buffer: Any, env_name: str, env_config: dict[str, Any],
                  group_size: int, limits: EpisodeLimits, max_concurrency: int, sandbox_pool: Any = None,
                  run_dir: Path | None = None, max_episodes: int = 0,
-                 episode_fn: Callable[..., Awaitable[EpisodeResult]] = run_episode) -> None:
+                 episode_fn: Callable[..., Awaitable[EpisodeResult]] = run_episode,
+                 sync: bool = False, batch_size: int = 0) -> None:
         self.router, self.buffer = router, buffer
         self.env_name, self.env_config = env_name, env_config
         self.group_size, self.limits = group_size, limits
@@ -38,6 +44,7 @@ class Orchestrator:
         self.sandbox_pool = sandbox_pool
         self.max_episodes = max_episodes
         self.episode_fn = episode_fn
+        self.sync, self.batch_size = sync, batch_size
         self.in_flight = 0
         self.counters: dict[str, float] = {"episodes": 0, "failed": 0, "truncated": 0, "samples": 0,
                                            "reward_sum": 0.0, "tool_calls": 0}
@@ -48,6 +55,9 @@ class Orchestrator:
 
     async def run(self) -> None:
         tasks = itertools.cycle(list(make(self.env_name, **self.env_config).tasks("train")))
+        if self.sync:
+            await self._run_sync(tasks)
+            return
         try:
             while not self.max_episodes or self._started < self.max_episodes:
                 room = await self.buffer.wait_for_room(self.in_flight + self.group_size - 1, timeout_s=5.0)
@@ -72,6 +82,24 @@ class Orchestrator:
             for t in list(self._tasks):
                 t.cancel()
             await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    async def _run_sync(self, tasks: Any) -> None:
+        groups = max(1, self.batch_size // self.group_size)
+        while not self.max_episodes or self._started < self.max_episodes:
+            version = self.router.pool.version
+            batch = []
+            for _ in range(groups):
+                task = next(tasks)
+                self.in_flight += self.group_size
+                self._started += self.group_size
+                batch.append(self._group(task, f"{task.get('id', 'task')}-{uuid.uuid4().hex[:8]}"))
+            await asyncio.gather(*batch)  # the barrier: the slowest episode decides
+            t0 = time.monotonic()
+            while self.router.pool.version <= version:  # the learner trains, then the engines reload
+                await asyncio.sleep(0.02)
+                if time.monotonic() - t0 > 60:
+                    log.info("sync rollout: waiting for the learner to publish version %d", version + 1)
+                    t0 = time.monotonic()
 
     async def _group(self, task: dict[str, Any], group_id: str) -> None:
         try:
