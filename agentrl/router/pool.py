@@ -20,6 +20,7 @@ from typing import Any
 import aiohttp
 
 from agentrl.router.errors import EngineError, InvalidRequest, NoEngineAvailable
+from agentrl.router.upstream import Upstream, UpstreamClosed, UpstreamProtocolError
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +51,15 @@ def parse_version(v: Any) -> int:
         return 0
 
 
+def _rpc_results(text: str) -> list[dict[str, Any]]:
+    """The workers' answers in a ``/collective_rpc`` response (``{"results": [...]}``) that are objects."""
+    try:
+        results = json.loads(text).get("results") or []
+    except (ValueError, AttributeError):
+        return []
+    return [r for r in results if isinstance(r, dict)]
+
+
 class EnginePool:
     def __init__(self, urls: list[str], *, request_timeout_s: float = 600.0, control_timeout_s: float = 60.0,
                  health_interval_s: float = 2.0, health_failures: int = 3) -> None:
@@ -67,6 +77,7 @@ class EnginePool:
         self._affinity: dict[str, Engine] = {}
         self._update_lock = asyncio.Lock()
         self._http: aiohttp.ClientSession | None = None
+        self._upstream = Upstream()  # the hot path (render / generate / derender calls)
         self._health_task: asyncio.Task | None = None
         self.weights_path: str | None = None
         # Closed (cleared) by the weight-update code around a pause window: new engine calls wait
@@ -88,6 +99,7 @@ class EnginePool:
             await asyncio.gather(self._health_task, return_exceptions=True)
         if self._http:
             await self._http.close()
+        await self._upstream.close()
 
     # -- choosing an engine ----------------------------------------------------------------------
     def pick(self, session_id: str | None) -> Engine:
@@ -116,24 +128,23 @@ class EnginePool:
         if count:
             engine.outstanding += 1
         try:
-            async with self._http.post(engine.url + path, data=_dumps(body), headers=_JSON,
-                                       timeout=aiohttp.ClientTimeout(total=timeout_s or self.request_timeout_s)) as r:
-                if r.status >= 400:
-                    text = await r.text()
-                    message = _engine_message(text)
-                    if 400 <= r.status < 500:
-                        code = "context_length_exceeded" if "context length" in message.lower() else None
-                        raise InvalidRequest(message, status=r.status if r.status != 404 else 400, code=code)
-                    raise EngineError(f"engine {engine.name} answered {r.status}: {message}")
-                data = _loads(await r.read())
-                engine.served += 1
-                return data
-        except (TimeoutError, aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as e:
+            status, raw = await self._upstream.post(engine.url, path, _dumps(body), timeout_s or self.request_timeout_s)
+            if status >= 400:
+                message = _engine_message(raw.decode(errors="replace"))
+                if 400 <= status < 500:
+                    code = "context_length_exceeded" if "context length" in message.lower() else None
+                    raise InvalidRequest(message, status=status if status != 404 else 400, code=code)
+                raise EngineError(f"engine {engine.name} answered {status}: {message}")
+            data = _loads(raw)
+            engine.served += 1
+            return data
+        except (TimeoutError, UpstreamClosed, UpstreamProtocolError, ValueError) as e:
             engine.failures += 1
-            engine.last_error = f"{type(e).__name__}: {e}"
-            if isinstance(e, aiohttp.ClientConnectionError):
+            what = "timed out" if isinstance(e, TimeoutError) else f"{type(e).__name__}: {e}"
+            engine.last_error = what
+            if isinstance(e, UpstreamClosed):  # refused, reset or dropped: gone until its health check passes
                 self._mark_down(engine, engine.last_error)
-            raise EngineError(f"engine {engine.name} failed: {engine.last_error or type(e).__name__}") from e
+            raise EngineError(f"engine {engine.name} failed: {what}") from e
         finally:
             if count:
                 engine.outstanding -= 1
@@ -269,7 +280,7 @@ class EnginePool:
         engine.version = version
 
     async def _apply(self, engine: Engine, version: int, load: Any) -> dict[str, float]:
-        """pause(keep) -> ``await load(engine)`` -> reset prefix cache -> set version -> resume.
+        """pause(keep) -> ``await load(engine)`` -> reset prefix cache and set version -> resume.
 
         In-flight requests stay in the engine across the pause; the reset makes them re-prefill
         under the new weights (none is aborted), so every token stamped ``version`` really is the
@@ -283,30 +294,60 @@ class EnginePool:
             t_paused = time.perf_counter()
             parts = await load(engine) or {}
             t_loaded = time.perf_counter()
-            text = await self._step(engine, "reset", "/reset_prefix_cache", params={"reset_running_requests": "true"})
-            if '"success":true' not in text.replace(" ", ""):
-                raise EngineError(f"{engine.name} could not reset its prefix cache after the reload: {text[:200]}")
-            await self._set_version(engine, version)
+            # Independent of each other, so one round trip for both; both finish before resume.
+            reset, stamped = await asyncio.gather(
+                self._step(engine, "reset", "/reset_prefix_cache", params={"reset_running_requests": "true"}),
+                self._set_version(engine, version), return_exceptions=True)
+            for outcome in (reset, stamped):
+                if isinstance(outcome, BaseException):
+                    raise outcome
+            if '"success":true' not in str(reset).replace(" ", ""):
+                raise EngineError(f"{engine.name} could not reset its prefix cache after the reload: {str(reset)[:200]}")
         finally:
             # Never leave an engine paused: resume even if a step failed or we were cancelled.
             resumed = await asyncio.shield(self._resume(engine))
         if not resumed:
             raise EngineError(f"{engine.name} ({engine.url}) loaded version {version} but could not be resumed")
         t_resumed = time.perf_counter()
+        # The clock readings too (time.perf_counter, this process), so a caller can line them up
+        # with what clients saw.
         return {"pause_s": t_paused - t0, "reload_s": t_loaded - t_paused,
-                "pause_window_s": t_resumed - t_paused, "total_s": t_resumed - t0, **parts}
+                "pause_window_s": t_resumed - t_paused, "total_s": t_resumed - t0,
+                "t_pause_sent": t0, "t_paused": t_paused, "t_resumed": t_resumed, **parts}
 
     async def _update_one(self, engine: Engine, weights_path: str, version: int) -> dict[str, float]:
         return await self._apply(engine, version, self._file_loader(weights_path))
 
     def _file_loader(self, weights_path: str) -> Any:
+        """The load step of a file update. With the worker extension it is one RPC,
+        ``agentrl_reload_weights`` (vLLM's reload, then the re-tie, timed inside the worker);
+        without it, vLLM's ``reload_weights`` alone. Returns ``engine_reload_s`` (vLLM's reload
+        alone), ``retie_s`` and ``reload_rpc_s`` (the whole load call as the pool saw it)."""
         async def reload(e: Engine) -> dict[str, float]:
+            t0 = time.perf_counter()
+            if self.retie_supported is not False:
+                try:
+                    text = await self._step(e, "reload", "/collective_rpc", {
+                        "method": "agentrl_reload_weights", "kwargs": {"weights_path": weights_path}})
+                except EngineError as err:
+                    if self.retie_supported is not None:
+                        raise
+                    # The first engine asked: no extension, or a reload that failed. The plain
+                    # path below tells which (it raises if the reload itself fails).
+                    log.debug("%s: agentrl_reload_weights failed (%s); trying vLLM's reload_weights", e.name, err)
+                else:
+                    self.retie_supported = True
+                    rpc_s = time.perf_counter() - t0
+                    workers = _rpc_results(text) or [{}]  # the slowest worker decides
+                    return {"reload_rpc_s": rpc_s,
+                            "engine_reload_s": max(float(w.get("reload_s", rpc_s)) for w in workers),
+                            "retie_s": max(float(w.get("retie_s", 0.0)) for w in workers)}
             t0 = time.perf_counter()
             await self._step(e, "reload", "/collective_rpc",
                              {"method": "reload_weights", "kwargs": {"weights_path": weights_path}})
             t1 = time.perf_counter()
             await self._retie(e)
-            return {"reload_rpc_s": t1 - t0, "retie_s": time.perf_counter() - t1}
+            return {"reload_rpc_s": t1 - t0, "engine_reload_s": t1 - t0, "retie_s": time.perf_counter() - t1}
 
         return reload
 
