@@ -9,6 +9,7 @@ environment's verdicts on the scaffolds' answers, and no container is left behin
 from __future__ import annotations
 
 import asyncio
+import sys
 import uuid
 
 import pytest
@@ -42,33 +43,21 @@ def _arithmetic_rewards_are_the_environments(run) -> None:
 
 
 @pytest.mark.docker
-def test_the_openai_sdk_agent_trains_on_exact_stitched_tokens(vllm_engine, tmp_path):
-    run = run_group(vllm_engine.url, tmp_path / "run", env="arithmetic", scaffold={"agent": "scaffolds.openai_minimal:agent"})
-    assert len(run.episodes) == 2 and {e["info"]["scaffold"] for e in run.episodes} == {
-        "scaffolds.openai_minimal:agent"}
+@pytest.mark.parametrize("scaffold", [
+    pytest.param({"agent": "scaffolds.openai_minimal:agent"}, id="openai-sdk-in-serve"),
+    pytest.param({"command": "{python} -m scaffolds.openai_minimal"}, id="openai-sdk-as-a-program"),
+    pytest.param({"agent": "scaffolds.openai_agents_sdk:agent"}, id="openai-agents-framework-unmodified"),
+])
+def test_a_tool_calling_agent_trains_on_exact_stitched_tokens(vllm_engine, tmp_path, scaffold):
+    run = run_group(vllm_engine.url, tmp_path / "run", env="arithmetic", scaffold=scaffold)
+    assert len(run.episodes) == 2
+    assert {e["info"]["scaffold"] for e in run.episodes} == {scaffold.get("agent") or
+                                                             scaffold["command"].replace("{python}", sys.executable)}
     check_exact_samples(run)
     _check_stitched(run)
     _arithmetic_rewards_are_the_environments(run)
-    # the tiny-tools model calls the python tool: the second call continued the first one
+    # the tiny-tools model calls the python tool: a second call continued the first one
     assert any(len(recs) >= 2 for recs in run.records.values())
-
-
-@pytest.mark.docker
-def test_the_openai_sdk_agent_runs_as_a_separate_program_too(vllm_engine, tmp_path):
-    run = run_group(vllm_engine.url, tmp_path / "run", env="arithmetic",
-                    scaffold={"command": "{python} -m scaffolds.openai_minimal"})
-    check_exact_samples(run)
-    _check_stitched(run)
-    _arithmetic_rewards_are_the_environments(run)
-
-
-@pytest.mark.docker
-def test_an_openai_agents_sdk_agent_runs_unmodified_and_its_tokens_are_exact(vllm_engine, tmp_path):
-    run = run_group(vllm_engine.url, tmp_path / "run", env="arithmetic",
-                    scaffold={"agent": "scaffolds.openai_agents_sdk:agent"})
-    check_exact_samples(run)
-    _check_stitched(run)
-    _arithmetic_rewards_are_the_environments(run)
 
 
 @pytest.mark.docker

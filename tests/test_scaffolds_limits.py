@@ -92,10 +92,8 @@ def test_a_scaffold_that_hangs_is_killed_with_its_children_at_the_time_limit(vll
 open(os.path.join({str(pids)!r}, str(os.getpid())), "w").write(str(child.pid))
 time.sleep(600)
 """)
-    t0 = time.monotonic()
     run = run_group(vllm_engine.url, tmp_path / "run", env="guess_number", scaffold={"command": cmd},
                     episode_timeout_s=8.0)
-    assert time.monotonic() - t0 < 120
     for ep in run.episodes:
         assert ep["truncated"] and ep["truncation"] == "timeout" and ep["error"] is None
     _records_are_samples(run)
@@ -176,3 +174,56 @@ def test_the_minimal_agents_program_mode_tool_evaluates_arithmetic_and_runs_noth
     assert calculate("print(37 * 12 + 5)") == "449"
     assert calculate("-(3 - 10) // 2") == "3"
     assert calculate("__import__('os').system('true')").startswith("Error:")
+
+
+@pytest.mark.vllm
+def test_the_agentrl_serve_command_runs_an_unchanged_program_as_its_rollout_producer(vllm_engine, tmp_path):
+    import json
+    import os
+    import signal
+    import subprocess
+
+    from tests.conftest import free_port
+
+    run_dir = tmp_path / "run"
+    config = tmp_path / "serve.toml"
+    config.write_text(f"""model = "tiny-tools"
+run_dir = "{run_dir}"
+max_episodes = 2
+[engine]
+urls = ["{vllm_engine.url}"]
+[router]
+port = {free_port()}
+[env]
+name = "guess_number"
+group_size = 2
+max_turns = 3
+max_tokens = 32
+[buffer]
+batch_size = 2
+[scaffold]
+command = "{{python}} -m scaffolds.openai_minimal"
+""")
+    env = dict(os.environ, AGENTRL_ADMIN_TOKEN="scaffold-cli-test", PYTHONUNBUFFERED="1")
+    with open(tmp_path / "serve.out", "wb") as out:
+        serve = subprocess.Popen([sys.executable, "-m", "agentrl.cli", "serve", "--config", str(config)],
+                                 stdout=out, stderr=subprocess.STDOUT, env=env)
+        try:
+            episodes: list[dict] = []
+            for _ in range(600):
+                path = run_dir / "episodes.jsonl"
+                episodes = [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+                if len(episodes) == 2 or serve.poll() is not None:
+                    break
+                time.sleep(0.5)
+        finally:
+            serve.send_signal(signal.SIGTERM)
+            code = serve.wait(timeout=120)
+    log = (tmp_path / "serve.out").read_text()[-3000:]
+    assert len(episodes) == 2, log
+    assert code == 0, log
+    for ep in episodes:
+        assert ep["error"] is None and ep["info"]["scaffold"].endswith("-m scaffolds.openai_minimal")
+        records = [json.loads(x) for x in (run_dir / "sessions" / f"{ep['episode_id']}.jsonl").read_text().splitlines()]
+        assert len(records) == ep["turns"] >= 1
+        assert all(r["completions"][0]["token_ids"] for r in records)

@@ -193,7 +193,6 @@ async def run_scaffold_episode(router: Router, env_name: str, task: dict[str, An
                 sandbox=getattr(env, "sandbox", None), max_tokens=limits.max_tokens,
                 temperature=limits.temperature)
             answer, finished = await _play(scaffold, ctx, limits.timeout_s, session_limits, ep)
-            ep.turns = len(session.records)
             if finished:
                 if answer is None:
                     answer = _last_reply(session)
