@@ -227,3 +227,67 @@ command = "{{python}} -m scaffolds.openai_minimal"
         records = [json.loads(x) for x in (run_dir / "sessions" / f"{ep['episode_id']}.jsonl").read_text().splitlines()]
         assert len(records) == ep["turns"] >= 1
         assert all(r["completions"][0]["token_ids"] for r in records)
+
+
+def _router_without_engine() -> Any:
+    """A real Router whose pool is never called: for episodes that make no model call."""
+    from agentrl.router import EnginePool, Router
+
+    return Router(EnginePool(["http://127.0.0.1:9"]), model_name="tiny-tools", eos_token_ids={2}, max_model_len=2048)
+
+
+def test_a_scaffold_that_makes_no_call_is_still_scored_and_leaves_one_flagged_empty_sample():
+    from agentrl.rollout.scaffold import run_scaffold_episode
+
+    seen: dict[str, Any] = {}
+
+    async def answer_at_once(ctx: Any) -> str:
+        seen.update(base_url=ctx.base_url, api_key=ctx.api_key, prompt=ctx.prompt, env=ctx.env_vars())
+        return str(ctx.task["secret"])  # guess_number: the right guess at the first try
+
+    task = {"id": "t", "seed": 1, "secret": 17}
+    ep = asyncio.run(run_scaffold_episode(_router_without_engine(), "guess_number", task, group_id="g",
+                                          scaffold=answer_at_once, base_url="http://127.0.0.1:8000/"))
+    assert seen["base_url"] == f"http://127.0.0.1:8000/sessions/{ep.episode_id}/v1"
+    assert seen["api_key"] == f"sess-{ep.episode_id}" == seen["env"]["OPENAI_API_KEY"]
+    assert seen["prompt"].startswith("I picked an integer") and seen["env"]["AGENTRL_PROMPT"] == seen["prompt"]
+    assert ep.terminated and ep.error is None and ep.reward == 1.0 and ep.turns == 0
+    assert len(ep.samples) == 1 and ep.samples[0].error == "NoModelCall" and len(ep.samples[0].token_ids) == 0
+
+
+def test_an_environment_that_fails_at_reset_is_an_environment_error_not_a_scaffold_error():
+    import agentrl
+    from agentrl.env import unregister
+    from agentrl.rollout.scaffold import run_scaffold_episode
+
+    @agentrl.environment("scaffold-test-broken-reset")
+    class Broken(agentrl.Environment):
+        def tasks(self, split: str = "train"):
+            return iter([{"id": "x"}])
+
+        async def reset(self, task: dict) -> agentrl.Reset:
+            raise RuntimeError("no such task file")
+
+        async def step(self, message: dict) -> agentrl.StepResult:
+            raise AssertionError("never reached")
+
+    async def never(ctx: Any) -> str:
+        raise AssertionError("the scaffold must not start")
+
+    try:
+        ep = asyncio.run(run_scaffold_episode(_router_without_engine(), "scaffold-test-broken-reset", {"id": "x"},
+                                              group_id="g", scaffold=never, base_url="http://127.0.0.1:8000"))
+    finally:
+        unregister("scaffold-test-broken-reset")
+    assert ep.error == "EnvironmentError: reset raised RuntimeError: no such task file"
+    assert len(ep.samples) == 1 and ep.samples[0].error == ep.error
+
+
+def test_a_command_that_cannot_start_is_a_scaffold_error():
+    from agentrl.rollout.scaffold import run_scaffold_episode
+
+    ep = asyncio.run(run_scaffold_episode(_router_without_engine(), "guess_number", {"id": "t", "seed": 1, "secret": 3},
+                                          group_id="g", scaffold=load_scaffold("/nonexistent/agent --x"),
+                                          base_url="http://127.0.0.1:8000"))
+    assert ep.error is not None and ep.error.startswith("ScaffoldError: FileNotFoundError")
+    assert not ep.terminated and ep.reward == 0.0
