@@ -7,7 +7,8 @@ HTTP, commit, pause(keep) -> reload -> reset prefix cache -> set version -> resu
 update first; the figures are the second. Prints JSON lines, the last one the result:
 
 - ``model_mb``: the safetensors payload; ``sync_total_s``: learner's publish call, first chunk to
-  commit answered; ``engine_reload_s``: vLLM's reload call alone; ``disk_read_floor_s``: reading
+  commit answered; ``engine_reload_s``: vLLM's reload call alone (timed inside the worker by
+  agentrl.weights.vllm_ext); ``disk_read_floor_s``: reading
   the same file from disk (page cache) in the same run;
 - ``pause_window_s``: how long generation stood still: the larger of ``engine_paused_s`` (pause
   answered to resume answered, as the pool timed it: reload, re-tie, prefix-cache reset, version,
@@ -15,7 +16,13 @@ update first; the figures are the second. Prints JSON lines, the last one the re
   the engine update; streams deliver in bursts, so alone it can understate);
   ``max_gap_during_upload_s``: the same during the upload before it (hashing and writing compete
   with the engine for the same CPUs here, but generation does not stop); ``inter_token_s``: the
-  streams' median gap, for scale; ``retie_s``: the tied-LM-head fix (agentrl.weights.vllm_ext);
+  streams' median gap, for scale; ``retie_s``: the tied-LM-head fix (agentrl.weights.vllm_ext),
+  timed inside the worker like ``engine_reload_s``; ``reload_rpc_s``: the one load RPC (reload +
+  re-tie) as the pool saw it;
+- where the stall goes: ``last_token_to_pause_sent_s``, ``pause_wait_s`` (the pause waiting for the
+  step in flight), ``engine_paused_s``, ``resume_to_first_token_s`` (the slowest stream's first
+  token after resume: the re-prefill of its context under the new weights, then delivery), with
+  ``tokens_per_stream_at_update`` for the context length;
 - ``aborted_requests``: streams that did not finish all their tokens.
 
     python benchmarks/weight_sync.py --model tiny|smollm2|DIR [--concurrency 4] [--max-tokens 400]
@@ -148,13 +155,29 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     upload = [g for g, a, b in gaps if t_pub <= a and b <= t_update]
     pause = max(stall, eng["pause_window_s"])  # streams deliver in bursts: never report less than the pause
     per_stream = [b - a for o in outs for a, b in zip(o["times"], o["times"][1:], strict=False)]
+    # Where the stall goes, on the pool's clock (same process): the last token before the pause
+    # request, the pause waiting for the step in flight, the paused window, and after resume the
+    # first token (the re-prefill of each request's context under the new weights, then delivery).
+    last_before = max((t for o in outs for t in o["times"] if t <= eng["t_pause_sent"]), default=eng["t_pause_sent"])
+    firsts = [next((t for t in o["times"] if t > eng["t_resumed"]), None) for o in outs]
+    firsts_ok = [t for t in firsts if t is not None]
+    before = [sum(1 for t in o["times"] if t <= eng["t_pause_sent"]) for o in outs]
     return {"model": args.model, "model_mb": round(len(payloads[1]) / 2**20, 1),
             "sync_total_s": round(t_done - t_pub, 4), "pause_window_s": round(pause, 4),
             "engine_paused_s": round(eng["pause_window_s"], 4), "stream_stall_s": round(stall, 4),
-            "engine_reload_s": round(eng["reload_rpc_s"], 4), "retie_s": round(eng["retie_s"], 4),
+            "engine_reload_s": round(eng["engine_reload_s"], 4), "retie_s": round(eng["retie_s"], 4),
+            "reload_rpc_s": round(eng["reload_rpc_s"], 4),
             "disk_read_floor_s": round(disk_read, 4),
             "aborted_requests": sum(1 for o in outs if o["finish"] != "length" or len(o["times"]) < args.max_tokens),
-            "pause_over_reload": round(pause / max(eng["reload_rpc_s"], 1e-9), 3),
+            "pause_over_reload": round(pause / max(eng["engine_reload_s"], 1e-9), 3),
+            "engine_paused_over_reload": round(eng["pause_window_s"] / max(eng["engine_reload_s"], 1e-9), 3),
+            "last_token_to_pause_sent_s": round(eng["t_pause_sent"] - last_before, 4),
+            "pause_wait_s": round(eng["pause_s"], 4),
+            "resume_to_first_token_s": round(max(firsts_ok) - eng["t_resumed"], 4) if firsts_ok else None,
+            "tokens_per_stream_at_update": round(statistics.mean(before), 1) if before else 0,
+            # streams still generating when the update began (0: nothing was in flight to stall;
+            # a fast model needs more --max-tokens or less --lead-s)
+            "streams_in_flight_at_update": sum(1 for b in before if b < args.max_tokens),
             "inter_token_s": round(statistics.median(per_stream), 4) if per_stream else None,
             "max_gap_during_upload_s": round(max(upload, default=0.0), 4),
             "concurrency": args.concurrency, "max_tokens": args.max_tokens}

@@ -50,6 +50,8 @@ class FakeEngine:
             self.version = body["new_version"]
         elif path == "/reset_prefix_cache":
             return web.json_response({"success": True})
+        elif path == "/collective_rpc" and body.get("method") == "agentrl_reload_weights":
+            return web.json_response({"results": [{"reload_s": 0.25, "retie_s": 0.05, "tied": True}]})
         return web.json_response({"ok": True})
 
     def paths(self) -> list[str]:
@@ -87,9 +89,18 @@ async def _close(pool: EnginePool, fakes: list[FakeEngine]) -> None:
         await f.stop()
 
 
-# the second collective_rpc re-ties a tied LM head (agentrl.weights.vllm_ext)
-FILE_UPDATE = ["/pause", "/collective_rpc", "/collective_rpc", "/reset_prefix_cache", "/update_weight_version",
-               "/resume"]
+# one collective_rpc: reload + re-tie of a tied LM head (agentrl.weights.vllm_ext); the prefix-cache
+# reset and the version stamp go out together, in either order, both before resume
+FILE_UPDATE = ["/pause", "/collective_rpc", "/reset_prefix_cache", "/update_weight_version", "/resume"]
+
+
+def in_order(paths: list[str]) -> list[str]:
+    """``paths`` with each reset/version pair put in one order (they are sent at once)."""
+    out = list(paths)
+    for i in range(len(out) - 1):
+        if out[i] == "/update_weight_version" and out[i + 1] == "/reset_prefix_cache":
+            out[i], out[i + 1] = out[i + 1], out[i]
+    return out
 
 
 def test_an_update_pauses_reloads_resets_stamps_and_resumes_every_engine_in_that_order():
@@ -99,12 +110,15 @@ def test_an_update_pauses_reloads_resets_stamps_and_resumes_every_engine_in_that
             result = await pool.update_weights("/w/v1", 1)
             assert result["failed"] == [] and pool.version == 1 and pool.weights_path == "/w/v1"
             for f in fakes:
-                assert f.paths() == FILE_UPDATE
-                assert f.calls[1][2]["kwargs"] == {"weights_path": "/w/v1"}
+                assert in_order(f.paths()) == FILE_UPDATE
+                assert f.calls[1][2] == {"method": "agentrl_reload_weights", "kwargs": {"weights_path": "/w/v1"}}
                 assert f.calls[0][2] == {"mode": "keep"}
-                assert f.calls[2][2] == {"method": "agentrl_retie_word_embeddings"}
-                assert f.calls[3][2] == {"reset_running_requests": "true"}
+                assert next(b for _, p, b in f.calls if p == "/reset_prefix_cache") == {"reset_running_requests": "true"}
                 assert f.version == "1" and not f.paused
+            eng = result["engines"]["engine-0"]
+            # vLLM's reload and the re-tie as the worker timed them; the RPC as the pool saw it
+            assert eng["engine_reload_s"] == 0.25 and eng["retie_s"] == 0.05 and eng["reload_rpc_s"] > 0
+            assert eng["t_pause_sent"] <= eng["t_paused"] <= eng["t_resumed"]
         finally:
             await _close(pool, fakes)
 
@@ -118,7 +132,7 @@ def test_two_updates_asked_at_once_run_one_after_the_other():
         try:
             await asyncio.gather(pool.update_weights("/w/v1", 1), pool.update_weights("/w/v2", 2))
             paths = fakes[0].paths()
-            assert paths == FILE_UPDATE + FILE_UPDATE  # the second pause comes after the first resume
+            assert in_order(paths) == FILE_UPDATE + FILE_UPDATE  # the second pause comes after the first resume
             assert pool.version == 2
         finally:
             await _close(pool, fakes)
@@ -149,12 +163,14 @@ def test_a_stuck_engine_times_out_is_resumed_and_taken_out_while_the_others_take
 def test_engines_without_the_retie_extension_are_asked_once_and_still_take_updates():
     async def go():
         pool, (f,) = await _pool(1)
-        f.missing.add("agentrl_retie_word_embeddings")
+        f.missing.update({"agentrl_reload_weights", "agentrl_retie_word_embeddings"})
         try:
             await pool.update_weights("/w/v1", 1)
             await pool.update_weights("/w/v2", 2)
             assert pool.retie_supported is False and pool.version == 2 and f.version == "2"
-            assert f.paths().count("/collective_rpc") == 3  # reload, retie (missing), reload
+            methods = [b["method"] for _, p, b in f.calls if p == "/collective_rpc"]
+            assert methods == ["agentrl_reload_weights", "reload_weights", "agentrl_retie_word_embeddings",
+                               "reload_weights"]  # asked once, then vLLM's reload alone
         finally:
             await _close(pool, [f])
 
@@ -232,7 +248,7 @@ def test_an_engine_that_joins_late_is_brought_to_the_current_version_before_it_t
                     break
                 await asyncio.sleep(0.05)
             assert pool.engines[1].healthy and pool.engines[1].version == 3
-            assert late.paths() == FILE_UPDATE
+            assert in_order(late.paths()) == FILE_UPDATE
             reload = next(b for _, p, b in late.calls if p == "/collective_rpc")
             assert reload["kwargs"]["weights_path"] == "/w/v3"
             assert late.version == "3" and not late.paused
@@ -257,8 +273,9 @@ def test_an_nccl_update_receives_inside_the_pause_window_on_every_member_with_it
             result = await pool.update_weights_nccl(1, info)
             assert result["kind"] == "nccl" and result["failed"] == [] and pool.version == 1
             for f in fakes:
-                assert f.paths() == ["/pause", "/start_weight_update", "/update_weights", "/finish_weight_update",
-                                     "/collective_rpc", "/reset_prefix_cache", "/update_weight_version", "/resume"]
+                assert in_order(f.paths()) == ["/pause", "/start_weight_update", "/update_weights",
+                                               "/finish_weight_update", "/collective_rpc", "/reset_prefix_cache",
+                                               "/update_weight_version", "/resume"]
                 assert f.calls[2][2] == {"update_info": info}
         finally:
             await _close(pool, fakes)

@@ -9,11 +9,16 @@ model only to 2e-3). Engines started with
 :meth:`agentrl_retie_word_embeddings`, which the pool calls through ``/collective_rpc`` after each
 load: it points the head at the freshly loaded embedding again and re-runs the head's
 post-load processing (on CPU, the oneDNN repack). A model without tied embeddings is untouched.
+
+:meth:`agentrl_reload_weights` does both in one RPC (vLLM's own ``reload_weights``, then the
+re-tie) and returns how long each took inside the worker, so the pool's pause window pays one
+control round trip for the load instead of two, and the engine's reload is timed alone.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -39,3 +44,16 @@ class WeightSyncExtension:
         if process is not None:
             process(head)
         return True
+
+    def agentrl_reload_weights(self, weights_path: str) -> dict[str, Any]:
+        """vLLM's in-place ``reload_weights(weights_path=...)``, then the re-tie, in one call.
+
+        Returns ``{"reload_s", "retie_s", "tied"}``: the worker's own time for vLLM's reload alone
+        and for the re-tie.
+        """
+        worker: Any = self
+        t0 = time.perf_counter()
+        worker.reload_weights(weights_path=weights_path)
+        t1 = time.perf_counter()
+        tied = self.agentrl_retie_word_embeddings()
+        return {"reload_s": t1 - t0, "retie_s": time.perf_counter() - t1, "tied": tied}
