@@ -1,7 +1,7 @@
 """The ``agentrl`` command. Parses and validates configuration first; heavy imports come after.
 
     agentrl run                      serve + learn on this machine (the quickstart)
-    agentrl serve [--config F] [--section.key=value ...]
+    agentrl serve [--config F] [--ray ADDRESS] [--section.key=value ...]
     agentrl learn --serve URL [...]
     agentrl config show {serve,learn,run} [...]
     agentrl model build {tiny,tiny-tools}
@@ -37,6 +37,8 @@ def _load(cls: type, args: argparse.Namespace, extra: list[str]) -> Any:
 
 
 def cmd_serve(args: argparse.Namespace, extra: list[str]) -> int:
+    if args.ray:
+        extra = [f"ray.address={args.ray}", *extra]
     cfg = _load(C.ServeConfig, args, extra)
     _setup_logging(args.verbose)
     import asyncio
@@ -167,7 +169,10 @@ def parser() -> argparse.ArgumentParser:
         sp.add_argument("--config", help="TOML or YAML file")
         return sp
 
-    with_config(sub.add_parser("serve", help="engines, router, agent loops, sandboxes and buffer")).set_defaults(fn=cmd_serve)
+    sv = with_config(sub.add_parser("serve", help="engines, router, agent loops, sandboxes and buffer"))
+    sv.add_argument("--ray", metavar="ADDRESS", help="place engines and rollout workers as actors on this Ray "
+                    "cluster (\"auto\": the local one; same as --ray.address=ADDRESS)")
+    sv.set_defaults(fn=cmd_serve)
     sp = with_config(sub.add_parser("learn", help="the trainer; pulls batches from serve"))
     sp.add_argument("--serve", help="serve's URL, e.g. http://HOST:8000")
     sp.set_defaults(fn=cmd_learn)
@@ -216,7 +221,7 @@ def parser() -> argparse.ArgumentParser:
     st.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for serve")
     st.set_defaults(fn=cmd_status)
 
-    ev = sub.add_parser("eval", help="success rate and reward on held-out tasks, with 95% confidence intervals",
+    ev = sub.add_parser("eval", help="success rate and reward on held-out tasks, with 95%% confidence intervals",
                         description="Run an environment's held-out tasks through the built-in agent loop against "
                         "an OpenAI-compatible endpoint (serve's router at URL/v1, vLLM, or any OpenAI API). "
                         "Success: the environment ended the episode with reward above --success-reward. "

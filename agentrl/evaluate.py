@@ -24,9 +24,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import aiohttp
-
-from agentrl.router.errors import EngineError, InvalidRequest, RouterError
+from agentrl.rollout.remote import OpenAIChat
+from agentrl.router.errors import RouterError
 
 log = logging.getLogger(__name__)
 
@@ -87,67 +86,6 @@ class EvalResult:
                 f"(95% CI {lo:.1%}-{hi:.1%}) | mean reward {self.reward_mean:.3f} (95% CI {rlo:.3f}-{rhi:.3f}) | "
                 f"failed {self.failed} truncated {self.truncated} | mean turns {self.turns_mean:.2f} | "
                 f"{self.seconds:.1f} s")
-
-
-class OpenAIChat:
-    """The agent loop's view of a plain OpenAI-compatible endpoint: chat calls, no sessions.
-
-    Errors map onto the router's: a 4xx is an :class:`InvalidRequest` (never retried), a 5xx or a
-    connection failure an :class:`EngineError` (the episode is recorded as a model failure).
-    """
-
-    def __init__(self, endpoint: str, *, api_key: str = "", model: str = "", timeout_s: float = 600.0) -> None:
-        self.endpoint = endpoint.rstrip("/")
-        self.model = model
-        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self._timeout = aiohttp.ClientTimeout(total=timeout_s)
-        self._http: aiohttp.ClientSession | None = None
-
-    async def __aenter__(self) -> OpenAIChat:
-        self._http = aiohttp.ClientSession(headers=self._headers, timeout=self._timeout)
-        if not self.model:
-            self.model = await self._first_model()
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        if self._http is not None:
-            await self._http.close()
-
-    async def _first_model(self) -> str:
-        assert self._http is not None
-        try:
-            async with self._http.get(f"{self.endpoint}/models") as r:
-                data = await r.json(content_type=None)
-                if r.status != 200:
-                    raise EngineError(f"GET {self.endpoint}/models answered {r.status}: {json.dumps(data)[:300]}",
-                                      status=r.status)
-                return str(data["data"][0]["id"])
-        except (aiohttp.ClientError, TimeoutError) as e:
-            raise EngineError(f"cannot reach {self.endpoint}: {type(e).__name__}: {e}") from None
-
-    # the session hooks of the agent loop: plain endpoints record nothing
-    def open_session(self, session_id: str | None = None, **meta: Any) -> None:
-        return None
-
-    def close_session(self, session_id: str) -> None:
-        return None
-
-    async def chat(self, body: dict[str, Any], session_id: str | None = None) -> dict[str, Any]:
-        assert self._http is not None, "use OpenAIChat as an async context manager"
-        body = dict(body, model=body.get("model") or self.model)
-        try:
-            async with self._http.post(f"{self.endpoint}/chat/completions", json=body) as r:
-                data = await r.json(content_type=None)
-                status = r.status
-        except (aiohttp.ClientError, TimeoutError, ValueError) as e:
-            raise EngineError(f"chat call to {self.endpoint} failed: {type(e).__name__}: {e}") from None
-        if status >= 400 or not isinstance(data, dict) or "choices" not in data:
-            err = (data.get("error") if isinstance(data, dict) else None) or {}
-            message = err.get("message") if isinstance(err, dict) else str(err)
-            cls = InvalidRequest if 400 <= status < 500 else EngineError
-            raise cls(f"{self.endpoint} answered {status}: {message or json.dumps(data)[:300]}",
-                      code=err.get("code") if isinstance(err, dict) else None, status=status)
-        return data
 
 
 def eval_tasks(env_name: str, env_config: dict[str, Any], split: str, n: int) -> list[dict[str, Any]]:

@@ -102,7 +102,7 @@ def load_command(cmd: Command) -> tuple[argparse.Namespace, Any]:
     args, extra = parser().parse_known_args(cmd.argv)
     bad = [x for x in extra if not x.startswith("--") or "=" not in x]
     assert not bad, f"{cmd.where}: `agentrl {' '.join(cmd.argv)}` has arguments the CLI rejects: {bad}"
-    assert not any("admin_token" in x for x in extra), f"{cmd.where}: an admin token on a command line"
+    assert not any("admin_token=" in x for x in extra), f"{cmd.where}: an admin token on a command line"
     name = args.command_name if args.command == "config" else args.command
     if name not in CONFIG_CLASSES:
         return args, None

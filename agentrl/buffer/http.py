@@ -10,6 +10,12 @@ Routes (all need ``Authorization: Bearer <admin_token>`` when a token is set; 40
   be served again, so the learner must not count them as consumed.
 - ``POST /buffer/release``: serve every leased batch again (a restarting learner calls it).
 - ``GET /buffer/stats``: the buffer's counters as JSON.
+- ``POST /buffer/samples`` (a batch frame of samples, see ``codec``): store them, as ``Buffer.put``;
+  200 ``{"stored": n}`` (n counts new ones: a retried put stores nothing twice). Rollout workers on
+  other machines (``agentrl serve --ray``) push their episodes here.
+- ``POST /buffer/room`` ``{"producer": id, "in_flight": n, "timeout_s": t}``: admission control for
+  remote producers; waits up to t seconds for room and answers ``{"room": k}``. Every producer's
+  last reported in-flight count (kept 60 s) counts against the same bound.
 
 The client retries what a retry can fix (connection errors, 5xx, timeouts; and 429 after its
 Retry-After) with a timeout per attempt, never a 4xx. Acks are idempotent, so retrying one is safe.
@@ -21,12 +27,13 @@ import asyncio
 import hmac
 import json
 import logging
+import time
 from typing import Any
 
 import aiohttp
 from aiohttp import web
 
-from agentrl.buffer.codec import Batch, decode_batch
+from agentrl.buffer.codec import Batch, CodecError, decode_batch, encode_batch
 from agentrl.buffer.core import Buffer
 
 log = logging.getLogger(__name__)
@@ -96,6 +103,35 @@ def add_buffer_routes(app: web.Application, buf: Buffer, admin_token: str | None
             return unauthorised()
         return web.json_response(buf.stats())
 
+    producers: dict[str, tuple[int, float]] = {}  # producer -> (episodes in flight, when reported)
+
+    async def put_samples(request: web.Request) -> web.Response:
+        if not authorised(request):
+            return unauthorised()
+        try:
+            batch = decode_batch(await request.read())
+        except (CodecError, ValueError) as e:
+            return web.json_response({"error": f"body is not a batch of samples: {e}"}, status=400)
+        return web.json_response({"stored": await buf.put(batch.samples)})
+
+    async def room(request: web.Request) -> web.Response:
+        if not authorised(request):
+            return unauthorised()
+        try:
+            body = await request.json()
+            producer, in_flight = str(body["producer"]), int(body["in_flight"])
+            timeout_s = min(30.0, max(0.0, float(body.get("timeout_s", 0.0))))
+        except (KeyError, ValueError, TypeError) as e:
+            return web.json_response({"error": f"bad body, need producer, in_flight, timeout_s: {e}"}, status=400)
+        now = time.monotonic()
+        producers[producer] = (in_flight, now)
+        for k in [k for k, (_, t) in producers.items() if now - t > 60.0]:
+            del producers[k]
+        others = sum(n for k, (n, _) in producers.items() if k != producer)
+        return web.json_response({"room": await buf.wait_for_room(others + in_flight, timeout_s)})
+
+    app.router.add_post("/buffer/samples", put_samples)
+    app.router.add_post("/buffer/room", room)
     app.router.add_get("/buffer/batch", get_batch)
     app.router.add_post("/buffer/ack", ack)
     app.router.add_post("/buffer/release", release)
@@ -103,7 +139,7 @@ def add_buffer_routes(app: web.Application, buf: Buffer, admin_token: str | None
 
 
 class BufferClient:
-    """Async client of the buffer routes, for the learner."""
+    """Async client of the buffer routes, for the learner (and, with ``put``, remote rollout workers)."""
 
     def __init__(self, base_url: str, admin_token: str | None = None, timeout_s: float = 30.0,
                  retries: int = 3) -> None:
@@ -169,6 +205,21 @@ class BufferClient:
             return False
         self._check(status, body, "ack")
         return True
+
+    async def put(self, samples: list[Any]) -> int:
+        """Store samples in serve's buffer (idempotent by sample id, so retries are safe)."""
+        body = encode_batch(Batch(batch_id="put", samples=list(samples), learner_version=-1))
+        status, data = await self._request("POST", "/buffer/samples", data=body,
+                                           headers={"Content-Type": "application/octet-stream"})
+        self._check(status, data, "put")
+        return int(json.loads(data)["stored"])
+
+    async def wait_for_room(self, producer: str, in_flight: int, timeout_s: float) -> int:
+        """Admission control for a remote producer: how many episodes it may start now."""
+        status, data = await self._request("POST", "/buffer/room", extra_s=timeout_s,
+                                           json={"producer": producer, "in_flight": in_flight, "timeout_s": timeout_s})
+        self._check(status, data, "room")
+        return int(json.loads(data)["room"])
 
     async def release_leases(self) -> int:
         status, body = await self._request("POST", "/buffer/release")

@@ -98,6 +98,9 @@ async def run_episode(router: Router, env_name: str, task: dict[str, Any], *, gr
         log.warning("episode %s failed: %s", ep.episode_id, ep.error)
     finally:
         ep.seconds = time.monotonic() - t0
+        fetch = getattr(router, "fetch_session", None)
+        if fetch is not None:  # serve's router over HTTP (a Ray rollout worker): bring the records here
+            await fetch(ep.episode_id)
         finish_samples(router, ep)
     return ep
 

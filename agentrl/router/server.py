@@ -184,6 +184,17 @@ async def session_samples(request: web.Request) -> web.Response:
                               "samples": [vars(x) for x in s.samples()]})
 
 
+async def close_session(request: web.Request) -> web.Response:
+    """Close a session and return its samples: how a rollout worker on another machine ends an episode."""
+    require_admin(request)
+    sid = request.match_info["sid"]
+    s = request.app[ROUTER_KEY].close_session(sid)
+    if s is None:
+        raise NotFound(f"unknown session {sid!r}", param="session_id")
+    return web.json_response({"session_id": s.session_id, "splits": s.splits, "calls": len(s.records),
+                              "samples": [vars(x) for x in s.samples()]}, dumps=_dumps)
+
+
 async def engines_status(request: web.Request) -> web.Response:
     require_admin(request)
     r = request.app[ROUTER_KEY]
@@ -209,6 +220,7 @@ def add_router_routes(app: web.Application, router: Router, *, admin_token: str 
     app.router.add_get("/health", health)
     app.router.add_post("/admin/sessions", create_session)
     app.router.add_get("/admin/sessions/{sid}/samples", session_samples)
+    app.router.add_post("/admin/sessions/{sid}/close", close_session)
     app.router.add_get("/admin/engines", engines_status)
 
 
