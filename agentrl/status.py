@@ -141,6 +141,15 @@ def format_status(url: str, status: dict[str, Any], before: dict[str, Any] | Non
     lines.append(f"rollout   in flight {_n(ro.get('in_flight'))} | episodes {_n(ro.get('episodes'))} "
                  f"(failed {_n(ro.get('failed'))}, truncated {_n(ro.get('truncated'))}) | "
                  f"mean reward {_n(reward_mean, 3)} | tool calls {_n(ro.get('tool_calls'))}")
+    workers = ro.get("workers")
+    if isinstance(workers, list):  # serve --ray: rollout worker actors
+        rs = ro.get("restarts") or {}
+        lines.append(f"ray       {len(workers)} rollout workers | restarts: workers {_n(rs.get('workers'))} "
+                     f"engines {_n(rs.get('engines'))} replaced {_n(rs.get('respawned'))}")
+        rows = [[str(w.get("worker", "?")), str(w.get("node_id", "-"))[:12], _n(w.get("pid")),
+                 "restarting" if w.get("restarting") else _n(w.get("in_flight")), _n(w.get("episodes")),
+                 _n(w.get("failed"))] for w in workers]
+        lines += ["  " + r for r in table(["worker", "node", "pid", "in flight", "episodes", "failed"], rows)]
     bu = status.get("buffer") or {}
     lines.append(f"buffer    depth {_n(bu.get('depth'))} | leased {_n(bu.get('leased'))} | "
                  f"produced {_n(bu.get('produced'))} consumed {_n(bu.get('consumed'))} "

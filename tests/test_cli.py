@@ -48,7 +48,7 @@ COMMANDS = subcommand_paths(parser())
 def test_agentrl_help_lists_every_command() -> None:
     out = agentrl("--help")
     assert out.returncode == 0, out.stderr
-    for name in ("serve", "learn", "run", "config", "model", "sandbox", "envs", "status", "plot"):
+    for name in ("serve", "learn", "run", "config", "model", "sandbox", "envs", "status", "eval", "plot"):
         assert name in out.stdout
 
 
