@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from tests.conftest import free_port
 
 
@@ -23,7 +25,7 @@ class GroupRun:
     episodes: list[dict[str, Any]]  # episodes.jsonl lines
     samples: list[Any]  # what the orchestrator put into the buffer
     records: dict[str, list[dict[str, Any]]]  # session id -> call records (run_dir/sessions)
-    generated: list[tuple[list[int], list[int]]]  # (prompt ids, completion ids) of every generate
+    generated: list[tuple[list[int], list[int], list[float]]]  # (prompt ids, completion ids, logprobs) per generate
     router_counters: dict[str, float]
     instance_id: str | None
     containers_left: list[str] = field(default_factory=list)
@@ -31,6 +33,10 @@ class GroupRun:
 
 def ids(x: Any) -> list[int]:
     return [int(t) for t in x]
+
+
+def _logprobs(choice: dict[str, Any]) -> list[float]:
+    return [c["logprob"] for c in ((choice.get("logprobs") or {}).get("content") or [])]
 
 
 async def _run(engine_url: str, run_dir: Path, *, env: str, group_size: int, scaffold: dict[str, str],
@@ -53,7 +59,7 @@ async def _run(engine_url: str, run_dir: Path, *, env: str, group_size: int, sca
     cfg.check()
     serve = Serve(cfg)
     samples: list[Any] = []
-    generated: list[tuple[list[int], list[int]]] = []
+    generated: list[tuple[list[int], list[int], list[float]]] = []
     try:
         await serve.start()
         # start() returns before the orchestrator's first step: wrap the seams it will use.
@@ -66,18 +72,21 @@ async def _run(engine_url: str, run_dir: Path, *, env: str, group_size: int, sca
         async def call(engine: Any, path: str, body: dict[str, Any], *a: Any, **kw: Any) -> dict[str, Any]:
             out = await real_call(engine, path, body, *a, **kw)
             if path == "/inference/v1/generate":
-                generated.append((ids(body["token_ids"]), ids(out["choices"][0]["token_ids"])))
+                ch = out["choices"][0]
+                generated.append((ids(body["token_ids"]), ids(ch["token_ids"]), _logprobs(ch)))
             return out
 
         async def stream(engine: Any, path: str, body: dict[str, Any]) -> Any:
             got: list[int] = []
+            lps: list[float] = []
             try:
                 async for event in real_stream(engine, path, body):
                     for ch in event.get("choices") or []:
                         got.extend(ch.get("token_ids") or [])
+                        lps.extend(_logprobs(ch))
                     yield event
             finally:
-                generated.append((ids(body["token_ids"]), ids(got)))
+                generated.append((ids(body["token_ids"]), ids(got), lps))
 
         serve.buffer.put, serve.pool.call, serve.pool.stream = put, call, stream  # type: ignore[method-assign]
         assert serve._orch_task is not None
@@ -112,16 +121,18 @@ def check_exact_samples(run: GroupRun) -> None:
       recorded call, and the router saw no other call;
     - each record's prompt and completion are a generate request and the ids the engine returned;
     - one sample per chain of calls that extend each other token for token, and each sample is the
-      leaf's prompt plus completion with the loss mask exactly on the chain's sampled ids.
+      leaf's prompt plus completion with the loss mask (and the logprobs) exactly on the chain's
+      sampled ids.
     """
     episode_ids = {e["episode_id"] for e in run.episodes}
     all_records = [r for sid, recs in run.records.items() if sid in episode_ids for r in recs]
     assert len(all_records) == len(run.generated), (len(all_records), len(run.generated))
     assert sum(len(v) for v in run.records.values()) == len(all_records), "a call outside the episodes"
     assert run.router_counters["calls"] == len(all_records) + run.router_counters["errors_4xx"]
-    engine_pairs = sorted((tuple(p), tuple(c)) for p, c in run.generated)
-    record_pairs = sorted((tuple(r["prompt_ids"]), tuple(r["completions"][0]["token_ids"])) for r in all_records)
-    assert record_pairs == engine_pairs
+    engine_calls = sorted((tuple(p), tuple(c), tuple(lp)) for p, c, lp in run.generated)
+    record_calls = sorted((tuple(r["prompt_ids"]), tuple(r["completions"][0]["token_ids"]),
+                           tuple(r["completions"][0]["logprobs"])) for r in all_records)
+    assert record_calls == engine_calls  # ids and behaviour logprobs, exactly as the engine returned them
     by_episode: dict[str, list[Any]] = {}
     for s in run.samples:
         by_episode.setdefault(s.episode_id, []).append(s)
@@ -144,6 +155,8 @@ def check_exact_samples(run: GroupRun) -> None:
                 start, comp = len(r["prompt_ids"]), r["completions"][0]["token_ids"]
                 assert tokens[start:start + len(comp)] == comp  # the sampled ids, in place
                 want_mask[start:start + len(comp)] = [1] * len(comp)
+                got_lps = [float(x) for x in s.logprobs[start:start + len(comp)]]
+                assert got_lps == pytest.approx(r["completions"][0]["logprobs"], rel=1e-6, abs=1e-6)
             assert mask == want_mask
             for a, b in zip(chain, chain[1:], strict=False):
                 assert recs[b]["parent"] == a  # the chain extends call by call
