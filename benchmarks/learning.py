@@ -1,0 +1,75 @@
+"""Does it learn? The quickstart (``agentrl run`` with its defaults) evaluated before and after.
+
+Runs ``agentrl run`` exactly as the README's first command does (the embedded defaults: model,
+environment, learner recipe), adding only a fresh run directory, free ports and the number of
+held-out tasks. ``agentrl run`` evaluates the agent on that many held-out tasks of the
+environment's ``test`` split through serve's router before the learner's first step and after its
+last, at the training temperature, and writes the charts. Progress lines are passed through.
+Prints one JSON line at the end with ``success_before``, ``success_after``, their 95% Wilson
+intervals, ``wall_minutes`` (the whole ``agentrl run``: engine start, both evaluations, training)
+and ``model``.
+
+    python benchmarks/learning.py [--tasks 200] [--run-dir runs/learning] [-- extra agentrl run overrides]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--tasks", type=int, default=200, help="held-out tasks evaluated before and after")
+    p.add_argument("--run-dir", default="runs/learning")
+    p.add_argument("extra", nargs="*", help="more agentrl run overrides, e.g. --learn.steps=10 (after --)")
+    args = p.parse_args()
+    run_dir = Path(args.run_dir)
+    shutil.rmtree(run_dir, ignore_errors=True)
+    cmd = [sys.executable, "-m", "agentrl.cli", "run", f"--serve.run_dir={run_dir}",
+           f"--serve.router.port={free_port()}", f"--serve.engine.base_port={free_port()}",
+           f"--eval.tasks={args.tasks}", *args.extra]
+    print(" ".join(cmd[2:]), file=sys.stderr, flush=True)
+    t0 = time.monotonic()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    assert proc.stdout is not None
+    last = ""
+    for line in proc.stdout:
+        line = line.rstrip()
+        if line.startswith(("step ", "eval ", "success ")) or "ERROR" in line:
+            print(f"[{time.monotonic() - t0:5.0f}s] {line}", file=sys.stderr, flush=True)
+        if line.startswith("{"):
+            last = line
+    if proc.wait() != 0 or not last:
+        raise SystemExit(f"agentrl run failed (exit {proc.returncode}); see {run_dir}/serve.log")
+    summary = json.loads(last)
+    config = json.loads((run_dir / "serve_config.json").read_text()) if (run_dir / "serve_config.json").exists() else {}
+    result = {
+        "benchmark": "learning", "model": config.get("model", "?"), "env": config.get("env", {}).get("name", "?"),
+        "eval_tasks": summary["eval_tasks"], "learner_steps": summary["steps"],
+        "success_before": summary["success_before"], "success_after": summary["success_after"],
+        "gain": round(summary["success_after"] - summary["success_before"], 4),
+        "success_before_ci95": summary["success_before_ci95"], "success_after_ci95": summary["success_after_ci95"],
+        "reward_before": summary["reward_before"], "reward_after": summary["reward_after"],
+        "wall_minutes": summary["wall_minutes"], "charts": summary.get("charts", ""),
+        "load_avg": round(os.getloadavg()[0], 2),
+    }
+    print(json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main()
