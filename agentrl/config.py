@@ -191,13 +191,26 @@ class LearnConfig:
 
 
 @dataclass
+class EvalSection:
+    """Held-out evaluation that ``agentrl run`` does before training and after it."""
+
+    tasks: int = 100  # held-out ("test" split) tasks, one episode each (0: no evaluation)
+    temperature: float = 1.0  # sampling temperature of the evaluated agent (1.0: as it acts in training)
+    concurrency: int = 32  # evaluation episodes in flight
+    success_reward: float = 0.0  # an episode succeeds when its reward is above this
+
+
+@dataclass
 class RunConfig:
     serve: ServeConfig = field(default_factory=ServeConfig)
     learn: LearnConfig = field(default_factory=LearnConfig)
+    eval: EvalSection = field(default_factory=EvalSection)
 
     def check(self) -> None:
         self.serve.check()
         self.learn.check()
+        if self.eval.tasks < 0 or self.eval.concurrency < 1:
+            raise ConfigError("eval.tasks must be >= 0 and eval.concurrency >= 1")
 
 
 def _coerce(value: Any, tp: Any, key: str) -> Any:

@@ -1,5 +1,10 @@
 """``agentrl run``: serve in a child process and the learner in this one, on one machine.
 
+With ``eval.tasks`` > 0 (the default) the agent is evaluated on held-out tasks through serve's
+router before the learner's first step (the engines still serve version 0) and again after its
+last (they serve the final version), so the run ends by printing success before and after, with
+95% intervals, and writing ``eval_before.json``, ``eval_after.json`` and the charts (``plots/``).
+
 The child is started with the serve section written to ``run_dir/serve.toml``; it is stopped
 (SIGTERM, then SIGKILL) when the learner finishes or fails, and dies with us if we are killed.
 The admin token never appears on the child's command line: it is settled first and written to
@@ -8,6 +13,7 @@ The admin token never appears on the child's command line: it is settled first a
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import logging
@@ -17,6 +23,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from agentrl.config import RunConfig, ServeConfig, to_toml
 
@@ -33,6 +40,46 @@ def serve_command(serve_cfg: ServeConfig, run_dir: Path) -> list[str]:
     path.chmod(0o600)
     return [sys.executable, "-m", "agentrl.engines.reaper", "--",
             sys.executable, "-m", "agentrl.cli", "serve", "--config", str(path)]
+
+
+def wait_for_serve(url: str, serve: subprocess.Popen, timeout_s: float) -> None:
+    """Wait until serve's router answers ``/health`` (its engines are up); fail if serve exits."""
+    import urllib.error
+    import urllib.request
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if serve.poll() is not None:
+            raise SystemExit(f"serve exited with code {serve.returncode} before it was ready")
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=5) as r:
+                if r.status == 200:
+                    return
+        except (urllib.error.URLError, OSError):
+            pass
+        time.sleep(1.0)
+    raise SystemExit(f"serve at {url} was not healthy within {timeout_s:.0f} s")
+
+
+def held_out_eval(cfg: RunConfig, url: str, label: str, run_dir: Path) -> Any:
+    """Evaluate the policy the engines serve now on ``eval.tasks`` held-out tasks."""
+    from agentrl.evaluate import evaluate, write_result
+    from agentrl.tokens import find_api_keys
+
+    e = cfg.serve.env
+    keys = find_api_keys(cfg.serve.router.api_keys, cfg.serve.router.api_keys_file)
+    print(f"eval {label}: {cfg.eval.tasks} held-out {e.name} tasks at temperature {cfg.eval.temperature:g} ...",
+          flush=True)
+    result = asyncio.run(evaluate(
+        e.name, f"{url}/v1", cfg.eval.tasks, split="test", env_config=e.config, api_key=keys[0] if keys else "",
+        max_turns=e.max_turns, max_tokens=e.max_tokens, max_episode_tokens=e.max_episode_tokens,
+        temperature=cfg.eval.temperature, top_p=e.top_p, episode_timeout_s=e.episode_timeout_s,
+        concurrency=cfg.eval.concurrency, success_reward=cfg.eval.success_reward))
+    write_result(result, run_dir / f"eval_{label}.json")
+    lo, hi = result.success_ci95
+    print(f"eval {label}: success {result.success_rate:.3f} (95% CI {lo:.3f}-{hi:.3f}) over {result.n} tasks, "
+          f"reward mean {result.reward_mean:.3f}, {result.failed} failed, {result.seconds:.0f} s", flush=True)
+    return result
 
 
 def run(cfg: RunConfig) -> int:
@@ -54,8 +101,14 @@ def run(cfg: RunConfig) -> int:
     with open(run_dir / "serve.log", "ab") as logf:
         serve = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
     t0 = time.monotonic()
+    before = after = None
     try:
+        if cfg.eval.tasks:
+            wait_for_serve(learn_cfg.serve, serve, cfg.serve.engine.start_timeout_s + 120)
+            before = held_out_eval(cfg, learn_cfg.serve, "before", run_dir)
         history = learn(learn_cfg)
+        if cfg.eval.tasks:
+            after = held_out_eval(cfg, learn_cfg.serve, "after", run_dir)
     finally:
         serve.send_signal(signal.SIGTERM)
         try:
@@ -65,5 +118,20 @@ def run(cfg: RunConfig) -> int:
     summary = {"steps": len(history), "final_version": history[-1]["version"] if history else 0,
                "reward_by_step": [round(h["reward_mean"], 4) for h in history],
                "wall_minutes": round((time.monotonic() - t0) / 60, 2), "run_dir": str(run_dir)}
+    if before is not None and after is not None:
+        summary.update(eval_tasks=before.n, success_before=round(before.success_rate, 4),
+                       success_after=round(after.success_rate, 4),
+                       success_before_ci95=[round(x, 4) for x in before.success_ci95],
+                       success_after_ci95=[round(x, 4) for x in after.success_ci95],
+                       reward_before=round(before.reward_mean, 4), reward_after=round(after.reward_mean, 4))
+        print(f"success on held-out tasks: {before.success_rate:.3f} before -> {after.success_rate:.3f} after "
+              f"({len(history)} learner steps, {summary['wall_minutes']} min)", flush=True)
+    try:
+        from agentrl.plot import plot_run
+
+        charts = plot_run(run_dir)
+        summary["charts"] = str(charts[0].parent) if charts else ""
+    except (ImportError, FileNotFoundError) as e:  # matplotlib is in the dev extra
+        log.warning("no charts: %s", e)
     print(json.dumps(summary), flush=True)
     return 0

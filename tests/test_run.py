@@ -18,7 +18,7 @@ def test_agentrl_run_trains_three_steps_and_prints_each(tmp_path, tiny_tools_mod
     env = {k: v for k, v in os.environ.items() if k != "AGENTRL_ADMIN_TOKEN"}  # as a newcomer runs it
     cmd = [sys.executable, "-m", "agentrl.cli", "run", f"--serve.run_dir={tmp_path / 'run'}",
            f"--serve.router.port={free_port()}", f"--serve.engine.base_port={free_port()}",
-           "--serve.env.group_size=2", "--serve.buffer.batch_size=4"]
+           "--serve.env.group_size=2", "--serve.buffer.batch_size=4", "--eval.tasks=6"]
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     lines = out.stdout.splitlines()
@@ -27,3 +27,11 @@ def test_agentrl_run_trains_three_steps_and_prints_each(tmp_path, tiny_tools_mod
     summary = json.loads(lines[-1])
     assert summary["steps"] == 3 and summary["final_version"] == 3
     assert (tmp_path / "run" / "episodes.jsonl").exists()
+    # Held-out evaluation before the first step and after the last, on the same tasks.
+    assert summary["eval_tasks"] == 6 and 0 <= summary["success_before"] <= 1 and 0 <= summary["success_after"] <= 1
+    before = json.loads((tmp_path / "run" / "eval_before.json").read_text())
+    after = json.loads((tmp_path / "run" / "eval_after.json").read_text())
+    assert len(before["episodes"]) == len(after["episodes"]) == 6
+    assert [e["task_id"] for e in before["episodes"]] == [e["task_id"] for e in after["episodes"]]
+    assert any(line.startswith("success on held-out tasks: ") for line in lines)
+    assert list((tmp_path / "run" / "plots").glob("*.png"))
