@@ -68,9 +68,12 @@ class LocalCodec:
         # What apply_chat_template does, without its per-call argument handling (about 1 ms a call
         # here): transformers' own compiled template (same environment and filters), rendered with
         # the special tokens as variables, then encoded without added special tokens.
-        from transformers.utils.chat_template_utils import _compile_jinja_template
+        try:
+            from transformers.utils.chat_template_utils import _compile_jinja_template
 
-        self._compiled = _compile_jinja_template(self.template)
+            self._compiled: Any = _compile_jinja_template(self.template)
+        except ImportError:  # an older transformers: go through apply_chat_template itself
+            self._compiled = None
         self._template_vars = dict(tokenizer.special_tokens_map)
 
     @classmethod
@@ -87,8 +90,8 @@ class LocalCodec:
             log.warning("could not load the tokenizer from %s (%s): using the engine's render/derender", model_dir, e)
             return None
         decoder = getattr(getattr(tok, "backend_tokenizer", None), "decoder", None)
-        if not getattr(tok, "is_fast", False) or not tok.chat_template or "ByteLevel" not in type(decoder).__name__ \
-                and "ByteLevel" not in repr(decoder):
+        byte_level = "ByteLevel" in type(decoder).__name__ or "ByteLevel" in repr(decoder)
+        if not getattr(tok, "is_fast", False) or not tok.chat_template or not byte_level:
             # Metaspace (sentencepiece-style) decoders need the prompt tail to place a leading
             # space; only byte-level decoding is concatenative, so only that is done here.
             log.warning("the tokenizer in %s is not a byte-level fast tokenizer with a chat template: using the "
@@ -155,17 +158,21 @@ class LocalCodec:
     def render_ids(self, body: dict[str, Any], messages: list[dict[str, Any]] | None = None,
                    add_generation_prompt: bool = True) -> list[int]:
         """``tokenizer.apply_chat_template(conversation, tools=..., tokenize=True)``, as vLLM calls it."""
+        if self._compiled is None:
+            return self.render_ids_reference(body, messages, add_generation_prompt)
         text = self._compiled.render(
             messages=self.conversation(body["messages"] if messages is None else messages),
             tools=self.tool_dicts(body), documents=None, add_generation_prompt=add_generation_prompt,
             **self._template_vars)
         return self._encode(text, add_special_tokens=False).ids
 
-    def render_ids_reference(self, body: dict[str, Any]) -> list[int]:
+    def render_ids_reference(self, body: dict[str, Any], messages: list[dict[str, Any]] | None = None,
+                             add_generation_prompt: bool = True) -> list[int]:
         """The same through ``apply_chat_template`` itself (calibration checks the two agree)."""
         return list(self.tok.apply_chat_template(
-            self.conversation(body["messages"]), tools=self.tool_dicts(body), chat_template=self.template,
-            tokenize=True, return_dict=False, add_generation_prompt=True, continue_final_message=False))
+            self.conversation(body["messages"] if messages is None else messages), tools=self.tool_dicts(body),
+            chat_template=self.template, tokenize=True, return_dict=False,
+            add_generation_prompt=add_generation_prompt, continue_final_message=False))
 
     def sampling_params(self, body: dict[str, Any], prompt_len: int) -> dict[str, Any]:
         """The render route's ``sampling_params`` for a body whose ``logprobs`` the router forced on."""
