@@ -44,9 +44,9 @@ def token_versions(weight_versions: list[dict[str, Any]] | None, n: int) -> list
     """Per-token policy versions from vLLM's spans over output indexes."""
     versions = [0] * n
     for span in weight_versions or []:
-        v = parse_version(span.get("version"))
-        for i in range(max(0, span.get("start", 0)), min(n, span.get("end", n))):
-            versions[i] = v
+        start, end = max(0, span.get("start", 0)), min(n, span.get("end", n))
+        if end > start:
+            versions[start:end] = [parse_version(span.get("version"))] * (end - start)
     return versions
 
 
