@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import requests
 
 import agentrl
 from agentrl.rollout.episode import EpisodeLimits, EpisodeResult, run_episode
@@ -47,6 +48,13 @@ async def one_episode(engine: Any, model_dir: str, env_name: str, task: dict[str
             return out
 
         router.pool.call = recording_call  # type: ignore[method-assign]
+        real_chat = router.chat
+
+        async def recording_chat(body: dict[str, Any], *a: Any, **kw: Any) -> dict[str, Any]:
+            capture.append(("chat", json.loads(json.dumps(body)), {}))  # what the agent loop asked for
+            return await real_chat(body, *a, **kw)
+
+        router.chat = recording_chat  # type: ignore[method-assign]
     pool = None
     try:
         if agentrl.make(env_name).sandbox_image:
@@ -124,12 +132,15 @@ def test_a_three_turn_tool_episode_is_exactly_the_tokens_the_engine_received_and
     assert ep.info["tool_calls"] >= 1, "the warm-started model made no tool call"
 
     generates = [(sent, got) for path, sent, got in wire if path == "/inference/v1/generate"]
-    renders = [(sent, got) for path, sent, got in wire if path == "/v1/chat/completions/render"]
     assert len(generates) == 3
     prompts = [sent["token_ids"] for sent, _ in generates]
     outputs = [got["choices"][0]["token_ids"] for _, got in generates]
     out_logprobs = [[c["logprob"] for c in got["choices"][0]["logprobs"]["content"]] for _, got in generates]
-    assert prompts[0] == renders[0][1]["token_ids"]  # turn 1: the engine's own rendering of the opening
+    # Turn 1: exactly the engine's own rendering of the opening (the router renders it locally).
+    first = next(sent for path, sent, _ in wire if path == "chat")
+    rendered = requests.post(vllm_engine.url + "/v1/chat/completions/render", timeout=60,
+                             json=dict(first, model="tiny-tools", logprobs=True)).json()
+    assert prompts[0] == rendered["token_ids"]
 
     (sample,) = ep.samples
     assert sample.token_ids == prompts[-1] + outputs[-1]
