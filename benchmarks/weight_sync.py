@@ -34,6 +34,7 @@ import argparse
 import asyncio
 import json
 import logging
+import shutil
 import socket
 import statistics
 import tempfile
@@ -153,6 +154,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             await pool.close()
     finally:
         engine.stop()
+        shutil.rmtree(work / "weights", ignore_errors=True)  # about 1 GB for SmolLM2; the engine log stays
+        log.info("engine log in %s", work / "engine")
     eng = result["engines"]["engine-0"]
     arrivals = sorted(t for o in outs for t in o["times"])
     gaps = [(b - a, a, b) for a, b in zip(arrivals, arrivals[1:], strict=False)]
