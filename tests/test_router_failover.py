@@ -193,7 +193,10 @@ def test_a_4xx_from_the_engine_is_never_retried():
 
 
 # -- two real engines, one killed mid-load ---------------------------------------------------------
-CALL_TIMEOUT_S = 60.0  # the client's per-call timeout
+ENGINE_TIMEOUT_S = 20.0  # the router's limit per engine call (router.request_timeout_s)
+# The client's per-call timeout: room for a first attempt that times out on a stalled engine, the
+# retry on the survivor, and a busy shared machine.
+CALL_TIMEOUT_S = 90.0
 
 
 def _kill(engine: Any) -> None:
@@ -239,7 +242,18 @@ def test_killing_one_of_two_engines_mid_load_fails_nothing_slowly_and_the_surviv
     victim.launch()
     try:
         asyncio.run(victim.start(timeout_s=600))
-        with serve_router([survivor, victim.url], tiny_tools_model, retries=1, request_timeout_s=30,
+        # Its first batches compile and probe the CPU (minutes on a busy machine): do that before the load,
+        # at the load's own concurrency, so the engine serves at full speed when the test starts.
+        from concurrent.futures import ThreadPoolExecutor
+
+        def warm(_: int) -> int:
+            return requests.post(victim.url + "/v1/chat/completions", timeout=900, json={
+                "model": "tiny-tools", "messages": [{"role": "user", "content": "Count from one to twenty."}],
+                "max_tokens": 48, "logprobs": True}).status_code  # logprobs too: their kernels compile as well
+
+        with ThreadPoolExecutor(12) as ex:
+            assert set(ex.map(warm, range(12))) == {200}
+        with serve_router([survivor, victim.url], tiny_tools_model, retries=1, request_timeout_s=ENGINE_TIMEOUT_S,
                           health_interval_s=0.5, health_failures=3) as srv:
             stop = threading.Event()
             rows: list[dict[str, Any]] = []
