@@ -12,9 +12,11 @@ import asyncio
 import json
 import re
 import uuid
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import requests
 
@@ -143,6 +145,10 @@ def test_a_three_turn_tool_episode_is_exactly_the_tokens_the_engine_received_and
     assert prompts[0] == rendered["token_ids"]
 
     (sample,) = ep.samples
+    # Samples carry int32 / float32 arrays (the buffer's wire format): compare as lists, logprobs at float32.
+    sample = replace(sample, token_ids=list(map(int, sample.token_ids)), loss_mask=list(map(int, sample.loss_mask)),
+                     logprobs=[float(x) for x in sample.logprobs])
+    out_logprobs = [[float(np.float32(x)) for x in lps] for lps in out_logprobs]
     assert sample.token_ids == prompts[-1] + outputs[-1]
     expected_mask = [0] * len(sample.token_ids)
     for prompt, output, lps in zip(prompts, outputs, out_logprobs, strict=True):
