@@ -56,7 +56,7 @@ def run_mode(mode: str, args: argparse.Namespace, out: Path) -> Path:
            f"--serve.env.group_size={args.group}", f"--serve.env.max_turns={args.max_keys + 1}",
            f"--serve.env.max_tokens={args.max_tokens}", f"--serve.env.max_concurrency={args.concurrency}",
            f"--serve.buffer.batch_size={args.batch}", f"--serve.buffer.max_staleness={args.max_staleness}",
-           f"--learn.steps={args.steps}", f"--learn.lr={args.lr}"]
+           f"--learn.steps={args.steps}", f"--learn.lr={args.lr}", "--eval.tasks=0"]
     print(f"[{mode}] {' '.join(cmd[3:])}", file=sys.stderr, flush=True)
     t0 = time.monotonic()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
