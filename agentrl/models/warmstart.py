@@ -59,51 +59,71 @@ def _encode(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict]) -
     return ids, mask
 
 
+def _batch(tok: Any, batch: list[tuple[list[int], list[int]]]) -> tuple[Any, Any, Any]:
+    import torch
+
+    width = max(len(ids) for ids, _ in batch)
+    ids = torch.full((len(batch), width), tok.pad_token_id, dtype=torch.long)
+    labels = torch.full((len(batch), width), -100, dtype=torch.long)
+    attn = torch.zeros((len(batch), width), dtype=torch.long)
+    for b, (x, m) in enumerate(batch):
+        ids[b, : len(x)] = torch.tensor(x)
+        attn[b, : len(x)] = 1
+        labels[b, : len(x)] = torch.tensor([t if mm else -100 for t, mm in zip(x, m, strict=True)])
+    return ids, attn, labels
+
+
 def warm_start(model_dir: str | Path, *, steps: int = 300, batch_size: int = 16, lr: float = 3e-3,
-               seed: int = 0, system_prompt: str | None = None) -> dict[str, float]:
-    """Fine-tune the model folder in place; returns the final loss and wall time."""
+               seed: int = 0, system_prompt: str | None = None, copy_steps: int = 0,
+               copy_batch_size: int = 32) -> dict[str, float]:
+    """Fine-tune the model folder in place; returns the final loss and wall time.
+
+    Two phases. ``copy_steps`` on short transcripts (no system prompt, no tool list: about 80
+    tokens instead of 350, so each step is several times cheaper): this is where a two-layer model
+    learns to copy numbers from the question into the call and from the tool's output into the
+    answer, which the format alone does not teach (its loss drops sharply after a few hundred
+    steps, the way induction heads form). Then ``steps`` on whole transcripts exactly as the
+    environment renders them, with the learning rate decaying to 5%.
+    """
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from agentrl.env.tools import tool_schema
+    from environments.arithmetic import SYSTEM, ArithmeticEnv
 
-    if system_prompt is None:
-        from environments.arithmetic import SYSTEM, ArithmeticEnv
-
-        system_prompt = SYSTEM
-        tools = [tool_schema(ArithmeticEnv.python)]
-    else:
-        from environments.arithmetic import ArithmeticEnv
-
-        tools = [tool_schema(ArithmeticEnv.python)]
+    system_prompt = SYSTEM if system_prompt is None else system_prompt
+    tools = [tool_schema(ArithmeticEnv.python)]
     torch.manual_seed(seed)
     rng = random.Random(seed)
     tok = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 20) * max(0.05, 1 - s / steps))
-    pad = tok.pad_token_id
+    total = copy_steps + steps
+
+    def lr_at(s: int) -> float:
+        decay = 1.0 if s < copy_steps else max(0.05, 1 - (s - copy_steps) / max(1, steps))
+        return lr * min(1.0, (s + 1) / 20) * decay
+
     t0 = time.monotonic()
     loss_val = float("nan")
-    for step in range(steps):
-        batch = [_encode(tok, _episode_messages(rng, system_prompt), tools) for _ in range(batch_size)]
-        width = max(len(ids) for ids, _ in batch)
-        ids = torch.full((batch_size, width), pad, dtype=torch.long)
-        labels = torch.full((batch_size, width), -100, dtype=torch.long)
-        attn = torch.zeros((batch_size, width), dtype=torch.long)
-        for b, (x, m) in enumerate(batch):
-            ids[b, : len(x)] = torch.tensor(x)
-            attn[b, : len(x)] = 1
-            labels[b, : len(x)] = torch.tensor([t if mm else -100 for t, mm in zip(x, m, strict=True)])
+    for step in range(total):
+        short = step < copy_steps
+        if short:
+            batch = [_encode(tok, _episode_messages(rng, system_prompt)[1:], []) for _ in range(copy_batch_size)]
+        else:
+            batch = [_encode(tok, _episode_messages(rng, system_prompt), tools) for _ in range(batch_size)]
+        ids, attn, labels = _batch(tok, batch)
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step)
         out = model(input_ids=ids, attention_mask=attn, labels=labels)
         opt.zero_grad(set_to_none=True)
         out.loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
-        sched.step()
         loss_val = out.loss.item()
-        if step % 50 == 0 or step == steps - 1:
-            log.info("warm-start step %d/%d loss %.3f (%.0f s)", step + 1, steps, loss_val, time.monotonic() - t0)
+        if step % 50 == 0 or step == total - 1:
+            log.info("warm-start step %d/%d (%s) loss %.3f (%.0f s)", step + 1, total,
+                     "copying" if short else "whole transcripts", loss_val, time.monotonic() - t0)
     model.save_pretrained(model_dir, safe_serialization=True)
     return {"loss": loss_val, "seconds": time.monotonic() - t0}
