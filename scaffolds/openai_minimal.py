@@ -99,7 +99,8 @@ async def _main() -> None:
 
     async with AsyncOpenAI() as client:  # OPENAI_BASE_URL and OPENAI_API_KEY from the environment
         answer = await run_agent(client, os.environ.get("OPENAI_MODEL", "default"), messages, run_python,
-                                 max_tokens=int(os.environ.get("AGENTRL_MAX_TOKENS", "128")))
+                                 max_tokens=int(os.environ.get("AGENTRL_MAX_TOKENS", "128")),
+                                 temperature=float(os.environ.get("AGENTRL_TEMPERATURE", "1.0")))
     print(answer)
 
 

@@ -15,7 +15,8 @@ def resolve_model(name: str) -> str:
     """Turn a model name from config into something transformers/vLLM load.
 
     ``"tiny"`` builds (once) and returns the project's tiny model, ``"tiny-tools"`` the same after a
-    short tool-call warm-start, ``"smollm2"`` converts SmolLM2-135M-Instruct offline from its PyPI
+    short tool-call warm-start, ``"tiny-arith"`` after a longer one that also teaches it to copy
+    numbers, ``"smollm2"`` converts SmolLM2-135M-Instruct offline from its PyPI
     wheel; a local folder is returned as is; anything else is passed through as a hub name.
     """
     if name == "tiny":
@@ -24,6 +25,10 @@ def resolve_model(name: str) -> str:
         return str(build_tiny_model(home() / "models" / "tiny"))
     if name == "tiny-tools":
         return str(build_tiny_tools_model(home() / "models" / "tiny-tools"))
+    if name == "tiny-arith":
+        # The same model warm-started to copy numbers too: about half its sampled arithmetic episodes
+        # succeed, so RL has something to sharpen (docs/learner.md). About 10 minutes on 2 cores.
+        return str(build_tiny_tools_model(home() / "models" / "tiny-arith", steps=300, copy_steps=2000))
     if name in ("smollm2", "smollm2-135m"):
         from agentrl.models.smollm2 import build_smollm2
 
@@ -31,23 +36,24 @@ def resolve_model(name: str) -> str:
     return name
 
 
-def build_tiny_tools_model(out: Path, steps: int = 100) -> Path:
-    """The tiny model after a short supervised warm-start on the tool-call format (built once)."""
+def build_tiny_tools_model(out: Path, steps: int = 100, copy_steps: int = 0) -> Path:
+    """The tiny model after a supervised warm-start on the tool-call format (built once)."""
     import json
     import shutil
 
     from agentrl.models.tiny import build_tiny_model
 
     stamp = out / "agentrl_warmstart.json"
-    if stamp.exists() and json.loads(stamp.read_text()).get("steps") == steps:
+    done = json.loads(stamp.read_text()) if stamp.exists() else {}
+    if done.get("steps") == steps and done.get("copy_steps", 0) == copy_steps:
         return out
     tmp = out.with_name(out.name + ".building")
     shutil.rmtree(tmp, ignore_errors=True)
     build_tiny_model(tmp, overwrite=True)
     from agentrl.models.warmstart import warm_start
 
-    result = warm_start(tmp, steps=steps)
-    (tmp / "agentrl_warmstart.json").write_text(json.dumps({"steps": steps, **result}))
+    result = warm_start(tmp, steps=steps, copy_steps=copy_steps)
+    (tmp / "agentrl_warmstart.json").write_text(json.dumps({"steps": steps, "copy_steps": copy_steps, **result}))
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
     return out
