@@ -92,9 +92,23 @@ def test_serve_on_a_two_node_ray_cluster_runs_episodes_and_survives_a_killed_rol
             os.kill(victim, signal.SIGKILL)
             await until("the restart to be noticed", lambda: cl.restarts["workers"] >= 1, 120)
             before = serve.buffer.stats()["produced"]
-            await until("the restarted worker to play episodes", lambda: cl.worker_info[0].get("pid") not in (
-                None, victim) and (cl.worker_info[0].get("episodes") or 0) >= 1, 300)
-            await until("more samples after the kill", lambda: serve.buffer.stats()["produced"] > before, 120)
+
+            async def learner() -> None:
+                # Consume as a learner would: with nothing consumed, the surviving worker can fill the
+                # admission bound before the restarted one starts, and then no worker gets room.
+                version = 0
+                while True:
+                    got = await serve.buffer.get_batch(version, timeout_s=5)
+                    if got is not None:
+                        serve.buffer.ack(got.batch_id)
+
+            consumer = asyncio.create_task(learner())
+            try:
+                await until("the restarted worker to play episodes", lambda: cl.worker_info[0].get("pid") not in (
+                    None, victim) and (cl.worker_info[0].get("episodes") or 0) >= 1, 300)
+                await until("more samples after the kill", lambda: serve.buffer.stats()["produced"] > before, 120)
+            finally:
+                consumer.cancel()
             status = serve.status()
             assert status["rollout"]["restarts"]["workers"] >= 1 and len(status["rollout"]["workers"]) == 2
             assert status["rollout"]["episodes"] >= 8
