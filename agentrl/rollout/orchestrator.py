@@ -55,10 +55,10 @@ class Orchestrator:
 
     async def run(self) -> None:
         tasks = itertools.cycle(list(make(self.env_name, **self.env_config).tasks("train")))
-        if self.sync:
-            await self._run_sync(tasks)
-            return
         try:
+            if self.sync:
+                await self._run_sync(tasks)
+                return
             while not self.max_episodes or self._started < self.max_episodes:
                 room = await self.buffer.wait_for_room(self.in_flight + self.group_size - 1, timeout_s=5.0)
                 if room <= 0 or self.in_flight + self.group_size > max(self.max_concurrency, self.group_size):
@@ -67,14 +67,7 @@ class Orchestrator:
                 if self._infra_failures:
                     # No engine (or every call failing): back off instead of churning out failed episodes.
                     await asyncio.sleep(min(10.0, 0.1 * 2 ** min(self._infra_failures, 7)))
-                task = next(tasks)
-                group_id = f"{task.get('id', 'task')}-{uuid.uuid4().hex[:8]}"
-                # Count the group as in flight before it runs: admission must see it at once.
-                self.in_flight += self.group_size
-                self._started += self.group_size
-                t = asyncio.create_task(self._group(task, group_id), name=f"group-{group_id}")
-                self._tasks.add(t)
-                t.add_done_callback(self._tasks.discard)
+                self._start_group(next(tasks))
                 await asyncio.sleep(0)  # let the new episodes (and HTTP handlers) run
             if self._tasks:
                 await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -87,19 +80,24 @@ class Orchestrator:
         groups = max(1, self.batch_size // self.group_size)
         while not self.max_episodes or self._started < self.max_episodes:
             version = self.router.pool.version
-            batch = []
-            for _ in range(groups):
-                task = next(tasks)
-                self.in_flight += self.group_size
-                self._started += self.group_size
-                batch.append(self._group(task, f"{task.get('id', 'task')}-{uuid.uuid4().hex[:8]}"))
-            await asyncio.gather(*batch)  # the barrier: the slowest episode decides
+            # the barrier: the slowest episode decides
+            await asyncio.gather(*(self._start_group(next(tasks)) for _ in range(groups)))
             t0 = time.monotonic()
             while self.router.pool.version <= version:  # the learner trains, then the engines reload
                 await asyncio.sleep(0.02)
                 if time.monotonic() - t0 > 60:
                     log.info("sync rollout: waiting for the learner to publish version %d", version + 1)
                     t0 = time.monotonic()
+
+    def _start_group(self, task: dict[str, Any]) -> asyncio.Task:
+        group_id = f"{task.get('id', 'task')}-{uuid.uuid4().hex[:8]}"
+        # Count the group as in flight before it runs: admission must see it at once.
+        self.in_flight += self.group_size
+        self._started += self.group_size
+        t = asyncio.create_task(self._group(task, group_id), name=f"group-{group_id}")
+        self._tasks.add(t)
+        t.add_done_callback(self._tasks.discard)
+        return t
 
     async def _group(self, task: dict[str, Any], group_id: str) -> None:
         try:
