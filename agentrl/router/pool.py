@@ -128,14 +128,14 @@ class EnginePool:
         if count:
             engine.outstanding += 1
         try:
-            status, raw = await self._upstream.post(engine.url, path, _dumps(body), timeout_s or self.request_timeout_s)
+            status, raw = await self._upstream.post(engine.url, path, dumps(body), timeout_s or self.request_timeout_s)
             if status >= 400:
                 message = _engine_message(raw.decode(errors="replace"))
                 if 400 <= status < 500:
                     code = "context_length_exceeded" if "context length" in message.lower() else None
                     raise InvalidRequest(message, status=status if status != 404 else 400, code=code)
                 raise EngineError(f"engine {engine.name} answered {status}: {message}")
-            data = _loads(raw)
+            data = loads(raw)
             engine.served += 1
             return data
         except (TimeoutError, UpstreamClosed, UpstreamProtocolError, ValueError) as e:
@@ -166,7 +166,7 @@ class EnginePool:
             await self.wait_gate()
         engine.outstanding += 1
         try:
-            async with self._http.post(engine.url + path, data=_dumps(body), headers=_JSON,
+            async with self._http.post(engine.url + path, data=dumps(body), headers=_JSON,
                                        timeout=aiohttp.ClientTimeout(total=self.request_timeout_s)) as r:
                 if r.status >= 400:
                     message = _engine_message(await r.text())
@@ -528,15 +528,15 @@ _JSON = {"Content-Type": "application/json"}
 try:  # orjson when installed (several times faster on the hot path), else the standard library
     import orjson
 
-    def _dumps(body: Any) -> bytes:
+    def dumps(body: Any) -> bytes:
         return orjson.dumps(body)
 
-    _loads = orjson.loads
+    loads = orjson.loads
 except ImportError:
-    def _dumps(body: Any) -> bytes:
-        return json.dumps(body, separators=(",", ":")).encode()
+    def dumps(body: Any) -> bytes:
+        return json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode()
 
-    _loads = json.loads
+    loads = json.loads
 
 
 def _engine_message(text: str) -> str:

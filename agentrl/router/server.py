@@ -25,6 +25,7 @@ from aiohttp import web
 from agentrl.router.core import Router
 from agentrl.router.errors import InvalidRequest, NotFound, RouterError, Unauthorized
 from agentrl.router.metrics import metrics_text
+from agentrl.router.pool import dumps, loads
 from agentrl.router.streaming import open_stream
 
 log = logging.getLogger(__name__)
@@ -92,7 +93,7 @@ async def errors_middleware(request: web.Request, handler: Any) -> web.StreamRes
 async def _json_body(request: web.Request) -> Any:
     raw = await request.read()
     try:
-        return json.loads(raw)
+        return loads(raw)
     except (ValueError, UnicodeDecodeError) as e:
         raise InvalidRequest(f"the request body is not valid JSON: {e}") from None
 
@@ -109,7 +110,8 @@ async def _completion_route(request: web.Request, kind: str) -> web.StreamRespon
     if isinstance(body, dict) and body.get("stream") is True:
         return await _stream(request, await open_stream(router, kind, body, sid))
     fn = router.chat if kind == "chat" else router.complete
-    return web.json_response(await fn(body, session_id=sid), dumps=_dumps)
+    out = await fn(body, session_id=sid)
+    return web.Response(body=dumps(out), content_type="application/json")
 
 
 async def _stream(request: web.Request, stream: Any) -> web.StreamResponse:
