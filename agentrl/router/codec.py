@@ -24,6 +24,7 @@ router to the engine's routes for good, with a warning.
 from __future__ import annotations
 
 import copy
+import itertools
 import json
 import logging
 import re
@@ -31,6 +32,8 @@ import secrets
 import time
 from pathlib import Path
 from typing import Any
+
+from jinja2.runtime import new_context
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +78,11 @@ class LocalCodec:
         except ImportError:  # an older transformers: go through apply_chat_template itself
             self._compiled = None
         self._template_vars = dict(tokenizer.special_tokens_map)
+        # Template.render merges the template's globals (a ChainMap over the environment's) into
+        # every call's context; a flat copy made once does the same for a fraction of the cost.
+        self._globals = dict(self._compiled.globals) if self._compiled is not None else {}
+        self._ids = itertools.count()
+        self._id_prefix = secrets.token_hex(4)
 
     @classmethod
     def load(cls, model_dir: str | Path | None, *, max_model_len: int) -> LocalCodec | None:
@@ -160,10 +168,15 @@ class LocalCodec:
         """``tokenizer.apply_chat_template(conversation, tools=..., tokenize=True)``, as vLLM calls it."""
         if self._compiled is None:
             return self.render_ids_reference(body, messages, add_generation_prompt)
-        text = self._compiled.render(
-            messages=self.conversation(body["messages"] if messages is None else messages),
-            tools=self.tool_dicts(body), documents=None, add_generation_prompt=add_generation_prompt,
-            **self._template_vars)
+        tmpl = self._compiled
+        ctx = new_context(tmpl.environment, tmpl.name, tmpl.blocks, dict(
+            self._template_vars, messages=self.conversation(body["messages"] if messages is None else messages),
+            tools=self.tool_dicts(body), documents=None, add_generation_prompt=add_generation_prompt),
+            False, self._globals)
+        try:
+            text = tmpl.environment.concat(tmpl.root_render_func(ctx))
+        except Exception:
+            tmpl.environment.handle_exception()  # re-raises with the template's line (as render does)
         return self._encode(text, add_special_tokens=False).ids
 
     def render_ids_reference(self, body: dict[str, Any], messages: list[dict[str, Any]] | None = None,
@@ -204,7 +217,8 @@ class LocalCodec:
         return sp
 
     def generate_request(self, body: dict[str, Any], prompt_ids: list[int]) -> dict[str, Any]:
-        return {"request_id": f"chatcmpl-{secrets.token_hex(8)}", "token_ids": prompt_ids,
+        # unique per router process (a random prefix) without a system call per request
+        return {"request_id": f"chatcmpl-{self._id_prefix}{next(self._ids):x}", "token_ids": prompt_ids,
                 "sampling_params": self.sampling_params(body, len(prompt_ids)), "model": body.get("model"),
                 "stream": False}
 
