@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import logging
 import multiprocessing as mp
@@ -134,6 +135,7 @@ def _run_router(port: int, engine_port: int, model_dir: str, use_uvloop: bool, p
         router = Router(pool, model_name="stand-in", eos_token_ids={2}, max_model_len=4096, model_dir=model_dir)
         if router.codec is not None:
             router.codec_state = "on"  # the stand-in has no chat template to calibrate against
+        gc.freeze()  # as serve does once it is up
         return make_app(router)
 
     if use_uvloop:
@@ -313,7 +315,8 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     result = bench(args.requests, [int(x) for x in args.concurrency.split(",")], args.loadgen_procs, args.uvloop,
                    args.profile)
-    sys.stdout.write(json.dumps(result) + "\n")
+    sys.stdout.flush()
+    sys.stdout.write("\n" + json.dumps(result) + "\n")  # on a line of its own whatever a child printed
 
 
 if __name__ == "__main__":
