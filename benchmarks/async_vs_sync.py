@@ -162,7 +162,7 @@ def main() -> None:
     p.add_argument("--max-staleness", type=int, default=2)
     p.add_argument("--concurrency", type=int, default=256, help="episodes in flight at most (async)")
     p.add_argument("--max-tokens", type=int, default=48, help="completion tokens per model call")
-    p.add_argument("--latency-median", type=float, default=0.25, help="median tool latency, seconds")
+    p.add_argument("--latency-median", type=float, default=1.5, help="median tool latency, seconds")
     p.add_argument("--latency-sigma", type=float, default=1.3, help="log-normal sigma (1.3: p99 ~20x median)")
     p.add_argument("--max-keys", type=int, default=8, help="most tool turns in an episode")
     p.add_argument("--model", default="tiny-tools")
