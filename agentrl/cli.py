@@ -187,7 +187,7 @@ def parser() -> argparse.ArgumentParser:
     mp = sub.add_parser("model", help="built-in models")
     msub = mp.add_subparsers(dest="action", required=True)
     mb = msub.add_parser("build", help="build a built-in model folder (cached) and print its path")
-    mb.add_argument("name", choices=["tiny", "tiny-tools", "tiny-arith"])
+    mb.add_argument("name", choices=["tiny", "tiny-tools", "tiny-arith", "tiny-agent"])
     mb.set_defaults(fn=cmd_model_build)
 
     sbp = sub.add_parser("sandbox", help="sandbox images")

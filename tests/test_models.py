@@ -39,3 +39,31 @@ def test_the_chat_template_renders_tools_tool_calls_and_tool_results(tmp_path):
     # Prefix-stable: the conversation so far renders as a prefix of the longer one.
     shorter = tok.apply_chat_template(messages[:2], tools=tools, tokenize=False)
     assert text.startswith(shorter)
+
+
+def test_warm_start_transcripts_answer_without_the_tool_at_the_asked_rate():
+    import json
+    import random
+
+    from agentrl.models.warmstart import _episode_messages
+
+    def kinds(direct_frac: float) -> list[str]:
+        rng = random.Random(0)
+        out = []
+        for _ in range(400):
+            msgs = _episode_messages(rng, "sys", direct_frac)
+            question = msgs[1]["content"]
+            value = eval(question[len("What is "):-1])  # noqa: S307 - digits and operators only
+            if len(msgs) == 3:  # system, user, a direct answer with the right value
+                assert msgs[2] == {"role": "assistant", "content": f"The answer is {value}."}
+                out.append("direct")
+            else:
+                call = msgs[2]["tool_calls"][0]["function"]
+                assert json.loads(call["arguments"]) == {"code": f"print({question[len('What is '):-1]})"}
+                assert msgs[3]["content"] == str(value)
+                out.append("tool")
+        return out
+
+    assert set(kinds(0.0)) == {"tool"}
+    assert set(kinds(1.0)) == {"direct"}
+    assert 150 < kinds(0.5).count("direct") < 250

@@ -18,10 +18,13 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 
-def _episode_messages(rng: random.Random, system: str) -> list[dict[str, Any]]:
+def _episode_messages(rng: random.Random, system: str, direct_frac: float = 0.0) -> list[dict[str, Any]]:
     from agentrl.models.transcripts import arithmetic_problem
 
     expr, value = arithmetic_problem(rng)
+    if direct_frac and rng.random() < direct_frac:  # answers at once, without the tool
+        return [{"role": "system", "content": system}, {"role": "user", "content": f"What is {expr}?"},
+                {"role": "assistant", "content": f"The answer is {value}."}]
     call = {"id": "call_0", "type": "function",
             "function": {"name": "python", "arguments": json.dumps({"code": f"print({expr})"})}}
     answer = str(value) if rng.random() < 0.5 else f"The answer is {value}."
@@ -75,7 +78,7 @@ def _batch(tok: Any, batch: list[tuple[list[int], list[int]]]) -> tuple[Any, Any
 
 def warm_start(model_dir: str | Path, *, steps: int = 300, batch_size: int = 16, lr: float = 3e-3,
                seed: int = 0, system_prompt: str | None = None, copy_steps: int = 0,
-               copy_batch_size: int = 32) -> dict[str, float]:
+               copy_batch_size: int = 32, direct_frac: float = 0.0) -> dict[str, float]:
     """Fine-tune the model folder in place; returns the final loss and wall time.
 
     Two phases. ``copy_steps`` on short transcripts (no system prompt, no tool list: about 80
@@ -83,7 +86,9 @@ def warm_start(model_dir: str | Path, *, steps: int = 300, batch_size: int = 16,
     learns to copy numbers from the question into the call and from the tool's output into the
     answer, which the format alone does not teach (its loss drops sharply after a few hundred
     steps, the way induction heads form). Then ``steps`` on whole transcripts exactly as the
-    environment renders them, with the learning rate decaying to 5%.
+    environment renders them, with the learning rate decaying to 5%. ``direct_frac`` of those
+    transcripts answer at once without calling the tool (a two-layer model cannot do the arithmetic
+    itself, so such answers are nearly always wrong when it samples them: a choice for RL to fix).
     """
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -112,7 +117,7 @@ def warm_start(model_dir: str | Path, *, steps: int = 300, batch_size: int = 16,
         if short:
             batch = [_encode(tok, _episode_messages(rng, system_prompt)[1:], []) for _ in range(copy_batch_size)]
         else:
-            batch = [_encode(tok, _episode_messages(rng, system_prompt), tools) for _ in range(batch_size)]
+            batch = [_encode(tok, _episode_messages(rng, system_prompt, direct_frac), tools) for _ in range(batch_size)]
         ids, attn, labels = _batch(tok, batch)
         for group in opt.param_groups:
             group["lr"] = lr_at(step)
