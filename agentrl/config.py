@@ -7,6 +7,7 @@ This module imports nothing heavy, so ``agentrl --help`` stays fast.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import tomllib
@@ -200,6 +201,15 @@ class EvalSection:
     success_reward: float = 0.0  # an episode succeeds when its reward is above this
 
 
+# What `agentrl run` changes from serve's and learn's own defaults: the quickstart's model and RL
+# recipe, measured to learn within 20 minutes on a 2-core CPU (docs/learner.md). `load` merges them
+# under the config file and the overrides, key by key, so `--serve.model=X` keeps the rest.
+RUN_DEFAULTS: dict[str, Any] = {
+    "serve": {"model": "tiny-agent", "env": {"group_size": 8}, "buffer": {"batch_size": 32}},
+    "learn": {"lr": 1e-4, "steps": 60},
+}
+
+
 @dataclass
 class RunConfig:
     serve: ServeConfig = field(default_factory=ServeConfig)
@@ -303,9 +313,18 @@ def load(cls: type, path: str | Path | None = None, overrides: list[str] | None 
             if not isinstance(node, dict):
                 raise ConfigError(f"override {key}: {part} is not a section")
         node[parts[-1]] = _parse_value(text)
+    if cls is RunConfig:
+        data = _merge(copy.deepcopy(RUN_DEFAULTS), data)
     cfg = build(cls, data)
     cfg.check()
     return cfg
+
+
+def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    """``over`` laid on ``base``: tables merge key by key, anything else replaces."""
+    for k, v in over.items():
+        base[k] = _merge(base[k], v) if isinstance(v, dict) and isinstance(base.get(k), dict) else v
+    return base
 
 
 def to_dict(cfg: Any) -> dict[str, Any]:

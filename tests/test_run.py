@@ -18,7 +18,8 @@ def test_agentrl_run_trains_three_steps_and_prints_each(tmp_path, tiny_tools_mod
     env = {k: v for k, v in os.environ.items() if k != "AGENTRL_ADMIN_TOKEN"}  # as a newcomer runs it
     cmd = [sys.executable, "-m", "agentrl.cli", "run", f"--serve.run_dir={tmp_path / 'run'}",
            f"--serve.router.port={free_port()}", f"--serve.engine.base_port={free_port()}",
-           "--serve.env.group_size=2", "--serve.buffer.batch_size=4", "--eval.tasks=6"]
+           "--serve.model=tiny-tools", "--serve.env.group_size=2", "--serve.buffer.batch_size=4", "--learn.steps=3",
+           "--eval.tasks=6"]
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     lines = out.stdout.splitlines()
