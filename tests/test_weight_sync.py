@@ -28,6 +28,9 @@ class FakeEngine:
         self.healthy = True
         self.paused = False
         self.version = "0"
+        self.stage_not_ready = 1  # agentrl_head_staged answers "not ready" this many times first
+        self.polls_left = 0
+        self.staged: float | None = None
         self.runner: web.AppRunner | None = None
         self.url = ""
 
@@ -50,8 +53,18 @@ class FakeEngine:
             self.version = body["new_version"]
         elif path == "/reset_prefix_cache":
             return web.json_response({"success": True})
+        elif path == "/collective_rpc" and body.get("method") == "agentrl_stage_head":
+            self.staged, self.polls_left = None, self.stage_not_ready
+            return web.json_response({"results": [{"started": True}]})
+        elif path == "/collective_rpc" and body.get("method") == "agentrl_head_staged":
+            self.polls_left -= 1
+            ready = self.polls_left < 0
+            if ready:
+                self.staged = self.calls[-1][0]
+            return web.json_response({"results": [{"ready": ready, "ok": ready, "seconds": 0.1, "error": None}]})
         elif path == "/collective_rpc" and body.get("method") == "agentrl_reload_weights":
-            return web.json_response({"results": [{"reload_s": 0.25, "retie_s": 0.05, "tied": True}]})
+            head = "staged" if self.staged is not None else "rebuilt"
+            return web.json_response({"results": [{"reload_s": 0.25, "retie_s": 0.05, "tied": True, "head": head}]})
         return web.json_response({"ok": True})
 
     def paths(self) -> list[str]:
@@ -89,9 +102,12 @@ async def _close(pool: EnginePool, fakes: list[FakeEngine]) -> None:
         await f.stop()
 
 
-# one collective_rpc: reload + re-tie of a tied LM head (agentrl.weights.vllm_ext); the prefix-cache
-# reset and the version stamp go out together, in either order, both before resume
-FILE_UPDATE = ["/pause", "/collective_rpc", "/reset_prefix_cache", "/update_weight_version", "/resume"]
+# before the pause, the tied LM head's kernel is staged (a start and polls until it is built: three
+# collective_rpc calls with the fake's one "not ready"); then one collective_rpc: reload + re-tie
+# (agentrl.weights.vllm_ext); the prefix-cache reset and the version stamp go out together, in
+# either order, both before resume
+FILE_UPDATE = ["/collective_rpc"] * 3 + ["/pause", "/collective_rpc", "/reset_prefix_cache",
+                                         "/update_weight_version", "/resume"]
 
 
 def in_order(paths: list[str]) -> list[str]:
@@ -111,16 +127,38 @@ def test_an_update_pauses_reloads_resets_stamps_and_resumes_every_engine_in_that
             assert result["failed"] == [] and pool.version == 1 and pool.weights_path == "/w/v1"
             for f in fakes:
                 assert in_order(f.paths()) == FILE_UPDATE
-                assert f.calls[1][2] == {"method": "agentrl_reload_weights", "kwargs": {"weights_path": "/w/v1"}}
-                assert f.calls[0][2] == {"mode": "keep"}
+                bodies = [(p, b) for _, p, b in f.calls if p not in ("/health", "/is_paused")]
+                assert bodies[0][1] == {"method": "agentrl_stage_head", "kwargs": {"weights_path": "/w/v1"}}
+                assert bodies[3] == ("/pause", {"mode": "keep"})
+                assert bodies[4][1] == {"method": "agentrl_reload_weights", "kwargs": {"weights_path": "/w/v1"}}
                 assert next(b for _, p, b in f.calls if p == "/reset_prefix_cache") == {"reset_running_requests": "true"}
                 assert f.version == "1" and not f.paused
             eng = result["engines"]["engine-0"]
             # vLLM's reload and the re-tie as the worker timed them; the RPC as the pool saw it
             assert eng["engine_reload_s"] == 0.25 and eng["retie_s"] == 0.05 and eng["reload_rpc_s"] > 0
+            # the head's kernel was built before the pause, and the reload swapped it in
+            assert eng["head_staged"] and eng["stage_worker_s"] == 0.1 and eng["stage_s"] > 0
             assert eng["t_pause_sent"] <= eng["t_paused"] <= eng["t_resumed"]
         finally:
             await _close(pool, fakes)
+
+    asyncio.run(go())
+
+
+def test_a_head_that_is_never_staged_holds_the_update_only_until_its_timeout_and_the_reload_builds_it():
+    async def go():
+        pool, (f,) = await _pool(1)
+        pool.step_timeouts_s = dict(pool.step_timeouts_s, stage=0.3)
+        f.stage_not_ready = 10**6
+        try:
+            result = await pool.update_weights("/w/v1", 1)
+            eng = result["engines"]["engine-0"]
+            assert result["failed"] == [] and f.version == "1" and not f.paused
+            assert not eng["head_staged"]  # the worker built it inside the pause instead
+            assert 0.3 <= eng["stage_s"] < 5
+            assert "/pause" in f.paths() and f.paths()[-1] == "/resume"
+        finally:
+            await _close(pool, [f])
 
     asyncio.run(go())
 
@@ -163,14 +201,14 @@ def test_a_stuck_engine_times_out_is_resumed_and_taken_out_while_the_others_take
 def test_engines_without_the_retie_extension_are_asked_once_and_still_take_updates():
     async def go():
         pool, (f,) = await _pool(1)
-        f.missing.update({"agentrl_reload_weights", "agentrl_retie_word_embeddings"})
+        f.missing.update({"agentrl_stage_head", "agentrl_reload_weights", "agentrl_retie_word_embeddings"})
         try:
             await pool.update_weights("/w/v1", 1)
             await pool.update_weights("/w/v2", 2)
             assert pool.retie_supported is False and pool.version == 2 and f.version == "2"
             methods = [b["method"] for _, p, b in f.calls if p == "/collective_rpc"]
-            assert methods == ["agentrl_reload_weights", "reload_weights", "agentrl_retie_word_embeddings",
-                               "reload_weights"]  # asked once, then vLLM's reload alone
+            assert methods == ["agentrl_stage_head", "agentrl_reload_weights", "reload_weights",
+                               "agentrl_retie_word_embeddings", "reload_weights"]  # asked once, then vLLM's reload alone
         finally:
             await _close(pool, [f])
 

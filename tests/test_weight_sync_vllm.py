@@ -126,6 +126,8 @@ def test_generations_in_flight_survive_an_update_and_each_token_matches_the_weig
 
     records, sync = asyncio.run(go())
     assert sync["failed"] == []
+    # the head's kernel was built from the new embedding before the pause and swapped in by the reload
+    assert all(e["head_staged"] for e in sync["engines"].values()), sync
     for rec in records:
         comp = rec.completions[0]
         ids, lps, versions = comp["token_ids"], comp["logprobs"], comp["versions"]

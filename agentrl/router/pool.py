@@ -244,7 +244,7 @@ class EnginePool:
     # ``pool.step_timeouts_s = dict(pool.step_timeouts_s, reload=...)``. ``update`` bounds one
     # engine's whole choreography, ``nccl_init`` the NCCL rendezvous.
     step_timeouts_s: dict[str, float] = {  # noqa: RUF012 - replaced, never mutated in place
-        "pause": 30.0, "reload": 300.0, "reset": 30.0, "version": 30.0, "resume": 10.0,
+        "stage": 60.0, "pause": 30.0, "reload": 300.0, "reset": 30.0, "version": 30.0, "resume": 10.0,
         "nccl_init": 120.0, "nccl_start": 30.0, "nccl_transfer": 300.0, "nccl_finish": 60.0, "update": 600.0,
     }
     resume_attempts: int = 3
@@ -279,13 +279,16 @@ class EnginePool:
         await self._step(engine, "version", "/update_weight_version", {"new_version": str(version)})
         engine.version = version
 
-    async def _apply(self, engine: Engine, version: int, load: Any) -> dict[str, float]:
-        """pause(keep) -> ``await load(engine)`` -> reset prefix cache and set version -> resume.
+    async def _apply(self, engine: Engine, version: int, load: Any, stage: Any = None) -> dict[str, float]:
+        """``await stage(engine)`` -> pause(keep) -> ``await load(engine)`` -> reset prefix cache and
+        set version -> resume.
 
+        ``stage`` runs while the engine still generates (work that need not stand in the pause).
         In-flight requests stay in the engine across the pause; the reset makes them re-prefill
         under the new weights (none is aborted), so every token stamped ``version`` really is the
         new policy's. Resume runs whatever happens, even if the pause itself timed out.
         """
+        staged = (await stage(engine) or {}) if stage is not None else {}
         t0 = time.perf_counter()
         t_paused = t_loaded = t0
         resumed = False
@@ -313,10 +316,42 @@ class EnginePool:
         # with what clients saw.
         return {"pause_s": t_paused - t0, "reload_s": t_loaded - t_paused,
                 "pause_window_s": t_resumed - t_paused, "total_s": t_resumed - t0,
-                "t_pause_sent": t0, "t_paused": t_paused, "t_resumed": t_resumed, **parts}
+                "t_pause_sent": t0, "t_paused": t_paused, "t_resumed": t_resumed, **staged, **parts}
 
     async def _update_one(self, engine: Engine, weights_path: str, version: int) -> dict[str, float]:
-        return await self._apply(engine, version, self._file_loader(weights_path))
+        return await self._apply(engine, version, self._file_loader(weights_path), self._head_stager(weights_path))
+
+    def _head_stager(self, weights_path: str) -> Any:
+        """The step before the pause of a file update: the engine builds its tied LM head's kernel
+        from the new embedding while it keeps generating (agentrl.weights.vllm_ext), and this waits
+        until it is built, so the reload in the pause swaps it in instead of building it. Returns
+        ``stage_s`` (as the pool saw it) and ``stage_worker_s`` (the build in the worker). Engines
+        without the extension, or models without a tied head, cost one call; if it fails or takes
+        longer than ``step_timeouts_s["stage"]``, the reload builds the kernel itself."""
+        async def stage(e: Engine) -> dict[str, float]:
+            if self.retie_supported is False:
+                return {}
+            t0 = time.perf_counter()
+            try:
+                started = _rpc_results(await self._step(e, "stage", "/collective_rpc", {
+                    "method": "agentrl_stage_head", "kwargs": {"weights_path": weights_path}}))
+                if not any(r.get("started") for r in started):
+                    return {}
+                deadline = t0 + self.step_timeouts_s["stage"]
+                while time.perf_counter() < deadline:
+                    await asyncio.sleep(0.02)
+                    states = _rpc_results(await self._step(e, "stage", "/collective_rpc",
+                                                           {"method": "agentrl_head_staged"}))
+                    if states and all(st.get("ready") for st in states):
+                        return {"stage_s": time.perf_counter() - t0,
+                                "stage_worker_s": max(float(st.get("seconds", 0.0)) for st in states)}
+                log.warning("%s: the tied head was not staged within %g s; the reload builds it",
+                            e.name, self.step_timeouts_s["stage"])
+            except EngineError as err:
+                log.debug("%s: no tied head staged (%s); the reload builds it if there is one", e.name, err)
+            return {"stage_s": time.perf_counter() - t0}
+
+        return stage
 
     def _file_loader(self, weights_path: str) -> Any:
         """The load step of a file update. With the worker extension it is one RPC,
@@ -341,7 +376,8 @@ class EnginePool:
                     workers = _rpc_results(text) or [{}]  # the slowest worker decides
                     return {"reload_rpc_s": rpc_s,
                             "engine_reload_s": max(float(w.get("reload_s", rpc_s)) for w in workers),
-                            "retie_s": max(float(w.get("retie_s", 0.0)) for w in workers)}
+                            "retie_s": max(float(w.get("retie_s", 0.0)) for w in workers),
+                            "head_staged": all(w.get("head") == "staged" for w in workers)}
             t0 = time.perf_counter()
             await self._step(e, "reload", "/collective_rpc",
                              {"method": "reload_weights", "kwargs": {"weights_path": weights_path}})
@@ -379,12 +415,12 @@ class EnginePool:
         return False
 
     async def _update_all(self, version: int, targets: list[Engine], load: Any, timeout_s: float | None,
-                          kind: str) -> dict[str, Any]:
+                          kind: str, stage: Any = None) -> dict[str, Any]:
         """Run the choreography on ``targets`` at once (caller holds the update lock)."""
         limit = timeout_s or self.step_timeouts_s["update"]
         t0 = time.perf_counter()
         results = await asyncio.gather(
-            *(asyncio.wait_for(self._apply(e, version, load), limit) for e in targets), return_exceptions=True)
+            *(asyncio.wait_for(self._apply(e, version, load, stage), limit) for e in targets), return_exceptions=True)
         per_engine: dict[str, Any] = {}
         failed: list[str] = []
         for e, res in zip(targets, results, strict=True):
@@ -427,7 +463,8 @@ class EnginePool:
                     raise WeightUpdateFailed(version, {e.name: {"error": e.last_error or "unhealthy", "url": e.url}
                                                        for e in self.engines})
 
-                result = await self._update_all(version, targets, self._file_loader(weights_path), timeout_s, "file")
+                result = await self._update_all(version, targets, self._file_loader(weights_path), timeout_s, "file",
+                                                self._head_stager(weights_path))
                 self.weights_path = weights_path
                 return result
             finally:
