@@ -85,6 +85,7 @@ class SandboxPool:
         self._tasks: set[asyncio.Task[Any]] = set()
         self._sem: asyncio.Semaphore | None = None
         self._closed = False
+        self._shutdown_task: asyncio.Future[None] | None = None
 
     # --- lifecycle ------------------------------------------------------------------------------
 
@@ -126,11 +127,12 @@ class SandboxPool:
                                "not installed (apt-get install bubblewrap)") from e
 
     async def close(self) -> None:
-        """Remove every sandbox of this instance. Completes even if the caller is cancelled."""
-        if self._closed:
-            return
-        self._closed = True
-        await asyncio.shield(asyncio.ensure_future(self._shutdown()))
+        """Remove every sandbox of this instance. Completes even if the caller is cancelled; a
+        later call waits for that same shutdown to finish."""
+        if self._shutdown_task is None:
+            self._closed = True
+            self._shutdown_task = asyncio.ensure_future(self._shutdown())
+        await asyncio.shield(self._shutdown_task)
 
     async def _shutdown(self) -> None:
         while self._waiters:
