@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import hashlib
+import json
 from pathlib import Path
+
+import pytest
 
 from agentrl.models.tiny import build_tiny_model
 
@@ -67,3 +70,33 @@ def test_warm_start_transcripts_answer_without_the_tool_at_the_asked_rate():
     assert set(kinds(0.0)) == {"tool"}
     assert set(kinds(1.0)) == {"direct"}
     assert 150 < kinds(0.5).count("direct") < 250
+
+
+def test_a_model_folder_is_built_once_per_recipe_and_a_failed_build_leaves_the_last_one(tmp_path):
+    from agentrl.models import _build_once
+
+    builds = []
+
+    def build(tmp):
+        tmp.mkdir()
+        (tmp / "weights").write_text(str(len(builds)))
+        builds.append(tmp)
+        return {"loss": 0.5}
+
+    out = tmp_path / "m"
+    assert _build_once(out, {"steps": 10}, build) == out
+    assert _build_once(out, {"steps": 10}, build) == out  # the stamp matches: not built again
+    assert len(builds) == 1 and (out / "weights").read_text() == "0"
+    assert json.loads((out / "agentrl_warmstart.json").read_text()) == {"steps": 10, "loss": 0.5}
+    _build_once(out, {"steps": 20}, build)  # another recipe: built again
+    assert len(builds) == 2 and (out / "weights").read_text() == "1"
+
+    def broken(tmp):
+        tmp.mkdir()
+        raise RuntimeError("killed mid-build")
+
+    with pytest.raises(RuntimeError):
+        _build_once(out, {"steps": 30}, broken)
+    assert (out / "weights").read_text() == "1"  # the last finished build is still there
+    _build_once(out, {"steps": 30}, build)  # and the half-built folder does not get in the way
+    assert (out / "weights").read_text() == "2"

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 
 def home() -> Path:
@@ -39,27 +41,40 @@ def resolve_model(name: str) -> str:
     return name
 
 
-def build_tiny_tools_model(out: Path, steps: int = 100, copy_steps: int = 0) -> Path:
-    """The tiny model after a supervised warm-start on the tool-call format (built once)."""
+def _build_once(out: Path, stamp: dict[str, Any], build: Callable[[Path], dict[str, Any]]) -> Path:
+    """A model folder built once per recipe.
+
+    ``out`` is returned as is when its ``agentrl_warmstart.json`` holds every key of ``stamp`` with
+    the same value. Otherwise ``build(tmp)`` fills a fresh folder beside it and returns its figures;
+    the stamp (with the figures) is written and the folder renamed into place, so an interrupted
+    build never leaves a folder that looks finished.
+    """
     import json
     import shutil
 
-    from agentrl.models.tiny import build_tiny_model
-
-    stamp = out / "agentrl_warmstart.json"
-    done = json.loads(stamp.read_text()) if stamp.exists() else {}
-    if done.get("steps") == steps and done.get("copy_steps", 0) == copy_steps:
+    stamp_file = out / "agentrl_warmstart.json"
+    done = json.loads(stamp_file.read_text()) if stamp_file.exists() else {}
+    if done and all(done.get(k) == v for k, v in stamp.items()):
         return out
     tmp = out.with_name(out.name + ".building")
     shutil.rmtree(tmp, ignore_errors=True)
-    build_tiny_model(tmp, overwrite=True)
-    from agentrl.models.warmstart import warm_start
-
-    result = warm_start(tmp, steps=steps, copy_steps=copy_steps)
-    (tmp / "agentrl_warmstart.json").write_text(json.dumps({"steps": steps, "copy_steps": copy_steps, **result}))
+    figures = build(tmp)
+    (tmp / "agentrl_warmstart.json").write_text(json.dumps({**stamp, **figures}))
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
     return out
+
+
+def build_tiny_tools_model(out: Path, steps: int = 100, copy_steps: int = 0) -> Path:
+    """The tiny model after a supervised warm-start on the tool-call format (built once)."""
+    def build(tmp: Path) -> dict[str, Any]:
+        from agentrl.models.tiny import build_tiny_model
+        from agentrl.models.warmstart import warm_start
+
+        build_tiny_model(tmp, overwrite=True)
+        return warm_start(tmp, steps=steps, copy_steps=copy_steps)
+
+    return _build_once(out, {"steps": steps, "copy_steps": copy_steps}, build)
 
 
 # the tiny-agent recipe: tiny-arith, then this many whole-transcript steps, half of them answering
@@ -72,24 +87,16 @@ def build_tiny_agent_model(out: Path) -> Path:
     which half answer at once without the tool. A two-layer model cannot do the arithmetic itself,
     so when it answers directly it is nearly always wrong, and when it calls the tool it is right
     about half the time: a choice that RL learns within minutes, on top of a skill it cannot."""
-    import json
-    import logging
-    import shutil
+    def build(tmp: Path) -> dict[str, Any]:
+        import logging
+        import shutil
 
-    stamp = out / "agentrl_warmstart.json"
-    done = json.loads(stamp.read_text()) if stamp.exists() else {}
-    if done.get("recipe") == AGENT_RECIPE:
-        return out
-    base = resolve_model(AGENT_RECIPE["base"])
-    logging.getLogger(__name__).info("building %s from %s", out, base)
-    tmp = out.with_name(out.name + ".building")
-    shutil.rmtree(tmp, ignore_errors=True)
-    shutil.copytree(base, tmp)
-    from agentrl.models.warmstart import warm_start
+        from agentrl.models.warmstart import warm_start
 
-    result = warm_start(tmp, steps=AGENT_RECIPE["steps"], lr=AGENT_RECIPE["lr"],
-                        direct_frac=AGENT_RECIPE["direct_frac"], seed=AGENT_RECIPE["seed"])
-    (tmp / "agentrl_warmstart.json").write_text(json.dumps({"recipe": AGENT_RECIPE, **result}))
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)
-    return out
+        base = resolve_model(AGENT_RECIPE["base"])
+        logging.getLogger(__name__).info("building %s from %s", out, base)
+        shutil.copytree(base, tmp)
+        return warm_start(tmp, steps=AGENT_RECIPE["steps"], lr=AGENT_RECIPE["lr"],
+                          direct_frac=AGENT_RECIPE["direct_frac"], seed=AGENT_RECIPE["seed"])
+
+    return _build_once(out, {"recipe": AGENT_RECIPE}, build)
