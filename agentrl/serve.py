@@ -23,6 +23,25 @@ from aiohttp import web
 from agentrl.config import ServeConfig, to_dict
 from agentrl.tokens import find_api_keys, settle_admin_token
 
+# serve's collector thresholds (see settle_gc)
+GC_THRESHOLD = (50_000, 50, 100)
+
+
+def settle_gc() -> None:
+    """What serve does to Python's garbage collector once it is up (benchmarks call it too, to
+    measure serve as it runs).
+
+    - Start-up's objects (tokenizer, chat template, imported modules: about 365k) are frozen out of
+      the collector's generations, so its passes over the hot path's garbage stay short (the
+      router's CPU per completion fell about 15% in benchmarks/router_overhead.py).
+    - Higher thresholds: thousands of live episodes hold many small objects, and with the default
+      thresholds a full collection stalled the event loop for up to a second
+      (benchmarks/agent_loops.py).
+    """
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(*GC_THRESHOLD)
+
 log = logging.getLogger(__name__)
 
 
@@ -140,10 +159,6 @@ class Serve:
         self._runner = web.AppRunner(app, access_log=None)
         await self._runner.setup()
         await web.TCPSite(self._runner, cfg.router.host, cfg.router.port).start()
-        # Start-up's objects (tokenizer, chat template, imported modules: about 365k) leave the
-        # collector's generations, so its passes over the hot path's garbage stay short (the
-        # router's CPU per completion fell about 15% in benchmarks/router_overhead.py).
-        gc.freeze()
         log.info("serving on %s (OpenAI base URL %s/v1; admin token in %s)", self.url, self.url,
                  self.run_dir / "admin_token")
 
@@ -156,11 +171,7 @@ class Serve:
             limits=EpisodeLimits(max_turns=e.max_turns, max_tokens=e.max_tokens,
                                  max_episode_tokens=e.max_episode_tokens, timeout_s=e.episode_timeout_s,
                                  temperature=e.temperature, top_p=e.top_p))
-        # Thousands of live episodes hold many small objects: with the default thresholds a full
-        # collection stalls the event loop for up to a second (measured in benchmarks/agent_loops.py).
-        gc.collect()
-        gc.freeze()
-        gc.set_threshold(50_000, 50, 100)
+        settle_gc()
         if self.cluster is not None:  # the rollout workers on the cluster play the episodes
             from agentrl.cluster import default_serve_url
 

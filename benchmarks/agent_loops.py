@@ -310,7 +310,9 @@ def main() -> None:
                         "tokens/s one sequence gets in a heavily batched engine)")
     p.add_argument("--engine-sigma", type=float, default=0.3, help="log-normal shape of the decode time")
     p.add_argument("--uvloop", action="store_true", help="run the agent loops on uvloop")
-    p.add_argument("--gc-threshold", type=int, nargs=3, default=[50_000, 50, 100], metavar=("G0", "G1", "G2"),
+    from agentrl.serve import GC_THRESHOLD
+
+    p.add_argument("--gc-threshold", type=int, nargs=3, default=list(GC_THRESHOLD), metavar=("G0", "G1", "G2"),
                    help="gc.set_threshold for the agent process (default: what `agentrl serve` sets; "
                         "pass 700 10 10 for Python's own)")
     p.add_argument("--profile", default="", help="write a cProfile of the measurement window here")

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import gc
 import json
 import logging
 import multiprocessing as mp
@@ -128,6 +127,7 @@ def _run_router(port: int, engine_port: int, model_dir: str, use_uvloop: bool, p
     from aiohttp import web
 
     from agentrl.router import EnginePool, Router, make_app
+    from agentrl.serve import settle_gc
 
     async def build() -> web.Application:
         pool = EnginePool([f"http://127.0.0.1:{engine_port}"], health_interval_s=5)
@@ -135,7 +135,7 @@ def _run_router(port: int, engine_port: int, model_dir: str, use_uvloop: bool, p
         router = Router(pool, model_name="stand-in", eos_token_ids={2}, max_model_len=4096, model_dir=model_dir)
         if router.codec is not None:
             router.codec_state = "on"  # the stand-in has no chat template to calibrate against
-        gc.freeze()  # as serve does once it is up
+        settle_gc()  # as serve does once it is up
         return make_app(router)
 
     if use_uvloop:
