@@ -37,6 +37,7 @@ class DockerBackend(SandboxBackend):
         self._create_sem = asyncio.Semaphore(cfg.create_concurrency)
         self._labels = {**cfg.labels, **owner_labels(instance_id)}
         self._creating: set[asyncio.Future[str]] = set()
+        self._removing: set[asyncio.Future[None]] = set()  # removals a cancelled creator left running
         self._closed = False
 
     def container_spec(self) -> dict:
@@ -107,8 +108,12 @@ class DockerBackend(SandboxBackend):
                 await self.api.start(cid)
                 await channel.wait_ready(self.cfg.start_timeout_s)
             except BaseException:
-                # Shielded: a cancelled creator must not leave the container behind.
-                await asyncio.shield(self._remove_quietly(cid))
+                # Shielded: a cancelled creator must not leave the container behind; close()
+                # waits for these too, so their requests are not cut off when it closes the client.
+                removing = asyncio.ensure_future(self._remove_quietly(cid))
+                self._removing.add(removing)
+                removing.add_done_callback(self._removing.discard)
+                await asyncio.shield(removing)
                 raise
             log.debug("sandbox %s ready in %.0f ms", cid[:12], (time.monotonic() - t0) * 1e3)
             return Slot(cid, channel)
@@ -124,12 +129,26 @@ class DockerBackend(SandboxBackend):
         await self.api.remove(slot.id)
 
     async def close(self) -> int:
+        """Remove every container of this instance; returns how many were removed.
+
+        Waits for creations and removals still in flight, then sweeps by label until the engine
+        lists none (a container whose removal is already in progress, ours or AutoRemove's,
+        answers 409 and is still listed for a moment), for at most ``api_timeout_s``.
+        """
         self._closed = True
+        removed: set[str] = set()
         try:
-            await asyncio.gather(*self._creating, return_exceptions=True)
-            ids = await self.live_ids()
-            await asyncio.gather(*(self.api.remove(cid) for cid in ids))
-            return len(ids)
+            await asyncio.gather(*self._creating, *self._removing, return_exceptions=True)
+            deadline = time.monotonic() + self.cfg.api_timeout_s
+            while ids := [c["Id"] for c in await self.api.list([f"agentrl.instance={self.instance_id}"])]:
+                if time.monotonic() > deadline:
+                    log.warning("%d sandbox containers still listed after %.0f s of removing them: %s", len(ids),
+                                self.cfg.api_timeout_s, ", ".join(i[:12] for i in ids))
+                    break
+                await asyncio.gather(*(self.api.remove(cid) for cid in ids))  # 404 and 409 count as done
+                removed.update(ids)
+                await asyncio.sleep(0.05)
+            return len(removed)
         finally:
             await self.api.close()
 
