@@ -100,7 +100,8 @@ class RolloutWorkerHost:
         self.orchestrator: Any = None
         self.started = time.time()
 
-    async def run(self) -> None:
+    async def run(self, max_episodes: int = 0) -> None:
+        """Play episodes until cancelled, or until ``max_episodes`` have started (0: no limit)."""
         from agentrl.env import lookup
         from agentrl.rollout import EpisodeLimits, Orchestrator
         from agentrl.rollout.remote import RemoteBuffer, RemoteRouter
@@ -121,6 +122,7 @@ class RolloutWorkerHost:
             self.orchestrator = Orchestrator(
                 router=router, buffer=buffer, env_name=e["name"], env_config=e["config"],
                 group_size=e["group_size"], max_concurrency=self.max_concurrency, sandbox_pool=sandbox_pool,
+                max_episodes=max_episodes,
                 limits=EpisodeLimits(max_turns=e["max_turns"], max_tokens=e["max_tokens"],
                                      max_episode_tokens=e["max_episode_tokens"], timeout_s=e["episode_timeout_s"],
                                      temperature=e["temperature"], top_p=e["top_p"]))
@@ -135,8 +137,9 @@ class RolloutWorkerHost:
 
     async def status(self) -> dict[str, Any]:
         counts = self.orchestrator.status() if self.orchestrator is not None else {}
+        started = self.orchestrator.started if self.orchestrator is not None else 0
         return {"worker": self.worker_id, "pid": os.getpid(), "node_id": self.node_id,
-                "uptime_s": time.time() - self.started, **counts}
+                "uptime_s": time.time() - self.started, "started": started, **counts}
 
     async def ping(self) -> int:
         return os.getpid()
@@ -156,6 +159,8 @@ class RayCluster:
         self.worker_info: list[dict[str, Any]] = []
         self.restarts = {"engines": 0, "workers": 0, "respawned": 0}
         self._finished_counts: dict[str, float] = dict.fromkeys(COUNTERS, 0.0)  # from worker lives that ended
+        # episodes each worker may still start (serve.max_episodes split over them); None: no limit
+        self.budgets: list[int | None] = []
         self._tasks: list[asyncio.Task] = []
         self._closing = False
 
@@ -243,14 +248,20 @@ class RayCluster:
     async def _keep_running(self, i: int, serve_url: str, token: str) -> None:
         ray = self.ray
         while not self._closing:
+            budget = self.budgets[i] if i < len(self.budgets) else None
+            if budget is not None and budget <= 0:
+                log.info("rollout worker %d has started its share of serve.max_episodes", i)
+                return
             try:
-                await asyncio.wrap_future(self.workers[i].run.remote().future())
+                await asyncio.wrap_future(self.workers[i].run.remote(max_episodes=budget or 0).future())
                 log.info("rollout worker %d finished", i)
                 return
             except ray.exceptions.RayActorError as e:
                 if self._closing:
                     return
                 last = self.worker_info[i] if i < len(self.worker_info) else {}
+                if budget is not None:  # what the lost life started (as of its last report) is spent
+                    self.budgets[i] = budget - int(last.get("started") or 0)
                 for k in COUNTERS:
                     if k != "in_flight":
                         self._finished_counts[k] += float(last.get(k) or 0)
@@ -275,6 +286,10 @@ class RayCluster:
     async def run_workers(self, serve_url: str, token: str, pool: Any) -> None:
         """Place the rollout workers and supervise workers and engines until cancelled."""
         n = self.cfg.ray.workers
+        self.budgets = split_episodes(self.cfg.max_episodes, self.cfg.env.group_size, n)
+        if self.cfg.max_episodes and 0 in self.budgets:
+            n = self.budgets.index(0)  # fewer groups than workers: the rest would have nothing to play
+            self.budgets = self.budgets[:n]
         self.workers = [self._worker_actor(i, serve_url, token) for i in range(n)]
         self.worker_info = [{"worker": f"worker-{i}"} for i in range(n)]
         log.info("started %d rollout worker actor(s) against %s", n, serve_url)
@@ -320,6 +335,19 @@ class RayCluster:
         for actor in self.engines:
             ray.kill(actor, no_restart=True)
         await asyncio.to_thread(ray.shutdown)
+
+
+def split_episodes(max_episodes: int, group_size: int, workers: int) -> list[int | None]:
+    """Each rollout worker's share of ``max_episodes``, in whole groups (0: no limit, ``None`` each).
+
+    The shares add up to ``max_episodes`` rounded up to a whole group, as one process would start
+    them; earlier workers take one group more when they do not divide evenly, and a worker with no
+    group gets 0.
+    """
+    if max_episodes <= 0:
+        return [None] * workers
+    groups = -(-max_episodes // group_size)
+    return [(groups // workers + (1 if i < groups % workers else 0)) * group_size for i in range(workers)]
 
 
 def default_serve_url(cfg: ServeConfig) -> str:

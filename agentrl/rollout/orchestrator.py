@@ -53,6 +53,11 @@ class Orchestrator:
         self._started = 0
         self._infra_failures = 0  # consecutive episodes that failed for want of a working engine
 
+    @property
+    def started(self) -> int:
+        """Episodes started so far (whole groups; what ``max_episodes`` bounds)."""
+        return self._started
+
     async def run(self) -> None:
         tasks = itertools.cycle(list(make(self.env_name, **self.env_config).tasks("train")))
         try:
