@@ -88,7 +88,8 @@ class WeightSyncExtension:
         if tied is None or not current_platform.is_cpu():  # elsewhere the re-tie is a pointer swap
             return {"started": False}
         head, embed = tied
-        model: Any = getattr(self, "model_runner").get_model()  # noqa: B009 - the worker's, not ours
+        worker: Any = self
+        model = worker.model_runner.get_model()
         name = next((n for n, p in model.named_parameters() if p is embed.weight), None)
         files = sorted(Path(weights_path).glob("*.safetensors")) if Path(weights_path).is_dir() \
             else [Path(weights_path)]
