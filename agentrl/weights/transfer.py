@@ -1,11 +1,13 @@
 """HTTP/file weight transfer: the learner streams checksummed safetensors chunks to serve.
 
-Learner side: :func:`publish` serialises the state dict (safetensors), sends it in chunks, each with
-its SHA-256, then commits with the whole file's SHA-256 and the policy version. Serve side:
-:class:`WeightReceiver` appends chunks in order to a staging file, verifies the whole on commit,
-moves it into ``weights/v<version>/`` and asks the engine pool to load it (pause(keep) -> reload ->
-reset prefix cache -> set version -> resume). Any mismatch is a 4xx the learner can retry; nothing
-half-written is loaded. If the engines fail, the commit answers 502 with a ``weight_sync_error``
+Learner side: :func:`publish` serialises the state dict (safetensors), sends it in chunks (a few
+at once), each with its SHA-256 and byte offset, then commits with the chunk count, the size and
+the SHA-256 of the chunks' digests in order. Serve side: :class:`WeightReceiver` verifies each
+chunk and writes it at its offset in a staging file (so chunks may arrive in any order, and a
+resent one just lands again), checks on commit that every chunk arrived and that the digests agree,
+moves the file into ``weights/v<version>/`` and asks the engine pool to load it (pause(keep) ->
+reload -> reset prefix cache -> set version -> resume). Every byte is hashed once on each side.
+Any mismatch is a 4xx the learner can retry; nothing half-written is loaded. If the engines fail, the commit answers 502 with a ``weight_sync_error``
 body naming each engine and why; the pool stays at its previous version and the learner may publish
 the next one. The NCCL routes (``/admin/weights/nccl/...``) drive the same choreography while the
 learner broadcasts (see :mod:`agentrl.weights.nccl`).
@@ -16,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import os
 import shutil
 import time
 from pathlib import Path
@@ -29,6 +32,7 @@ from agentrl.weights.errors import WeightGroupStale, WeightUpdateFailed
 log = logging.getLogger(__name__)
 
 CHUNK_BYTES = 16 * 2**20
+PARALLEL_CHUNKS = 3  # chunks in flight at once: serve hashes and writes one while the next arrives
 
 
 class WeightTransferError(RuntimeError):
@@ -52,35 +56,39 @@ class WeightReceiver:
         self.root = root
         self.pool = pool
         self.keep = keep
-        self._staging: dict[int, tuple[Path, int, Any]] = {}  # version -> (path, next chunk, sha)
+        self._staging: dict[int, dict[int, str]] = {}  # version -> {chunk index: its SHA-256}
         self._lock = asyncio.Lock()
         self.last: dict[str, Any] = {}
         root.mkdir(parents=True, exist_ok=True)
 
-    async def chunk(self, version: int, index: int, data: bytes, sha: str) -> None:
+    def _staging_path(self, version: int) -> Path:
+        return self.root / f"v{version}.staging"
+
+    async def chunk(self, version: int, index: int, offset: int, data: bytes, sha: str) -> None:
+        """Verify one chunk and write it at ``offset`` of the version's staging file."""
+        if index < 0 or offset < 0:
+            raise web.HTTPBadRequest(reason=f"chunk {index} of version {version}: bad index or offset {offset}")
         # Hashing and writing run off the event loop: the router shares it, and a 16 MiB SHA-256
         # would stall every agent's call for tens of milliseconds per chunk.
         if await asyncio.to_thread(_sha256, data) != sha:
             raise web.HTTPBadRequest(reason=f"chunk {index} of version {version} failed its checksum")
-        if index == 0:
-            path = self.root / f"v{version}.staging"
-            path.unlink(missing_ok=True)
-            self._staging[version] = (path, 0, hashlib.sha256())
-        if version not in self._staging or self._staging[version][1] != index:
-            raise web.HTTPConflict(reason=f"chunk {index} of version {version} arrived out of order; restart at 0")
-        path, _, total = self._staging[version]
-        await asyncio.to_thread(_append, path, data, total)
-        self._staging[version] = (path, index + 1, total)
+        digests = self._staging.setdefault(version, {})
+        await asyncio.to_thread(_write_at, self._staging_path(version), offset, data)
+        digests[index] = sha
 
-    async def commit(self, version: int, sha: str, chunks: int) -> dict[str, Any]:
-        staged = self._staging.pop(version, None)
-        if staged is None or staged[1] != chunks:
-            raise web.HTTPConflict(reason=f"version {version}: {0 if staged is None else staged[1]} of "
-                                          f"{chunks} chunks received")
-        path, _, total = staged
-        if total.hexdigest() != sha:
+    async def commit(self, version: int, sha: str, chunks: int, size: int) -> dict[str, Any]:
+        """Load the staged version once all ``chunks`` arrived and their digests, in order, hash to ``sha``."""
+        digests = self._staging.get(version, {})
+        missing = [i for i in range(chunks) if i not in digests]
+        if missing:
+            raise web.HTTPConflict(reason=f"version {version}: {chunks - len(missing)} of {chunks} chunks "
+                                          f"received (missing {missing[:5]}{'...' if len(missing) > 5 else ''})")
+        self._staging.pop(version)
+        path = self._staging_path(version)
+        if _digest_of(digests[i] for i in range(chunks)) != sha:
             path.unlink(missing_ok=True)
-            raise web.HTTPBadRequest(reason=f"version {version}: the weights failed their checksum")
+            raise web.HTTPBadRequest(reason=f"version {version}: the chunks' digests do not match the commit")
+        await asyncio.to_thread(os.truncate, path, size)  # an earlier, longer attempt may have left a tail
         async with self._lock:
             if version <= self.pool.version and self.pool.weights_path:
                 raise web.HTTPConflict(reason=f"version {version} is not newer than {self.pool.version}")
@@ -109,19 +117,31 @@ class WeightReceiver:
                 continue
             if p.is_dir() and v <= version - self.keep:
                 shutil.rmtree(p, ignore_errors=True)
+            elif p.suffix == ".staging" and v <= version:  # an upload that was never committed
+                self._staging.pop(v, None)
+                p.unlink(missing_ok=True)
 
     def add_routes(self, app: web.Application, require_admin: Any) -> None:
         async def put_chunk(request: web.Request) -> web.Response:
             require_admin(request)
             version, index = int(request.match_info["version"]), int(request.match_info["index"])
-            await self.chunk(version, index, await request.read(), request.headers.get("X-Sha256", ""))
+            try:
+                offset = int(request.headers["X-Offset"])
+            except (KeyError, ValueError):
+                raise web.HTTPBadRequest(reason="a chunk needs an X-Offset header (its byte offset)") from None
+            await self.chunk(version, index, offset, await request.read(), request.headers.get("X-Sha256", ""))
             return web.json_response({"ok": True})
 
         async def commit(request: web.Request) -> web.Response:
             require_admin(request)
             body = await request.json()
             try:
-                result = await self.commit(int(request.match_info["version"]), body["sha256"], int(body["chunks"]))
+                version = int(request.match_info["version"])
+                sha, chunks, size = str(body["chunks_sha256"]), int(body["chunks"]), int(body["bytes"])
+            except (KeyError, TypeError, ValueError):
+                raise web.HTTPBadRequest(reason="a commit needs chunks_sha256, chunks and bytes") from None
+            try:
+                result = await self.commit(version, sha, chunks, size)
             except WeightUpdateFailed as e:
                 return _sync_error(e)
             return web.json_response(result)
@@ -180,10 +200,23 @@ def _sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def _append(path: Path, data: bytes, total: Any) -> None:
-    with open(path, "ab") as f:
-        f.write(data)
-    total.update(data)
+def _digest_of(chunk_digests: Any) -> str:
+    """The commit's checksum: SHA-256 of the chunks' hex digests, in order."""
+    h = hashlib.sha256()
+    for d in chunk_digests:
+        h.update(d.encode())
+    return h.hexdigest()
+
+
+def _write_at(path: Path, offset: int, data: bytes) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+    try:
+        view = memoryview(data)
+        while view:
+            n = os.pwrite(fd, view, offset)
+            view, offset = view[n:], offset + n
+    finally:
+        os.close(fd)
 
 
 def serialize_state_dict(state: dict[str, Any]) -> bytes:
@@ -202,24 +235,37 @@ def serialize_state_dict(state: dict[str, Any]) -> bytes:
 
 
 async def publish(data: bytes, version: int, serve_url: str, admin_token: str, *,
-                  timeout_s: float = 600.0, attempts: int = 3) -> dict[str, Any]:
+                  timeout_s: float = 600.0, attempts: int = 3, chunk_bytes: int = CHUNK_BYTES,
+                  parallel: int = PARALLEL_CHUNKS) -> dict[str, Any]:
     """Send serialised weights to serve as ``version`` and wait until engines serve them."""
     headers = {"Authorization": f"Bearer {admin_token}"} if admin_token else {}
-    sha = await asyncio.to_thread(_sha256, data)  # off the loop: the learner's loop serves other work
-    chunks = [data[i : i + CHUNK_BYTES] for i in range(0, len(data), CHUNK_BYTES)] or [b""]
+    view = memoryview(data)  # chunks are views: no copy of the whole payload
+    offsets = list(range(0, len(data), chunk_bytes)) or [0]
+    chunks = [view[o : o + chunk_bytes] for o in offsets]
+    # off the loop: the learner's loop serves other work
     chunk_shas = await asyncio.to_thread(lambda: [_sha256(c) for c in chunks])
+    commit = {"chunks_sha256": _digest_of(chunk_shas), "chunks": len(chunks), "bytes": len(data)}
     last_error: Exception | None = None
     async with aiohttp.ClientSession(headers=headers) as http:
+        slots = asyncio.Semaphore(max(1, parallel))
+
+        async def put(i: int) -> None:
+            async with slots, http.put(f"{serve_url}/admin/weights/{version}/chunks/{i}", data=chunks[i],
+                                       headers={"X-Sha256": chunk_shas[i], "X-Offset": str(offsets[i])},
+                                       timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
+                if r.status != 200:
+                    raise WeightTransferError(f"chunk {i}: {r.status} {await r.text()}", r.status)
+
         for attempt in range(attempts):
             try:
-                for i, c in enumerate(chunks):
-                    async with http.put(f"{serve_url}/admin/weights/{version}/chunks/{i}", data=c,
-                                        headers={"X-Sha256": chunk_shas[i]},
-                                        timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
-                        if r.status != 200:
-                            raise WeightTransferError(f"chunk {i}: {r.status} {await r.text()}", r.status)
-                async with http.post(f"{serve_url}/admin/weights/{version}/commit",
-                                     json={"sha256": sha, "chunks": len(chunks)},
+                sends = [asyncio.ensure_future(put(i)) for i in range(len(chunks))]
+                try:
+                    await asyncio.gather(*sends)
+                finally:  # one failed: stop the rest before trying again
+                    for t in sends:
+                        t.cancel()
+                    await asyncio.gather(*sends, return_exceptions=True)
+                async with http.post(f"{serve_url}/admin/weights/{version}/commit", json=commit,
                                      timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
                     if r.status == 502 and "weight_sync_error" in (text := await r.text()):
                         # The engines failed, not the transfer: sending again would not help. The
