@@ -138,6 +138,11 @@ def test_a_commit_whose_digests_disagree_loads_nothing_and_the_next_attempt_star
                 assert pool.loaded == [] and not (tmp_path / "w" / "v1").exists()
                 assert not (tmp_path / "w" / "v1.staging").exists()
                 assert (await _commit(http, url, 1, {"chunks": 2}))[0] == 400  # malformed: says what it needs
+                assert await _put(http, url, 1, 0, 0, data[:3000]) == 200
+                assert await _put(http, url, 1, 1, 3000, data[3000:]) == 200
+                right = {"chunks_sha256": _digest_of([_sha(data[:3000]), _sha(data[3000:])]), "chunks": 2}
+                status, text = await _commit(http, url, 1, dict(right, bytes=7000))  # not what the chunks make
+                assert status == 400 and "6000" not in text and "7000 bytes" in text and pool.loaded == []
                 # an attempt that sent a longer payload and never committed...
                 assert await _put(http, url, 1, 5, 5000, data[5000:]) == 200
             # ...then the learner publishes a shorter one for the same version: the old tail is cut

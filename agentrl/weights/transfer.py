@@ -56,7 +56,8 @@ class WeightReceiver:
         self.root = root
         self.pool = pool
         self.keep = keep
-        self._staging: dict[int, dict[int, str]] = {}  # version -> {chunk index: its SHA-256}
+        # version -> {chunk index: (its SHA-256, offset, length)}
+        self._staging: dict[int, dict[int, tuple[str, int, int]]] = {}
         self._lock = asyncio.Lock()
         self.last: dict[str, Any] = {}
         root.mkdir(parents=True, exist_ok=True)
@@ -72,20 +73,25 @@ class WeightReceiver:
         # would stall every agent's call for tens of milliseconds per chunk.
         if await asyncio.to_thread(_sha256, data) != sha:
             raise web.HTTPBadRequest(reason=f"chunk {index} of version {version} failed its checksum")
-        digests = self._staging.setdefault(version, {})
+        staged = self._staging.setdefault(version, {})
         await asyncio.to_thread(_write_at, self._staging_path(version), offset, data)
-        digests[index] = sha
+        staged[index] = (sha, offset, len(data))
 
     async def commit(self, version: int, sha: str, chunks: int, size: int) -> dict[str, Any]:
         """Load the staged version once all ``chunks`` arrived and their digests, in order, hash to ``sha``."""
-        digests = self._staging.get(version, {})
-        missing = [i for i in range(chunks) if i not in digests]
+        staged = self._staging.get(version, {})
+        missing = [i for i in range(chunks) if i not in staged]
         if missing:
             raise web.HTTPConflict(reason=f"version {version}: {chunks - len(missing)} of {chunks} chunks "
                                           f"received (missing {missing[:5]}{'...' if len(missing) > 5 else ''})")
         self._staging.pop(version)
         path = self._staging_path(version)
-        if _digest_of(digests[i] for i in range(chunks)) != sha:
+        parts = [staged[i] for i in range(chunks)]
+        ends = [o + n for _, o, n in parts]
+        if [o for _, o, _ in parts] != [0, *ends[:-1]] or ends[-1] != size:  # chunks must tile the file
+            path.unlink(missing_ok=True)
+            raise web.HTTPBadRequest(reason=f"version {version}: the chunks do not make one file of {size} bytes")
+        if _digest_of(d for d, _, _ in parts) != sha:
             path.unlink(missing_ok=True)
             raise web.HTTPBadRequest(reason=f"version {version}: the chunks' digests do not match the commit")
         await asyncio.to_thread(os.truncate, path, size)  # an earlier, longer attempt may have left a tail
