@@ -104,11 +104,13 @@ class RolloutWorkerHost:
         """Play episodes until cancelled, or until ``max_episodes`` have started (0: no limit)."""
         from agentrl.env import lookup
         from agentrl.rollout import EpisodeLimits, Orchestrator
-        from agentrl.rollout.remote import RemoteBuffer, RemoteRouter
+        from agentrl.rollout.remote import EpisodeUploader, RemoteBuffer, RemoteRouter
 
         e = self.env
         router = RemoteRouter(self.serve_url, self.admin_token, timeout_s=e["episode_timeout_s"])
         buffer = RemoteBuffer(self.serve_url, self.admin_token, producer=f"{self.worker_id}-{os.getpid()}")
+        episodes = EpisodeUploader(self.serve_url, self.admin_token)
+        uploading = asyncio.create_task(episodes.run(), name="episode-uploads")
         sandbox_pool = None
         try:
             await router.__aenter__()
@@ -123,6 +125,7 @@ class RolloutWorkerHost:
                 router=router, buffer=buffer, env_name=e["name"], env_config=e["config"],
                 group_size=e["group_size"], max_concurrency=self.max_concurrency, sandbox_pool=sandbox_pool,
                 max_episodes=max_episodes,
+                episode_log=lambda line: episodes.add({"worker": self.worker_id, **line}),
                 limits=EpisodeLimits(max_turns=e["max_turns"], max_tokens=e["max_tokens"],
                                      max_episode_tokens=e["max_episode_tokens"], timeout_s=e["episode_timeout_s"],
                                      temperature=e["temperature"], top_p=e["top_p"]))
@@ -130,6 +133,9 @@ class RolloutWorkerHost:
                      self.serve_url)
             await self.orchestrator.run()
         finally:
+            uploading.cancel()
+            await asyncio.gather(uploading, return_exceptions=True)
+            await episodes.close()
             if sandbox_pool is not None:
                 await sandbox_pool.close()
             await buffer.close()

@@ -102,6 +102,7 @@ class Serve:
         from agentrl.env import lookup
         from agentrl.models import resolve_model
         from agentrl.rollout import EpisodeLimits, Orchestrator
+        from agentrl.rollout.remote import episode_log_route
         from agentrl.router import EnginePool, Router
         from agentrl.router.server import make_app, require_admin
         from agentrl.weights import WeightReceiver
@@ -164,6 +165,8 @@ class Serve:
         self.weights.add_routes(app, require_admin)
         app.router.add_get("/admin/info", self._info)
         app.router.add_get("/admin/status", self._status)
+        # Rollout workers on other machines (serve --ray) send their episode lines here.
+        app.router.add_post("/admin/episodes", episode_log_route(self.run_dir / "episodes.jsonl", require_admin))
         self._runner = web.AppRunner(app, access_log=None)
         await self._runner.setup()
         await web.TCPSite(self._runner, cfg.router.host, cfg.router.port).start()

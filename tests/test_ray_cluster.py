@@ -5,6 +5,7 @@ with SIGKILL is restarted and episodes keep arriving; closing serve leaves no en
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import time
@@ -81,6 +82,16 @@ def test_serve_on_a_two_node_ray_cluster_runs_episodes_and_survives_a_killed_rol
                 (w.get("episodes") or 0) >= 1 for w in cl.worker_info), 300)
             for w in cl.worker_info:
                 assert nodes[w["node_id"]]["Resources"].get("worker_node") == 1  # the other "machine"
+            # the workers' episode lines reach serve's episodes.jsonl (sent every 2 s)
+            log_path = tmp_path / "run" / "episodes.jsonl"
+
+            def logged_workers() -> set[str]:
+                if not log_path.exists():
+                    return set()
+                return {json.loads(x).get("worker") for x in log_path.read_text().splitlines() if x.strip()}
+
+            await until("episode lines from both workers", lambda: {"worker-0", "worker-1"} <= logged_workers(), 60)
+            assert all("reward" in json.loads(x) for x in log_path.read_text().splitlines() if x.strip())
             batch = await serve.buffer.get_batch(0, timeout_s=30)
             assert batch is not None and len(batch.samples) == 4
             assert any(sum(s.loss_mask) > 0 and s.logprobs for s in batch.samples)  # the engine's exact tokens

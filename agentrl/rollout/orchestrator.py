@@ -36,7 +36,10 @@ class Orchestrator:
                  group_size: int, limits: EpisodeLimits, max_concurrency: int, sandbox_pool: Any = None,
                  run_dir: Path | None = None, max_episodes: int = 0,
                  episode_fn: Callable[..., Awaitable[EpisodeResult]] = run_episode,
-                 sync: bool = False, batch_size: int = 0) -> None:
+                 sync: bool = False, batch_size: int = 0,
+                 episode_log: Callable[[dict[str, Any]], Any] | None = None) -> None:
+        """``episode_log``: also given each finished episode's summary line (a rollout worker on
+        another machine sends them to serve's ``episodes.jsonl``)."""
         self.router, self.buffer = router, buffer
         self.env_name, self.env_config = env_name, env_config
         self.group_size, self.limits = group_size, limits
@@ -49,6 +52,7 @@ class Orchestrator:
         self.counters: dict[str, float] = {"episodes": 0, "failed": 0, "truncated": 0, "samples": 0,
                                            "reward_sum": 0.0, "tool_calls": 0}
         self._log_path = run_dir / "episodes.jsonl" if run_dir else None
+        self._episode_log = episode_log
         self._tasks: set[asyncio.Task] = set()
         self._started = 0
         self._infra_failures = 0  # consecutive episodes that failed for want of a working engine
@@ -128,9 +132,12 @@ class Orchestrator:
         c["samples"] += len(ep.samples)
         c["reward_sum"] += ep.reward
         c["tool_calls"] += ep.info.get("tool_calls", 0)
+        line = {"time": time.time(), **ep.summary()}
         if self._log_path is not None:
             with open(self._log_path, "a") as f:
-                f.write(json.dumps({"time": time.time(), **ep.summary()}) + "\n")
+                f.write(json.dumps(line) + "\n")
+        if self._episode_log is not None:
+            self._episode_log(line)
 
     def status(self) -> dict[str, Any]:
         return {"in_flight": self.in_flight, **self.counters}

@@ -7,6 +7,8 @@
   with ``POST /admin/sessions/<id>/close`` and brings its token-level samples back.
 - :class:`RemoteBuffer`: the orchestrator's buffer seam (``wait_for_room``, ``put``) over serve's
   ``/buffer/room`` and ``/buffer/samples`` routes.
+- :class:`EpisodeUploader`: a worker's per-episode summary lines, sent in batches to serve's
+  ``POST /admin/episodes``, which appends them to the run's ``episodes.jsonl``.
 
 Errors map onto the router's: a 4xx is an :class:`InvalidRequest` (never retried), a 5xx or a
 connection failure an :class:`EngineError` (the episode is recorded as a model failure).
@@ -14,6 +16,7 @@ connection failure an :class:`EngineError` (the episode is recorded as a model f
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -175,3 +178,86 @@ class RemoteBuffer:
 
     async def close(self) -> None:
         await self.client.close()
+
+
+class EpisodeUploader:
+    """Batches of episode summary lines to serve (``POST /admin/episodes``), every ``interval_s``.
+
+    Lines that could not be sent are kept and sent with the next batch, up to ``max_lines`` (the
+    oldest are dropped beyond that, with a warning), so serve being briefly away loses nothing.
+    """
+
+    def __init__(self, serve_url: str, admin_token: str, *, interval_s: float = 2.0, max_lines: int = 20_000,
+                 timeout_s: float = 30.0) -> None:
+        self.url = serve_url.rstrip("/") + "/admin/episodes"
+        self.headers = {"Authorization": f"Bearer {admin_token}"} if admin_token else {}
+        self.interval_s, self.max_lines, self.timeout_s = interval_s, max_lines, timeout_s
+        self.pending: list[dict[str, Any]] = []
+        self.sent = self.dropped = 0
+        self._http: aiohttp.ClientSession | None = None
+
+    def add(self, line: dict[str, Any]) -> None:
+        self.pending.append(line)
+        if len(self.pending) > self.max_lines:
+            over = len(self.pending) - self.max_lines
+            del self.pending[:over]
+            self.dropped += over
+            log.warning("serve has not taken episode lines for a while: dropped the %d oldest", over)
+
+    async def flush(self) -> bool:
+        """Send what is pending; False (and keep it) if serve did not take it."""
+        if not self.pending:
+            return True
+        batch = self.pending[:]
+        if self._http is None or self._http.closed:
+            self._http = aiohttp.ClientSession(headers=self.headers)
+        try:
+            async with self._http.post(self.url, json={"episodes": batch},
+                                       timeout=aiohttp.ClientTimeout(total=self.timeout_s)) as r:
+                if r.status != 200:
+                    log.warning("serve refused %d episode lines: %s %s", len(batch), r.status, (await r.text())[:200])
+                    return False
+        except (aiohttp.ClientError, TimeoutError) as e:
+            log.warning("could not send %d episode lines to serve: %s", len(batch), e)
+            return False
+        del self.pending[: len(batch)]  # lines added meanwhile stay for the next batch
+        self.sent += len(batch)
+        return True
+
+    async def run(self) -> None:
+        """Flush every ``interval_s`` until cancelled."""
+        while True:
+            await asyncio.sleep(self.interval_s)
+            await self.flush()
+
+    async def close(self) -> None:
+        """One last flush, then the client goes."""
+        try:
+            await self.flush()
+        finally:
+            if self._http is not None:
+                await self._http.close()
+
+
+def episode_log_route(path: Any, require_admin: Any) -> Any:
+    """serve's ``POST /admin/episodes`` handler: ``{"episodes": [line, ...]}`` appended to ``path``."""
+    from aiohttp import web
+
+    async def handler(request: web.Request) -> web.Response:
+        require_admin(request)
+        try:
+            lines = (await request.json())["episodes"]
+            if not isinstance(lines, list) or not all(isinstance(x, dict) for x in lines):
+                raise TypeError
+        except (ValueError, KeyError, TypeError):
+            raise web.HTTPBadRequest(reason='the body must be {"episodes": [object, ...]}') from None
+        text = "".join(json.dumps(x) + "\n" for x in lines)
+
+        def append() -> None:
+            with open(path, "a") as f:
+                f.write(text)
+
+        await asyncio.to_thread(append)
+        return web.json_response({"appended": len(lines)})
+
+    return handler
