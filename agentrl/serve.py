@@ -23,6 +23,8 @@ from aiohttp import web
 from agentrl.config import ServeConfig, to_dict
 from agentrl.tokens import find_api_keys, settle_admin_token
 
+log = logging.getLogger(__name__)
+
 # serve's collector thresholds (see settle_gc)
 GC_THRESHOLD = (50_000, 50, 100)
 
@@ -48,8 +50,6 @@ def settle_gc() -> None:
     gc.collect()
     gc.freeze()
     gc.set_threshold(*GC_THRESHOLD)
-
-log = logging.getLogger(__name__)
 
 
 def eos_token_ids(model_dir: str) -> set[int]:

@@ -17,7 +17,8 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from agentrl.weights import WeightReceiver, WeightTransferError, publish
+from agentrl.weights import WeightTransferError, publish
+from tests.test_weight_sync import _serve as serve_receiver
 
 
 class RecordingPool:
@@ -34,13 +35,8 @@ class RecordingPool:
 
 async def _serve(root: Path) -> tuple[web.AppRunner, str, RecordingPool]:
     pool = RecordingPool()
-    app = web.Application(client_max_size=2**30)
-    WeightReceiver(root, pool).add_routes(app, lambda request: None)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    return runner, f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}", pool  # type: ignore[union-attr]
+    runner, url = await serve_receiver(pool, root)  # type: ignore[arg-type]
+    return runner, url, pool
 
 
 def _sha(b: bytes) -> str:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from typing import Any
 
 from agentrl.sandbox.backend import SandboxBackend, Slot, owner_is_dead, owner_labels
 from agentrl.sandbox.channel import AgentChannel, agent_source
@@ -26,6 +27,14 @@ from agentrl.sandbox.docker_api import DockerAPI, remove_by_label
 from agentrl.sandbox.types import SandboxConfig, SandboxError
 
 log = logging.getLogger(__name__)
+
+
+def _tracked(coro: Any, into: set[asyncio.Future[Any]]) -> asyncio.Future[Any]:
+    """``coro`` as a future held in ``into`` until it is done (close() waits for what is there)."""
+    fut = asyncio.ensure_future(coro)
+    into.add(fut)
+    fut.add_done_callback(into.discard)
+    return fut
 
 
 class DockerBackend(SandboxBackend):
@@ -98,10 +107,7 @@ class DockerBackend(SandboxBackend):
             t0 = time.monotonic()
             # Shielded: if we are cancelled while the engine is creating, the container still
             # appears; close() waits for these calls so that its sweep by label sees it.
-            creating = asyncio.ensure_future(self.api.create(self.container_spec()))
-            self._creating.add(creating)
-            creating.add_done_callback(self._creating.discard)
-            cid = await asyncio.shield(creating)
+            cid = await asyncio.shield(_tracked(self.api.create(self.container_spec()), self._creating))
             try:
                 chunks, writer = await self.api.attach(cid)
                 channel = AgentChannel(chunks, writer, cid[:12])
@@ -110,10 +116,7 @@ class DockerBackend(SandboxBackend):
             except BaseException:
                 # Shielded: a cancelled creator must not leave the container behind; close()
                 # waits for these too, so their requests are not cut off when it closes the client.
-                removing = asyncio.ensure_future(self._remove_quietly(cid))
-                self._removing.add(removing)
-                removing.add_done_callback(self._removing.discard)
-                await asyncio.shield(removing)
+                await asyncio.shield(_tracked(self._remove_quietly(cid), self._removing))
                 raise
             log.debug("sandbox %s ready in %.0f ms", cid[:12], (time.monotonic() - t0) * 1e3)
             return Slot(cid, channel)
@@ -140,7 +143,7 @@ class DockerBackend(SandboxBackend):
         try:
             await asyncio.gather(*self._creating, *self._removing, return_exceptions=True)
             deadline = time.monotonic() + self.cfg.api_timeout_s
-            while ids := [c["Id"] for c in await self.api.list([f"agentrl.instance={self.instance_id}"])]:
+            while ids := await self._listed_ids():
                 if time.monotonic() > deadline:
                     log.warning("%d sandbox containers still listed after %.0f s of removing them: %s", len(ids),
                                 self.cfg.api_timeout_s, ", ".join(i[:12] for i in ids))
@@ -155,9 +158,12 @@ class DockerBackend(SandboxBackend):
     def close_sync(self) -> int:
         return remove_by_label(self.api.host, f"agentrl.instance={self.instance_id}")
 
+    async def _listed_ids(self) -> list[str]:
+        return [c["Id"] for c in await self.api.list([f"agentrl.instance={self.instance_id}"])]
+
     async def live_ids(self) -> list[str]:
         try:
-            return [c["Id"] for c in await self.api.list([f"agentrl.instance={self.instance_id}"])]
+            return await self._listed_ids()
         finally:
             if self._closed:  # asked after close(): do not leave a client session open
                 await self.api.close()
