@@ -244,7 +244,7 @@ def test_status_takes_no_token_value_on_the_command_line() -> None:
 
 
 def test_status_rates_between_two_snapshots_use_the_interval() -> None:
-    from agentrl.status import rates
+    from agentrl.cli.status import rates
 
     later = json.loads(json.dumps(STATUS))
     later["uptime_s"] += 10

@@ -9,7 +9,7 @@ import concurrent.futures
 from typing import Any
 
 from agentrl import config as C
-from agentrl.cluster import RayCluster, split_episodes
+from agentrl.serve.ray import RayCluster, split_episodes
 
 
 def test_max_episodes_is_split_into_whole_groups_and_no_limit_stays_no_limit():

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from agentrl.evaluate import eval_tasks, evaluate, mean_interval, wilson_interval
+from agentrl.rollout.evaluate import eval_tasks, evaluate, mean_interval, wilson_interval
 from tests.router_harness import serve_router
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import requests
 
-from agentrl.router.codec import LocalCodec, same_message, same_sampling
+from agentrl.router.render import LocalCodec, same_message, same_sampling
 
 TOOLS = [{"type": "function", "function": {"name": "python", "description": "Run Python code.",
           "parameters": {"type": "object", "properties": {"code": {"type": "string"}}, "required": ["code"]}}},

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from agentrl.status import format_status
+from agentrl.cli.status import format_status
 
 
 def test_status_of_a_ray_serve_lists_rollout_workers_and_restarts() -> None:

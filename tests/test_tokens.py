@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from agentrl import config as C
-from agentrl.run import serve_command
-from agentrl.tokens import find_admin_token, find_api_keys, settle_admin_token
+from agentrl.cli.run import serve_command
+from agentrl.credentials import find_admin_token, find_api_keys, settle_admin_token
 
 ROOT = Path(__file__).resolve().parents[1]
 SECRET = "s3cret-token-value"

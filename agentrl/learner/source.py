@@ -50,7 +50,7 @@ class ServeSource:
         self.client = BufferClient(cfg.serve, self.token, timeout_s=60.0)
 
     def _token(self) -> str:
-        from agentrl.tokens import SecretError, find_admin_token
+        from agentrl.credentials import SecretError, find_admin_token
 
         cfg = self.cfg
         try:

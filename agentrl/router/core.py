@@ -28,10 +28,10 @@ from typing import Any, TypeVar
 
 import aiohttp
 
-from agentrl.router.codec import LocalCodec
 from agentrl.router.errors import EngineError, InvalidRequest, NotFound, RouterError
 from agentrl.router.metrics import RouterMetrics
 from agentrl.router.pool import Engine, EnginePool, parse_version
+from agentrl.router.render import LocalCodec
 from agentrl.router.sessions import CallRecord, Session, continued_prompt, normalize_message
 from agentrl.router.validate import validate_chat, validate_completion
 

@@ -63,8 +63,8 @@ def wait_for_serve(url: str, serve: subprocess.Popen, timeout_s: float) -> None:
 
 def held_out_eval(cfg: RunConfig, url: str, label: str, run_dir: Path) -> Any:
     """Evaluate the policy the engines serve now on ``eval.tasks`` held-out tasks."""
-    from agentrl.evaluate import evaluate, write_result
-    from agentrl.tokens import find_api_keys
+    from agentrl.credentials import find_api_keys
+    from agentrl.rollout.evaluate import evaluate, write_result
 
     e = cfg.serve.env
     keys = find_api_keys(cfg.serve.router.api_keys, cfg.serve.router.api_keys_file)

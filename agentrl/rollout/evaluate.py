@@ -190,7 +190,7 @@ def write_result(result: EvalResult, path: str | Path) -> Path:
 
 def main(env: str, endpoint: str, *, out: str | None, api_key_file: str = "", **kwargs: Any) -> int:
     """The CLI command: print a summary line, write the JSON result, print it as the last line."""
-    from agentrl.tokens import find_client_key
+    from agentrl.credentials import find_client_key
 
     api_key = find_client_key(api_key_file)
     try:

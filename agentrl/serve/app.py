@@ -21,7 +21,7 @@ from typing import Any
 from aiohttp import web
 
 from agentrl.config import ServeConfig, to_dict
-from agentrl.tokens import find_api_keys, settle_admin_token
+from agentrl.credentials import find_api_keys, settle_admin_token
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +64,7 @@ def eos_token_ids(model_dir: str) -> set[int]:
 
 
 def admin_token_for(cfg: ServeConfig, run_dir: Path) -> str:
-    """serve's admin token (see :mod:`agentrl.tokens`), written to run_dir/admin_token with mode 0600."""
+    """serve's admin token (see :mod:`agentrl.credentials`), written to run_dir/admin_token with mode 0600."""
     return settle_admin_token(cfg.admin_token, cfg.admin_token_file, run_dir)
 
 
@@ -86,7 +86,7 @@ class Serve:
         self.sandbox_pool: Any = None
         self.buffer: Any = None
         self.orchestrator: Any = None
-        self.cluster: Any = None  # agentrl.cluster.RayCluster with serve.ray.address
+        self.cluster: Any = None  # agentrl.serve.ray.RayCluster with serve.ray.address
         self._runner: web.AppRunner | None = None
         self._orch_task: asyncio.Task | None = None
         self._metrics_task: asyncio.Task | None = None
@@ -118,7 +118,7 @@ class Serve:
 
         urls = list(cfg.engine.urls)
         if not urls and cfg.ray.address:  # engines (and later rollout workers) as Ray actors
-            from agentrl.cluster import RayCluster
+            from agentrl.serve.ray import RayCluster
 
             self.cluster = RayCluster(cfg, self.model_path, self.run_dir)
             urls = await self.cluster.start_engines()
@@ -184,7 +184,7 @@ class Serve:
                                  temperature=e.temperature, top_p=e.top_p))
         settle_gc()
         if self.cluster is not None:  # the rollout workers on the cluster play the episodes
-            from agentrl.cluster import default_serve_url
+            from agentrl.serve.ray import default_serve_url
 
             self.orchestrator = self.cluster
             self._orch_task = asyncio.create_task(

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from agentrl.tokens import SecretError, check_override
+from agentrl.credentials import SecretError, check_override
 
 
 class ConfigError(ValueError):

@@ -63,7 +63,7 @@ def cmd_learn(args: argparse.Namespace, extra: list[str]) -> int:
 def cmd_run(args: argparse.Namespace, extra: list[str]) -> int:
     cfg = _load(C.RunConfig, args, extra)
     _setup_logging(args.verbose)
-    from agentrl.run import run
+    from agentrl.cli.run import run
 
     return run(cfg)
 
@@ -110,7 +110,7 @@ def _no_settings(command: str, extra: list[str]) -> None:
 
 def cmd_status(args: argparse.Namespace, extra: list[str]) -> int:
     _no_settings("status", extra)
-    from agentrl.status import StatusError, main
+    from agentrl.cli.status import StatusError, main
 
     try:
         return main(args.serve, args.admin_token_file, args.run_dir, as_json=args.json, watch_s=args.watch,
@@ -132,9 +132,9 @@ def cmd_eval(args: argparse.Namespace, extra: list[str]) -> int:
             env_config = json.loads(args.env_config)
         except ValueError as e:
             raise SystemExit(f"agentrl eval: --env-config is not a JSON object: {e}") from None
+    from agentrl.credentials import SecretError
     from agentrl.env.registry import UnknownEnvironmentError
-    from agentrl.evaluate import main as eval_main
-    from agentrl.tokens import SecretError
+    from agentrl.rollout.evaluate import main as eval_main
 
     try:
         return eval_main(args.env, args.endpoint, out=args.out, api_key_file=args.api_key_file or "",
