@@ -18,10 +18,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from agentrl.credentials import SecretError, check_override
-
-
-class ConfigError(ValueError):
-    pass
+from agentrl.errors import ConfigError
 
 
 @dataclass

@@ -21,6 +21,7 @@ from typing import Any
 
 from agentrl.buffer.sample import Sample
 from agentrl.env import make
+from agentrl.errors import EnvironmentFailure
 from agentrl.router.core import Router
 from agentrl.router.errors import EngineError, InvalidRequest
 
@@ -70,10 +71,6 @@ def _clean(message: dict[str, Any]) -> dict[str, Any]:
     out = {k: message[k] for k in _MESSAGE_KEYS if message.get(k) is not None}
     out.setdefault("content", "")
     return out
-
-
-class EnvironmentFailure(Exception):
-    """The environment raised: its bug, recorded on the episode."""
 
 
 async def run_episode(router: Router, env_name: str, task: dict[str, Any], *, group_id: str,

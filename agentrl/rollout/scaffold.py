@@ -45,8 +45,8 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from agentrl.errors import EnvironmentFailure, ScaffoldError
 from agentrl.rollout.episode import (
-    EnvironmentFailure,
     EpisodeLimits,
     EpisodeResult,
     episode_env,
@@ -97,10 +97,6 @@ class ScaffoldContext:
 
 
 Scaffold = Callable[[ScaffoldContext], Awaitable[str | None]]
-
-
-class ScaffoldError(Exception):
-    """The scaffold failed (raised, or exited non-zero): its bug, recorded on the episode."""
 
 
 @dataclass

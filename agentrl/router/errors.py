@@ -6,8 +6,10 @@ from typing import Any
 
 from aiohttp import web
 
+from agentrl.errors import AgentrlError
 
-class RouterError(Exception):
+
+class RouterError(AgentrlError):
     """An error with an HTTP status and an OpenAI-style body."""
 
     status = 400

@@ -10,6 +10,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Literal
 
+from agentrl.errors import AgentrlError
+
 Backend = Literal["docker", "bubblewrap", "auto"]
 
 
@@ -91,7 +93,7 @@ class ExecResult:
         return self.exit_code == 0 and not self.timed_out and not self.oom_killed
 
 
-class SandboxError(RuntimeError):
+class SandboxError(AgentrlError, RuntimeError):
     """Infrastructure failure: the engine is unreachable, a container vanished, the agent died.
 
     Never raised for what a command does (that is an ExecResult). Counted in `SandboxPool.stats()`.
