@@ -40,7 +40,8 @@ def _free_port() -> int:
 
 
 async def _one(engine_url: str, name: str, spec: dict[str, str], episodes: int, group: int) -> dict[str, Any]:
-    from agentrl.config import ServeConfig
+    from agentrl.config import ServeConfig, parse
+    from agentrl.rollout.config import Scaffold
     from agentrl.serve import Serve
 
     run_dir = Path(tempfile.mkdtemp(prefix=f"bench-scaffold-{name}-"))
@@ -50,7 +51,8 @@ async def _one(engine_url: str, name: str, spec: dict[str, str], episodes: int, 
     cfg.env.name, cfg.env.group_size, cfg.env.max_concurrency = "guess_number", group, group
     cfg.env.max_turns, cfg.env.max_tokens = 3, 32
     cfg.buffer.batch_size, cfg.buffer.max_staleness = episodes, 100
-    cfg.scaffold.agent, cfg.scaffold.command = spec.get("agent", ""), spec.get("command", "")
+    if spec.get("agent") or spec.get("command"):
+        cfg.scaffold = parse(Scaffold, spec, "scaffold")  # the tagged union picks the kind from the key given
     serve = Serve(cfg)
     try:
         await serve.start()

@@ -38,7 +38,7 @@ def serve_router(urls: list[str], model_dir: str, *, api_keys: frozenset[str] = 
     from aiohttp import web
 
     from agentrl.router import EnginePool, Router, make_app
-    from agentrl.serve import eos_token_ids
+    from agentrl.models import eos_token_ids
 
     loop = asyncio.new_event_loop()
     port = free_port()

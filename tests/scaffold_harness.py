@@ -42,6 +42,7 @@ def _logprobs(choice: dict[str, Any]) -> list[float]:
 async def _run(engine_url: str, run_dir: Path, *, env: str, group_size: int, scaffold: dict[str, str],
                env_overrides: dict[str, Any], env_config: dict[str, Any] | None) -> GroupRun:
     from agentrl.config import ServeConfig
+    from agentrl.rollout.config import FunctionScaffold, ProgramScaffold
     from agentrl.serve import Serve
 
     cfg = ServeConfig(model="tiny-tools", run_dir=str(run_dir), admin_token="scaffold-test-admin",
@@ -54,8 +55,10 @@ async def _run(engine_url: str, run_dir: Path, *, env: str, group_size: int, sca
         setattr(cfg.env, k, v)
     cfg.buffer.batch_size = group_size
     cfg.sandbox.backend, cfg.sandbox.warm, cfg.sandbox.memory_mb = "docker", 0, 256
-    cfg.scaffold.agent = scaffold.get("agent", "")
-    cfg.scaffold.command = scaffold.get("command", "")
+    if scaffold.get("agent"):
+        cfg.scaffold = FunctionScaffold(agent=scaffold["agent"])
+    elif scaffold.get("command"):
+        cfg.scaffold = ProgramScaffold(command=scaffold["command"])
     cfg.check()
     serve = Serve(cfg)
     samples: list[Any] = []

@@ -88,7 +88,7 @@ def test_a_wrong_type_in_a_file_is_named_in_the_error(tmp_path: Path) -> None:
 
 def test_a_value_outside_a_literal_is_named_with_the_choices() -> None:
     with pytest.raises(C.ConfigError, match=r"correction.*tis"):
-        C.load(C.LearnConfig, None, ["--correction=sometimes"])
+        C.load(C.LearnConfig, None, ["--loss.correction=sometimes"])
 
 
 def test_a_wrong_type_in_an_override_is_named_in_the_error() -> None:

@@ -74,7 +74,7 @@ async def one_episode(engine: Any, model_dir: str, env_name: str, task: dict[str
 def test_every_built_in_environment_runs_a_full_episode_on_real_vllm(env_name: str, vllm_engine: Any,
                                                                       tiny_tools_model: str) -> None:
     task = next(iter(agentrl.make(env_name).tasks("test")))
-    limits = EpisodeLimits(max_turns=3, max_tokens=48, max_episode_tokens=400, timeout_s=240, temperature=1.0)
+    limits = EpisodeLimits(max_turns=3, max_tokens=48, max_episode_tokens=400, episode_timeout_s=240, temperature=1.0)
     ep = asyncio.run(one_episode(vllm_engine, tiny_tools_model, env_name, task, limits))
     assert ep.error is None, ep.error
     assert 1 <= ep.turns <= 3 and ep.completion_tokens > 0
@@ -126,7 +126,7 @@ agentrl.environment(PROBE)(CalcEnv)
 def test_a_three_turn_tool_episode_is_exactly_the_tokens_the_engine_received_and_returned(
         vllm_engine: Any, tiny_tools_model: str, tmp_path: Path) -> None:
     wire: list[tuple[str, dict, dict]] = []
-    limits = EpisodeLimits(max_turns=3, max_tokens=64, max_episode_tokens=1000, timeout_s=240, temperature=0.0)
+    limits = EpisodeLimits(max_turns=3, max_tokens=64, max_episode_tokens=1000, episode_timeout_s=240, temperature=0.0)
     task = CalcEnv().tasks()[0]
     ep = asyncio.run(one_episode(vllm_engine, tiny_tools_model, PROBE, task, limits, tmp_path, wire))
     assert ep.error is None, ep.error

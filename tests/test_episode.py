@@ -19,6 +19,8 @@ from agentrl.router.sessions import CallRecord, Session
 class ScriptedRouter:
     """Replies with the next scripted assistant message; records exact-token calls per session."""
 
+    model_name = "scripted"
+
     def __init__(self, replies: list[dict[str, Any]]) -> None:
         self.replies = list(replies)
         self.sessions: dict[str, Session] = {}
@@ -28,6 +30,13 @@ class ScriptedRouter:
 
     def close_session(self, sid: str) -> Session | None:
         return self.sessions.pop(sid, None)
+
+    async def begin(self, sid: str, *, limits: Any = None, **meta: Any) -> None:
+        self.open_session(sid, **meta)
+
+    async def end(self, sid: str) -> Any:
+        session = self.close_session(sid)
+        return None if session is None else session.summary()
 
     async def chat(self, body: dict[str, Any], session_id: str) -> dict[str, Any]:
         message = self.replies.pop(0)
@@ -128,6 +137,6 @@ def test_an_episode_past_its_wall_clock_limit_is_truncated():
             raise AssertionError("unreachable")
 
     ep = asyncio.run(run_episode(SlowRouter([]), "test-echo", {"id": "t0", "question": "q", "answer": "42"},
-                                 group_id="g", limits=EpisodeLimits(timeout_s=0.2)))
+                                 group_id="g", limits=EpisodeLimits(episode_timeout_s=0.2)))
     assert ep.truncated and ep.truncation == "timeout" and ep.error is None
     assert ep.samples and ep.samples[0].error == "NoModelCall"

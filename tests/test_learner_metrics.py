@@ -12,7 +12,8 @@ from typing import Any
 
 import pytest
 
-from agentrl.config import LearnConfig, WandbSection
+from agentrl.config import LearnConfig
+from agentrl.learner.config import WandbConfig
 from agentrl.learner.metrics import MetricsServer, MissingExtra, flatten, make_writers
 from tests.test_learner_resume import FixedBatches
 
@@ -72,7 +73,7 @@ def test_metrics_server_answers_only_metrics_and_flattens_nested_sections() -> N
 
 def test_an_enabled_writer_whose_package_is_missing_says_what_to_install(monkeypatch, tmp_path: Path) -> None:
     monkeypatch.setitem(sys.modules, "wandb", None)  # as if not installed
-    cfg = LearnConfig(wandb=WandbSection(project="p", mode="offline"))
+    cfg = LearnConfig(wandb=WandbConfig(project="p", mode="offline"))
     with pytest.raises(MissingExtra, match=r"agentrl\[wandb\]"):
         make_writers(cfg, tmp_path)
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)

@@ -35,7 +35,7 @@ def test_a_seed_reaches_the_engine_only_when_the_router_forwards_seeds(ignore: b
 
 
 def test_auto_drops_seeds_only_for_the_cpu_engines_serve_launches() -> None:
-    from agentrl.serve import drops_seeds
+    from agentrl.serve.build import drops_seeds
 
     def drops(*overrides: str) -> bool:
         return drops_seeds(C.load(C.ServeConfig, None, list(overrides)))

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from agentrl.config import ConfigError, ServeConfig
+from agentrl.config import ConfigError, ServeConfig, load
 from agentrl.rollout.scaffold import CommandScaffold, ScaffoldError, load_scaffold
 from scaffolds.openai_minimal import calculate
 from tests.scaffold_harness import check_exact_samples, run_group
@@ -164,10 +164,9 @@ def test_a_callable_spec_loads_the_function_and_anything_else_is_a_command():
 
 
 def test_a_config_with_both_a_scaffold_callable_and_command_is_refused():
-    cfg = ServeConfig()
-    cfg.scaffold.agent, cfg.scaffold.command = "scaffolds.openai_minimal:agent", "python agent.py"
+    settings = ["--scaffold.agent=scaffolds.openai_minimal:agent", "--scaffold.command=python agent.py"]
     with pytest.raises(ConfigError, match="not both"):
-        cfg.check()
+        load(ServeConfig, None, settings)
 
 
 def test_the_minimal_agents_program_mode_tool_evaluates_arithmetic_and_runs_nothing_else():

@@ -8,7 +8,7 @@ import statistics
 from types import SimpleNamespace
 
 import agentrl
-from agentrl.rollout.episode import EpisodeLimits, EpisodeResult
+from agentrl.rollout.episode import EpisodeLimits, EpisodeResult  # noqa: F401 - EpisodeLimits used below
 from agentrl.rollout.orchestrator import Orchestrator
 
 CALL = '<tool_call>\n{"name": "lookup", "arguments": {"key": "k1"}}\n</tool_call>'
@@ -70,12 +70,12 @@ def test_sync_mode_starts_a_batch_only_after_the_engines_serve_new_weights():
     starts: list[tuple[int, float]] = []  # (pool version when the episode started, time)
     ends: list[float] = []
 
-    async def episode(router, env_name, task, *, group_id, **kw):
+    async def episode(task, group_id):
         loop = asyncio.get_running_loop()
         starts.append((pool.version, loop.time()))
         await asyncio.sleep(random.random() * 0.05)
         ends.append(loop.time())
-        return EpisodeResult(episode_id="e", group_id=group_id, env=env_name, task_id=task["id"], terminated=True)
+        return EpisodeResult(episode_id="e", group_id=group_id, env="straggler", task_id=task["id"], terminated=True)
 
     async def learner():
         for _ in range(3):
@@ -85,9 +85,9 @@ def test_sync_mode_starts_a_batch_only_after_the_engines_serve_new_weights():
             pool.version += 1
 
     async def main():
-        orch = Orchestrator(router=SimpleNamespace(pool=pool), buffer=_Buffer(), env_name="straggler",
-                            env_config={"latency_median_s": 0.0}, group_size=4, limits=EpisodeLimits(),
-                            max_concurrency=64, max_episodes=24, episode_fn=episode, sync=True, batch_size=8)
+        orch = Orchestrator(episode, _Buffer(), env_name="straggler", env_config={"latency_median_s": 0.0},
+                            group_size=4, max_concurrency=64, max_episodes=24, sync=True, batch_size=8,
+                            policy_version=lambda: pool.version)
         await asyncio.gather(orch.run(), learner())
         return orch
 

@@ -5,7 +5,7 @@ for the rare fields, then raw little-endian arrays::
 
     "ARS2" | n, km, kv (u32) | min_version (i32) | reward (f64) | truncated (u8) | 3 pad
            | byte lengths of sample_id, episode_id, group_id, env, JSON (u32 x 5)
-    | utf-8 strings | JSON {"error", "info", "timings"}, non-default keys only (may be empty)
+    | utf-8 strings | JSON {"error", "error_kind", "info", "timings"}, non-default keys only (may be empty)
     | pad to 4 | token ids (i32 x n) | logprobs (f32 x n)
     | loss mask runs: values (i32 x km), lengths (i32 x km) | version runs: values, lengths (kv each)
 
@@ -286,6 +286,8 @@ def encode_with_prefix(sample: Sample, prefix: bytes = b"") -> tuple[bytes, dict
     rare: dict[str, Any] = {}
     if sample.error is not None:
         rare["error"] = sample.error
+    if sample.error_kind is not None:
+        rare["error_kind"] = sample.error_kind
     if sample.info:
         rare["info"] = sample.info
     if sample.timings:
@@ -303,7 +305,7 @@ def encode_with_prefix(sample: Sample, prefix: bytes = b"") -> tuple[bytes, dict
     meta = {"v": FORMAT_VERSION, "n": n, "km": km, "kv": kv, "min_version": min_version,
             "sample_id": sample.sample_id, "episode_id": sample.episode_id, "group_id": sample.group_id,
             "env": sample.env, "reward": float(sample.reward), "truncated": bool(sample.truncated),
-            "error": sample.error, "info": sample.info, "timings": sample.timings}
+            "error": sample.error, "error_kind": sample.error_kind, "info": sample.info, "timings": sample.timings}
     return record, meta
 
 
@@ -325,7 +327,8 @@ def _parse(record: bytes | memoryview) -> tuple[dict[str, Any], int]:
         head = {"v": FORMAT_VERSION, "n": n, "km": km, "kv": kv, "min_version": min_version,
                 "sample_id": strings[:a], "episode_id": strings[a:b], "group_id": strings[b:c],
                 "env": strings[c:], "reward": reward, "truncated": bool(truncated),
-                "error": rare.get("error"), "info": rare.get("info", {}), "timings": rare.get("timings", {})}
+                "error": rare.get("error"), "error_kind": rare.get("error_kind"), "info": rare.get("info", {}),
+                "timings": rare.get("timings", {})}
         if len(strings) != len(raw) - lrare:  # non-ASCII ids: slice by bytes, not characters
             sb = raw[: lsid + leid + lgid + lenv]
             head.update(sample_id=sb[:a].decode(), episode_id=sb[a:b].decode(), group_id=sb[b:c].decode(),
@@ -383,6 +386,7 @@ def decode_sample(record: bytes | memoryview, as_arrays: bool = False) -> Sample
         sample_id=head["sample_id"],
         truncated=head["truncated"],
         error=head["error"],
+        error_kind=head.get("error_kind"),
         info=head["info"],
         timings=head["timings"],
     )

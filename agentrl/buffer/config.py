@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 
 @dataclass
 class BufferConfig:
-    path: str | None = None
+    path: str | None = field(default=None, metadata={"derived": "run_dir (RUN_DIR/buffer) and buffer.durable"})
     """Directory of the durable log (``<path>/buffer.log``); None keeps samples in memory only."""
-    batch_size: int = 256
+    durable: bool = True
+    """Keep the log on disk at ``path`` (under serve: RUN_DIR/buffer); false keeps samples in memory
+    only, and a restart loses them."""
+    batch_size: int = 16
     """Samples per batch (default for ``get_batch``) and the unit of the admission rule."""
-    max_staleness: int = 4
+    max_staleness: int = 2
     """Default bound on learner_version - sample.min_version for served samples."""
     stale_policy: Literal["drop", "keep_weighted"] = "drop"
     """drop: samples past ``max_staleness`` are dropped (reason "stale"). keep_weighted: samples are
@@ -20,7 +23,7 @@ class BufferConfig:
     correction; past that they are dropped."""
     loose_staleness: int | None = None
     """The looser bound of keep_weighted (default 2 x max_staleness); ignored under drop."""
-    group_size: int = 1
+    group_size: int = field(default=1, metadata={"derived": "env.group_size"})
     """G: distinct episodes per group (GRPO). A group is complete when G distinct episode ids with its
     group id have arrived; an episode split into several samples counts once."""
     require_full_groups: bool = True

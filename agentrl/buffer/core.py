@@ -79,7 +79,7 @@ class Buffer:
         self._event = asyncio.Event()
         self._closed_flag = False
         self._log: Log | None = None
-        if cfg.path is not None:
+        if cfg.path is not None and cfg.durable:
             self._log = Log(cfg.path, cfg.sync)
             self._recover()
 

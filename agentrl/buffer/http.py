@@ -17,50 +17,46 @@ Routes (all need ``Authorization: Bearer <admin_token>`` when a token is set; 40
   remote producers; waits up to t seconds for room and answers ``{"room": k}``. Every producer's
   last reported in-flight count (kept 60 s) counts against the same bound.
 
-The client retries what a retry can fix (connection errors, 5xx, timeouts; and 429 after its
-Retry-After) with a timeout per attempt, never a 4xx. Acks are idempotent, so retrying one is safe.
+Errors are answered in serve's one error shape (:mod:`agentrl.web`); the admin token is checked by
+the same ``require_admin`` as every admin route. The client is a thin layer over
+:class:`~agentrl.client.ServeClient` (its retry policy: connection errors, 5xx, timeouts and 429
+after its Retry-After, each attempt bounded, never a 4xx). Acks are idempotent, so retrying one is safe.
 """
 
 from __future__ import annotations
 
-import asyncio
-import hmac
-import json
 import logging
 import time
 from typing import Any
 
-import aiohttp
 from aiohttp import web
 
 from agentrl.buffer.codec import Batch, CodecError, decode_batch, encode_batch
 from agentrl.buffer.core import Buffer
+from agentrl.client import ServeClient
+from agentrl.errors import TransportError
+from agentrl.web import ADMIN_TOKEN, error_middleware, error_response, require_admin
 
 log = logging.getLogger(__name__)
 
 BUFFER_KEY: web.AppKey[Buffer] = web.AppKey("agentrl_buffer", Buffer)
 
-
-class BufferTransportError(RuntimeError):
-    """The buffer's HTTP endpoint could not be reached or answered with an error."""
+# The buffer's transport failures are serve's (one error type for serve's HTTP surface).
+BufferTransportError = TransportError
 
 
 def add_buffer_routes(app: web.Application, buf: Buffer, admin_token: str | None) -> None:
     app[BUFFER_KEY] = buf
-    expected = f"Bearer {admin_token}".encode() if admin_token else None
+    if ADMIN_TOKEN not in app:
+        app[ADMIN_TOKEN] = admin_token or ""
+    if error_middleware not in app.middlewares:  # a bare app (tests, tools): the one error shape too
+        app.middlewares.append(error_middleware)
 
-    def authorised(request: web.Request) -> bool:
-        if expected is None:
-            return True
-        got = request.headers.get("Authorization", "").encode()
-        return hmac.compare_digest(got, expected)
-
-    def unauthorised() -> web.Response:
-        return web.json_response({"error": "missing or wrong admin token"}, status=401)
+    def bad(message: str) -> web.Response:
+        return error_response(message, 400)
 
     async def get_batch(request: web.Request) -> web.StreamResponse:
-        if not authorised(request):
-            return unauthorised()
+        require_admin(request)
         q = request.query
         try:
             learner_version = int(q["learner_version"])
@@ -68,61 +64,55 @@ def add_buffer_routes(app: web.Application, buf: Buffer, admin_token: str | None
             batch_size = int(q["batch_size"]) if "batch_size" in q else None
             timeout_s = float(q.get("timeout_s", 0.0))
         except (KeyError, ValueError) as e:
-            return web.json_response({"error": f"bad query: {e}; need learner_version (int), optional "
-                                      "max_staleness (int), batch_size (int), timeout_s (float)"}, status=400)
+            return bad(f"bad query: {e}; need learner_version (int), optional max_staleness (int), "
+                       "batch_size (int), timeout_s (float)")
         if buf.pollers >= buf.cfg.max_pollers:
-            return web.json_response({"error": "too many concurrent batch requests"}, status=429,
-                                     headers={"Retry-After": "1"})
+            return error_response("too many concurrent batch requests", 429, headers={"Retry-After": "1"})
         try:
             data = await buf.get_batch_encoded(learner_version, max_staleness, batch_size, timeout_s)
         except ValueError as e:
-            return web.json_response({"error": str(e)}, status=400)
+            return bad(str(e))
         if data is None:
             return web.Response(status=204)
         return web.Response(body=data, content_type="application/octet-stream")
 
     async def ack(request: web.Request) -> web.Response:
-        if not authorised(request):
-            return unauthorised()
+        require_admin(request)
         try:
             batch_id = str((await request.json())["batch_id"])
         except (KeyError, ValueError, TypeError) as e:
-            return web.json_response({"error": f"bad body, need {{'batch_id': str}}: {e}"}, status=400)
+            return bad(f"bad body, need {{'batch_id': str}}: {e}")
         if buf.ack(batch_id):
             return web.json_response({"acked": True})
-        return web.json_response({"acked": False, "error": "unknown batch (lease expired, released, or "
-                                  "buffer restarted); its samples will be served again"}, status=409)
+        return error_response("unknown batch (lease expired, released, or buffer restarted); its samples will "
+                              "be served again", 409, code="unknown_batch", acked=False)
 
     async def release(request: web.Request) -> web.Response:
-        if not authorised(request):
-            return unauthorised()
+        require_admin(request)
         return web.json_response({"released": buf.release_leases()})
 
     async def stats(request: web.Request) -> web.Response:
-        if not authorised(request):
-            return unauthorised()
+        require_admin(request)
         return web.json_response(buf.stats())
 
     producers: dict[str, tuple[int, float]] = {}  # producer -> (episodes in flight, when reported)
 
     async def put_samples(request: web.Request) -> web.Response:
-        if not authorised(request):
-            return unauthorised()
+        require_admin(request)
         try:
             batch = decode_batch(await request.read())
         except (CodecError, ValueError) as e:
-            return web.json_response({"error": f"body is not a batch of samples: {e}"}, status=400)
+            return bad(f"body is not a batch of samples: {e}")
         return web.json_response({"stored": await buf.put(batch.samples)})
 
     async def room(request: web.Request) -> web.Response:
-        if not authorised(request):
-            return unauthorised()
+        require_admin(request)
         try:
             body = await request.json()
             producer, in_flight = str(body["producer"]), int(body["in_flight"])
             timeout_s = min(30.0, max(0.0, float(body.get("timeout_s", 0.0))))
         except (KeyError, ValueError, TypeError) as e:
-            return web.json_response({"error": f"bad body, need producer, in_flight, timeout_s: {e}"}, status=400)
+            return bad(f"bad body, need producer, in_flight, timeout_s: {e}")
         now = time.monotonic()
         producers[producer] = (in_flight, now)
         for k in [k for k, (_, t) in producers.items() if now - t > 60.0]:
@@ -142,44 +132,13 @@ class BufferClient:
     """Async client of the buffer routes, for the learner (and, with ``put``, remote rollout workers)."""
 
     def __init__(self, base_url: str, admin_token: str | None = None, timeout_s: float = 30.0,
-                 retries: int = 3) -> None:
-        self.base_url = base_url.rstrip("/")
-        self.timeout_s = timeout_s
-        self.retries = retries
-        self._headers = {"Authorization": f"Bearer {admin_token}"} if admin_token else {}
-        self._session: aiohttp.ClientSession | None = None
+                 retries: int = 3, client: ServeClient | None = None) -> None:
+        self.http = client or ServeClient(base_url, admin_token or "", timeout_s=timeout_s, retries=retries)
+        self._owned = client is None
 
-    def _http(self) -> aiohttp.ClientSession:
-        if self._session is None or self._session.closed:
-            self._session = aiohttp.ClientSession(headers=self._headers)
-        return self._session
-
-    async def _request(self, method: str, path: str, *, extra_s: float = 0.0, **kw: Any) -> tuple[int, bytes]:
-        """One call with retries on connection errors, timeouts, 5xx and 429."""
-        attempt = 0
-        while True:
-            retry_after = 0.2 * 2**attempt
-            try:
-                timeout = aiohttp.ClientTimeout(total=self.timeout_s + extra_s)
-                async with self._http().request(method, self.base_url + path, timeout=timeout, **kw) as r:
-                    body = await r.read()
-                    if r.status < 500 and r.status != 429:
-                        return r.status, body
-                    if r.status == 429:
-                        retry_after = float(r.headers.get("Retry-After", "1"))
-                    err: Exception = BufferTransportError(f"{method} {path}: HTTP {r.status}: {body[:200]!r}")
-            except (aiohttp.ClientConnectionError, TimeoutError) as e:
-                err = BufferTransportError(f"{method} {path}: {type(e).__name__}: {e}")
-            if attempt >= self.retries:
-                raise err
-            attempt += 1
-            log.debug("buffer client: %s; retrying in %.1fs", err, retry_after)
-            await asyncio.sleep(retry_after)
-
-    @staticmethod
-    def _check(status: int, body: bytes, what: str) -> None:
-        if status >= 400:
-            raise BufferTransportError(f"{what}: HTTP {status}: {body[:300]!r}")
+    @property
+    def base_url(self) -> str:
+        return self.http.base_url
 
     async def get_batch(self, learner_version: int, max_staleness: int | None = None,
                         batch_size: int | None = None, timeout_s: float = 10.0,
@@ -191,47 +150,37 @@ class BufferClient:
             params["max_staleness"] = str(max_staleness)
         if batch_size is not None:
             params["batch_size"] = str(batch_size)
-        status, body = await self._request("GET", "/buffer/batch", params=params, extra_s=timeout_s)
-        if status == 204:
+        got = await self.http.request("GET", "/buffer/batch", params=params, accept={204},
+                                      timeout_s=self.http.timeout_s + timeout_s)
+        if got.status == 204:
             return None
-        self._check(status, body, "get_batch")
-        return decode_batch(body, as_arrays)
+        return decode_batch(got.body, as_arrays)
 
     async def ack(self, batch_id: str) -> bool:
         """True once the buffer has durably recorded the batch consumed; False if it no longer
         knows the batch (its samples will be served again)."""
-        status, body = await self._request("POST", "/buffer/ack", json={"batch_id": batch_id})
-        if status == 409:
-            return False
-        self._check(status, body, "ack")
-        return True
+        got = await self.http.request("POST", "/buffer/ack", json={"batch_id": batch_id}, accept={409})
+        return got.status != 409
 
     async def put(self, samples: list[Any]) -> int:
         """Store samples in serve's buffer (idempotent by sample id, so retries are safe)."""
         body = encode_batch(Batch(batch_id="put", samples=list(samples), learner_version=-1))
-        status, data = await self._request("POST", "/buffer/samples", data=body,
-                                           headers={"Content-Type": "application/octet-stream"})
-        self._check(status, data, "put")
-        return int(json.loads(data)["stored"])
+        got = await self.http.request("POST", "/buffer/samples", data=body,
+                                      headers={"Content-Type": "application/octet-stream"})
+        return int(got.json()["stored"])
 
     async def wait_for_room(self, producer: str, in_flight: int, timeout_s: float) -> int:
         """Admission control for a remote producer: how many episodes it may start now."""
-        status, data = await self._request("POST", "/buffer/room", extra_s=timeout_s,
-                                           json={"producer": producer, "in_flight": in_flight, "timeout_s": timeout_s})
-        self._check(status, data, "room")
-        return int(json.loads(data)["room"])
+        got = await self.http.json("POST", "/buffer/room", timeout_s=self.http.timeout_s + timeout_s,
+                                   json={"producer": producer, "in_flight": in_flight, "timeout_s": timeout_s})
+        return int(got["room"])
 
     async def release_leases(self) -> int:
-        status, body = await self._request("POST", "/buffer/release")
-        self._check(status, body, "release")
-        return int(json.loads(body)["released"])
+        return int((await self.http.json("POST", "/buffer/release"))["released"])
 
     async def stats(self) -> dict[str, Any]:
-        status, body = await self._request("GET", "/buffer/stats")
-        self._check(status, body, "stats")
-        return json.loads(body)
+        return await self.http.json("GET", "/buffer/stats")
 
     async def close(self) -> None:
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
+        if self._owned:
+            await self.http.close()

@@ -33,7 +33,8 @@ class Sample:
     reward: float
     sample_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     truncated: bool = False
-    error: str | None = None
+    error: str | None = None  # a failed episode's error, "<Class>: message"
+    error_kind: str | None = None  # which boundary failed (agentrl.errors.ErrorKind), None when none did
     info: dict[str, Any] = field(default_factory=dict)
     timings: dict[str, float] = field(default_factory=dict)
 
@@ -59,20 +60,9 @@ class Sample:
             return int(generated.min()) if generated.size else -1
         return min(generated) if generated else -1
 
-    @property
-    def max_version(self) -> int:
-        generated = self._generated_versions()
-        if isinstance(generated, np.ndarray):
-            return int(generated.max()) if generated.size else -1
-        return max(generated) if generated else -1
-
     def staleness(self, learner_version: int) -> int:
         """Learner version minus the oldest version that produced this sample's tokens."""
         return learner_version - self.min_version if self.min_version >= 0 else 0
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> Sample:
-        return cls(**d)

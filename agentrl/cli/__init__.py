@@ -27,6 +27,14 @@ def _setup_logging(verbose: bool = False) -> None:
                         format="%(asctime)s %(levelname).1s %(name)s: %(message)s", datefmt="%H:%M:%S")
     for noisy in ("aiohttp.access", "httpx", "urllib3", "filelock"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    # progress lines (the learner's step line, ...) for people: on stdout, as they are
+    progress = logging.getLogger("agentrl.progress")
+    if not progress.handlers:
+        handler = logging.StreamHandler(sys.stdout)
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        progress.addHandler(handler)
+        progress.propagate = False
+        progress.setLevel(logging.INFO)
 
 
 def _load(cls: type, args: argparse.Namespace, extra: list[str]) -> Any:
@@ -43,7 +51,7 @@ def cmd_serve(args: argparse.Namespace, extra: list[str]) -> int:
     _setup_logging(args.verbose)
     import asyncio
 
-    from agentrl.serve import serve_forever
+    from agentrl.serve.app import serve_forever
 
     asyncio.run(serve_forever(cfg))
     return 0
@@ -70,7 +78,7 @@ def cmd_run(args: argparse.Namespace, extra: list[str]) -> int:
 
 def cmd_config_show(args: argparse.Namespace, extra: list[str]) -> int:
     cls = {"serve": C.ServeConfig, "learn": C.LearnConfig, "run": C.RunConfig}[args.command_name]
-    print(C.to_toml(_load(cls, args, extra)), end="")
+    print(C.to_toml(_load(cls, args, extra), docs=True), end="")
     return 0
 
 
@@ -134,13 +142,14 @@ def cmd_eval(args: argparse.Namespace, extra: list[str]) -> int:
             raise SystemExit(f"agentrl eval: --env-config is not a JSON object: {e}") from None
     from agentrl.credentials import SecretError
     from agentrl.env.registry import UnknownEnvironmentError
+    from agentrl.rollout.config import EpisodeLimits
     from agentrl.rollout.evaluate import main as eval_main
 
+    limits = EpisodeLimits(max_turns=args.max_turns, max_tokens=args.max_tokens, temperature=args.temperature)
     try:
         return eval_main(args.env, args.endpoint, out=args.out, api_key_file=args.api_key_file or "",
                          tasks=args.tasks, split=args.split, env_config=env_config, model=args.model,
-                         max_turns=args.max_turns, max_tokens=args.max_tokens, temperature=args.temperature,
-                         concurrency=args.concurrency, success_reward=args.success_reward)
+                         limits=limits, concurrency=args.concurrency, success_reward=args.success_reward)
     except (UnknownEnvironmentError, SecretError) as e:
         raise SystemExit(f"agentrl eval: {e}") from None
 
@@ -157,6 +166,11 @@ def cmd_plot(args: argparse.Namespace, extra: list[str]) -> int:
     for path in paths:
         print(path)
     return 0
+
+
+# `agentrl eval`'s defaults are the config tree's (one definition, shared with agentrl run's evaluation)
+EVAL = C.EvalConfig()
+LIMITS = C.EpisodeLimits()
 
 
 def parser() -> argparse.ArgumentParser:
@@ -229,16 +243,19 @@ def parser() -> argparse.ArgumentParser:
                         "(never a command-line value).")
     ev.add_argument("--env", required=True, help="a registered environment (agentrl envs list)")
     ev.add_argument("--endpoint", required=True, help="OpenAI base URL ending in /v1, e.g. http://127.0.0.1:8000/v1")
-    ev.add_argument("--tasks", type=int, default=100, help="how many tasks, from the start of the split (default: %(default)s)")
+    ev.add_argument("--tasks", type=int, default=EVAL.tasks,
+                    help="how many tasks, from the start of the split (default: %(default)s)")
     ev.add_argument("--split", default="test", help="task split: test (alias heldout) or train (default: %(default)s)")
     ev.add_argument("--env-config", default="", help="environment keyword arguments as a JSON object")
     ev.add_argument("--model", default="", help="model name (default: the endpoint's first model)")
     ev.add_argument("--api-key-file", help="file holding the endpoint's API key")
-    ev.add_argument("--max-turns", type=int, default=4)
-    ev.add_argument("--max-tokens", type=int, default=128, help="completion tokens per model call")
-    ev.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default: greedy)")
-    ev.add_argument("--concurrency", type=int, default=16, help="episodes in flight")
-    ev.add_argument("--success-reward", type=float, default=0.0, help="an episode succeeds above this reward")
+    ev.add_argument("--max-turns", type=int, default=LIMITS.max_turns)
+    ev.add_argument("--max-tokens", type=int, default=LIMITS.max_tokens, help="completion tokens per model call")
+    ev.add_argument("--temperature", type=float, default=EVAL.temperature,
+                    help="sampling temperature (default: %(default)s, as the agent acts in training; 0: greedy)")
+    ev.add_argument("--concurrency", type=int, default=EVAL.concurrency, help="episodes in flight")
+    ev.add_argument("--success-reward", type=float, default=EVAL.success_reward,
+                    help="an episode succeeds above this reward")
     ev.add_argument("--out", help="JSON result file (default: runs/eval/ENV-SPLIT-TIME.json)")
     ev.set_defaults(fn=cmd_eval)
 

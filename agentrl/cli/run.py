@@ -44,21 +44,24 @@ def serve_command(serve_cfg: ServeConfig, run_dir: Path) -> list[str]:
 
 def wait_for_serve(url: str, serve: subprocess.Popen, timeout_s: float) -> None:
     """Wait until serve's router answers ``/health`` (its engines are up); fail if serve exits."""
-    import urllib.error
-    import urllib.request
+    from agentrl.client import ServeClient
+    from agentrl.errors import TransportError
 
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if serve.poll() is not None:
-            raise SystemExit(f"serve exited with code {serve.returncode} before it was ready")
-        try:
-            with urllib.request.urlopen(f"{url}/health", timeout=5) as r:
-                if r.status == 200:
-                    return
-        except (urllib.error.URLError, OSError):
-            pass
-        time.sleep(1.0)
-    raise SystemExit(f"serve at {url} was not healthy within {timeout_s:.0f} s")
+    async def wait() -> None:
+        deadline = time.monotonic() + timeout_s
+        async with ServeClient(url, timeout_s=5.0, retries=0) as client:
+            while time.monotonic() < deadline:
+                if serve.poll() is not None:
+                    raise SystemExit(f"serve exited with code {serve.returncode} before it was ready")
+                try:
+                    if (await client.request("GET", "/health", accept={503})).status == 200:
+                        return
+                except TransportError:
+                    pass
+                await asyncio.sleep(1.0)
+        raise SystemExit(f"serve at {url} was not healthy within {timeout_s:.0f} s")
+
+    asyncio.run(wait())
 
 
 def held_out_eval(cfg: RunConfig, url: str, label: str, run_dir: Path) -> Any:
@@ -66,15 +69,13 @@ def held_out_eval(cfg: RunConfig, url: str, label: str, run_dir: Path) -> Any:
     from agentrl.credentials import find_api_keys
     from agentrl.rollout.evaluate import evaluate, write_result
 
-    e = cfg.serve.env
+    e, ev = cfg.serve.env, cfg.eval
     keys = find_api_keys(cfg.serve.router.api_keys, cfg.serve.router.api_keys_file)
-    print(f"eval {label}: {cfg.eval.tasks} held-out {e.name} tasks at temperature {cfg.eval.temperature:g} ...",
-          flush=True)
+    print(f"eval {label}: {ev.tasks} held-out {e.name} tasks at temperature {ev.temperature:g} ...", flush=True)
     result = asyncio.run(evaluate(
-        e.name, f"{url}/v1", cfg.eval.tasks, split="test", env_config=e.config, api_key=keys[0] if keys else "",
-        max_turns=e.max_turns, max_tokens=e.max_tokens, max_episode_tokens=e.max_episode_tokens,
-        temperature=cfg.eval.temperature, top_p=e.top_p, episode_timeout_s=e.episode_timeout_s,
-        concurrency=cfg.eval.concurrency, success_reward=cfg.eval.success_reward))
+        e.name, f"{url}/v1", ev.tasks, split="test", env_config=e.config, api_key=keys[0] if keys else "",
+        limits=e.limits(temperature=ev.temperature), concurrency=ev.concurrency, success_reward=ev.success_reward,
+        sandbox_config=dataclasses.replace(cfg.serve.sandbox, warm=0, max_concurrency=ev.concurrency)))
     write_result(result, run_dir / f"eval_{label}.json")
     lo, hi = result.success_ci95
     print(f"eval {label}: success {result.success_rate:.3f} (95% CI {lo:.3f}-{hi:.3f}) over {result.n} tasks, "
@@ -83,20 +84,18 @@ def held_out_eval(cfg: RunConfig, url: str, label: str, run_dir: Path) -> Any:
 
 
 def run(cfg: RunConfig) -> int:
+    from agentrl.credentials import settle_admin_token
     from agentrl.learner.trainer import learn
-    from agentrl.serve import admin_token_for
 
     run_dir = Path(cfg.serve.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     # Settle the admin token before either side starts: serve reads its file, the learner gets it.
-    token = admin_token_for(cfg.serve, run_dir)
+    token = settle_admin_token(cfg.serve.admin_token, cfg.serve.admin_token_file, run_dir)
     cmd = serve_command(cfg.serve, run_dir)
-    learn_cfg = cfg.learn
-    learn_cfg.serve = f"http://{cfg.serve.router.host}:{cfg.serve.router.port}"
-    learn_cfg.run_dir = cfg.serve.run_dir
-    learn_cfg.admin_token = learn_cfg.admin_token or token
-    learn_cfg.batch_size = cfg.serve.buffer.batch_size
-    learn_cfg.max_staleness = cfg.serve.buffer.max_staleness
+    # the learner on this machine: serve's address and run directory filled in (it asks serve for
+    # the batch size and staleness bound, which the buffer section says once)
+    learn_cfg = dataclasses.replace(cfg.learn, serve=f"http://{cfg.serve.router.host}:{cfg.serve.router.port}",
+                                    run_dir=cfg.serve.run_dir, admin_token=cfg.learn.admin_token or token)
     log.info("starting serve (log: %s)", run_dir / "serve.log")
     with open(run_dir / "serve.log", "ab") as logf:
         serve = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)

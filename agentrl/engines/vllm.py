@@ -22,6 +22,8 @@ from pathlib import Path
 
 import aiohttp
 
+from agentrl.engines.config import EngineOptions
+
 log = logging.getLogger(__name__)
 
 _LIVE: set[subprocess.Popen] = set()
@@ -31,23 +33,15 @@ class EngineStartError(RuntimeError):
     """The engine process exited or did not become healthy in time."""
 
 
-@dataclass
-class EngineSpec:
-    """How to launch one vLLM engine."""
+@dataclass(kw_only=True)
+class EngineSpec(EngineOptions):
+    """How to launch one vLLM engine: what it serves and where, plus the run's engine options."""
 
     model: str
     served_name: str = "agentrl"
     host: str = "127.0.0.1"
     port: int = 8100
-    max_model_len: int = 4096
-    dtype: str = "float32"
-    enforce_eager: bool = True
-    kv_cache_gb: float = 1.0
-    gpu: bool = False
-    tool_parser: str = "hermes"
-    cpu_cores: str = ""  # CPU only: "" keeps vLLM's default (one core left free), "all", or e.g. "0-3"
-    extra_args: list[str] = field(default_factory=list)
-    env: dict[str, str] = field(default_factory=dict)
+    env: dict[str, str] = field(default_factory=dict)  # extra environment variables for the engine process
 
     def command(self) -> list[str]:
         cmd = [

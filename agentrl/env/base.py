@@ -1,6 +1,7 @@
 """The environment API: what users write.
 
-Override in :class:`Environment`: ``tasks``, ``reset`` and ``step``. Most environments are tool
+Override in :class:`Environment`: ``tasks``, ``reset`` and ``step`` (and ``reward`` to score an
+external scaffold's final answer another way than one ``step``). Most environments are tool
 environments: subclass :class:`ToolEnv`, mark methods with ``@agentrl.tool``, implement
 ``prompt`` and ``reward``; the machinery turns the model's tool calls into tool messages.
 
@@ -12,7 +13,6 @@ task. A sandbox, when the class names an image, is attached by the rollout machi
 from __future__ import annotations
 
 import functools
-import json
 import logging
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
@@ -69,6 +69,15 @@ class Environment(ABC):
     @abstractmethod
     async def step(self, message: Message) -> StepResult:
         """Answer one assistant message (OpenAI format: content and/or tool_calls)."""
+
+    async def reward(self, task: dict[str, Any], answer: str) -> float:
+        """Score a final plain-text ``answer`` to ``task`` (an external scaffold's outcome).
+
+        Default: the environment's own verdict on one assistant message holding the answer
+        (``step``'s reward); tool environments override it.
+        """
+        result = await self.step({"role": "assistant", "content": answer})
+        return float(result.reward)
 
     async def close(self) -> None:  # noqa: B027 - an optional hook, empty on purpose
         """Hook: release what the episode held (the sandbox is released by the machinery)."""
@@ -177,8 +186,3 @@ class ToolEnv(Environment):
 def _tool_names(cls: type) -> tuple[str, ...]:
     """Names of a class's ``@tool`` methods, found once per class (not once per episode)."""
     return tuple(name for name in dir(cls) if getattr(getattr(cls, name, None), "__agentrl_tool__", False))
-
-
-def format_tool_call(name: str, arguments: dict[str, Any]) -> str:
-    """The text form of a tool call in the project's ChatML templates."""
-    return "<tool_call>\n" + json.dumps({"name": name, "arguments": arguments}) + "\n</tool_call>"

@@ -42,7 +42,7 @@ def show_env(name: str, out: Write = sys.stdout.write, **config: Any) -> int:
     env = make(name, **config)
     task = next(iter(env.tasks("test")))
     info: dict[str, Any] = {"name": name, "class": f"{type(env).__module__}.{type(env).__qualname__}",
-                            "about": _summary(type(env)), "sandbox_image": getattr(env, "sandbox_image", None),
+                            "about": _summary(type(env)), "sandbox_image": env.sandbox_image,
                             "example_task": task}
     if not info["sandbox_image"] or hasattr(env, "prompt"):
         with contextlib.suppress(Exception):  # an opening that needs a sandbox is shown without it
@@ -79,11 +79,13 @@ async def try_episode(name: str, endpoint: str, *, model: str = "", task: dict[s
     async with contextlib.AsyncExitStack() as stack:
         http = await stack.enter_async_context(aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)))
         stack.push_async_callback(env.close)
-        if getattr(env, "sandbox_image", None):
-            from agentrl.sandbox import SandboxConfig, SandboxPool
+        from agentrl.sandbox.attach import attached, pool_for
+        from agentrl.sandbox.types import SandboxConfig
 
-            pool = await stack.enter_async_context(SandboxPool(sandbox_config or SandboxConfig(warm=0), "envs-try"))
-            env.sandbox = await stack.enter_async_context(pool.acquire())
+        pool = await pool_for(env.sandbox_image, sandbox_config or SandboxConfig(warm=0), "envs-try")
+        if pool is not None:
+            stack.push_async_callback(pool.close)
+        await stack.enter_async_context(attached(env, pool))
         model = model or await _model_name(http, endpoint)
         opening = await env.reset(task)
         messages = list(opening.messages)

@@ -121,15 +121,15 @@ class GymEnv(gymnasium.Env):
             await self._episode.aclose()
         self._episode = contextlib.AsyncExitStack()
         self.env.sandbox = None
-        if getattr(self.env, "sandbox_image", None):
+        if self.env.sandbox_image and self._pool is None:
             if self._sandbox_config is None:
                 raise ValueError(f"{type(self.env).__name__} needs a sandbox: pass sandbox_config=SandboxConfig(...)")
-            if self._pool is None:
-                from agentrl.sandbox import SandboxPool
+            from agentrl.sandbox.attach import pool_for
 
-                self._pool = SandboxPool(self._sandbox_config, instance_id=f"gym-{id(self):x}")
-                await self._pool.start()
-            self.env.sandbox = await self._episode.enter_async_context(self._pool.acquire())
+            self._pool = await pool_for(self.env.sandbox_image, self._sandbox_config, f"gym-{id(self):x}")
+        from agentrl.sandbox.attach import attached
+
+        await self._episode.enter_async_context(attached(self.env, self._pool))
         return await self.env.reset(task)
 
     def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> tuple[str, dict[str, Any]]:

@@ -44,10 +44,15 @@ class ServeSource:
 
     def __init__(self, cfg: LearnConfig) -> None:
         from agentrl.buffer import BufferClient
+        from agentrl.client import ServeClient
 
         self.cfg = cfg
         self.token = self._token()
-        self.client = BufferClient(cfg.serve, self.token, timeout_s=60.0)
+        self.http = ServeClient(cfg.serve, self.token, timeout_s=60.0)
+        self.client = BufferClient(cfg.serve, client=self.http)
+        # the batch size and staleness bound: the learner's own, or (0 / -1) serve's buffer's (info)
+        self.batch_size = cfg.batch_size or None
+        self.max_staleness = cfg.max_staleness if cfg.max_staleness >= 0 else None
 
     def _token(self) -> str:
         from agentrl.credentials import SecretError, find_admin_token
@@ -64,26 +69,33 @@ class ServeSource:
         return token
 
     async def info(self) -> dict[str, Any]:
-        import aiohttp
+        """serve's model and version (waiting for serve up to ``batch_timeout_s``); fills in the batch
+        size and staleness bound the learner takes from serve's buffer."""
+        from agentrl.errors import TransportError
 
         cfg = self.cfg
         deadline = time.monotonic() + cfg.batch_timeout_s
-        async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {self.token}"}) as http:
-            while True:
-                try:
-                    async with http.get(f"{cfg.serve}/admin/info", timeout=aiohttp.ClientTimeout(total=10)) as r:
-                        if r.status == 200:
-                            return await r.json()
-                        raise SystemExit(f"serve at {cfg.serve} answered {r.status}: {await r.text()}")
-                except (TimeoutError, aiohttp.ClientConnectionError):
-                    if time.monotonic() > deadline:
-                        raise SystemExit(f"serve at {cfg.serve} did not answer") from None
-                    log.info("waiting for serve at %s", cfg.serve)
-                    await asyncio.sleep(2.0)
+        while True:
+            try:
+                info = await self.http.json("GET", "/admin/info", timeout_s=10.0, retries=0)
+                break
+            except TransportError as e:
+                if not e.retryable:
+                    raise SystemExit(f"serve at {cfg.serve} refused /admin/info: {e}") from None
+                if time.monotonic() > deadline:
+                    raise SystemExit(f"serve at {cfg.serve} did not answer: {e}") from None
+                log.info("waiting for serve at %s", cfg.serve)
+                await asyncio.sleep(2.0)
+        if self.batch_size is None:
+            self.batch_size = int(info.get("batch_size") or 16)
+        if self.max_staleness is None:
+            self.max_staleness = int(info.get("max_staleness", 2))
+        log.info("batches of %d samples at most %d versions old", self.batch_size, self.max_staleness)
+        return info
 
     async def get_batch(self, version: int) -> tuple[str, list[Any]] | None:
         # numpy per-token fields straight from the wire bytes; packing makes tensors of them
-        batch = await self.client.get_batch(version, self.cfg.max_staleness, self.cfg.batch_size, timeout_s=30.0,
+        batch = await self.client.get_batch(version, self.max_staleness, self.batch_size, timeout_s=30.0,
                                             as_arrays=True)
         return None if batch is None else (batch.batch_id, batch.samples)
 
@@ -106,4 +118,4 @@ class ServeSource:
         return await self.client.release_leases()
 
     async def close(self) -> None:
-        await self.client.close()
+        await self.http.close()

@@ -110,9 +110,9 @@ def train_step(state: TrainState, samples: Sequence[Any], cfg: LearnConfig, vers
         mb = [usable[j] for j in idx]
         t = pad_batch(mb, state.pad_id)
         logp = packed_logprobs(model, mb, ctx.device)
-        loss, st = compute_loss(cfg.loss, cfg.correction, logp=logp, logp_behaviour=t["behaviour"].to(ctx.device),
+        loss, st = compute_loss(**cfg.loss.arguments(), logp=logp, logp_behaviour=t["behaviour"].to(ctx.device),
                                 advantages=adv[idx].to(ctx.device), mask=t["mask"].to(ctx.device),
-                                tis_cap=cfg.tis_cap, denominator=float(max(1, total_tokens)))
+                                denominator=float(max(1, total_tokens)))
         (loss * ctx.world).backward()
         loss_sum += float(loss.detach())
         row_stats.append((float(t["mask"].sum()) / max(1, total_tokens), {k: float(v) for k, v in st.items()}))

@@ -30,6 +30,8 @@ from agentrl.learner.packing import pad_batch, token_logprobs
 __all__ = ["Learner", "learn", "pad_batch", "token_logprobs"]
 
 log = logging.getLogger(__name__)
+# one line per step, for people (the CLI shows this logger's messages as they are, without a prefix)
+progress = logging.getLogger("agentrl.progress")
 
 
 class Learner:
@@ -151,7 +153,7 @@ class Learner:
                         flat = flatten({k: v for k, v in row.items() if k not in ("time", "step")})
                         for w in writers:
                             w.write(state.step, flat)
-                    print(self._line(row), flush=True)
+                    progress.info(self._line(row))
             if cfg.export_dir:
                 await asyncio.to_thread(export_hf, model, ctx, model_path, cfg.export_dir)
         finally:

@@ -100,3 +100,16 @@ def build_tiny_agent_model(out: Path) -> Path:
                           direct_frac=AGENT_RECIPE["direct_frac"], seed=AGENT_RECIPE["seed"])
 
     return _build_once(out, {"recipe": AGENT_RECIPE}, build)
+
+
+def eos_token_ids(model_dir: str) -> set[int]:
+    """End-of-turn token ids from a model folder's generation/model config."""
+    import json
+
+    ids: set[int] = set()
+    for name in ("generation_config.json", "config.json"):
+        p = Path(model_dir) / name
+        if p.exists():
+            v = json.loads(p.read_text()).get("eos_token_id")
+            ids.update(v if isinstance(v, list) else [v] if v is not None else [])
+    return ids

@@ -5,13 +5,11 @@ from __future__ import annotations
 import json
 import random
 
+# the models are warm-started on the arithmetic environment's own problems (models import
+# environments, never the other way round)
+from environments.arithmetic.problems import arithmetic_problem
 
-def arithmetic_problem(rng: random.Random) -> tuple[str, int]:
-    """A small expression and its value, e.g. ("37 * 12 + 5", 449)."""
-    a, b, c = rng.randint(2, 99), rng.randint(2, 99), rng.randint(1, 99)
-    op1, op2 = rng.choice("+-*"), rng.choice("+-")
-    expr = f"{a} {op1} {b} {op2} {c}" if rng.random() < 0.6 else f"{a} {op1} {b}"
-    return expr, int(eval(expr))  # noqa: S307 - expr is built above from digits and operators
+__all__ = ["arithmetic_problem", "arithmetic_transcript_text"]
 
 
 def arithmetic_transcript_text(rng: random.Random) -> str:

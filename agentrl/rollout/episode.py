@@ -4,8 +4,12 @@ model call -> tool calls -> observations -> ... until the environment terminates
 token or wall-clock limit truncates the episode (still data, flagged with why). Every model call
 goes through a router session, so the episode's samples carry the engine's exact tokens, behaviour
 logprobs and per-token policy versions. An environment that raises produces a failed episode
-(error recorded by class), never an exception out of this function; the sandbox is released
-whatever happens, cancellation included.
+(its ``error_kind`` says which boundary failed, ``error`` what happened), never an exception out of
+this function; the sandbox is released whatever happens, cancellation included.
+
+The loop talks to a :class:`~agentrl.rollout.protocols.ChatClient` (serve's router in-process or
+over HTTP, or a plain OpenAI endpoint); :class:`BuiltinLoop` is its
+:class:`~agentrl.rollout.protocols.EpisodeProducer` for the orchestrator.
 """
 
 from __future__ import annotations
@@ -21,23 +25,19 @@ from typing import Any
 
 from agentrl.buffer.sample import Sample
 from agentrl.env import make
-from agentrl.errors import EnvironmentFailure
-from agentrl.router.core import Router
-from agentrl.router.errors import EngineError, InvalidRequest
+from agentrl.errors import EnvironmentFailure, ErrorKind, ScaffoldError, TransportError
+from agentrl.rollout.config import EpisodeLimits
+from agentrl.rollout.protocols import ChatClient
+from agentrl.router.errors import EngineError, InvalidRequest, RouterError
+from agentrl.router.sessions import SessionSummary
+from agentrl.sandbox.attach import attached
+from agentrl.sandbox.types import SandboxError
 
 log = logging.getLogger(__name__)
 
+__all__ = ["BuiltinLoop", "EpisodeLimits", "EpisodeResult", "error_kind", "run_episode"]
+
 _MESSAGE_KEYS = ("role", "content", "tool_calls")
-
-
-@dataclass
-class EpisodeLimits:
-    max_turns: int = 4
-    max_tokens: int = 128  # per model call
-    max_episode_tokens: int = 1024
-    timeout_s: float = 300.0
-    temperature: float = 1.0
-    top_p: float = 1.0
 
 
 @dataclass
@@ -52,6 +52,7 @@ class EpisodeResult:
     truncated: bool = False
     truncation: str | None = None  # "max_turns" | "max_tokens" | "timeout" | "context" | "env"
     error: str | None = None  # "<ErrorClass>: message" for failed episodes
+    error_kind: ErrorKind | None = None  # which boundary failed (model, environment, sandbox, ...)
     sandbox_id: str | None = None
     completion_tokens: int = 0
     versions: list[int] = field(default_factory=list)
@@ -66,6 +67,23 @@ class EpisodeResult:
         d["num_samples"] = len(self.samples)
         return d
 
+    def fail(self, kind: ErrorKind, message: str) -> None:
+        self.error_kind, self.error = kind, message
+
+
+def error_kind(e: BaseException) -> ErrorKind:
+    """The boundary an exception crossed, as a failed episode records it."""
+    if isinstance(e, ScaffoldError):
+        return "scaffold"
+    if isinstance(e, SandboxError):
+        return "sandbox"
+    if isinstance(e, TransportError):
+        return "transport"
+    if isinstance(e, EngineError):
+        return "model"
+    # the environment's own failure, or a request built from it that the router refused (4xx)
+    return "environment"
+
 
 def _clean(message: dict[str, Any]) -> dict[str, Any]:
     out = {k: message[k] for k in _MESSAGE_KEYS if message.get(k) is not None}
@@ -73,45 +91,52 @@ def _clean(message: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-async def run_episode(router: Router, env_name: str, task: dict[str, Any], *, group_id: str,
+async def run_episode(client: ChatClient, env_name: str, task: dict[str, Any], *, group_id: str,
                       env_config: dict[str, Any] | None = None, sandbox_pool: Any = None,
                       limits: EpisodeLimits | None = None) -> EpisodeResult:
     limits = limits or EpisodeLimits()
     ep = EpisodeResult(episode_id=uuid.uuid4().hex, group_id=group_id, env=env_name,
                        task_id=str(task.get("id", "")), started=time.time())
     t0 = time.monotonic()
-    router.open_session(ep.episode_id, group_id=group_id, env=env_name)
+    await client.begin(ep.episode_id, group_id=group_id, env=env_name)
     try:
-        async with asyncio.timeout(limits.timeout_s):
-            await _episode_body(router, env_name, task, env_config or {}, sandbox_pool, limits, ep)
+        async with asyncio.timeout(limits.episode_timeout_s):
+            await _episode_body(client, env_name, task, env_config or {}, sandbox_pool, limits, ep)
     except TimeoutError:
         ep.truncated, ep.truncation = True, "timeout"
     except EnvironmentFailure as e:
-        ep.error = f"EnvironmentError: {e}"
+        ep.fail("environment", f"EnvironmentError: {e}")
     except EngineError as e:
-        ep.error = f"ModelError: {e.message}"
-    except Exception as e:  # sandbox infrastructure and anything unforeseen: recorded, counted
-        ep.error = f"{type(e).__name__}: {e}"
+        ep.fail("model", f"ModelError: {e.message}")
+    except Exception as e:  # sandbox infrastructure, transport and anything unforeseen: recorded, counted
+        ep.fail(error_kind(e), f"{type(e).__name__}: {e}")
         log.warning("episode %s failed: %s", ep.episode_id, ep.error)
     finally:
         ep.seconds = time.monotonic() - t0
-        fetch = getattr(router, "fetch_session", None)
-        if fetch is not None:  # serve's router over HTTP (a Ray rollout worker): bring the records here
-            await fetch(ep.episode_id)
-        finish_samples(router, ep)
+        await finish_samples(client, ep)
     return ep
 
 
-def finish_samples(router: Router, ep: EpisodeResult) -> None:
-    """Close the episode's session and turn its records into ``ep.samples`` (at least one sample:
-    an episode with no model call gets an empty, flagged one so its group stays countable)."""
-    session = router.close_session(ep.episode_id)
-    if session is not None:
-        ep.splits = session.splits
-        ep.samples = _samples(session, ep)
+async def finish_samples(client: ChatClient, ep: EpisodeResult,
+                         summary: SessionSummary | None = None) -> SessionSummary | None:
+    """Close the episode's session (unless ``summary`` says it is closed) and turn its records into
+    ``ep.samples`` (at least one sample: an episode with no model call gets an empty, flagged one so
+    its group stays countable)."""
+    if summary is None:
+        try:
+            summary = await asyncio.shield(client.end(ep.episode_id))
+        except (TransportError, RouterError) as e:  # the session's records are lost with serve's answer
+            log.warning("could not close session %s: %s", ep.episode_id, e)
+            if ep.error is None:
+                ep.fail("transport", f"TransportError: could not close the session: {e}")
+    if summary is not None:
+        ep.splits = summary.splits
+        ep.samples = _samples(summary, ep)
     if not ep.samples:
         ep.samples = [Sample([], [], [], [], episode_id=ep.episode_id, group_id=ep.group_id, env=ep.env,
-                             reward=0.0, truncated=ep.truncated, error=ep.error or "NoModelCall")]
+                             reward=0.0, truncated=ep.truncated, error=ep.error or "NoModelCall",
+                             error_kind=ep.error_kind)]
+    return summary
 
 
 @contextlib.asynccontextmanager
@@ -125,15 +150,13 @@ async def episode_env(env_name: str, env_config: dict[str, Any], sandbox_pool: A
         raise EnvironmentFailure(f"could not build {env_name!r}: {type(e).__name__}: {e}") from e
     async with contextlib.AsyncExitStack() as stack:
         stack.push_async_callback(_close_env, env)
-        if getattr(env, "sandbox_image", None):
-            if sandbox_pool is None:
-                raise EnvironmentFailure(f"{env_name} needs a sandbox but none is configured")
-            env.sandbox = await stack.enter_async_context(sandbox_pool.acquire())
+        await stack.enter_async_context(attached(env, sandbox_pool))
+        if env.sandbox is not None:
             ep.sandbox_id = env.sandbox.id
         yield env
 
 
-async def _episode_body(router: Router, env_name: str, task: dict[str, Any], env_config: dict[str, Any],
+async def _episode_body(client: ChatClient, env_name: str, task: dict[str, Any], env_config: dict[str, Any],
                         sandbox_pool: Any, limits: EpisodeLimits, ep: EpisodeResult) -> None:
     async with episode_env(env_name, env_config, sandbox_pool, ep) as env:
         try:
@@ -154,7 +177,7 @@ async def _episode_body(router: Router, env_name: str, task: dict[str, Any], env
             if opening.tools:
                 body["tools"] = opening.tools
             try:
-                out = await router.chat(body, session_id=ep.episode_id)
+                out = await client.chat(body, session_id=ep.episode_id)
             except InvalidRequest as e:
                 if e.code == "context_length_exceeded":
                     ep.truncated, ep.truncation = True, "context"
@@ -193,16 +216,31 @@ async def _close_env(env: Any) -> None:
         log.warning("environment close() raised", exc_info=True)
 
 
-def _samples(session: Any, ep: EpisodeResult) -> list[Sample]:
+def _samples(summary: SessionSummary, ep: EpisodeResult) -> list[Sample]:
     out = []
     # numpy per-token fields, built once: the buffer stores their bytes without converting lists
-    for st in session.samples(as_arrays=True):
+    for st in summary.samples:
         out.append(Sample(
             token_ids=st.token_ids, loss_mask=st.loss_mask, logprobs=st.logprobs, versions=st.versions,
             episode_id=ep.episode_id, group_id=ep.group_id, env=ep.env, reward=ep.reward,
-            truncated=ep.truncated, error=ep.error,
+            truncated=ep.truncated, error=ep.error, error_kind=ep.error_kind,
             info={"task_id": ep.task_id, "turns": ep.turns, "sandbox_id": ep.sandbox_id, "calls": st.calls,
                   "truncation": ep.truncation, "splits": ep.splits},
             timings={"episode_s": ep.seconds, "started": ep.started},
         ))
     return out
+
+
+@dataclass
+class BuiltinLoop:
+    """The orchestrator's producer for the built-in agent loop: ``await loop(task, group_id)``."""
+
+    client: ChatClient
+    env_name: str
+    env_config: dict[str, Any]
+    limits: EpisodeLimits
+    sandbox_pool: Any = None
+
+    async def __call__(self, task: dict[str, Any], group_id: str) -> EpisodeResult:
+        return await run_episode(self.client, self.env_name, task, group_id=group_id, env_config=self.env_config,
+                                 sandbox_pool=self.sandbox_pool, limits=self.limits)

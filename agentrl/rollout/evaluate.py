@@ -15,6 +15,7 @@ the success rate and a normal-approximation interval for the mean reward, so two
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import math
@@ -24,8 +25,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from agentrl.rollout.config import EpisodeLimits
 from agentrl.rollout.remote import OpenAIChat
 from agentrl.router.errors import RouterError
+from agentrl.sandbox.types import SandboxConfig
 
 log = logging.getLogger(__name__)
 
@@ -109,56 +112,46 @@ def is_success(ep: Any, success_reward: float = 0.0) -> bool:
 
 async def evaluate(env: str, endpoint: Any, tasks: int | list[dict[str, Any]] = 100, *, split: str = "test",
                    env_config: dict[str, Any] | None = None, api_key: str = "", model: str = "",
-                   max_turns: int = 4, max_tokens: int = 128, max_episode_tokens: int = 1024,
-                   temperature: float = 0.0, top_p: float = 1.0, episode_timeout_s: float = 300.0,
-                   concurrency: int = 16, success_reward: float = 0.0, sandbox_pool: Any = None,
-                   sandbox_config: Any = None) -> EvalResult:
+                   limits: EpisodeLimits | None = None, concurrency: int = 32, success_reward: float = 0.0,
+                   sandbox_pool: Any = None, sandbox_config: SandboxConfig | None = None) -> EvalResult:
     """Run one episode per task and measure success.
 
-    ``endpoint``: an OpenAI base URL ending in ``/v1`` or an object with the router's ``chat`` /
-    ``open_session`` / ``close_session`` (a :class:`Router`). ``tasks``: how many of ``split``'s
-    tasks (from the start, so two evaluations see the same tasks) or the task dicts themselves.
-    Environments that need a sandbox get a pool here unless ``sandbox_pool`` is given.
+    ``endpoint``: an OpenAI base URL ending in ``/v1`` or a :class:`~agentrl.rollout.protocols.ChatClient`
+    (e.g. a :class:`Router`). ``tasks``: how many of ``split``'s tasks (from the start, so two
+    evaluations see the same tasks) or the task dicts themselves. ``limits``: the episode limits and
+    sampling (default :class:`EpisodeLimits` at temperature 1). Environments that need a sandbox get
+    a pool here (``sandbox_config``'s limits) unless ``sandbox_pool`` is given.
     """
     from agentrl.env import lookup
-    from agentrl.rollout.episode import EpisodeLimits, run_episode
+    from agentrl.rollout.episode import run_episode
+    from agentrl.sandbox.attach import pool_for
 
     env_config = dict(env_config or {})
+    limits = limits or EpisodeLimits()
     task_list = eval_tasks(env, env_config, split, tasks) if isinstance(tasks, int) else list(tasks)
-    limits = EpisodeLimits(max_turns=max_turns, max_tokens=max_tokens, max_episode_tokens=max_episode_tokens,
-                           timeout_s=episode_timeout_s, temperature=temperature, top_p=top_p)
     t0 = time.monotonic()
-    owned: list[Any] = []
-    try:
+    async with contextlib.AsyncExitStack() as stack:
         if isinstance(endpoint, str):
-            client = OpenAIChat(endpoint, api_key=api_key, model=model, timeout_s=episode_timeout_s)
-            await client.__aenter__()
-            owned.append(client)
-            router, endpoint_name, model_name = client, endpoint, client.model
+            client = await stack.enter_async_context(OpenAIChat(endpoint, api_key=api_key, model=model,
+                                                                timeout_s=limits.episode_timeout_s))
+            endpoint_name = endpoint
         else:
-            router, endpoint_name, model_name = endpoint, "in-process router", getattr(endpoint, "model_name", "")
-        if sandbox_pool is None and getattr(lookup(env), "sandbox_image", None):
-            from agentrl.sandbox import SandboxConfig, SandboxPool
-
-            cfg = sandbox_config or SandboxConfig(image=lookup(env).sandbox_image, warm=0,
-                                                  max_concurrency=concurrency)
-            sandbox_pool = SandboxPool(cfg, instance_id=f"eval-{uuid.uuid4().hex[:6]}")
-            await sandbox_pool.start()
-            owned.append(sandbox_pool)
+            client, endpoint_name = endpoint, "in-process router"
+        if sandbox_pool is None:
+            sandbox_pool = await pool_for(lookup(env).sandbox_image,
+                                          sandbox_config or SandboxConfig(warm=0, max_concurrency=concurrency),
+                                          f"eval-{uuid.uuid4().hex[:6]}")
+            if sandbox_pool is not None:
+                stack.push_async_callback(sandbox_pool.close)
         gate = asyncio.Semaphore(max(1, concurrency))
 
         async def one(task: dict[str, Any]) -> Any:
             async with gate:
-                return await run_episode(router, env, task, group_id=f"eval-{task.get('id', '')}",
+                return await run_episode(client, env, task, group_id=f"eval-{task.get('id', '')}",
                                          env_config=env_config, sandbox_pool=sandbox_pool, limits=limits)
 
         episodes = await asyncio.gather(*(one(t) for t in task_list))
-    finally:
-        for thing in reversed(owned):
-            if isinstance(thing, OpenAIChat):
-                await thing.__aexit__(None, None, None)
-            else:
-                await thing.close()
+        model_name = client.model_name
     wins = [is_success(ep, success_reward) for ep in episodes]
     rewards = [float(ep.reward) for ep in episodes]
     reward_mean, rlo, rhi = mean_interval(rewards)
@@ -178,7 +171,7 @@ async def evaluate(env: str, endpoint: Any, tasks: int | list[dict[str, Any]] = 
         reward_mean=reward_mean, reward_ci95=(rlo, rhi), failed=len(errors),
         truncated=sum(bool(ep.truncated) for ep in episodes),
         turns_mean=sum(ep.turns for ep in episodes) / n if n else 0.0, seconds=time.monotonic() - t0,
-        temperature=temperature, episodes=rows)
+        temperature=limits.temperature, episodes=rows)
 
 
 def write_result(result: EvalResult, path: str | Path) -> Path:

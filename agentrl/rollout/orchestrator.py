@@ -2,74 +2,97 @@
 
 It starts a group of G episodes on one task only while the buffer's admission rule allows it
 (in flight plus buffered at most (max_staleness + 1) x batch size, so little is generated only to be
-thrown away as stale) and while fewer than ``max_concurrency`` episodes run. Finished episodes go
-to the buffer (durable) and to ``episodes.jsonl`` in the run directory. Episodes are played by
-``episode_fn``: the built-in agent loop (:func:`run_episode`) unless serve is given an external
-scaffold (:func:`agentrl.rollout.scaffold.scaffold_producer`), which takes the same arguments.
+thrown away as stale) and while fewer than ``max_concurrency`` episodes run. Episodes are played
+by an :class:`~agentrl.rollout.protocols.EpisodeProducer` (the built-in agent loop or an external
+scaffold: the orchestrator does not know which); finished episodes go to a
+:class:`~agentrl.rollout.protocols.BufferSink` (durable) and to ``episodes.jsonl`` in the run
+directory.
+
+Tasks are drawn lazily from the environment's train split and the split is read again when it
+runs out, so a task source may be huge or endless and memory stays bounded. Episodes that failed
+at an infrastructure boundary (model, transport, sandbox: :data:`agentrl.errors.INFRASTRUCTURE`)
+make it back off before starting more, whoever played them.
 
 ``sync=True`` turns it into the synchronous baseline that the asynchronous design is measured
 against (``benchmarks/async_vs_sync.py``): start one batch of groups, wait for the slowest
 episode, then wait until the learner has trained on the batch and the engines serve the new
-weights, and only then start the next batch.
+weights (``policy_version``), and only then start the next batch.
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
 import json
 import logging
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 from agentrl.env import make
-from agentrl.rollout.episode import EpisodeLimits, EpisodeResult, run_episode
+from agentrl.errors import INFRASTRUCTURE
+from agentrl.rollout.episode import EpisodeResult
+from agentrl.rollout.protocols import BufferSink, EpisodeProducer
 
 log = logging.getLogger(__name__)
 
 
+def task_stream(env_name: str, env_config: dict[str, Any], split: str = "train") -> Iterator[dict[str, Any]]:
+    """The split's tasks, read lazily and read again from the start whenever they run out."""
+    env = make(env_name, **env_config)
+    while True:
+        n = 0
+        for task in env.tasks(split):
+            n += 1
+            yield task
+        if n == 0:
+            raise ValueError(f"environment {env_name!r} has no tasks in split {split!r}")
+
+
 class Orchestrator:
-    def __init__(self, *, router: Any, buffer: Any, env_name: str, env_config: dict[str, Any],
-                 group_size: int, limits: EpisodeLimits, max_concurrency: int, sandbox_pool: Any = None,
-                 run_dir: Path | None = None, max_episodes: int = 0,
-                 episode_fn: Callable[..., Awaitable[EpisodeResult]] = run_episode,
-                 sync: bool = False, batch_size: int = 0,
+    def __init__(self, producer: EpisodeProducer, sink: BufferSink, *, env_name: str,
+                 env_config: dict[str, Any] | None = None, group_size: int, max_concurrency: int,
+                 run_dir: Path | None = None, max_episodes: int = 0, sync: bool = False, batch_size: int = 0,
+                 policy_version: Callable[[], int] | None = None,
                  episode_log: Callable[[dict[str, Any]], Any] | None = None) -> None:
         """``episode_log``: also given each finished episode's summary line (a rollout worker on
-        another machine sends them to serve's ``episodes.jsonl``)."""
-        self.router, self.buffer = router, buffer
-        self.env_name, self.env_config = env_name, env_config
-        self.group_size, self.limits = group_size, limits
+        another machine sends them to serve's ``episodes.jsonl``). ``policy_version``: the version
+        the engines serve (the sync baseline waits for it to move)."""
+        self.producer, self.sink = producer, sink
+        self.env_name, self.env_config = env_name, dict(env_config or {})
+        self.group_size = group_size
         self.max_concurrency = max_concurrency
-        self.sandbox_pool = sandbox_pool
         self.max_episodes = max_episodes
-        self.episode_fn = episode_fn
         self.sync, self.batch_size = sync, batch_size
+        self.policy_version = policy_version
         self.in_flight = 0
         self.counters: dict[str, float] = {"episodes": 0, "failed": 0, "truncated": 0, "samples": 0,
                                            "reward_sum": 0.0, "tool_calls": 0}
+        self.failed_by_kind: dict[str, int] = {}
         self._log_path = run_dir / "episodes.jsonl" if run_dir else None
         self._episode_log = episode_log
         self._tasks: set[asyncio.Task] = set()
         self._started = 0
-        self._infra_failures = 0  # consecutive episodes that failed for want of a working engine
+        self._infra_failures = 0  # consecutive episodes that failed at an infrastructure boundary
 
     @property
     def started(self) -> int:
         """Episodes started so far (whole groups; what ``max_episodes`` bounds)."""
         return self._started
 
+    @property
+    def backing_off(self) -> bool:
+        return self._infra_failures > 0
+
     async def run(self) -> None:
-        tasks = itertools.cycle(list(make(self.env_name, **self.env_config).tasks("train")))
+        tasks = task_stream(self.env_name, self.env_config)
         try:
             if self.sync:
                 await self._run_sync(tasks)
                 return
             while not self.max_episodes or self._started < self.max_episodes:
-                room = await self.buffer.wait_for_room(self.in_flight + self.group_size - 1, timeout_s=5.0)
+                room = await self.sink.wait_for_room(self.in_flight + self.group_size - 1, timeout_s=5.0)
                 if room <= 0 or self.in_flight + self.group_size > max(self.max_concurrency, self.group_size):
                     await asyncio.sleep(0.05)
                     continue
@@ -85,14 +108,16 @@ class Orchestrator:
                 t.cancel()
             await asyncio.gather(*self._tasks, return_exceptions=True)
 
-    async def _run_sync(self, tasks: Any) -> None:
+    async def _run_sync(self, tasks: Iterator[dict[str, Any]]) -> None:
+        if self.policy_version is None:
+            raise ValueError("the sync baseline needs policy_version (the version the engines serve)")
         groups = max(1, self.batch_size // self.group_size)
         while not self.max_episodes or self._started < self.max_episodes:
-            version = self.router.pool.version
+            version = self.policy_version()
             # the barrier: the slowest episode decides
             await asyncio.gather(*(self._start_group(next(tasks)) for _ in range(groups)))
             t0 = time.monotonic()
-            while self.router.pool.version <= version:  # the learner trains, then the engines reload
+            while self.policy_version() <= version:  # the learner trains, then the engines reload
                 await asyncio.sleep(0.02)
                 if time.monotonic() - t0 > 60:
                     log.info("sync rollout: waiting for the learner to publish version %d", version + 1)
@@ -115,16 +140,17 @@ class Orchestrator:
             self.in_flight -= self.group_size
 
     async def _episode(self, task: dict[str, Any], group_id: str) -> None:
-        ep = await self.episode_fn(self.router, self.env_name, task, group_id=group_id, env_config=self.env_config,
-                               sandbox_pool=self.sandbox_pool, limits=self.limits)
-        await self.buffer.put(ep.samples)
+        ep = await self.producer(task, group_id)
+        await self.sink.put(ep.samples)
         self._account(ep)
 
     def _account(self, ep: EpisodeResult) -> None:
         c = self.counters
         c["episodes"] += 1
         c["failed"] += ep.error is not None
-        if ep.error is not None and ep.error.startswith("ModelError"):
+        if ep.error_kind is not None:
+            self.failed_by_kind[ep.error_kind] = self.failed_by_kind.get(ep.error_kind, 0) + 1
+        if ep.error_kind in INFRASTRUCTURE:
             self._infra_failures += 1
         elif ep.error is None:
             self._infra_failures = 0
@@ -140,4 +166,5 @@ class Orchestrator:
             self._episode_log(line)
 
     def status(self) -> dict[str, Any]:
-        return {"in_flight": self.in_flight, **self.counters}
+        return {"in_flight": self.in_flight, **self.counters, "failed_by_kind": dict(self.failed_by_kind),
+                "backing_off": self.backing_off}

@@ -1,149 +1,157 @@
 """The agent loop's seams over HTTP: a plain OpenAI endpoint, and serve's router and buffer from afar.
 
 - :class:`OpenAIChat`: chat calls to any OpenAI-compatible endpoint, no sessions (``agentrl eval``).
-- :class:`RemoteRouter`: serve's router as a rollout worker on another machine sees it. Each
-  episode's calls go to ``/sessions/<episode id>/v1`` (the router records exact tokens, logprobs
-  and versions there, as in-process); at the episode's end ``fetch_session`` closes the session
-  with ``POST /admin/sessions/<id>/close`` and brings its token-level samples back.
+- :class:`RemoteRouter`: serve's router as a rollout worker on another machine sees it. ``begin``
+  opens the episode's session on serve (``POST /admin/sessions``, with its limits), its calls go
+  to ``/sessions/<episode id>/v1`` (the router records exact tokens, logprobs and versions there,
+  as in-process), and ``end`` closes it (``POST /admin/sessions/<id>/close``) and brings its
+  samples back.
 - :class:`RemoteBuffer`: the orchestrator's buffer seam (``wait_for_room``, ``put``) over serve's
   ``/buffer/room`` and ``/buffer/samples`` routes.
 - :class:`EpisodeUploader`: a worker's per-episode summary lines, sent in batches to serve's
   ``POST /admin/episodes``, which appends them to the run's ``episodes.jsonl``.
 
-Errors map onto the router's: a 4xx is an :class:`InvalidRequest` (never retried), a 5xx or a
-connection failure an :class:`EngineError` (the episode is recorded as a model failure).
+Everything that talks to serve goes through one :class:`~agentrl.client.ServeClient` (one retry
+policy). Chat errors map onto the router's: a 4xx is an :class:`InvalidRequest` (never retried),
+a 5xx an :class:`EngineError` (the episode is recorded as a model failure); serve not answering
+at all is a :class:`~agentrl.errors.TransportError` (a transport failure).
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import time
-from types import SimpleNamespace
 from typing import Any
 
-import aiohttp
+import numpy as np
 
+from agentrl.client import ServeClient
+from agentrl.errors import TransportError
+from agentrl.router.core import SessionLimits
 from agentrl.router.errors import EngineError, InvalidRequest
+from agentrl.router.sessions import SampleTokens, SessionSummary
 
 log = logging.getLogger(__name__)
+
+
+def _chat_error(url: str, status: int, data: Any) -> Exception:
+    err = (data.get("error") if isinstance(data, dict) else None) or {}
+    message = err.get("message") if isinstance(err, dict) else str(err)
+    cls = InvalidRequest if 400 <= status < 500 else EngineError
+    return cls(f"{url} answered {status}: {message or json.dumps(data)[:300]}",
+               code=err.get("code") if isinstance(err, dict) else None, status=status)
 
 
 class OpenAIChat:
     """The agent loop's view of a plain OpenAI-compatible endpoint: chat calls, no sessions."""
 
+    # serve not answering at all: an EngineError for a plain endpoint (the model is not there), a
+    # TransportError for serve's own router (the episode is a transport failure)
+    no_answer_is_transport = False
+
     def __init__(self, endpoint: str, *, api_key: str = "", model: str = "", timeout_s: float = 600.0) -> None:
         self.endpoint = endpoint.rstrip("/")
-        self.model = model
-        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self._timeout = aiohttp.ClientTimeout(total=timeout_s)
-        self._http: aiohttp.ClientSession | None = None
+        self.model_name = model
+        self.http = ServeClient(self.endpoint, api_key, timeout_s=timeout_s, retries=0)
+
+    @property
+    def model(self) -> str:
+        return self.model_name
 
     async def __aenter__(self) -> OpenAIChat:
-        self._http = aiohttp.ClientSession(headers=self._headers, timeout=self._timeout,
-                                           connector=aiohttp.TCPConnector(limit=0))
-        if not self.model:
-            self.model = await self._first_model()
+        if not self.model_name:
+            self.model_name = await self._first_model()
         return self
 
     async def __aexit__(self, *exc: object) -> None:
-        if self._http is not None:
-            await self._http.close()
+        await self.http.close()
 
     async def _first_model(self) -> str:
-        assert self._http is not None
         try:
-            async with self._http.get(f"{self.endpoint}/models") as r:
-                data = await r.json(content_type=None)
-                if r.status != 200:
-                    raise EngineError(f"GET {self.endpoint}/models answered {r.status}: {json.dumps(data)[:300]}",
-                                      status=r.status)
-                return str(data["data"][0]["id"])
-        except (aiohttp.ClientError, TimeoutError) as e:
-            raise EngineError(f"cannot reach {self.endpoint}: {type(e).__name__}: {e}") from None
+            got = await self.http.request("GET", "/models", timeout_s=30.0)
+        except TransportError as e:
+            raise EngineError(f"cannot list the models of {self.endpoint}: {e}", status=e.status or 502) from None
+        return str(got.json()["data"][0]["id"])
 
-    # the session hooks of the agent loop: a plain endpoint records nothing
-    def open_session(self, session_id: str | None = None, **meta: Any) -> None:
+    # the session seam of the agent loop: a plain endpoint records nothing
+    async def begin(self, session_id: str, *, limits: SessionLimits | None = None, **meta: Any) -> None:
         return None
 
-    def close_session(self, session_id: str) -> Any:
+    async def end(self, session_id: str) -> SessionSummary | None:
         return None
 
-    def chat_url(self, session_id: str | None) -> str:
-        return f"{self.endpoint}/chat/completions"
+    def chat_path(self, session_id: str | None) -> str:
+        return "/chat/completions"
 
     async def chat(self, body: dict[str, Any], session_id: str | None = None) -> dict[str, Any]:
-        assert self._http is not None, "use it as an async context manager"
-        body = dict(body, model=body.get("model") or self.model)
-        url = self.chat_url(session_id)
+        body = dict(body, model=body.get("model") or self.model_name)
+        path = self.chat_path(session_id)
         try:
-            async with self._http.post(url, json=body) as r:
-                data = await r.json(content_type=None)
-                status = r.status
-        except (aiohttp.ClientError, TimeoutError, ValueError) as e:
-            raise EngineError(f"chat call to {url} failed: {type(e).__name__}: {e}") from None
-        if status >= 400 or not isinstance(data, dict) or "choices" not in data:
-            err = (data.get("error") if isinstance(data, dict) else None) or {}
-            message = err.get("message") if isinstance(err, dict) else str(err)
-            cls = InvalidRequest if 400 <= status < 500 else EngineError
-            raise cls(f"{self.endpoint} answered {status}: {message or json.dumps(data)[:300]}",
-                      code=err.get("code") if isinstance(err, dict) else None, status=status)
+            got = await self.http.request("POST", path, json=body, accept=frozenset(range(400, 600)))
+            data = got.json()
+        except TransportError as e:  # no answer at all
+            if self.no_answer_is_transport:
+                raise
+            raise EngineError(f"chat call to {self.http.base_url}{path} failed: {e.message}") from None
+        except ValueError as e:
+            raise EngineError(f"chat call to {self.http.base_url}{path} answered something that is not JSON: {e}") \
+                from None
+        if got.status >= 400 or not isinstance(data, dict) or "choices" not in data:
+            raise _chat_error(self.http.base_url + path, got.status, data)
         return data
 
 
 class RemoteRouter(OpenAIChat):
     """serve's router over HTTP with sessions, authenticated by the admin token."""
 
-    def __init__(self, serve_url: str, admin_token: str, *, timeout_s: float = 600.0) -> None:
-        self.serve_url = serve_url.rstrip("/")
-        super().__init__(self.serve_url + "/v1", api_key=admin_token, timeout_s=timeout_s)
-        self._closed: dict[str, Any] = {}
+    no_answer_is_transport = True
 
-    def chat_url(self, session_id: str | None) -> str:
-        if session_id is None:
-            return super().chat_url(None)
-        return f"{self.serve_url}/sessions/{session_id}/v1/chat/completions"  # opened by the first call
+    def __init__(self, serve_url: str, admin_token: str, *, model: str = "", timeout_s: float = 600.0,
+                 client: ServeClient | None = None) -> None:
+        self.endpoint = serve_url.rstrip("/")
+        self.model_name = model
+        self.http = client or ServeClient(self.endpoint, admin_token, timeout_s=timeout_s, retries=0)
+        self.control = ServeClient(self.endpoint, admin_token, timeout_s=60.0, retries=3)
 
-    async def fetch_session(self, session_id: str) -> None:
-        """Close the session on serve and keep its samples for :meth:`close_session` (None if it had no call)."""
-        assert self._http is not None
-        url = f"{self.serve_url}/admin/sessions/{session_id}/close"
-        for attempt in range(3):
-            try:
-                async with self._http.post(url, timeout=aiohttp.ClientTimeout(total=60)) as r:
-                    if r.status == 404:  # no model call was made: the router never opened it
-                        return
-                    data = await r.json(content_type=None)
-                    if r.status != 200:
-                        raise EngineError(f"POST {url} answered {r.status}: {json.dumps(data)[:300]}")
-                self._closed[session_id] = FetchedSession(int(data.get("splits", 0)), data["samples"])
-                return
-            except (aiohttp.ClientError, TimeoutError, EngineError) as e:
-                if attempt == 2:
-                    log.warning("could not fetch session %s from serve: %s", session_id, e)
-                    return
+    async def __aexit__(self, *exc: object) -> None:
+        await asyncio.gather(self.http.close(), self.control.close())
 
-    def close_session(self, session_id: str) -> Any:
-        return self._closed.pop(session_id, None)
+    async def _first_model(self) -> str:
+        try:
+            return str((await self.control.json("GET", "/v1/models"))["data"][0]["id"])
+        except TransportError as e:
+            raise EngineError(f"cannot list the models of {self.endpoint}: {e}", status=e.status or 502) from None
+
+    def chat_path(self, session_id: str | None) -> str:
+        return "/v1/chat/completions" if session_id is None else f"/sessions/{session_id}/v1/chat/completions"
+
+    async def begin(self, session_id: str, *, limits: SessionLimits | None = None, **meta: Any) -> None:
+        body: dict[str, Any] = {"session_id": session_id, "meta": meta}
+        if limits is not None:
+            body["limits"] = {k: v for k, v in dataclasses.asdict(limits).items() if k != "refused"}
+        await self.control.request("POST", "/admin/sessions", json=body)
+
+    async def end(self, session_id: str) -> SessionSummary | None:
+        """Close the session on serve and bring its samples here (None if serve never opened it)."""
+        got = await self.control.request("POST", f"/admin/sessions/{session_id}/close", accept={404})
+        if got.status == 404:
+            return None
+        return summary_from_json(got.json())
 
 
-class FetchedSession:
-    """A session's samples as serve's router returned them (what ``finish_samples`` reads)."""
-
-    def __init__(self, splits: int, samples: list[dict[str, Any]]) -> None:
-        self.splits = splits
-        self._samples = samples
-
-    def samples(self, as_arrays: bool = False) -> list[SimpleNamespace]:
-        if not as_arrays:
-            return [SimpleNamespace(**s) for s in self._samples]
-        import numpy as np
-
-        return [SimpleNamespace(**dict(s, token_ids=np.asarray(s["token_ids"], np.int32),
-                                       loss_mask=np.asarray(s["loss_mask"], np.int32),
-                                       logprobs=np.asarray(s["logprobs"], np.float32),
-                                       versions=np.asarray(s["versions"], np.int32))) for s in self._samples]
+def summary_from_json(data: dict[str, Any]) -> SessionSummary:
+    """A :class:`SessionSummary` from the close route's answer."""
+    samples = [SampleTokens(token_ids=np.asarray(s["token_ids"], np.int32), loss_mask=np.asarray(s["loss_mask"], np.int32),
+                            logprobs=np.asarray(s["logprobs"], np.float32), versions=np.asarray(s["versions"], np.int32),
+                            calls=list(s["calls"]), finish_reason=s.get("finish_reason"))
+               for s in data["samples"]]
+    return SessionSummary(session_id=str(data["session_id"]), samples=samples, splits=int(data.get("splits", 0)),
+                          calls=int(data.get("calls", 0)), completion_tokens=int(data.get("completion_tokens", 0)),
+                          versions=[int(v) for v in data.get("versions", [])], last_reply=str(data.get("last_reply", "")),
+                          refused=data.get("refused"), model_failures=int(data.get("model_failures", 0)))
 
 
 class RemoteBuffer:
@@ -160,14 +168,12 @@ class RemoteBuffer:
 
     async def wait_for_room(self, in_flight: int, timeout_s: float) -> int:
         """serve's answer, asked at most every ``MIN_ASK_S``: the orchestrator polls this in a tight loop."""
-        from agentrl.buffer.http import BufferTransportError
-
         when, then_in_flight, then_room = self._last
         if time.monotonic() - when < self.MIN_ASK_S:
             return max(0, then_room - max(0, in_flight - then_in_flight))
         try:
             room = await self.client.wait_for_room(self.producer, in_flight, timeout_s)
-        except BufferTransportError as e:
+        except TransportError as e:
             log.warning("buffer admission failed: %s", e)
             room = 0
         self._last = (time.monotonic(), in_flight, room)
@@ -189,12 +195,10 @@ class EpisodeUploader:
 
     def __init__(self, serve_url: str, admin_token: str, *, interval_s: float = 2.0, max_lines: int = 20_000,
                  timeout_s: float = 30.0) -> None:
-        self.url = serve_url.rstrip("/") + "/admin/episodes"
-        self.headers = {"Authorization": f"Bearer {admin_token}"} if admin_token else {}
-        self.interval_s, self.max_lines, self.timeout_s = interval_s, max_lines, timeout_s
+        self.http = ServeClient(serve_url, admin_token, timeout_s=timeout_s, retries=0)
+        self.interval_s, self.max_lines = interval_s, max_lines
         self.pending: list[dict[str, Any]] = []
         self.sent = self.dropped = 0
-        self._http: aiohttp.ClientSession | None = None
 
     def add(self, line: dict[str, Any]) -> None:
         self.pending.append(line)
@@ -209,15 +213,9 @@ class EpisodeUploader:
         if not self.pending:
             return True
         batch = self.pending[:]
-        if self._http is None or self._http.closed:
-            self._http = aiohttp.ClientSession(headers=self.headers)
         try:
-            async with self._http.post(self.url, json={"episodes": batch},
-                                       timeout=aiohttp.ClientTimeout(total=self.timeout_s)) as r:
-                if r.status != 200:
-                    log.warning("serve refused %d episode lines: %s %s", len(batch), r.status, (await r.text())[:200])
-                    return False
-        except (aiohttp.ClientError, TimeoutError) as e:
+            await self.http.request("POST", "/admin/episodes", json={"episodes": batch})
+        except TransportError as e:
             log.warning("could not send %d episode lines to serve: %s", len(batch), e)
             return False
         del self.pending[: len(batch)]  # lines added meanwhile stay for the next batch
@@ -235,8 +233,7 @@ class EpisodeUploader:
         try:
             await self.flush()
         finally:
-            if self._http is not None:
-                await self._http.close()
+            await self.http.close()
 
 
 def episode_log_route(path: Any, require_admin: Any) -> Any:
@@ -261,3 +258,5 @@ def episode_log_route(path: Any, require_admin: Any) -> Any:
         return web.json_response({"appended": len(lines)})
 
     return handler
+
+

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import importlib
 import json
 import logging
@@ -46,13 +45,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from agentrl.errors import EnvironmentFailure, ScaffoldError
-from agentrl.rollout.episode import (
-    EpisodeLimits,
-    EpisodeResult,
-    episode_env,
-    finish_samples,
-)
-from agentrl.router.core import Router, SessionLimits
+from agentrl.rollout.config import EpisodeLimits
+from agentrl.rollout.episode import EpisodeResult, episode_env, error_kind, finish_samples
+from agentrl.rollout.protocols import ChatClient
+from agentrl.router.core import SessionLimits
+from agentrl.router.sessions import SessionSummary
 
 log = logging.getLogger(__name__)
 
@@ -163,20 +160,25 @@ def scaffold_name(scaffold: Any) -> str:
     return f"{getattr(scaffold, '__module__', '?')}:{getattr(scaffold, '__qualname__', repr(scaffold))}"
 
 
-async def run_scaffold_episode(router: Router, env_name: str, task: dict[str, Any], *, group_id: str,
+async def run_scaffold_episode(client: ChatClient, env_name: str, task: dict[str, Any], *, group_id: str,
                                scaffold: Scaffold, base_url: str, env_config: dict[str, Any] | None = None,
                                sandbox_pool: Any = None, limits: EpisodeLimits | None = None) -> EpisodeResult:
     """One episode played by ``scaffold`` through a router session at ``base_url`` (the router's
-    address, e.g. ``http://127.0.0.1:8000``). Never raises for scaffold or environment failures."""
+    address, e.g. ``http://127.0.0.1:8000``). Never raises for scaffold or environment failures.
+
+    A scaffold that fails after the router could not serve one of its calls (no engine, an engine
+    error) is recorded as a model failure, not as the scaffold's: the outage is the likely cause,
+    and the orchestrator backs off on it as it does for the built-in loop."""
     limits = limits or EpisodeLimits()
     ep = EpisodeResult(episode_id=uuid.uuid4().hex, group_id=group_id, env=env_name,
                        task_id=str(task.get("id", "")), started=time.time())
     ep.info["scaffold"] = scaffold_name(scaffold)
     session_limits = SessionLimits(max_calls=limits.max_turns, max_tokens=limits.max_tokens,
                                    max_session_tokens=limits.max_episode_tokens)
-    session = router.open_session(ep.episode_id, limits=session_limits, group_id=group_id, env=env_name,
-                                  scaffold=ep.info["scaffold"])
+    await client.begin(ep.episode_id, limits=session_limits, group_id=group_id, env=env_name,
+                       scaffold=ep.info["scaffold"])
     t0 = time.monotonic()
+    summary: SessionSummary | None = None
     try:
         async with episode_env(env_name, env_config or {}, sandbox_pool, ep) as env:
             try:
@@ -185,78 +187,86 @@ async def run_scaffold_episode(router: Router, env_name: str, task: dict[str, An
                 raise EnvironmentFailure(f"reset raised {type(e).__name__}: {e}") from e
             ctx = ScaffoldContext(
                 base_url=f"{base_url.rstrip('/')}/sessions/{ep.episode_id}/v1", api_key=f"sess-{ep.episode_id}",
-                model=router.model_name, messages=list(opening.messages), tools=list(opening.tools), task=task,
-                sandbox=getattr(env, "sandbox", None), max_tokens=limits.max_tokens,
-                temperature=limits.temperature)
-            answer, finished = await _play(scaffold, ctx, limits.timeout_s, session_limits, ep)
-            if finished:
-                if answer is None:
-                    answer = _last_reply(session)
+                model=client.model_name, messages=list(opening.messages), tools=list(opening.tools), task=task,
+                sandbox=env.sandbox, max_tokens=limits.max_tokens, temperature=limits.temperature)
+            outcome, answer = await _play(scaffold, ctx, limits.episode_timeout_s)
+            summary = await client.end(ep.episode_id)  # what the session spent decides how it ended
+            if _settle(outcome, answer, summary, ep):
+                answer = answer if answer is not None else (summary.last_reply if summary else "")
                 ep.info["answer"] = answer[-2000:]
-                ep.reward = await _score(env, task, answer, ep)
+                ep.reward = await _score(env, task, answer)
                 ep.terminated = True
     except EnvironmentFailure as e:
-        ep.error = f"EnvironmentError: {e}"
-    except Exception as e:  # sandbox infrastructure and anything unforeseen: recorded, counted
-        ep.error = f"{type(e).__name__}: {e}"
+        ep.fail("environment", f"EnvironmentError: {e}")
+    except Exception as e:  # sandbox infrastructure, transport and anything unforeseen: recorded, counted
+        ep.fail(error_kind(e), f"{type(e).__name__}: {e}")
         log.warning("scaffold episode %s failed: %s", ep.episode_id, ep.error)
     finally:
-        ep.turns = len(session.records)
-        ep.completion_tokens = sum(len(c["token_ids"]) for r in session.records for c in r.completions)
-        ep.versions = sorted({v for r in session.records for c in r.completions for v in c["versions"]})
         ep.seconds = time.monotonic() - t0
-        finish_samples(router, ep)
+        summary = await finish_samples(client, ep, summary)
+        if summary is not None:
+            ep.turns, ep.completion_tokens, ep.versions = summary.calls, summary.completion_tokens, summary.versions
     return ep
 
 
-async def _play(scaffold: Scaffold, ctx: ScaffoldContext, timeout_s: float, lim: SessionLimits,
-                ep: EpisodeResult) -> tuple[str | None, bool]:
-    """Run the scaffold under the wall-clock limit; (answer, finished normally and within limits)."""
+async def _play(scaffold: Scaffold, ctx: ScaffoldContext, timeout_s: float) -> tuple[Any, str | None]:
+    """Run the scaffold under the wall-clock limit: ("done", answer), ("timeout", None) or (the exception, None)."""
     try:
         async with asyncio.timeout(timeout_s):
             answer = await scaffold(ctx)
     except TimeoutError:
-        ep.truncated, ep.truncation = True, "timeout"
-        return None, False
+        return "timeout", None
     except Exception as e:
-        if lim.refused:  # it stopped because the session refused a call: the limit, not a bug
-            ep.truncated, ep.truncation = True, lim.refused
+        return e, None
+    return "done", answer if answer is None or isinstance(answer, str) else str(answer)
+
+
+def _settle(outcome: Any, answer: str | None, summary: SessionSummary | None, ep: EpisodeResult) -> bool:
+    """Record how the scaffold's run ended; True when it finished within its limits (then it is scored)."""
+    refused = summary.refused if summary is not None else None
+    if outcome == "timeout":
+        ep.truncated, ep.truncation = True, "timeout"
+        return False
+    if isinstance(outcome, BaseException):
+        e = outcome
+        if refused:  # it stopped because the session refused a call: the limit, not a bug
+            ep.truncated, ep.truncation = True, refused
             ep.info["scaffold_error"] = f"{type(e).__name__}: {e}"[:2000]
+        elif summary is not None and summary.model_failures:  # the router could not serve it
+            ep.fail("model", f"ModelError: the scaffold failed after {summary.model_failures} model call(s) "
+                             f"failed: {type(e).__name__}: {e}"[:4000])
         else:
             why = str(e) if isinstance(e, ScaffoldError) else f"{type(e).__name__}: {e}"
-            ep.error = f"ScaffoldError: {why}"[:4000]
+            ep.fail("scaffold", f"ScaffoldError: {why}"[:4000])
             log.info("scaffold %s failed in episode %s: %s", ep.info["scaffold"], ep.episode_id, ep.error)
-        return None, False
-    if lim.refused:  # it caught the refusal and returned: still truncated
-        ep.truncated, ep.truncation = True, lim.refused
-        return None, False
-    if answer is not None and not isinstance(answer, str):
-        answer = str(answer)
-    return answer, True
+        return False
+    if refused:  # it caught the refusal and returned: still truncated
+        ep.truncated, ep.truncation = True, refused
+        return False
+    return True
 
 
-def _last_reply(session: Any) -> str:
-    for rec in reversed(session.records):
-        for comp in rec.completions:
-            content = (comp.get("message") or {}).get("content")
-            if content:
-                return str(content)
-    return ""
-
-
-async def _score(env: Any, task: dict[str, Any], answer: str, ep: EpisodeResult) -> float:
-    """The environment's verdict on the scaffold's outcome."""
+async def _score(env: Any, task: dict[str, Any], answer: str) -> float:
+    """The environment's verdict on the scaffold's outcome (its ``reward``)."""
     try:
-        reward = getattr(env, "reward", None)
-        if callable(reward):
-            return float(await reward(task, answer))
-        result = await env.step({"role": "assistant", "content": answer})
-        ep.info.update(result.info)
-        return float(result.reward)
+        return float(await env.reward(task, answer))
     except Exception as e:
         raise EnvironmentFailure(f"scoring raised {type(e).__name__}: {e}") from e
 
 
-def scaffold_producer(scaffold: Scaffold, base_url: str) -> Callable[..., Awaitable[EpisodeResult]]:
-    """An ``episode_fn`` for the orchestrator: the same arguments as :func:`run_episode`."""
-    return functools.partial(run_scaffold_episode, scaffold=scaffold, base_url=base_url)
+@dataclass
+class ScaffoldLoop:
+    """The orchestrator's producer for an external scaffold: ``await loop(task, group_id)``."""
+
+    client: ChatClient
+    scaffold: Scaffold
+    base_url: str  # the router's address as the scaffold reaches it, e.g. http://127.0.0.1:8000
+    env_name: str
+    env_config: dict[str, Any]
+    limits: EpisodeLimits
+    sandbox_pool: Any = None
+
+    async def __call__(self, task: dict[str, Any], group_id: str) -> EpisodeResult:
+        return await run_scaffold_episode(self.client, self.env_name, task, group_id=group_id, scaffold=self.scaffold,
+                                          base_url=self.base_url, env_config=self.env_config,
+                                          sandbox_pool=self.sandbox_pool, limits=self.limits)

@@ -32,7 +32,7 @@ from agentrl.router.errors import EngineError, InvalidRequest, NotFound, RouterE
 from agentrl.router.metrics import RouterMetrics
 from agentrl.router.pool import Engine, EnginePool, parse_version
 from agentrl.router.render import LocalCodec
-from agentrl.router.sessions import CallRecord, Session, continued_prompt, normalize_message
+from agentrl.router.sessions import CallRecord, Session, SessionSummary, continued_prompt, normalize_message
 from agentrl.router.validate import validate_chat, validate_completion
 
 log = logging.getLogger(__name__)
@@ -166,6 +166,17 @@ class Router:
         self.session_limits.pop(session_id, None)
         return self.sessions.pop(session_id, None)
 
+    # -- the agent loop's chat-client seam (agentrl.rollout.protocols.ChatClient) -----------------
+    async def begin(self, session_id: str, *, limits: SessionLimits | None = None, **meta: Any) -> None:
+        """Open an episode's session (its calls are recorded; ``limits`` bound what it may spend)."""
+        self.open_session(session_id, limits=limits, **meta)
+
+    async def end(self, session_id: str) -> SessionSummary | None:
+        """Close an episode's session: its samples and what it spent (None if it was never opened)."""
+        lim = self.session_limits.get(session_id)
+        session = self.close_session(session_id)
+        return None if session is None else session.summary(lim.refused if lim else None)
+
     def _admit(self, session: Session | None) -> int:
         """Refuse a call beyond its session's limits; else the cap on its max_tokens (0: none)."""
         lim = self.session_limits.get(session.session_id) if session is not None else None
@@ -238,15 +249,26 @@ class Router:
         t0 = time.perf_counter()
         attempts = 1 + self.retries
         for attempt in range(attempts):
-            engine = self.pool.pick(session_id)
+            try:
+                engine = self.pool.pick(session_id)
+            except EngineError:
+                self._model_failure(session_id)
+                raise
             try:
                 return await fn(engine, t0)
             except EngineError as e:
                 if attempt + 1 >= attempts:
+                    self._model_failure(session_id)
                     raise
                 self.counters["retries"] += 1
                 log.warning("retrying a call after %s failed: %s", engine.name, e.message)
         raise AssertionError("unreachable")
+
+    def _model_failure(self, session_id: str | None) -> None:
+        """Count a call that failed for want of a working engine on its session (a scaffold's episode
+        is then recorded as a model failure, not as the scaffold's)."""
+        if session_id is not None and session_id in self.sessions:
+            self.sessions[session_id].model_failures += 1
 
     async def local_codec(self, engine: Engine) -> LocalCodec | None:
         """The codec once calibration on a live engine agreed with it; None means the engine's routes."""

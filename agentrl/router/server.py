@@ -22,29 +22,18 @@ from typing import Any
 
 from aiohttp import web
 
-from agentrl.router.core import Router
+from agentrl.router.core import Router, SessionLimits
 from agentrl.router.errors import InvalidRequest, NotFound, RouterError, Unauthorized
 from agentrl.router.metrics import metrics_text
 from agentrl.router.pool import dumps, loads
 from agentrl.router.streaming import open_stream
+from agentrl.web import ADMIN_TOKEN, bearer, error_middleware, require_admin, token_matches
 
 log = logging.getLogger(__name__)
 
 ROUTER_KEY = web.AppKey("router", Router)
-ADMIN_TOKEN = web.AppKey("admin_token", str)
 API_KEYS = web.AppKey("api_keys", frozenset)
-
-
-def _bearer(request: web.Request) -> str | None:
-    auth = request.headers.get("Authorization", "")
-    return auth[7:].strip() if auth.lower().startswith("bearer ") else None
-
-
-def require_admin(request: web.Request) -> None:
-    token = request.app[ADMIN_TOKEN]
-    given = _bearer(request) or ""
-    if token and not hmac.compare_digest(given, token):
-        raise Unauthorized("this route needs the admin token (Authorization: Bearer <admin token>)")
+_bearer = bearer
 
 
 def _session_of(request: web.Request) -> str | None:
@@ -56,8 +45,7 @@ def _session_of(request: web.Request) -> str | None:
 
 
 def _is_admin(request: web.Request, key: str) -> bool:
-    token = request.app[ADMIN_TOKEN]
-    return bool(token) and hmac.compare_digest(key, token)
+    return token_matches(key, request.app[ADMIN_TOKEN])
 
 
 def _check_client(request: web.Request) -> None:
@@ -75,19 +63,11 @@ def _check_client(request: web.Request) -> None:
 
 @web.middleware
 async def errors_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
+    """The router's own errors in their OpenAI shape; anything else falls to :func:`agentrl.web.error_middleware`."""
     try:
         return await handler(request)
     except RouterError as e:
         return e.response()
-    except web.HTTPException as e:
-        if e.status >= 400:
-            return web.json_response({"error": {"message": e.reason, "type": "invalid_request_error",
-                                                "param": None, "code": None}}, status=e.status)
-        raise
-    except Exception:
-        log.exception("unhandled error on %s %s", request.method, request.path)
-        return web.json_response({"error": {"message": "internal router error", "type": "server_error",
-                                            "param": None, "code": None}}, status=500)
 
 
 async def _json_body(request: web.Request) -> Any:
@@ -172,11 +152,23 @@ async def health(request: web.Request) -> web.Response:
 
 
 async def create_session(request: web.Request) -> web.Response:
+    """Open a session (a rollout worker elsewhere, or a scaffold host): ``{"session_id", "meta", "limits"}``."""
     require_admin(request)
     body = await _json_body(request) if request.can_read_body else {}
-    s = request.app[ROUTER_KEY].open_session(body.get("session_id"), **body.get("meta", {}))
+    if not isinstance(body, dict):
+        raise InvalidRequest("the body must be an object")
+    try:
+        limits = SessionLimits(**body["limits"]) if body.get("limits") is not None else None
+    except TypeError as e:
+        raise InvalidRequest(f"'limits' must hold max_calls, max_tokens, max_session_tokens: {e}",
+                             param="limits") from None
+    s = request.app[ROUTER_KEY].open_session(body.get("session_id"), limits=limits, **(body.get("meta") or {}))
     base = f"{request.scheme}://{request.host}/sessions/{s.session_id}/v1"
     return web.json_response({"session_id": s.session_id, "base_url": base})
+
+
+def _samples_json(samples: list[Any]) -> list[dict[str, Any]]:
+    return [{k: (v.tolist() if hasattr(v, "tolist") else v) for k, v in vars(x).items()} for x in samples]
 
 
 async def session_samples(request: web.Request) -> web.Response:
@@ -187,14 +179,16 @@ async def session_samples(request: web.Request) -> web.Response:
 
 
 async def close_session(request: web.Request) -> web.Response:
-    """Close a session and return its samples: how a rollout worker on another machine ends an episode."""
+    """Close a session and return its summary and samples: how a rollout worker on another machine
+    ends an episode."""
     require_admin(request)
     sid = request.match_info["sid"]
-    s = request.app[ROUTER_KEY].close_session(sid)
-    if s is None:
+    summary = await request.app[ROUTER_KEY].end(sid)
+    if summary is None:
         raise NotFound(f"unknown session {sid!r}", param="session_id")
-    return web.json_response({"session_id": s.session_id, "splits": s.splits, "calls": len(s.records),
-                              "samples": [vars(x) for x in s.samples()]}, dumps=_dumps)
+    out = {k: v for k, v in vars(summary).items() if k != "samples"}
+    out["samples"] = _samples_json(summary.samples)
+    return web.json_response(out, dumps=_dumps)
 
 
 async def engines_status(request: web.Request) -> web.Response:
@@ -228,7 +222,7 @@ def add_router_routes(app: web.Application, router: Router, *, admin_token: str 
 
 def make_app(router: Router, *, admin_token: str = "", api_keys: frozenset[str] = frozenset(),
              client_max_size: int = 64 * 2**20) -> web.Application:
-    app = web.Application(middlewares=[errors_middleware], client_max_size=client_max_size)
+    app = web.Application(middlewares=[error_middleware, errors_middleware], client_max_size=client_max_size)
     add_router_routes(app, router, admin_token=admin_token, api_keys=api_keys)
     app.router.add_get("/metrics", metrics)
     return app

@@ -79,12 +79,37 @@ class SampleTokens:
 
 
 @dataclass
+class SessionSummary:
+    """A closed session as the episode that owned it needs it: the same in-process and over HTTP."""
+
+    session_id: str
+    samples: list[SampleTokens]
+    splits: int = 0  # calls that could not continue an earlier call and started a new sample
+    calls: int = 0  # model calls recorded
+    completion_tokens: int = 0
+    versions: list[int] = field(default_factory=list)  # policy versions that produced its tokens, sorted
+    last_reply: str = ""  # content of the last reply that had any (a scaffold's answer when it returns none)
+    refused: str | None = None  # "max_turns" | "max_tokens" when the session refused a call at its limit
+    model_failures: int = 0  # calls that failed for want of a working engine (5xx, none healthy)
+
+
+@dataclass
 class Session:
     session_id: str
     records: list[CallRecord] = field(default_factory=list)
     splits: int = 0  # calls that could not continue the previous call and started a new sample
     log_path: Path | None = None
     meta: dict[str, Any] = field(default_factory=dict)
+    model_failures: int = 0  # calls that failed for want of a working engine
+
+    def summary(self, refused: str | None = None) -> SessionSummary:
+        comps = [c for r in self.records for c in r.completions]
+        last = next((str(c["message"]["content"]) for c in reversed(comps)
+                     if (c.get("message") or {}).get("content")), "")
+        return SessionSummary(self.session_id, self.samples(as_arrays=True), self.splits, len(self.records),
+                              sum(len(c["token_ids"]) for c in comps),
+                              sorted({v for c in comps for v in c["versions"]}), last, refused,
+                              self.model_failures)
 
     def record(self, rec: CallRecord) -> None:
         self.records.append(rec)

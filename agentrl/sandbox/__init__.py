@@ -11,10 +11,24 @@ leaks: cleanup survives cancellation, an at-exit hook backs it up, and `start()`
 instances left. See docs/sandbox.md.
 """
 
-from agentrl.sandbox.handle import BackgroundProcess, Sandbox
-from agentrl.sandbox.images import build_images
-from agentrl.sandbox.pool import SandboxPool
-from agentrl.sandbox.types import ExecResult, SandboxConfig, SandboxError
+from typing import TYPE_CHECKING
 
-__all__ = ["BackgroundProcess", "ExecResult", "Sandbox", "SandboxConfig", "SandboxError", "SandboxPool",
-           "build_images"]
+from agentrl._lazy import lazy
+
+if TYPE_CHECKING:
+    from agentrl.sandbox.handle import BackgroundProcess, Sandbox
+    from agentrl.sandbox.images import build_images
+    from agentrl.sandbox.pool import SandboxPool
+    from agentrl.sandbox.types import ExecResult, SandboxConfig, SandboxError
+
+__getattr__, __dir__ = lazy(__name__, {
+    "BackgroundProcess": "agentrl.sandbox.handle",
+    "Sandbox": "agentrl.sandbox.handle",
+    "build_images": "agentrl.sandbox.images",
+    "SandboxPool": "agentrl.sandbox.pool",
+    "ExecResult": "agentrl.sandbox.types",
+    "SandboxConfig": "agentrl.sandbox.types",
+    "SandboxError": "agentrl.sandbox.types",
+})
+
+__all__ = ["BackgroundProcess", "ExecResult", "Sandbox", "SandboxConfig", "SandboxError", "SandboxPool", "build_images"]

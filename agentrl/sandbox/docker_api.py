@@ -98,14 +98,6 @@ class DockerAPI:
         _, data = await self.request("GET", "/containers/json", params=params)
         return data
 
-    async def exec_run(self, cid: str, cmd: list[str]) -> tuple[int, bytes]:
-        """What `docker exec` does, through the API (used as a baseline by the benchmark)."""
-        _, created = await self.request("POST", f"/containers/{cid}/exec", ok=(201,),
-                                        body={"Cmd": cmd, "AttachStdout": True, "AttachStderr": True})
-        _, out = await self.request("POST", f"/exec/{created['Id']}/start", body={"Detach": False, "Tty": False})
-        _, info = await self.request("GET", f"/exec/{created['Id']}/json")
-        return int(info["ExitCode"]), out if isinstance(out, bytes) else json.dumps(out).encode()
-
     async def attach(self, cid: str) -> tuple[AsyncIterator[bytes], asyncio.StreamWriter]:
         """Hijack a connection attached to the container's stdin/stdout (before it starts, so that
         nothing is missed). Returns (stdout chunks, stdin writer)."""

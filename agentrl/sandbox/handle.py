@@ -15,14 +15,12 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from agentrl.sandbox.backend import Slot
 from agentrl.sandbox.channel import AgentTimeout
+from agentrl.sandbox.stats import PoolStats
 from agentrl.sandbox.types import ExecResult, SandboxConfig, SandboxError
-
-if TYPE_CHECKING:
-    from agentrl.sandbox.pool import PoolStats
 
 AGENT_GRACE_S = 5.0  # beyond a command's own timeout, how long the agent may take to answer
 

@@ -22,12 +22,12 @@ class SandboxConfig:
     backend: Backend = "auto"
     """"docker" (strong isolation), "bubblewrap" (weaker: shares the host kernel's user namespaces and
     the host's /usr read-only; for machines without Docker), or "auto" (Docker when an engine answers)."""
-    image: str = "agentrl/base:bookworm"
+    image: str = field(default="agentrl/base:bookworm", metadata={"derived": "the environment's sandbox_image"})
     """Docker image the sandboxes run (must contain python3 3.9+). Ignored by bubblewrap, which uses
     the host's /usr."""
-    warm: int = 4
+    warm: int = 2
     """Sandboxes kept started and idle ahead of demand."""
-    max_concurrency: int = 64
+    max_concurrency: int = 32
     """Most sandboxes handed out at once; `acquire` waits beyond that."""
     memory_mb: int = 512
     """Memory limit per sandbox (swap limit equal, so no swap). The /work tmpfs counts against it."""
@@ -47,8 +47,8 @@ class SandboxConfig:
     cancelled mid-call or hit a timeout are always replaced."""
     user: str = "65534:65534"
     """uid:gid commands run as (Docker); the default is `nobody`."""
-    docker_host: str | None = None
-    """Docker engine address; default $DOCKER_HOST or unix:///var/run/docker.sock."""
+    docker_host: str = ""
+    """Docker engine address; empty: $DOCKER_HOST or unix:///var/run/docker.sock."""
     create_concurrency: int = 4
     """Most sandboxes being created at once (bounds the engine's load on small machines)."""
     start_timeout_s: float = 60.0

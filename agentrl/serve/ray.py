@@ -8,6 +8,7 @@ cluster it places:
   process on its node (:class:`agentrl.engines.vllm.VLLMEngine`, which dies with the actor) and
   reports the engine's URL; the router's pool sends traffic there.
 - ``ray.workers`` :class:`RolloutWorkerHost` actors, each running an orchestrator of agent loops
+  (built from serve's own config by :mod:`agentrl.serve.build`, as serve builds its own)
   against serve's router over HTTP (sessions record exact tokens there) and pushing finished
   episodes into serve's buffer (``/buffer/samples``), with admission control (``/buffer/room``).
   An environment that needs sandboxes gets a sandbox pool on the worker's node.
@@ -32,7 +33,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from agentrl.config import ServeConfig
+from agentrl.serve.config import ServeConfig
 
 log = logging.getLogger(__name__)
 
@@ -88,48 +89,40 @@ class EngineHost:
 
 
 class RolloutWorkerHost:
-    """Actor body: an orchestrator of agent loops against serve over HTTP."""
+    """Actor body: an orchestrator of agent loops against serve over HTTP, built from serve's own config."""
 
-    def __init__(self, worker_id: str, serve_url: str, admin_token: str, env: dict[str, Any],
-                 sandbox: dict[str, Any], max_concurrency: int) -> None:
+    def __init__(self, worker_id: str, serve_url: str, admin_token: str, serve_config: dict[str, Any],
+                 max_concurrency: int) -> None:
         import ray
 
+        from agentrl.config import ServeConfig, build
+
         self.worker_id, self.serve_url, self.admin_token = worker_id, serve_url, admin_token
-        self.env, self.sandbox, self.max_concurrency = env, sandbox, max_concurrency
+        self.cfg: ServeConfig = build(ServeConfig, serve_config)
+        self.max_concurrency = max_concurrency
         self.node_id = ray.get_runtime_context().get_node_id()
         self.orchestrator: Any = None
         self.started = time.time()
 
     async def run(self, max_episodes: int = 0) -> None:
         """Play episodes until cancelled, or until ``max_episodes`` have started (0: no limit)."""
-        from agentrl.env import lookup
-        from agentrl.rollout import EpisodeLimits, Orchestrator
         from agentrl.rollout.remote import EpisodeUploader, RemoteBuffer, RemoteRouter
+        from agentrl.serve import build
 
-        e = self.env
-        router = RemoteRouter(self.serve_url, self.admin_token, timeout_s=e["episode_timeout_s"])
+        cfg = self.cfg
+        router = RemoteRouter(self.serve_url, self.admin_token, timeout_s=cfg.env.episode_timeout_s)
         buffer = RemoteBuffer(self.serve_url, self.admin_token, producer=f"{self.worker_id}-{os.getpid()}")
         episodes = EpisodeUploader(self.serve_url, self.admin_token)
         uploading = asyncio.create_task(episodes.run(), name="episode-uploads")
         sandbox_pool = None
         try:
             await router.__aenter__()
-            image = getattr(lookup(e["name"]), "sandbox_image", None)
-            if image:
-                from agentrl.sandbox import SandboxConfig, SandboxPool
-
-                sandbox_pool = SandboxPool(SandboxConfig(image=image, **self.sandbox),
-                                           instance_id=f"{self.worker_id}-{os.getpid()}")
-                await sandbox_pool.start()
-            self.orchestrator = Orchestrator(
-                router=router, buffer=buffer, env_name=e["name"], env_config=e["config"],
-                group_size=e["group_size"], max_concurrency=self.max_concurrency, sandbox_pool=sandbox_pool,
-                max_episodes=max_episodes,
-                episode_log=lambda line: episodes.add({"worker": self.worker_id, **line}),
-                limits=EpisodeLimits(max_turns=e["max_turns"], max_tokens=e["max_tokens"],
-                                     max_episode_tokens=e["max_episode_tokens"], timeout_s=e["episode_timeout_s"],
-                                     temperature=e["temperature"], top_p=e["top_p"]))
-            log.info("rollout worker %s (pid %d) playing %s against %s", self.worker_id, os.getpid(), e["name"],
+            sandbox_pool = await build.build_sandbox_pool(cfg, self.worker_id)
+            producer = build.build_producer(cfg, router, sandbox_pool, router_url=self.serve_url)
+            self.orchestrator = build.build_orchestrator(
+                cfg, producer, buffer, max_episodes=max_episodes, max_concurrency=self.max_concurrency,
+                episode_log=lambda line: episodes.add({"worker": self.worker_id, **line}))
+            log.info("rollout worker %s (pid %d) playing %s against %s", self.worker_id, os.getpid(), cfg.env.name,
                      self.serve_url)
             await self.orchestrator.run()
         finally:
@@ -178,13 +171,8 @@ class RayCluster:
         log.info("connected to Ray at %s: %s", rc.address, ray.cluster_resources())
 
     def _engine_actor(self, i: int) -> Any:
-        from agentrl.engines.vllm import EngineSpec
-
         cfg, rc = self.cfg, self.cfg.ray
-        spec = EngineSpec(model=self.model_path, served_name=cfg.model, port=cfg.engine.base_port + i,
-                          max_model_len=cfg.engine.max_model_len, dtype=cfg.engine.dtype,
-                          enforce_eager=cfg.engine.enforce_eager, kv_cache_gb=cfg.engine.kv_cache_gb,
-                          gpu=cfg.engine.gpu, cpu_cores=cfg.engine.cpu_cores)
+        spec = cfg.engine.spec(i, self.model_path, cfg.model)
         spec_dict = {k: v for k, v in vars(spec).items() if k != "host"}
         actor_cls = self.ray.remote(EngineHost).options(
             num_cpus=rc.engine_cpus, num_gpus=rc.engine_gpus, resources=dict(rc.engine_resources) or None,
@@ -230,19 +218,19 @@ class RayCluster:
 
     # -- rollout workers --------------------------------------------------------------------------
     def _worker_actor(self, i: int, serve_url: str, token: str) -> Any:
+        from agentrl.config import to_dict
+
         cfg, rc = self.cfg, self.cfg.ray
-        e, sb = cfg.env, cfg.sandbox
+        e = cfg.env
         per_worker = rc.worker_concurrency or max(e.group_size, e.max_concurrency // max(1, rc.workers))
-        env = {"name": e.name, "config": dict(e.config), "group_size": e.group_size, "max_turns": e.max_turns,
-               "max_tokens": e.max_tokens, "max_episode_tokens": e.max_episode_tokens,
-               "episode_timeout_s": e.episode_timeout_s, "temperature": e.temperature, "top_p": e.top_p}
-        sandbox = {"backend": sb.backend, "warm": sb.warm, "max_concurrency": sb.max_concurrency,
-                   "memory_mb": sb.memory_mb, "cpus": sb.cpus, "pids": sb.pids}
         actor_cls = self.ray.remote(RolloutWorkerHost).options(
             num_cpus=rc.worker_cpus, resources=dict(rc.worker_resources) or None,
             max_restarts=rc.max_restarts, max_task_retries=0)
-        # the admin token travels in the actor's task spec (Ray's own channels), never on a command line
-        return actor_cls.remote(f"worker-{i}", serve_url, token, env, sandbox, per_worker)
+        # the admin token travels in the actor's task spec (Ray's own channels), never on a command line;
+        # the config travels without secrets
+        plain = dict(to_dict(cfg), admin_token="")
+        plain["router"] = dict(plain["router"], api_keys=[])
+        return actor_cls.remote(f"worker-{i}", serve_url, token, plain, per_worker)
 
     async def _alive(self, actor: Any) -> bool:
         try:

@@ -12,7 +12,7 @@ import re
 from typing import Any
 
 import agentrl
-from agentrl.models.transcripts import arithmetic_problem
+from environments.arithmetic.problems import arithmetic_problem
 
 SYSTEM = "Use the python tool to compute the answer, then reply with the number."
 

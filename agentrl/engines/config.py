@@ -1,0 +1,45 @@
+"""How serve gets its vLLM engines: launched on this machine (or as Ray actors) with these options, or
+already running at given URLs.
+
+:class:`EngineOptions` are the launch options every engine of a run shares; :class:`EngineConfig`
+is the ``engine`` section of serve's config tree (how many, on which ports, or which URLs) and
+builds the per-process :class:`~agentrl.engines.vllm.EngineSpec` for engine ``i``
+(:meth:`EngineConfig.spec`), so serve, ``serve --ray`` and tests launch engines from one place.
+Only the standard library is imported here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from agentrl.engines.vllm import EngineSpec
+
+
+@dataclass(kw_only=True)
+class EngineOptions:
+    max_model_len: int = 2048  # context length (prompt + completion tokens)
+    dtype: str = "float32"  # fp32 on CPU keeps learner/engine logprobs in agreement
+    enforce_eager: bool = True  # skip torch.compile: much faster start-up on CPU
+    kv_cache_gb: float = 1.0  # KV cache size per engine on CPU
+    gpu: bool = False  # launch the GPU build of vLLM
+    cpu_cores: str = ""  # CPU engines: "" = vLLM's default (keeps one core free for a learner), "all", "0-3"
+    tool_parser: str = "hermes"  # vLLM's tool-call parser for the model's chat template
+    extra_args: list[str] = field(default_factory=list)  # more vLLM command-line flags, passed as they are
+    start_timeout_s: float = 600.0  # give up on an engine that is not healthy by then
+
+
+@dataclass(kw_only=True)
+class EngineConfig(EngineOptions):
+    count: int = 1  # vLLM engines serve launches (ignored when `urls` is set)
+    urls: list[str] = field(default_factory=list)  # use running engines instead of launching any
+    base_port: int = 8100  # first engine's port; engine i listens on base_port + i
+
+    def spec(self, index: int, model: str, served_name: str, host: str = "127.0.0.1") -> EngineSpec:
+        """The launch spec of engine ``index`` (port ``base_port + index``) serving ``model``."""
+        from agentrl.engines.vllm import EngineSpec
+
+        options = {f.name: getattr(self, f.name) for f in dataclasses.fields(EngineOptions)}
+        return EngineSpec(model=model, served_name=served_name, host=host, port=self.base_port + index, **options)

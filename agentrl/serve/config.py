@@ -1,0 +1,67 @@
+"""``ServeConfig``: the config tree of ``agentrl serve``, whose sections are the components' own configs.
+
+engine -> :class:`~agentrl.engines.config.EngineConfig`, router ->
+:class:`~agentrl.router.config.RouterConfig`, env -> :class:`~agentrl.rollout.config.RolloutConfig`
+(an :class:`~agentrl.rollout.config.EpisodeLimits`), scaffold -> a tagged union
+(:data:`~agentrl.rollout.config.Scaffold`), sandbox -> :class:`~agentrl.sandbox.types.SandboxConfig`,
+buffer -> :class:`~agentrl.buffer.config.BufferConfig`, ray -> :class:`RayConfig`. The builder
+(:mod:`agentrl.serve.build`) hands each section to its component as it is; the few fields a
+section cannot know (the buffer's group size and path, the sandbox image) are filled in there and
+refused as settings. Only light modules are imported here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from agentrl.buffer.config import BufferConfig
+from agentrl.engines.config import EngineConfig
+from agentrl.errors import ConfigError
+from agentrl.rollout.config import LoopScaffold, RolloutConfig, Scaffold
+from agentrl.router.config import RouterConfig
+from agentrl.sandbox.types import SandboxConfig
+
+
+@dataclass
+class RayConfig:
+    """Engines and rollout workers as Ray actors across a cluster (router and buffer stay in serve)."""
+
+    address: str = ""  # Ray cluster to use ("auto": the one this machine belongs to, or "HOST:6379"); empty: no Ray
+    namespace: str = "agentrl"
+    engine_gpus: float = 0.0  # GPUs per engine actor: 1 per engine, or a tensor-parallel group's size (0 on CPU)
+    engine_cpus: float = 1.0  # CPUs reserved per engine actor
+    engine_resources: dict[str, float] = field(default_factory=dict)  # custom Ray resources per engine (placement)
+    engine_host: str = ""  # address engines listen on; empty: their node's IP
+    workers: int = 2  # rollout worker actors, each running an orchestrator of agent loops
+    worker_cpus: float = 1.0
+    worker_resources: dict[str, float] = field(default_factory=dict)
+    worker_concurrency: int = 0  # episodes in flight per worker (0: env.max_concurrency / workers)
+    serve_url: str = ""  # how workers reach serve; empty: http://router.host:router.port (0.0.0.0: this node's IP)
+    max_restarts: int = -1  # Ray restarts a dead actor this many times (-1: always); serve re-adds it
+
+
+@dataclass
+class ServeConfig:
+    model: str = "tiny-tools"  # "tiny", "tiny-tools", "tiny-agent", "smollm2", a local folder or a hub name
+    run_dir: str = "runs/latest"  # metrics, event log, session records, buffer, weights
+    admin_token: str = ""  # control routes; config file only (never --admin_token=); empty: see admin_token_file
+    admin_token_file: str = ""  # file holding the token; empty: $AGENTRL_ADMIN_TOKEN(_FILE), run_dir/admin_token, generated
+    max_episodes: int = 0  # stop generating after this many episodes (0: no limit)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    router: RouterConfig = field(default_factory=RouterConfig)
+    env: RolloutConfig = field(default_factory=RolloutConfig)
+    scaffold: Scaffold = field(default_factory=LoopScaffold)
+    sandbox: SandboxConfig = field(default_factory=SandboxConfig)
+    buffer: BufferConfig = field(default_factory=BufferConfig)
+    ray: RayConfig = field(default_factory=RayConfig)
+
+    def check(self) -> None:
+        if self.env.group_size < 1:
+            raise ConfigError("env.group_size must be at least 1")
+        if self.buffer.batch_size % self.env.group_size:
+            raise ConfigError(f"buffer.batch_size ({self.buffer.batch_size}) must be a multiple of "
+                              f"env.group_size ({self.env.group_size}) so batches hold whole groups")
+        if self.env.max_tokens >= self.engine.max_model_len:
+            raise ConfigError("env.max_tokens must be smaller than engine.max_model_len")
+        if getattr(self.scaffold, "agent", None) == "" or getattr(self.scaffold, "command", None) == "":
+            raise ConfigError(f"scaffold.kind = {self.scaffold.kind!r} needs its scaffold.{self.scaffold.kind}")
