@@ -51,8 +51,8 @@ def vllm_engine(tiny_tools_model: str, tmp_path_factory: pytest.TempPathFactory)
 
 def make_router(engine: object, model_dir: str, sessions_dir: Path | None = None, render: str = "auto"):
     """A Router over one engine (call inside a running event loop; await router.pool.start())."""
-    from agentrl.router import EnginePool, Router
     from agentrl.models import eos_token_ids
+    from agentrl.router import EnginePool, Router
 
     pool = EnginePool([engine.url])  # type: ignore[attr-defined]
     return Router(pool, model_name="tiny-tools", eos_token_ids=eos_token_ids(model_dir), max_model_len=2048,

@@ -37,8 +37,8 @@ def serve_router(urls: list[str], model_dir: str, *, api_keys: frozenset[str] = 
                  health_failures: int = 1) -> Iterator[RouterServer]:
     from aiohttp import web
 
-    from agentrl.router import EnginePool, Router, make_app
     from agentrl.models import eos_token_ids
+    from agentrl.router import EnginePool, Router, make_app
 
     loop = asyncio.new_event_loop()
     port = free_port()

@@ -193,8 +193,8 @@ def test_the_local_derender_matches_the_engine_on_real_generations(engine_url, c
 
 @pytest.mark.vllm
 def test_local_and_engine_render_give_the_same_completion_and_session_samples(engine_url, tiny_tools_model):
-    from agentrl.router import EnginePool, Router
     from agentrl.models import eos_token_ids
+    from agentrl.router import EnginePool, Router
 
     async def episode(render: str) -> tuple[Router, list[dict[str, Any]]]:
         pool = EnginePool([engine_url], health_interval_s=3600)
