@@ -49,8 +49,8 @@ def main() -> None:
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from agentrl.config import LearnConfig
     from agentrl.env.tools import tool_schema
+    from agentrl.learner.config import LearnConfig
     from agentrl.learner.dist import Dist
     from agentrl.learner.step import build_state, train_step
     from agentrl.models import resolve_model

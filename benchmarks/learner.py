@@ -46,7 +46,7 @@ def main() -> None:
 
     import torch
 
-    from agentrl.config import LearnConfig
+    from agentrl.learner.config import LearnConfig
     from agentrl.learner.dist import Dist, load_model
     from agentrl.learner.packing import pack, packed_inputs
     from agentrl.learner.step import build_state, train_step

@@ -27,7 +27,7 @@ from agentrl.config.loader import load as _load
 from agentrl.errors import ConfigError
 from agentrl.learner.config import LearnConfig, LossConfig
 from agentrl.rollout.config import EpisodeLimits, EvalConfig
-from agentrl.serve.config import ServeConfig
+from agentrl.serve.config import ServeConfig, redacted
 
 __all__ = ["RUN_DEFAULTS", "ConfigError", "EpisodeLimits", "EvalConfig", "LearnConfig", "LossConfig", "RunConfig", "ServeConfig",
            "build", "field_docs", "load", "merge", "parse", "redacted", "resolve", "to_dict", "to_toml", "union_kinds"]
@@ -67,11 +67,3 @@ def load(cls: type, path: str | Path | None = None, overrides: list[str] | None 
     """Build ``cls`` from an optional TOML/YAML file and ``a.b=value`` overrides, then check it
     (``RunConfig`` starts from :data:`RUN_DEFAULTS`)."""
     return _load(cls, path, overrides, RUN_DEFAULTS if cls is RunConfig else None)
-
-
-def redacted(cfg: ServeConfig) -> dict[str, Any]:
-    """serve's config as a dict without its secrets (for files others may read)."""
-    d = to_dict(cfg)
-    d["admin_token"] = "<redacted>" if d["admin_token"] else ""
-    d["router"]["api_keys"] = ["<redacted>"] * len(d["router"]["api_keys"])
-    return d

@@ -16,7 +16,7 @@ import logging
 import time
 from typing import Any, Protocol
 
-from agentrl.config import LearnConfig
+from agentrl.learner.config import LearnConfig
 
 log = logging.getLogger(__name__)
 

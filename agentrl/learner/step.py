@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from agentrl.config import LearnConfig
+from agentrl.learner.config import LearnConfig
 from agentrl.learner.dist import Dist, grad_norm_and_clip
 from agentrl.learner.packing import pack, packed_logprobs, pad_batch
 

@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from agentrl.config import LearnConfig
+from agentrl.learner.config import LearnConfig
 from agentrl.learner.packing import pad_batch, token_logprobs
 
 __all__ = ["Learner", "learn", "pad_batch", "token_logprobs"]
@@ -67,7 +67,8 @@ class Learner:
         metrics_server: Any = None
         writers: list[Any] = []
         if ctx.is_main:
-            from agentrl.config import to_dict
+            from dataclasses import asdict as to_dict
+
             from agentrl.learner.metrics import make_writers, start_metrics_server
 
             self.run_dir.mkdir(parents=True, exist_ok=True)

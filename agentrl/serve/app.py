@@ -20,9 +20,8 @@ from typing import Any
 
 from aiohttp import web
 
-from agentrl.config import redacted
 from agentrl.credentials import find_api_keys, settle_admin_token
-from agentrl.serve.config import ServeConfig
+from agentrl.serve.config import ServeConfig, redacted
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,9 @@ refused as settings. Only light modules are imported here.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
+from typing import Any
 
 from agentrl.buffer.config import BufferConfig
 from agentrl.engines.config import EngineConfig
@@ -27,14 +29,14 @@ class RayConfig:
     """Engines and rollout workers as Ray actors across a cluster (router and buffer stay in serve)."""
 
     address: str = ""  # Ray cluster to use ("auto": the one this machine belongs to, or "HOST:6379"); empty: no Ray
-    namespace: str = "agentrl"
+    namespace: str = "agentrl"  # Ray namespace of serve's actors
     engine_gpus: float = 0.0  # GPUs per engine actor: 1 per engine, or a tensor-parallel group's size (0 on CPU)
     engine_cpus: float = 1.0  # CPUs reserved per engine actor
     engine_resources: dict[str, float] = field(default_factory=dict)  # custom Ray resources per engine (placement)
     engine_host: str = ""  # address engines listen on; empty: their node's IP
     workers: int = 2  # rollout worker actors, each running an orchestrator of agent loops
-    worker_cpus: float = 1.0
-    worker_resources: dict[str, float] = field(default_factory=dict)
+    worker_cpus: float = 1.0  # CPUs reserved per rollout worker actor
+    worker_resources: dict[str, float] = field(default_factory=dict)  # custom Ray resources per worker (placement)
     worker_concurrency: int = 0  # episodes in flight per worker (0: env.max_concurrency / workers)
     serve_url: str = ""  # how workers reach serve; empty: http://router.host:router.port (0.0.0.0: this node's IP)
     max_restarts: int = -1  # Ray restarts a dead actor this many times (-1: always); serve re-adds it
@@ -55,6 +57,10 @@ class ServeConfig:
     buffer: BufferConfig = field(default_factory=BufferConfig)
     ray: RayConfig = field(default_factory=RayConfig)
 
+    def without_secrets(self) -> ServeConfig:
+        """This config with its admin token and client keys left out (for processes that get them otherwise)."""
+        return dataclasses.replace(self, admin_token="", router=dataclasses.replace(self.router, api_keys=[]))
+
     def check(self) -> None:
         if self.env.group_size < 1:
             raise ConfigError("env.group_size must be at least 1")
@@ -65,3 +71,11 @@ class ServeConfig:
             raise ConfigError("env.max_tokens must be smaller than engine.max_model_len")
         if getattr(self.scaffold, "agent", None) == "" or getattr(self.scaffold, "command", None) == "":
             raise ConfigError(f"scaffold.kind = {self.scaffold.kind!r} needs its scaffold.{self.scaffold.kind}")
+
+
+def redacted(cfg: ServeConfig) -> dict[str, Any]:
+    """serve's config as a dict without its secrets (for files others may read)."""
+    d = dataclasses.asdict(cfg)
+    d["admin_token"] = "<redacted>" if d["admin_token"] else ""
+    d["router"]["api_keys"] = ["<redacted>"] * len(d["router"]["api_keys"])
+    return d

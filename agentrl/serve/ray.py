@@ -91,14 +91,12 @@ class EngineHost:
 class RolloutWorkerHost:
     """Actor body: an orchestrator of agent loops against serve over HTTP, built from serve's own config."""
 
-    def __init__(self, worker_id: str, serve_url: str, admin_token: str, serve_config: dict[str, Any],
+    def __init__(self, worker_id: str, serve_url: str, admin_token: str, cfg: ServeConfig,
                  max_concurrency: int) -> None:
         import ray
 
-        from agentrl.config import ServeConfig, build
-
         self.worker_id, self.serve_url, self.admin_token = worker_id, serve_url, admin_token
-        self.cfg: ServeConfig = build(ServeConfig, serve_config)
+        self.cfg = cfg
         self.max_concurrency = max_concurrency
         self.node_id = ray.get_runtime_context().get_node_id()
         self.orchestrator: Any = None
@@ -218,8 +216,6 @@ class RayCluster:
 
     # -- rollout workers --------------------------------------------------------------------------
     def _worker_actor(self, i: int, serve_url: str, token: str) -> Any:
-        from agentrl.config import to_dict
-
         cfg, rc = self.cfg, self.cfg.ray
         e = cfg.env
         per_worker = rc.worker_concurrency or max(e.group_size, e.max_concurrency // max(1, rc.workers))
@@ -227,10 +223,8 @@ class RayCluster:
             num_cpus=rc.worker_cpus, resources=dict(rc.worker_resources) or None,
             max_restarts=rc.max_restarts, max_task_retries=0)
         # the admin token travels in the actor's task spec (Ray's own channels), never on a command line;
-        # the config travels without secrets
-        plain = dict(to_dict(cfg), admin_token="")
-        plain["router"] = dict(plain["router"], api_keys=[])
-        return actor_cls.remote(f"worker-{i}", serve_url, token, plain, per_worker)
+        # the config itself travels without secrets
+        return actor_cls.remote(f"worker-{i}", serve_url, token, cfg.without_secrets(), per_worker)
 
     async def _alive(self, actor: Any) -> bool:
         try:
