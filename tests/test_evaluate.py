@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from agentrl.rollout.config import EpisodeLimits
 from agentrl.rollout.evaluate import eval_tasks, evaluate, mean_interval, wilson_interval
 from tests.router_harness import serve_router
 
@@ -43,7 +44,7 @@ def test_heldout_is_the_test_split_and_disjoint_from_training_tasks() -> None:
 def test_evaluate_runs_heldout_episodes_against_a_real_router_endpoint(vllm_engine, tiny_tools_model) -> None:
     with serve_router([vllm_engine.url], tiny_tools_model, api_keys=frozenset({"client-key"})) as srv:
         result = asyncio.run(evaluate("guess_number", f"{srv.url}/v1", 6, split="heldout", api_key="client-key",
-                                      max_turns=3, max_tokens=16, temperature=1.0, concurrency=3))
+                                      limits=EpisodeLimits(max_turns=3, max_tokens=16, temperature=1.0), concurrency=3))
         assert srv.router.counters["calls"] >= 6  # every episode made real model calls
         assert not srv.router.sessions  # evaluation records nothing for training
     assert result.n == 6 and result.failed == 0 and result.model == "tiny-tools" and result.split == "test"
