@@ -57,8 +57,7 @@ async def _one(engine_url: str, name: str, spec: dict[str, str], episodes: int, 
     try:
         await serve.start()
         t0 = time.monotonic()
-        assert serve._orch_task is not None
-        await serve._orch_task
+        await serve.rollout_finished()
         wall = time.monotonic() - t0
     finally:
         await serve.close()

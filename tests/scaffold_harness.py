@@ -92,8 +92,7 @@ async def _run(engine_url: str, run_dir: Path, *, env: str, group_size: int, sca
                 generated.append((ids(body["token_ids"]), ids(got), lps))
 
         serve.buffer.put, serve.pool.call, serve.pool.stream = put, call, stream  # type: ignore[method-assign]
-        assert serve._orch_task is not None
-        await asyncio.wait_for(serve._orch_task, timeout=600)
+        await asyncio.wait_for(serve.rollout_finished(), timeout=600)
         counters = dict(serve.router.counters)
         instance = serve.sandbox_pool.instance_id if serve.sandbox_pool else None
     finally:

@@ -99,9 +99,29 @@ def cmd_sandbox_build(args: argparse.Namespace, extra: list[str]) -> int:
     return 0
 
 
+def _import_user_code(args: argparse.Namespace, command: str) -> None:
+    """``--import MODULE_OR_FILE`` (repeatable): the user's environments, before names are looked up."""
+    from agentrl.env import UserCodeError, import_user_code
+
+    for spec in getattr(args, "imports", None) or []:
+        try:
+            import_user_code(spec)
+        except UserCodeError as e:
+            raise SystemExit(f"agentrl {command}: {e}") from None
+
+
 def cmd_envs(args: argparse.Namespace, extra: list[str]) -> int:
+    from agentrl.env import UnknownEnvironmentError
     from agentrl.env import cli as env_cli
 
+    _import_user_code(args, "envs")
+    try:
+        return _envs(args, env_cli)
+    except UnknownEnvironmentError as e:
+        raise SystemExit(f"agentrl envs: {e}") from None
+
+
+def _envs(args: argparse.Namespace, env_cli: Any) -> int:
     if args.action == "list":
         return env_cli.list_envs()
     if args.action == "show":
@@ -145,6 +165,7 @@ def cmd_eval(args: argparse.Namespace, extra: list[str]) -> int:
     from agentrl.rollout.config import EpisodeLimits
     from agentrl.rollout.evaluate import main as eval_main
 
+    _import_user_code(args, "eval")
     limits = EpisodeLimits(max_turns=args.max_turns, max_tokens=args.max_tokens, temperature=args.temperature)
     try:
         return eval_main(args.env, args.endpoint, out=args.out, api_key_file=args.api_key_file or "",
@@ -211,11 +232,17 @@ def parser() -> argparse.ArgumentParser:
 
     ep = sub.add_parser("envs", help="registered environments")
     esub = ep.add_subparsers(dest="action", required=True)
-    esub.add_parser("list", help="list registered environments").set_defaults(fn=cmd_envs)
-    es = esub.add_parser("show", help="show an environment's tools and an example opening")
+    def with_import(sp: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        sp.add_argument("--import", dest="imports", action="append", metavar="MODULE_OR_FILE",
+                        help="import this module (my_envs) or file (./my_env.py) first, so the environments it "
+                        "registers are known (repeatable)")
+        return sp
+
+    with_import(esub.add_parser("list", help="list registered environments")).set_defaults(fn=cmd_envs)
+    es = with_import(esub.add_parser("show", help="show an environment's tools and an example opening"))
     es.add_argument("name")
     es.set_defaults(fn=cmd_envs)
-    et = esub.add_parser("try", help="play one episode against an OpenAI-compatible endpoint, turn by turn")
+    et = with_import(esub.add_parser("try", help="play one episode against an OpenAI-compatible endpoint, turn by turn"))
     et.add_argument("name")
     et.add_argument("--endpoint", required=True, help="base URL ending in /v1, e.g. http://127.0.0.1:8000/v1")
     et.add_argument("--model", default="", help="model name (default: the endpoint's first model)")
@@ -242,6 +269,7 @@ def parser() -> argparse.ArgumentParser:
                         "The API key comes from --api-key-file, $AGENTRL_API_KEY or $OPENAI_API_KEY "
                         "(never a command-line value).")
     ev.add_argument("--env", required=True, help="a registered environment (agentrl envs list)")
+    with_import(ev)
     ev.add_argument("--endpoint", required=True, help="OpenAI base URL ending in /v1, e.g. http://127.0.0.1:8000/v1")
     ev.add_argument("--tasks", type=int, default=EVAL.tasks,
                     help="how many tasks, from the start of the split (default: %(default)s)")

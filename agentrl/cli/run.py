@@ -68,7 +68,9 @@ def held_out_eval(cfg: RunConfig, url: str, label: str, run_dir: Path) -> Any:
     """Evaluate the policy the engines serve now on ``eval.tasks`` held-out tasks."""
     from agentrl.credentials import find_api_keys
     from agentrl.rollout.evaluate import evaluate, write_result
+    from agentrl.serve.build import import_user_code
 
+    import_user_code(cfg.serve)  # the evaluation plays the user's environment here too
     e, ev = cfg.serve.env, cfg.eval
     keys = find_api_keys(cfg.serve.router.api_keys, cfg.serve.router.api_keys_file)
     print(f"eval {label}: {ev.tasks} held-out {e.name} tasks at temperature {ev.temperature:g} ...", flush=True)

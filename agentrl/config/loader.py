@@ -11,7 +11,9 @@ This module only knows dataclasses and type hints:
   keeps the default's variant when its keys fit it, else takes the one variant whose fields hold
   every key given (so ``--scaffold.command=...`` alone selects the command scaffold);
 - a field whose metadata names ``derived`` is filled in by the builder from another setting and may
-  not be set (the error says where its value comes from);
+  not be set (the error says where its value comes from); one whose metadata names a ``key`` is
+  spelled so in files and overrides (``import``, a Python keyword, for the field ``imports``);
+- a bare string where a list of strings is expected is a list of one;
 - every field's documentation is the ``# comment`` on its line or the string right below it, read
   from the source when ``agentrl config show`` prints the tree (:func:`to_toml`).
 
@@ -118,6 +120,8 @@ def _coerce(value: Any, tp: Any, key: str, default: Any = None) -> Any:
         if value is not None:
             raise ConfigError(f"{key}: expected nothing, got {value!r}")
         return None
+    if origin is list and isinstance(value, str) and typing.get_args(tp) in ((str,), ()):
+        value = [value]  # one string for a list of strings
     if origin in (list, tuple):
         if not isinstance(value, list | tuple):
             raise ConfigError(f"{key}: expected a list, got {value!r}")
@@ -150,7 +154,7 @@ def parse(tp: Any, value: Any, key: str = "value") -> Any:
 def build(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
     """``cls`` built from ``data`` (nested dicts), every key and type checked."""
     hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    fields = {setting_key(f): f for f in dataclasses.fields(cls) if f.init}
     unknown = sorted(set(data) - set(fields))
     if unknown:
         raise ConfigError(f"unknown setting {prefix}{unknown[0]}; known settings here: "
@@ -160,13 +164,18 @@ def build(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
         derived = fields[k].metadata.get("derived")
         if derived:
             raise ConfigError(f"{prefix}{k} is not set directly: it comes from {derived}")
-        kwargs[k] = _coerce(v, hints[k], prefix + k, _default(fields[k]))
+        kwargs[fields[k].name] = _coerce(v, hints[fields[k].name], prefix + k, _default(fields[k]))
     try:
         return cls(**kwargs)
     except (ValueError, TypeError) as e:
         if isinstance(e, ConfigError):
             raise
         raise ConfigError(f"{prefix.rstrip('.') or cls.__name__}: {e}") from None
+
+
+def setting_key(f: dataclasses.Field) -> str:
+    """How a field is spelled in config files and overrides (its name, unless its metadata says ``key``)."""
+    return f.metadata.get("key", f.name)
 
 
 def _default(f: dataclasses.Field) -> Any:
@@ -256,8 +265,15 @@ def merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
 # -- reading a tree ----------------------------------------------------------------------------------
 
 def to_dict(cfg: Any) -> dict[str, Any]:
-    out = dataclasses.asdict(cfg)
-    return json.loads(json.dumps(out, default=list))  # tuples as lists, as TOML gives them back
+    """The config's settings as nested dicts, spelled as in files (``build`` reads it back to an equal
+    config; fields the builder fills in are left out)."""
+    def plain(v: Any) -> Any:
+        if dataclasses.is_dataclass(v) and not isinstance(v, type):
+            return {setting_key(f): plain(getattr(v, f.name)) for f in dataclasses.fields(v)
+                    if not f.metadata.get("derived")}
+        return json.loads(json.dumps(v, default=list))  # tuples as lists, as TOML gives them back
+
+    return plain(cfg)
 
 
 def resolve(cls: type, dotted: str) -> bool:
@@ -275,8 +291,8 @@ def resolve(cls: type, dotted: str) -> bool:
         if not dataclasses.is_dataclass(tp):
             return typing.get_origin(tp) is dict or tp is Any  # a free-form table: any key is its own
         hints = typing.get_type_hints(tp)
-        names = {f.name for f in dataclasses.fields(tp)}
-        return rest[0] in names and walk(hints[rest[0]], rest[1:])
+        names = {setting_key(f): f.name for f in dataclasses.fields(tp)}
+        return rest[0] in names and walk(hints[names[rest[0]]], rest[1:])
 
     return walk(cls, parts)
 
@@ -354,7 +370,7 @@ def to_toml(cfg: Any, docs: bool = False) -> str:
                 continue  # filled in by the builder (not a setting), or nothing TOML can say
             if notes.get(f.name):
                 lines += textwrap.wrap(notes[f.name], 100, initial_indent="# ", subsequent_indent="# ")
-            lines.append(f"{f.name} = {_toml_value(json.loads(json.dumps(v, default=list)))}")
+            lines.append(f"{setting_key(f)} = {_toml_value(json.loads(json.dumps(v, default=list)))}")
         out = lines
         for name, v in tables:
             out += ["", f"[{prefix}{name}]"]

@@ -8,7 +8,9 @@ from agentrl.env.base import Environment, Message, Reset, StepResult, ToolEnv
 from agentrl.env.registry import (
     DuplicateEnvironmentError,
     UnknownEnvironmentError,
+    UserCodeError,
     environment,
+    import_user_code,
     lookup,
     make,
     registered,
@@ -19,6 +21,6 @@ from agentrl.env.tools import ToolCallError, parse_tool_calls, tool, tool_schema
 
 __all__ = [
     "DuplicateEnvironmentError", "Environment", "Message", "Reset", "StepResult", "TaskSource", "ToolCallError",
-    "ToolEnv", "UnknownEnvironmentError", "environment", "load_tasks", "lookup", "make", "parse_tool_calls",
-    "registered", "tool", "tool_schema", "unregister",
+    "ToolEnv", "UnknownEnvironmentError", "UserCodeError", "environment", "import_user_code", "load_tasks", "lookup",
+    "make", "parse_tool_calls", "registered", "tool", "tool_schema", "unregister",
 ]

@@ -1,7 +1,9 @@
 """Environment registry: ``@agentrl.environment("name")`` tags, ``agentrl.make`` builds.
 
-Three ways a name becomes known, all lazy and all ending in the same table:
+Four ways a name becomes known, all ending in the same table:
 - the decorator, when the module that defines the environment is imported;
+- :func:`import_user_code`: a module or a file named in the config (``env.import``), imported before
+  the name is looked up, so ``my_env.py`` next to the config is enough;
 - the ``agentrl.environments`` entry-point group (``name = "module:ClassOrFactory"``) of any
   installed distribution, so ``pip install my-envs`` is enough; scanned again on every miss, so a
   package installed while the process runs is found too;
@@ -17,10 +19,14 @@ load and why, and what to import or install.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import logging
 import pkgutil
+import sys
 from collections.abc import Callable
 from importlib.metadata import EntryPoint, entry_points
+from pathlib import Path
+from types import ModuleType
 from typing import Any, TypeVar
 
 log = logging.getLogger(__name__)
@@ -113,6 +119,49 @@ def _builtin_names() -> list[str]:
     return sorted(m.name for m in pkgutil.iter_modules(pkg.__path__) if m.ispkg)
 
 
+def import_user_code(spec: str) -> ModuleType:
+    """Import ``spec``, a module name (``my_envs``, ``pkg.tasks``) or a Python file (``my_env.py``,
+    ``./envs/shop.py``), so that what it registers becomes known. A file is imported under its stem
+    with its folder on ``sys.path`` (so its own imports of neighbouring modules work)."""
+    spec = spec.strip()
+    if not spec:
+        raise ValueError("an empty module or file to import")
+    path = Path(spec).expanduser()
+    if spec.endswith(".py") or "/" in spec or path.is_file():
+        if not path.is_file():
+            raise UserCodeError(f"cannot import {spec!r}: no such file ({path.resolve()})")
+        folder = str(path.resolve().parent)
+        if folder not in sys.path:
+            sys.path.insert(0, folder)
+        name = path.stem
+        if name in sys.modules and getattr(sys.modules[name], "__file__", None) == str(path.resolve()):
+            return sys.modules[name]
+        found = importlib.util.spec_from_file_location(name, path.resolve())
+        if found is None or found.loader is None:
+            raise UserCodeError(f"cannot import {spec!r}: not a Python file")
+        module = importlib.util.module_from_spec(found)
+        sys.modules[name] = module
+        try:
+            found.loader.exec_module(module)
+        except Exception as e:
+            sys.modules.pop(name, None)
+            raise UserCodeError(f"importing {path} raised {type(e).__name__}: {e}") from e
+        return module
+    try:
+        return importlib.import_module(spec)
+    except ModuleNotFoundError as e:
+        if e.name and spec.startswith(e.name):
+            raise UserCodeError(f"cannot import {spec!r}: no module named {e.name!r} on the Python path "
+                                f"(sys.path[0] is {sys.path[0]!r}); give a file path instead, e.g. ./{spec}.py") from e
+        raise UserCodeError(f"importing {spec!r} failed: {e}") from e
+    except Exception as e:
+        raise UserCodeError(f"importing {spec!r} raised {type(e).__name__}: {e}") from e
+
+
+class UserCodeError(ImportError):
+    """A module or file named to import (``env.import``) could not be imported; the message says why."""
+
+
 def lookup(name: str) -> Callable[..., Any]:
     """The class or factory registered under ``name``."""
     if name not in _REGISTRY and "." not in name and "/" not in name:
@@ -123,10 +172,11 @@ def lookup(name: str) -> Callable[..., Any]:
         known = ", ".join(registered()) or "none"
         failed = "".join(f"\n  entry point {k} failed to load: {v}" for k, v in _FAILED_ENTRY_POINTS.items())
         raise UnknownEnvironmentError(
-            f"unknown environment {name!r}; registered: {known}. Import the module that defines it "
-            f"(e.g. `import my_envs`, whose classes use @agentrl.environment({name!r})) or pip install "
-            f"the package that provides it (it registers through the {ENTRY_POINT_GROUP!r} entry-point "
-            f"group: [project.entry-points.{ENTRY_POINT_GROUP!r}] {name} = \"my_envs:MyEnv\").{failed}"
+            f"unknown environment {name!r}; registered: {known}. To make it known, import the module or "
+            f"file that defines it (whose class uses @agentrl.environment({name!r})): `--env.import=my_env.py` "
+            f"or `--env.import=my_package.envs` (in Python: `import my_envs`), or pip install the package "
+            f"that provides it (it registers through the {ENTRY_POINT_GROUP!r} entry-point group: "
+            f"[project.entry-points.{ENTRY_POINT_GROUP!r}] {name} = \"my_envs:MyEnv\").{failed}"
         )
     return _REGISTRY[name]
 

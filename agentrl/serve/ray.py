@@ -108,6 +108,7 @@ class RolloutWorkerHost:
         from agentrl.serve import build
 
         cfg = self.cfg
+        build.import_user_code(cfg)
         router = RemoteRouter(self.serve_url, self.admin_token, timeout_s=cfg.env.episode_timeout_s)
         buffer = RemoteBuffer(self.serve_url, self.admin_token, producer=f"{self.worker_id}-{os.getpid()}")
         episodes = EpisodeUploader(self.serve_url, self.admin_token)
