@@ -47,13 +47,19 @@ def _load(cls: type, args: argparse.Namespace, extra: list[str]) -> Any:
 def cmd_serve(args: argparse.Namespace, extra: list[str]) -> int:
     if args.ray:
         extra = [f"ray.address={args.ray}", *extra]
+    if args.endpoint_only:
+        extra = ["endpoint_only=true", *extra]
     cfg = _load(C.ServeConfig, args, extra)
     _setup_logging(args.verbose)
     import asyncio
 
     from agentrl.serve.app import serve_forever
 
-    asyncio.run(serve_forever(cfg))
+    try:
+        asyncio.run(serve_forever(cfg))
+    except KeyboardInterrupt:  # a second Ctrl-C while shutting down
+        print(f"agentrl serve: interrupted; kept {cfg.run_dir}", file=sys.stderr, flush=True)
+        return 130
     return 0
 
 
@@ -71,9 +77,19 @@ def cmd_learn(args: argparse.Namespace, extra: list[str]) -> int:
 def cmd_run(args: argparse.Namespace, extra: list[str]) -> int:
     cfg = _load(C.RunConfig, args, extra)
     _setup_logging(args.verbose)
+    import logging as _logging
+
+    _logging.getLogger("agentrl.progress").info("agentrl run: %s on %s, run directory %s", cfg.serve.model,
+                                                cfg.serve.env.name, cfg.serve.run_dir)
     from agentrl.cli.run import run
 
-    return run(cfg)
+    try:
+        return run(cfg)
+    except KeyboardInterrupt:
+        # serve and its engines were stopped on the way out (run's finally); say what is kept
+        print(f"agentrl run: interrupted; kept {cfg.serve.run_dir} (logs, buffer, metrics, checkpoints)",
+              file=sys.stderr, flush=True)
+        return 130
 
 
 def cmd_config_show(args: argparse.Namespace, extra: list[str]) -> int:
@@ -207,6 +223,8 @@ def parser() -> argparse.ArgumentParser:
     sv = with_config(sub.add_parser("serve", help="engines, router, agent loops, sandboxes and buffer"))
     sv.add_argument("--ray", metavar="ADDRESS", help="place engines and rollout workers as actors on this Ray "
                     "cluster (\"auto\": the local one; same as --ray.address=ADDRESS)")
+    sv.add_argument("--endpoint-only", action="store_true", help="serve the OpenAI endpoints and sessions for "
+                    "external clients, with no agent loops of its own (same as --endpoint_only=true)")
     sv.set_defaults(fn=cmd_serve)
     sp = with_config(sub.add_parser("learn", help="the trainer; pulls batches from serve"))
     sp.add_argument("--serve", help="serve's URL, e.g. http://HOST:8000")

@@ -28,6 +28,7 @@ from typing import Any
 from agentrl.config import RunConfig, ServeConfig, to_toml
 
 log = logging.getLogger(__name__)
+_progress = logging.getLogger("agentrl.progress")
 
 
 def serve_command(serve_cfg: ServeConfig, run_dir: Path) -> list[str]:
@@ -49,14 +50,23 @@ def wait_for_serve(url: str, serve: subprocess.Popen, timeout_s: float) -> None:
 
     async def wait() -> None:
         deadline = time.monotonic() + timeout_s
+        said = ""
         async with ServeClient(url, timeout_s=5.0, retries=0) as client:
             while time.monotonic() < deadline:
                 if serve.poll() is not None:
-                    raise SystemExit(f"serve exited with code {serve.returncode} before it was ready")
+                    raise SystemExit(f"serve exited with code {serve.returncode} before it was ready; "
+                                     "see serve.log in the run directory")
                 try:
-                    if (await client.request("GET", "/health", accept={503})).status == 200:
+                    got = await client.request("GET", "/health", accept={503})
+                    if got.status == 200:
                         return
-                except TransportError:
+                    state = got.json() or {}
+                    engines = ", ".join(f"{e.get('port')} {e.get('phase')}" for e in state.get("engines") or [])
+                    now = f"{state.get('phase', 'starting')}" + (f" [{engines}]" if engines else "")
+                    if now != said:  # serve's own start-up phases, as they change
+                        _progress.info("serve: %s (%.0f s)", now, float(state.get("elapsed_s") or 0))
+                        said = now
+                except (TransportError, ValueError):
                     pass
                 await asyncio.sleep(1.0)
         raise SystemExit(f"serve at {url} was not healthy within {timeout_s:.0f} s")
@@ -104,8 +114,8 @@ def run(cfg: RunConfig) -> int:
     t0 = time.monotonic()
     before = after = None
     try:
+        wait_for_serve(learn_cfg.serve, serve, cfg.serve.engine.start_timeout_s + 120)
         if cfg.eval.tasks:
-            wait_for_serve(learn_cfg.serve, serve, cfg.serve.engine.start_timeout_s + 120)
             before = held_out_eval(cfg, learn_cfg.serve, "before", run_dir)
         history = learn(learn_cfg)
         if cfg.eval.tasks:

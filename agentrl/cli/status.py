@@ -6,16 +6,14 @@ episodes in flight, buffer depth, the sandbox pool and throughput. The token com
 the command line, where every user of the machine could read it in the process list.
 
 Throughput is averaged since serve started; with ``--watch`` it is measured between refreshes.
-Only the standard library is used, so the command starts fast.
+While serve's engines start it shows the start-up phase of each. It talks to serve through the
+one client of serve's HTTP surface (:class:`agentrl.client.ServeClient`).
 """
 
 from __future__ import annotations
 
 import json
-import os
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -26,43 +24,40 @@ class StatusError(RuntimeError):
 
 def resolve_token(token_file: str | None = None, run_dir: str | Path | None = "runs/latest") -> str:
     """The admin token: ``token_file``, ``$AGENTRL_ADMIN_TOKEN``, ``$AGENTRL_ADMIN_TOKEN_FILE``, ``run_dir/admin_token``."""
-    if token_file:
-        p = Path(token_file)
-        if not p.is_file():
-            raise StatusError(f"admin token file {p} does not exist")
-        token = p.read_text().strip()
-        if not token:
-            raise StatusError(f"admin token file {p} is empty")
-        return token
-    if os.environ.get("AGENTRL_ADMIN_TOKEN"):
-        return os.environ["AGENTRL_ADMIN_TOKEN"].strip()
-    if os.environ.get("AGENTRL_ADMIN_TOKEN_FILE"):
-        return resolve_token(os.environ["AGENTRL_ADMIN_TOKEN_FILE"], None)
-    if run_dir is not None and (Path(run_dir) / "admin_token").is_file():
-        return (Path(run_dir) / "admin_token").read_text().strip()
-    raise StatusError("no admin token: pass --admin-token-file FILE, set $AGENTRL_ADMIN_TOKEN, or point --run-dir "
-                      f"at serve's run directory (looked for {Path(run_dir or '.') / 'admin_token'})")
+    from agentrl.credentials import SecretError, find_admin_token
+
+    try:
+        token = find_admin_token("", token_file or "", run_dir)
+    except SecretError as e:
+        raise StatusError(str(e)) from None
+    if not token:
+        raise StatusError("no admin token: pass --admin-token-file FILE, set $AGENTRL_ADMIN_TOKEN, or point "
+                          f"--run-dir at serve's run directory (looked for {Path(run_dir or '.') / 'admin_token'})")
+    return token
 
 
 def fetch_status(url: str, token: str, timeout_s: float = 10.0) -> dict[str, Any]:
     """GET ``URL/admin/status``; raise StatusError with what went wrong and what to do."""
-    req = urllib.request.Request(url.rstrip("/") + "/admin/status",
-                                 headers={"Authorization": f"Bearer {token}", "Accept": "application/json"})
+    import asyncio
+
+    from agentrl.client import ServeClient
+    from agentrl.errors import TransportError
+
+    async def get() -> Any:
+        async with ServeClient(url, token, timeout_s=timeout_s, retries=1) as client:
+            return await client.json("GET", "/admin/status", headers={"Accept": "application/json"})
+
     try:
-        with urllib.request.urlopen(req, timeout=timeout_s) as r:
-            body = r.read()
-    except urllib.error.HTTPError as e:
-        if e.code in (401, 403):
-            raise StatusError(f"serve at {url} refused the admin token ({e.code}); use the token from serve's "
+        data = asyncio.run(get())
+    except TransportError as e:
+        if e.status in (401, 403):
+            raise StatusError(f"serve at {url} refused the admin token ({e.status}); use the token from serve's "
                               "run_dir/admin_token") from None
-        raise StatusError(f"serve at {url} answered {e.code}: {e.read()[:300].decode(errors='replace')}") from None
-    except (urllib.error.URLError, TimeoutError, ConnectionError) as e:
-        reason = getattr(e, "reason", e)
-        raise StatusError(f"cannot reach serve at {url}: {reason}") from None
-    try:
-        data = json.loads(body)
+        if e.status is not None:
+            raise StatusError(f"serve at {url} answered {e.status}: {e.message}") from None
+        raise StatusError(f"cannot reach serve at {url}: {e.message}") from None
     except ValueError:
-        raise StatusError(f"serve at {url} answered something that is not JSON: {body[:200]!r}") from None
+        raise StatusError(f"serve at {url} answered something that is not JSON") from None
     if not isinstance(data, dict):
         raise StatusError(f"serve at {url} answered an unexpected status: {data!r:.200}")
     return data
@@ -122,6 +117,11 @@ def rates(now: dict[str, Any], before: dict[str, Any] | None = None) -> dict[str
 
 def format_status(url: str, status: dict[str, Any], before: dict[str, Any] | None = None) -> str:
     """The status as a few lines and one table of engines."""
+    if status.get("starting"):  # serve answers while its engines start
+        lines = [f"serve {url}   starting for {_duration(status.get('elapsed_s'))}: {status.get('phase')}"]
+        for e in status.get("engines") or []:
+            lines.append(f"  engine {e.get('port')}: {e.get('phase')} ({_duration(e.get('phase_s'))})")
+        return "\n".join(lines)
     lines = [f"serve {url}   up {_duration(status.get('uptime_s'))}   policy version {_n(status.get('version'))}"]
     engines = status.get("engines") or []
     healthy = sum(bool(e.get("healthy")) for e in engines)

@@ -19,6 +19,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 
@@ -27,6 +28,47 @@ from agentrl.engines.config import EngineOptions
 log = logging.getLogger(__name__)
 
 _LIVE: set[subprocess.Popen] = set()
+
+
+# vLLM's start-up, as its log shows it: (a line's marker, the phase that line starts). Matched in
+# order; a marker the log never shows is skipped (e.g. compilation under --enforce-eager).
+PHASES: tuple[tuple[str, str], ...] = (
+    ("non-default args", "reading the model's config"),
+    ("Initializing a V1 LLM engine", "starting the engine process"),
+    ("Starting to load model", "loading weights"),
+    ("Loading weights took", "weights loaded, initialising"),
+    ("torch.compile", "compiling"),
+    ("Compiling a graph", "compiling"),
+    ("KV cache size", "allocating the KV cache"),
+    ("init engine (profile, create kv cache, warmup model)", "warming up"),
+    ("Starting vLLM server", "starting the HTTP server"),
+)
+_progress = logging.getLogger("agentrl.progress")
+
+
+class _LogWatch:
+    """Reads an engine's log as it grows and says the newest start-up phase it has reached."""
+
+    def __init__(self, path: Path, offset: int = 0) -> None:
+        self.path, self.offset, self.at = path, offset, -1
+
+    def phase(self) -> str | None:
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self.offset)
+                chunk = f.read()
+        except OSError:
+            return None
+        if not chunk:
+            return None
+        cut = chunk.rfind(b"\n") + 1  # whole lines only: a marker may be half written
+        self.offset += cut
+        text = chunk[:cut].decode(errors="replace")
+        found = None
+        for i, (marker, phase) in enumerate(PHASES):
+            if i > self.at and marker in text:
+                self.at, found = i, phase
+        return found
 
 
 class EngineStartError(RuntimeError):
@@ -78,6 +120,7 @@ class VLLMEngine:
         self.spec = spec
         self.log_path = Path(log_dir) / f"engine-{spec.port}.log"
         self.proc: subprocess.Popen | None = None
+        self.phase, self.phase_since = "not started", time.monotonic()
 
     @property
     def url(self) -> str:
@@ -91,6 +134,7 @@ class VLLMEngine:
         """Spawn the process (from the calling thread: keep it the main thread, see reaper)."""
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         logf = open(self.log_path, "ab")  # noqa: SIM115 - the child owns it
+        self._log_start = logf.tell()  # an earlier run's lines are not this start-up's
         cmd = [sys.executable, "-m", "agentrl.engines.reaper", "--", *self.spec.command()]
         log.info("starting engine on port %d: %s", self.spec.port, " ".join(self.spec.command()[2:]))
         self.proc = subprocess.Popen(
@@ -101,10 +145,14 @@ class VLLMEngine:
         _LIVE.add(self.proc)
 
     async def start(self, timeout_s: float = 600.0, progress: bool = True) -> None:
+        """Wait until the engine answers ``/health``; on the way, follow its log through the start-up
+        phases (:data:`PHASES`) and report each one with the time it took to reach it."""
         if self.proc is None:
             self.launch()
         t0 = time.monotonic()
-        next_report = t0 + 10
+        self.phase, self.phase_since = "starting", t0
+        watch = _LogWatch(self.log_path, getattr(self, "_log_start", 0))
+        next_report = t0 + 15
         async with aiohttp.ClientSession() as http:
             while True:
                 if self.proc.poll() is not None:
@@ -115,11 +163,19 @@ class VLLMEngine:
                 try:
                     async with http.get(f"{self.url}/health", timeout=aiohttp.ClientTimeout(total=2)) as r:
                         if r.status == 200:
-                            log.info("engine on port %d healthy after %.0f s", self.spec.port, time.monotonic() - t0)
+                            self.phase, self.phase_since = "ready", time.monotonic()
+                            if progress:
+                                _progress.info("engine %d: ready (%.0f s)", self.spec.port, time.monotonic() - t0)
                             return
                 except (TimeoutError, aiohttp.ClientError):
                     pass
                 now = time.monotonic()
+                phase = watch.phase()
+                if phase and phase != self.phase:
+                    self.phase, self.phase_since = phase, now
+                    if progress:
+                        _progress.info("engine %d: %s (%.0f s)", self.spec.port, phase, now - t0)
+                    next_report = now + 15
                 if now - t0 > timeout_s:
                     self.stop()
                     raise EngineStartError(
@@ -127,10 +183,13 @@ class VLLMEngine:
                         f"log {self.log_path}:\n{self.log_tail()}"
                     )
                 if progress and now >= next_report:
-                    log.info("waiting for engine on port %d (%.0f s): %s", self.spec.port, now - t0,
-                             self.log_tail(1).strip()[-160:])
-                    next_report = now + 10
+                    _progress.info("engine %d: still %s (%.0f s)", self.spec.port, self.phase, now - t0)
+                    next_report = now + 15
                 await asyncio.sleep(0.5)
+
+    def startup(self) -> dict[str, Any]:
+        """The start-up phase and how long it has lasted (for serve's status while it starts)."""
+        return {"port": self.spec.port, "phase": self.phase, "phase_s": round(time.monotonic() - self.phase_since, 1)}
 
     def log_tail(self, n: int = 30) -> str:
         try:

@@ -1,10 +1,13 @@
 """``agentrl serve``: engines, router, sandboxes, buffer and agent loops in one process.
 
-Start-up order: scaffold (a bad one fails first) -> model folder -> engines (child processes, or
-Ray actors with ``ray.address``, or running ones at ``engine.urls``) -> engine pool -> router ->
-buffer (recovered from disk) -> HTTP -> sandbox pool and orchestrator (or, under Ray, the rollout
-workers). Every part comes from :mod:`agentrl.serve.build`. Shutdown runs in reverse and always
-stops the engines and removes this instance's containers.
+Start-up order: the user's code and the scaffold (a bad one fails first) -> model folder -> engines
+(child processes, or Ray actors with ``ray.address``, or running ones at ``engine.urls``) -> engine
+pool -> router -> buffer (recovered from disk) -> HTTP -> sandbox pool and orchestrator (or, under
+Ray, the rollout workers; nothing with ``endpoint_only``). Every part comes from
+:mod:`agentrl.serve.build`. While the engines start, the router's port already answers: ``/health``
+with 503 and the start-up phase, ``/admin/status`` with the phase of each engine, so neither a
+person nor ``agentrl run`` waits in silence. Shutdown runs in reverse and always stops the engines
+and removes this instance's containers; a stop during start-up (Ctrl-C) stops what was started.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from agentrl.credentials import find_api_keys, settle_admin_token
 from agentrl.serve.config import ServeConfig, redacted
 
 log = logging.getLogger(__name__)
+_progress = logging.getLogger("agentrl.progress")
 
 # serve's collector thresholds (see settle_gc)
 GC_THRESHOLD = (50_000, 50, 100)
@@ -59,6 +63,8 @@ class Serve:
         self._runner: web.AppRunner | None = None
         self._rollout_task: asyncio.Task | None = None
         self._metrics_task: asyncio.Task | None = None
+        self._starting: web.AppRunner | None = None  # the start-up status app, until the real one runs
+        self.phase = "starting"
         self.started = time.time()
 
     @property
@@ -84,7 +90,8 @@ class Serve:
         self.admin_token = settle_admin_token(cfg.admin_token, cfg.admin_token_file, self.run_dir)
         self.api_keys = frozenset(find_api_keys(cfg.router.api_keys, cfg.router.api_keys_file))
         (self.run_dir / "serve_config.json").write_text(json.dumps(redacted(cfg), indent=2))
-        log.info("preparing model %s", cfg.model)
+        await self._serve_startup_status()
+        self._phase(f"preparing the model {cfg.model}")
         self.model_path = await asyncio.to_thread(resolve_model, cfg.model)
 
         urls = list(cfg.engine.urls)
@@ -92,20 +99,25 @@ class Serve:
             from agentrl.serve.ray import RayCluster
 
             self.cluster = RayCluster(cfg, self.model_path, self.run_dir)
+            self._phase(f"starting {cfg.engine.count} engine actor(s) on the Ray cluster")
             urls = await self.cluster.start_engines()
         if not urls:
             from agentrl.serve.local import LocalEngines
 
             self.local = LocalEngines(build.engine_specs(cfg, self.model_path), self.run_dir / "logs")
             self.local.launch()  # from this (main) thread: the reaper dies with us
+            self._phase(f"starting {cfg.engine.count} engine(s)")
             urls = await self.local.start(cfg.engine.start_timeout_s)
+        self._phase("connecting to the engines")
         self.pool = build.build_pool(cfg, urls)
         await self.pool.start()
         self.router = build.build_router(cfg, self.pool, self.model_path, self.run_dir)
         self.buffer = build.build_buffer(cfg, self.run_dir)
         await self._serve_http()
 
-        if self.cluster is not None:  # the rollout workers on the cluster play the episodes
+        if cfg.endpoint_only:
+            log.info("endpoint only: no agent loops; external clients' sessions at %s/sessions/<id>/v1", self.url)
+        elif self.cluster is not None:  # the rollout workers on the cluster play the episodes
             from agentrl.serve.ray import default_serve_url
 
             self._rollout_task = asyncio.create_task(
@@ -116,8 +128,37 @@ class Serve:
             self.orchestrator = build.build_orchestrator(cfg, producer, self.buffer, run_dir=self.run_dir,
                                                          policy_version=lambda: self.pool.version)
             self._rollout_task = asyncio.create_task(self.orchestrator.run(), name="orchestrator")
+        self.phase = "serving"
         settle_gc()
         self._metrics_task = asyncio.create_task(self._metrics_loop(), name="serve-metrics")
+
+    def _phase(self, phase: str) -> None:
+        self.phase = phase
+        _progress.info("serve: %s (%.0f s)", phase, time.time() - self.started)
+
+    def startup_status(self) -> dict[str, Any]:
+        engines = [e.startup() for e in self.engines]
+        return {"status": "starting", "phase": self.phase, "elapsed_s": round(time.time() - self.started, 1),
+                "engines": engines}
+
+    async def _serve_startup_status(self) -> None:
+        """Answer on the router's port while the engines start: /health (503, the phase), /admin/status."""
+        from agentrl.web import ADMIN_TOKEN, error_middleware, require_admin
+
+        async def health(request: web.Request) -> web.Response:
+            return web.json_response(self.startup_status(), status=503)
+
+        async def status(request: web.Request) -> web.Response:
+            require_admin(request)
+            return web.json_response({"starting": True, **self.startup_status()})
+
+        app = web.Application(middlewares=[error_middleware])
+        app[ADMIN_TOKEN] = self.admin_token
+        app.router.add_get("/health", health)
+        app.router.add_get("/admin/status", status)
+        self._starting = web.AppRunner(app, access_log=None)
+        await self._starting.setup()
+        await web.TCPSite(self._starting, self.cfg.router.host, self.cfg.router.port).start()
 
     async def _serve_http(self) -> None:
         from agentrl.buffer import add_buffer_routes
@@ -136,6 +177,9 @@ class Serve:
         app.router.add_post("/admin/episodes", episode_log_route(self.run_dir / "episodes.jsonl", require_admin))
         self._runner = web.AppRunner(app, access_log=None)
         await self._runner.setup()
+        if self._starting is not None:  # the port passes from the start-up status to the real routes
+            await self._starting.cleanup()
+            self._starting = None
         await web.TCPSite(self._runner, self.cfg.router.host, self.cfg.router.port).start()
         log.info("serving on %s (OpenAI base URL %s/v1; admin token in %s)", self.url, self.url,
                  self.run_dir / "admin_token")
@@ -179,8 +223,9 @@ class Serve:
                 f.write(line + "\n")
 
     async def rollout_finished(self) -> None:
-        """Until the rollout has played its ``max_episodes`` (forever without a limit)."""
-        assert self._rollout_task is not None, "Serve.start() was not awaited"
+        """Until the rollout has played its ``max_episodes`` (forever without a limit, or with no rollout)."""
+        if self._rollout_task is None:  # endpoint only: serve until stopped
+            await asyncio.Event().wait()
         await self._rollout_task
 
     async def wait(self) -> None:
@@ -190,6 +235,8 @@ class Serve:
             await asyncio.sleep(3600)
 
     async def close(self) -> None:
+        if self._starting is not None:
+            await self._starting.cleanup()
         for t in (self._rollout_task, self._metrics_task):
             if t is not None:
                 t.cancel()
@@ -209,18 +256,26 @@ class Serve:
 
 
 async def serve_forever(cfg: ServeConfig) -> None:
+    """serve until SIGINT/SIGTERM (also during start-up), then shut down in order."""
     serve = Serve(cfg)
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    stopper = asyncio.create_task(stop.wait())
     try:
-        await serve.start()
+        starting = asyncio.create_task(serve.start())
+        await asyncio.wait([starting, stopper], return_when=asyncio.FIRST_COMPLETED)
+        if not starting.done():
+            log.info("stopped during start-up (%s); stopping what was started", serve.phase)
+            starting.cancel()
+            await asyncio.gather(starting, return_exceptions=True)
+            return
+        starting.result()  # a start-up failure is raised here
         waiter = asyncio.create_task(serve.wait())
-        stopper = asyncio.create_task(stop.wait())
         await asyncio.wait([waiter, stopper], return_when=asyncio.FIRST_COMPLETED)
-        for t in (waiter, stopper):
-            t.cancel()
+        waiter.cancel()
         log.info("shutting down")
     finally:
+        stopper.cancel()
         await serve.close()

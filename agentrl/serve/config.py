@@ -49,6 +49,9 @@ class ServeConfig:
     admin_token: str = ""  # control routes; config file only (never --admin_token=); empty: see admin_token_file
     admin_token_file: str = ""  # file holding the token; empty: $AGENTRL_ADMIN_TOKEN(_FILE), run_dir/admin_token, generated
     max_episodes: int = 0  # stop generating after this many episodes (0: no limit)
+    endpoint_only: bool = False
+    """Serve the OpenAI endpoints, sessions and buffer for external clients with no agent loops of its
+    own (``agentrl serve --endpoint-only``); the environment is then not played here."""
     engine: EngineConfig = field(default_factory=EngineConfig)
     router: RouterConfig = field(default_factory=RouterConfig)
     env: RolloutConfig = field(default_factory=RolloutConfig)
