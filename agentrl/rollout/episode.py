@@ -164,6 +164,7 @@ async def _episode_body(client: ChatClient, env_name: str, task: dict[str, Any],
         except Exception as e:
             raise EnvironmentFailure(f"reset raised {type(e).__name__}: {e}") from e
         messages = list(opening.messages)
+        ep.info["tools"] = len(opening.tools)  # offered: with none ever called, nothing is learned about them
         while True:
             if ep.turns >= limits.max_turns:
                 ep.truncated, ep.truncation = True, "max_turns"
@@ -225,7 +226,8 @@ def _samples(summary: SessionSummary, ep: EpisodeResult) -> list[Sample]:
             episode_id=ep.episode_id, group_id=ep.group_id, env=ep.env, reward=ep.reward,
             truncated=ep.truncated, error=ep.error, error_kind=ep.error_kind,
             info={"task_id": ep.task_id, "turns": ep.turns, "sandbox_id": ep.sandbox_id, "calls": st.calls,
-                  "truncation": ep.truncation, "splits": ep.splits},
+                  "truncation": ep.truncation, "splits": ep.splits,
+                  **{k: ep.info[k] for k in ("tools", "tool_calls") if k in ep.info}},
             timings={"episode_s": ep.seconds, "started": ep.started},
         ))
     return out
