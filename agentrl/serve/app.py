@@ -152,10 +152,16 @@ class Serve:
             require_admin(request)
             return web.json_response({"starting": True, **self.startup_status()})
 
+        async def not_yet(request: web.Request) -> web.Response:  # retryable: come back when it is up
+            return web.json_response({"error": {"message": f"serve is starting ({self.phase})", "type": "starting",
+                                                "param": None, "code": "starting"}}, status=503,
+                                     headers={"Retry-After": "2"})
+
         app = web.Application(middlewares=[error_middleware])
         app[ADMIN_TOKEN] = self.admin_token
         app.router.add_get("/health", health)
         app.router.add_get("/admin/status", status)
+        app.router.add_route("*", "/{tail:.*}", not_yet)
         self._starting = web.AppRunner(app, access_log=None)
         await self._starting.setup()
         await web.TCPSite(self._starting, self.cfg.router.host, self.cfg.router.port).start()
