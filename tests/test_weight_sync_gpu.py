@@ -38,7 +38,7 @@ def test_the_learner_broadcasts_new_weights_over_nccl_and_the_engine_serves_them
     from agentrl.engines.vllm import EngineSpec, VLLMEngine
     from agentrl.learner.trainer import token_logprobs
     from agentrl.router.pool import EnginePool
-    from agentrl.weights import WeightReceiver
+    from agentrl.weights import EngineUpdater, WeightReceiver
     from agentrl.weights.nccl import NCCLWeightSender
 
     spec = EngineSpec(model=tiny_model, served_name="tiny", port=free_port(), max_model_len=512, gpu=True,
@@ -52,8 +52,10 @@ def test_the_learner_broadcasts_new_weights_over_nccl_and_the_engine_serves_them
         await engine.start(timeout_s=900)
         pool = EnginePool([engine.url], health_interval_s=3600)
         await pool.start()
+        updater = EngineUpdater(pool)
+        await updater.start()
         app = web.Application()
-        WeightReceiver(tmp_path / "weights", pool).add_routes(app, lambda request: None)
+        WeightReceiver(tmp_path / "weights", updater).add_routes(app, lambda request: None)
         runner = web.AppRunner(app)
         await runner.setup()
         port = free_port()

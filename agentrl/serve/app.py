@@ -105,7 +105,7 @@ class Serve:
         from agentrl.rollout.remote import episode_log_route
         from agentrl.router import EnginePool, Router
         from agentrl.router.server import make_app, require_admin
-        from agentrl.weights import WeightReceiver
+        from agentrl.weights import EngineUpdater, WeightReceiver
 
         cfg = self.cfg
         episode_fn = self._episode_fn()  # a scaffold that cannot be loaded fails before engines start
@@ -136,6 +136,8 @@ class Serve:
         self.pool = EnginePool(urls, request_timeout_s=cfg.router.request_timeout_s,
                                health_failures=cfg.router.health_failures)
         await self.pool.start()
+        self.updater = EngineUpdater(self.pool)  # brings engines to a version; rejoins through pool.on_rejoin
+        await self.updater.start()  # stamps the engines with the pool's version
         self.router = Router(self.pool, model_name=cfg.model, eos_token_ids=eos_token_ids(self.model_path),
                              max_model_len=cfg.engine.max_model_len, sessions_dir=self.run_dir / "sessions",
                              retries=cfg.router.retries, model_dir=self.model_path, render=cfg.router.render,
@@ -161,7 +163,7 @@ class Serve:
 
         app = make_app(self.router, admin_token=self.admin_token, api_keys=self.api_keys)
         add_buffer_routes(app, self.buffer, self.admin_token)
-        self.weights = WeightReceiver(self.run_dir / "weights", self.pool)
+        self.weights = WeightReceiver(self.run_dir / "weights", self.updater)
         self.weights.add_routes(app, require_admin)
         app.router.add_get("/admin/info", self._info)
         app.router.add_get("/admin/status", self._status)

@@ -1,13 +1,14 @@
 """Weight sync: moving the learner's weights into the engines, versioned."""
 
-from agentrl.weights.errors import WeightGroupStale, WeightSyncError, WeightUpdateFailed
-from agentrl.weights.transfer import (
+from agentrl.weights.errors import (
     EnginesFailed,
-    WeightReceiver,
+    WeightGroupStale,
+    WeightSyncError,
     WeightTransferError,
-    publish,
-    serialize_state_dict,
+    WeightUpdateFailed,
 )
+from agentrl.weights.transfer import WeightReceiver, publish, serialize_state_dict
+from agentrl.weights.updates import EngineUpdater
 
-__all__ = ["EnginesFailed", "WeightGroupStale", "WeightReceiver", "WeightSyncError", "WeightTransferError",
-           "WeightUpdateFailed", "publish", "serialize_state_dict"]
+__all__ = ["EngineUpdater", "EnginesFailed", "WeightGroupStale", "WeightReceiver", "WeightSyncError",
+           "WeightTransferError", "WeightUpdateFailed", "publish", "serialize_state_dict"]
