@@ -19,6 +19,7 @@ from typing import Any, Literal
 
 from agentrl.credentials import SecretError, check_override
 from agentrl.errors import ConfigError
+from agentrl.weights.config import WeightsConfig
 
 
 @dataclass
@@ -182,6 +183,7 @@ class LearnConfig:
     metrics_host: str = "127.0.0.1"  # bind address of /metrics; loopback unless told otherwise
     tensorboard: bool = False  # also write each step's metrics as TensorBoard events in run_dir/tensorboard (extra agentrl[tensorboard])
     wandb: WandbSection = field(default_factory=WandbSection)
+    weights: WeightsConfig = field(default_factory=WeightsConfig)
 
     def check(self) -> None:
         if self.lr <= 0:
