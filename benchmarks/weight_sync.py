@@ -145,7 +145,7 @@ async def prefill_floor(url: str, served: str, lengths: list[int], vocab: int, t
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     from agentrl.engines.vllm import EngineSpec, VLLMEngine
     from agentrl.router.pool import EnginePool
-    from agentrl.weights import WeightReceiver, publish
+    from agentrl.weights import EngineUpdater, WeightReceiver, publish
     model_dir = resolve(args.model)
     work = Path(tempfile.mkdtemp(prefix="weight-sync-"))
     engine = VLLMEngine(EngineSpec(model=model_dir, served_name="bench", port=free_port(),
@@ -159,8 +159,10 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         log.info("engine up in %.0f s", time.perf_counter() - t0)
         pool = EnginePool([engine.url], health_interval_s=3600)
         await pool.start()
+        updater = EngineUpdater(pool)
+        await updater.start()
         app = web.Application(client_max_size=2**31)
-        WeightReceiver(work / "weights", pool).add_routes(app, lambda request: None)
+        WeightReceiver(work / "weights", updater).add_routes(app, lambda request: None)
         runner = web.AppRunner(app)
         await runner.setup()
         port = free_port()

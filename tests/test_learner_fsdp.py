@@ -22,7 +22,7 @@ def _one_step(model_path: str, export_dir: str = "") -> dict:
 
     from agentrl.config import LearnConfig
     from agentrl.learner.checkpoint import export_hf
-    from agentrl.learner.dist import init_dist, load_model
+    from agentrl.learner.dist import full_state_dict, init_dist, load_model
     from agentrl.learner.step import build_state, train_step
     from tests.test_learner_packing import make_samples
 
@@ -32,11 +32,18 @@ def _one_step(model_path: str, export_dir: str = "") -> dict:
     state = build_state(cfg, load_model(model_path, ctx), ctx)
     stats = train_step(state, make_samples(10, seed=3), cfg, version=1)
     second = train_step(state, make_samples(10, seed=4), cfg, version=2)
+    # The two gathers the weight transports use (host memory for HTTP; the learner's device, one
+    # parameter at a time, for NCCL) give rank 0 the same full weights.
+    host = full_state_dict(state.model, ctx)
+    on_device = full_state_dict(state.model, ctx, on_device=True)
+    gathered_alike = bool(host) and sorted(host) == sorted(on_device) and all(
+        torch.equal(host[k], on_device[k].cpu()) for k in host) if ctx.is_main else None
     if export_dir:
         export_hf(state.model, ctx, model_path, export_dir)
     ctx.close()
     return {"loss": stats["loss"], "grad_norm": stats["grad_norm"], "rows": stats["packed_rows"],
-            "loss2": second["loss"], "is_mean": stats["is/mean"], "world": ctx.world}
+            "loss2": second["loss"], "is_mean": stats["is/mean"], "world": ctx.world,
+            "gathered_alike": gathered_alike}
 
 
 @pytest.mark.slow
@@ -49,6 +56,7 @@ def test_two_fsdp_processes_match_one_process_on_the_same_batch(tiny_model, tmp_
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     sharded = json.loads([x for x in out.stdout.splitlines() if x.startswith("{")][-1])
     assert sharded["world"] == 2 and single["world"] == 1 and single["rows"] > 2
+    assert sharded["gathered_alike"] and single["gathered_alike"]
     for key in ("loss", "grad_norm", "loss2", "is_mean"):
         assert abs(sharded[key] - single[key]) <= 1e-4 * abs(single[key]), (key, sharded, single)
 

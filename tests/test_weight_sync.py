@@ -14,7 +14,7 @@ import pytest
 from aiohttp import web
 
 from agentrl.router.pool import EnginePool
-from agentrl.weights import EnginesFailed, WeightGroupStale, WeightReceiver, publish
+from agentrl.weights import EnginesFailed, EngineUpdater, WeightGroupStale, WeightReceiver, publish
 
 
 class FakeEngine:
@@ -85,15 +85,18 @@ class FakeEngine:
             await self.runner.cleanup()
 
 
-async def _pool(n: int, **kw: Any) -> tuple[EnginePool, list[FakeEngine]]:
+async def _pool(n: int, **kw: Any) -> tuple[EnginePool, EngineUpdater, list[FakeEngine]]:
+    """A started pool over ``n`` fake engines and serve's updater over it (as serve wires them)."""
     fakes = [FakeEngine() for _ in range(n)]
     for f in fakes:
         await f.start()
     pool = EnginePool([f.url for f in fakes], **kw)
     await pool.start()
+    up = EngineUpdater(pool)
+    await up.start()
     for f in fakes:
         f.calls.clear()
-    return pool, fakes
+    return pool, up, fakes
 
 
 async def _close(pool: EnginePool, fakes: list[FakeEngine]) -> None:
@@ -121,10 +124,10 @@ def in_order(paths: list[str]) -> list[str]:
 
 def test_an_update_pauses_reloads_resets_stamps_and_resumes_every_engine_in_that_order():
     async def go():
-        pool, fakes = await _pool(2)
+        pool, up, fakes = await _pool(2)
         try:
-            result = await pool.update_weights("/w/v1", 1)
-            assert result["failed"] == [] and pool.version == 1 and pool.weights_path == "/w/v1"
+            result = await up.update_weights("/w/v1", 1)
+            assert result["failed"] == [] and pool.version == 1 and up.weights_path == "/w/v1"
             for f in fakes:
                 assert in_order(f.paths()) == FILE_UPDATE
                 bodies = [(p, b) for _, p, b in f.calls if p not in ("/health", "/is_paused")]
@@ -147,11 +150,11 @@ def test_an_update_pauses_reloads_resets_stamps_and_resumes_every_engine_in_that
 
 def test_a_head_that_is_never_staged_holds_the_update_only_until_its_timeout_and_the_reload_builds_it():
     async def go():
-        pool, (f,) = await _pool(1)
-        pool.step_timeouts_s = dict(pool.step_timeouts_s, stage=0.3)
+        pool, up, (f,) = await _pool(1)
+        up.step_timeouts_s = dict(up.step_timeouts_s, stage=0.3)
         f.stage_not_ready = 10**6
         try:
-            result = await pool.update_weights("/w/v1", 1)
+            result = await up.update_weights("/w/v1", 1)
             eng = result["engines"]["engine-0"]
             assert result["failed"] == [] and f.version == "1" and not f.paused
             assert not eng["head_staged"]  # the worker built it inside the pause instead
@@ -165,10 +168,10 @@ def test_a_head_that_is_never_staged_holds_the_update_only_until_its_timeout_and
 
 def test_two_updates_asked_at_once_run_one_after_the_other():
     async def go():
-        pool, fakes = await _pool(1)
+        pool, up, fakes = await _pool(1)
         fakes[0].delay["/collective_rpc"] = 0.2
         try:
-            await asyncio.gather(pool.update_weights("/w/v1", 1), pool.update_weights("/w/v2", 2))
+            await asyncio.gather(up.update_weights("/w/v1", 1), up.update_weights("/w/v2", 2))
             paths = fakes[0].paths()
             assert in_order(paths) == FILE_UPDATE + FILE_UPDATE  # the second pause comes after the first resume
             assert pool.version == 2
@@ -180,11 +183,11 @@ def test_two_updates_asked_at_once_run_one_after_the_other():
 
 def test_a_stuck_engine_times_out_is_resumed_and_taken_out_while_the_others_take_the_update():
     async def go():
-        pool, (good, stuck) = await _pool(2, health_interval_s=3600)
-        pool.step_timeouts_s = dict(pool.step_timeouts_s, reload=0.3)
+        pool, up, (good, stuck) = await _pool(2, health_interval_s=3600)
+        up.step_timeouts_s = dict(up.step_timeouts_s, reload=0.3)
         stuck.delay["/collective_rpc"] = 3.0
         try:
-            result = await pool.update_weights("/w/v1", 1)  # returns once the reload step's limit passes
+            result = await up.update_weights("/w/v1", 1)  # returns once the reload step's limit passes
             assert result["failed"] == ["engine-1"]
             assert "engine-1" in result["engines"]["engine-1"]["error"]
             assert "reload" in result["engines"]["engine-1"]["error"]
@@ -200,12 +203,12 @@ def test_a_stuck_engine_times_out_is_resumed_and_taken_out_while_the_others_take
 
 def test_engines_without_the_retie_extension_are_asked_once_and_still_take_updates():
     async def go():
-        pool, (f,) = await _pool(1)
+        pool, up, (f,) = await _pool(1)
         f.missing.update({"agentrl_stage_head", "agentrl_reload_weights", "agentrl_retie_word_embeddings"})
         try:
-            await pool.update_weights("/w/v1", 1)
-            await pool.update_weights("/w/v2", 2)
-            assert pool.retie_supported is False and pool.version == 2 and f.version == "2"
+            await up.update_weights("/w/v1", 1)
+            await up.update_weights("/w/v2", 2)
+            assert up.retie_supported is False and pool.version == 2 and f.version == "2"
             methods = [b["method"] for _, p, b in f.calls if p == "/collective_rpc"]
             assert methods == ["agentrl_stage_head", "agentrl_reload_weights", "reload_weights",
                                "agentrl_retie_word_embeddings", "reload_weights"]  # asked once, then vLLM's reload alone
@@ -217,12 +220,12 @@ def test_engines_without_the_retie_extension_are_asked_once_and_still_take_updat
 
 def test_an_engine_that_fails_to_resume_is_taken_out_and_reported():
     async def go():
-        pool, (good, bad) = await _pool(2, health_interval_s=3600)
+        pool, up, (good, bad) = await _pool(2, health_interval_s=3600)
         bad.fail.add("/resume")
         try:
-            result = await pool.update_weights("/w/v1", 1)
+            result = await up.update_weights("/w/v1", 1)
             assert result["failed"] == ["engine-1"] and "resumed" in result["engines"]["engine-1"]["error"]
-            assert bad.paths().count("/resume") == pool.resume_attempts
+            assert bad.paths().count("/resume") == up.resume_attempts
             assert not pool.engines[1].healthy and not good.paused
         finally:
             await _close(pool, [good, bad])
@@ -230,9 +233,9 @@ def test_an_engine_that_fails_to_resume_is_taken_out_and_reported():
     asyncio.run(go())
 
 
-async def _serve(pool: EnginePool, root: Any) -> tuple[web.AppRunner, str]:
+async def _serve(updater: EngineUpdater, root: Any) -> tuple[web.AppRunner, str]:
     app = web.Application(client_max_size=2**30)
-    WeightReceiver(root, pool).add_routes(app, lambda request: None)
+    WeightReceiver(root, updater).add_routes(app, lambda request: None)
     runner = web.AppRunner(app)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
@@ -242,8 +245,8 @@ async def _serve(pool: EnginePool, root: Any) -> tuple[web.AppRunner, str]:
 
 def test_when_every_engine_fails_the_learner_gets_an_error_naming_them_and_the_next_version_goes_through(tmp_path):
     async def go():
-        pool, (a, b) = await _pool(2, health_interval_s=0.1)
-        runner, url = await _serve(pool, tmp_path / "weights")
+        pool, up, (a, b) = await _pool(2, health_interval_s=0.1)
+        runner, url = await _serve(up, tmp_path / "weights")
         a.fail.add("/collective_rpc")
         b.fail.add("/collective_rpc")
         try:
@@ -270,14 +273,14 @@ def test_when_every_engine_fails_the_learner_gets_an_error_naming_them_and_the_n
 
 def test_an_engine_that_joins_late_is_brought_to_the_current_version_before_it_takes_traffic():
     async def go():
-        pool, (a, late) = await _pool(2, health_interval_s=0.1)
+        pool, up, (a, late) = await _pool(2, health_interval_s=0.1)
         late.healthy = False
         try:
             for _ in range(100):
                 if not pool.engines[1].healthy:
                     break
                 await asyncio.sleep(0.05)
-            await pool.update_weights("/w/v3", 3)
+            await up.update_weights("/w/v3", 3)
             assert "/collective_rpc" not in late.paths()
             late.calls.clear()
             late.healthy = True
@@ -298,9 +301,9 @@ def test_an_engine_that_joins_late_is_brought_to_the_current_version_before_it_t
 
 def test_an_nccl_update_receives_inside_the_pause_window_on_every_member_with_its_own_ranks():
     async def go():
-        pool, fakes = await _pool(2)
+        pool, up, fakes = await _pool(2)
         try:
-            group = await pool.init_weight_transfer("10.0.0.1", 29555, world_size=3)
+            group = await up.init_weight_transfer("10.0.0.1", 29555, world_size=3)
             assert group == {"world_size": 3, "members": ["engine-0", "engine-1"]}
             inits = [next(b for _, p, b in f.calls if p == "/init_weight_transfer_engine") for f in fakes]
             assert [i["init_info"]["rank_offset"] for i in inits] == [1, 2]
@@ -308,7 +311,7 @@ def test_an_nccl_update_receives_inside_the_pause_window_on_every_member_with_it
             for f in fakes:
                 f.calls.clear()
             info = {"names": ["w"], "dtype_names": ["bfloat16"], "shapes": [[2, 2]]}
-            result = await pool.update_weights_nccl(1, info)
+            result = await up.update_weights_nccl(1, info)
             assert result["kind"] == "nccl" and result["failed"] == [] and pool.version == 1
             for f in fakes:
                 assert in_order(f.paths()) == ["/pause", "/start_weight_update", "/update_weights",
@@ -323,16 +326,16 @@ def test_an_nccl_update_receives_inside_the_pause_window_on_every_member_with_it
 
 def test_an_nccl_update_refuses_a_group_that_lost_an_engine_before_touching_any():
     async def go():
-        pool, (a, b) = await _pool(2, health_interval_s=3600)
+        pool, up, (a, b) = await _pool(2, health_interval_s=3600)
         try:
-            await pool.init_weight_transfer("127.0.0.1", 29555)
+            await up.init_weight_transfer("127.0.0.1", 29555)
             with pytest.raises(WeightGroupStale):
-                await pool.init_weight_transfer("127.0.0.1", 29555, world_size=5)
+                await up.init_weight_transfer("127.0.0.1", 29555, world_size=5)
             await b.stop()
             pool.engines[1].healthy = False
             a.calls.clear()
             with pytest.raises(WeightGroupStale):
-                await pool.update_weights_nccl(1, {"names": [], "dtype_names": [], "shapes": []})
+                await up.update_weights_nccl(1, {"names": [], "dtype_names": [], "shapes": []})
             assert a.paths() == [] and pool.version == 0
         finally:
             await _close(pool, [a])

@@ -1,8 +1,10 @@
 """NCCL weight sync on a GPU machine: learner on cuda:0 broadcasts, a vLLM engine on cuda:1 receives.
 
 Needs two GPUs and vLLM's CUDA build (never runs on the CPU build machines). Checks the whole path
-(group formed apart from training, packed buckets, pause/receive/reset/version/resume through
-serve's routes) and that the engine then computes the learner's logprobs.
+as the learner takes it (``weights.transport.kind = "nccl"``: the transport ``make_transport``
+builds, the weights gathered on the GPU by ``full_state_dict``), the group formed apart from
+training, packed buckets, pause/receive/reset/version/resume through serve's routes, and that the
+engine then computes the learner's logprobs.
 """
 
 from __future__ import annotations
@@ -36,10 +38,16 @@ def test_the_learner_broadcasts_new_weights_over_nccl_and_the_engine_serves_them
     from transformers import AutoModelForCausalLM
 
     from agentrl.engines.vllm import EngineSpec, VLLMEngine
+    from agentrl.learner.dist import Dist, full_state_dict
     from agentrl.learner.trainer import token_logprobs
     from agentrl.router.pool import EnginePool
-    from agentrl.weights import WeightReceiver
-    from agentrl.weights.nccl import NCCLWeightSender
+    from agentrl.weights import (
+        EngineUpdater,
+        NcclTransport,
+        NcclTransportConfig,
+        WeightReceiver,
+        make_transport,
+    )
 
     spec = EngineSpec(model=tiny_model, served_name="tiny", port=free_port(), max_model_len=512, gpu=True,
                       env={"CUDA_VISIBLE_DEVICES": "1"}, extra_args=["--gpu-memory-utilization", "0.3"])
@@ -52,22 +60,28 @@ def test_the_learner_broadcasts_new_weights_over_nccl_and_the_engine_serves_them
         await engine.start(timeout_s=900)
         pool = EnginePool([engine.url], health_interval_s=3600)
         await pool.start()
+        updater = EngineUpdater(pool)
+        await updater.start()
         app = web.Application()
-        WeightReceiver(tmp_path / "weights", pool).add_routes(app, lambda request: None)
+        WeightReceiver(tmp_path / "weights", updater).add_routes(app, lambda request: None)
         runner = web.AppRunner(app)
         await runner.setup()
         port = free_port()
         await web.TCPSite(runner, "127.0.0.1", port).start()
-        sender = NCCLWeightSender(f"http://127.0.0.1:{port}", "", "127.0.0.1", free_port(),
-                                  packed_buffer_size_bytes=1 * 2**20)  # several buckets even for a tiny model
+        transport = make_transport(NcclTransportConfig(master_address="127.0.0.1", master_port=free_port(),
+                                                       packed_buffer_bytes=1 * 2**20),  # several buckets
+                                   f"http://127.0.0.1:{port}", "")
+        assert isinstance(transport, NcclTransport) and transport.device == "cuda"
+        learner = Dist(device=torch.device("cuda", 0))
         checks = []
         try:
-            await sender.connect()
-            for version in (1, 2):
+            for version in (1, 2):  # the first publish forms the group
                 with torch.no_grad():
                     for p in model.parameters():
                         p.add_(torch.randn_like(p) * 0.05 * p.std())
-                result = await sender.publish(model.named_parameters(), version)
+                full = full_state_dict(model, learner, on_device=True)
+                assert all(t.is_cuda for t in full.values())
+                result = await transport.publish(full, version)
                 assert result["version"] == version and result["failed"] == []
                 async with aiohttp.ClientSession() as http:
                     async with http.get(engine.url + "/weight_info") as r:
@@ -86,7 +100,7 @@ def test_the_learner_broadcasts_new_weights_over_nccl_and_the_engine_serves_them
                     ours = token_logprobs(model, t, torch.ones_like(t))[0, len(ids) - 1:].tolist()
                 checks.append((gen, ours, choice["logprobs"]["token_logprobs"]))
         finally:
-            sender.close()
+            await transport.close()
             await runner.cleanup()
             await pool.close()
         return checks

@@ -104,23 +104,27 @@ def test_generations_in_flight_survive_an_update_and_each_token_matches_the_weig
     n, max_tokens = 4, 1600  # long enough that a fast machine is still generating when the update lands
 
     async def go() -> tuple[list[Any], dict[str, Any]]:
+        from agentrl.weights import EngineUpdater
+
         router = make_router(sync_engine, tiny_tools_model)
         await router.pool.start()
+        up = EngineUpdater(router.pool)
+        await up.start()
         try:
             before = await _generated_tokens(sync_engine.url)
             body = {"messages": PROMPT, "max_tokens": max_tokens, "temperature": 1.0, "ignore_eos": True}
             calls = [asyncio.create_task(router.chat(dict(body, seed=i), session_id=f"long-{i}")) for i in range(n)]
             while await _generated_tokens(sync_engine.url) < before + n * 40:  # all well under way
                 await asyncio.sleep(0.05)
-            sync = await router.pool.update_weights(str(new), 1)
-            assert router.pool.retie_supported  # the tied LM head follows the new embedding
+            sync = await up.update_weights(str(new), 1)
+            assert up.retie_supported  # the tied LM head follows the new embedding
             outs = await asyncio.gather(*calls, return_exceptions=True)
             assert not [o for o in outs if isinstance(o, BaseException)], outs  # none aborted or failed
             assert not await _is_paused(sync_engine.url)
             return [router.sessions[f"long-{i}"].records[0] for i in range(n)], sync
         finally:
             try:
-                await router.pool.update_weights(tiny_tools_model, 2)  # put the original weights back
+                await up.update_weights(tiny_tools_model, 2)  # put the original weights back
             finally:
                 await router.pool.close()
 
@@ -164,12 +168,15 @@ def test_an_engine_killed_during_an_update_is_taken_out_and_the_survivor_serves_
 
         async def go() -> tuple[dict[str, Any], Any, bool]:
             from agentrl.router import EnginePool
+            from agentrl.weights import EngineUpdater
 
             router = make_router(sync_engine, tiny_tools_model)
             router.pool = pool = EnginePool([sync_engine.url, second.url], health_interval_s=3600)
-            pool.step_timeouts_s = dict(pool.step_timeouts_s, reload=60.0, resume=5.0)
+            up = EngineUpdater(pool)
+            up.step_timeouts_s = dict(up.step_timeouts_s, reload=60.0, resume=5.0)
             await pool.start()
-            control = pool._control
+            await up.start()
+            control = pool.control
 
             async def kill_after_pause(engine: Any, path: str, *a: Any, **kw: Any) -> Any:
                 out = await control(engine, path, *a, **kw)
@@ -177,17 +184,17 @@ def test_an_engine_killed_during_an_update_is_taken_out_and_the_survivor_serves_
                     _kill_engine(second)  # dies paused, before its reload
                 return out
 
-            pool._control = kill_after_pause  # type: ignore[method-assign]
+            pool.control = kill_after_pause  # type: ignore[method-assign]
             try:
-                result = await pool.update_weights(str(new), 1)
+                result = await up.update_weights(str(new), 1)
                 paused = await _is_paused(sync_engine.url)
                 await router.chat({"messages": PROMPT, "max_tokens": 8}, session_id="after")
                 return result, router.sessions["after"].records[0], paused
             finally:
-                pool._control = control  # type: ignore[method-assign]
+                pool.control = control  # type: ignore[method-assign]
                 try:
                     pool.engines[1].healthy = False
-                    await pool.update_weights(tiny_tools_model, 2)
+                    await up.update_weights(tiny_tools_model, 2)
                 finally:
                     await pool.close()
 

@@ -1,7 +1,7 @@
 """The HTTP/file transfer over real loopback HTTP: chunks verified and placed by offset, commits
 checked against the chunks' digests, and nothing loaded that did not arrive whole.
 
-A recording stand-in takes the engine pool's place (the choreography behind it is in
+A recording stand-in takes the engine updater's place (the choreography behind it is in
 tests/test_weight_sync.py and, on real vLLM, tests/test_weight_sync_vllm.py).
 """
 

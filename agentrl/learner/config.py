@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from agentrl.errors import ConfigError
+from agentrl.weights.config import WeightsConfig
 
 
 @dataclass
@@ -99,6 +100,7 @@ class LearnConfig:
     metrics_host: str = "127.0.0.1"  # bind address of /metrics; loopback unless told otherwise
     tensorboard: bool = False  # also write each step's metrics as TensorBoard events in run_dir/tensorboard (extra agentrl[tensorboard])
     wandb: WandbConfig = field(default_factory=WandbConfig)
+    weights: WeightsConfig = field(default_factory=WeightsConfig)
 
     def check(self) -> None:
         if self.lr <= 0:

@@ -144,11 +144,28 @@ def tied_names(model: torch.nn.Module) -> set[str]:
     return {n for n, _ in model.named_parameters(remove_duplicate=False)} - unique
 
 
-def full_state_dict(model: torch.nn.Module, ctx: Dist) -> dict[str, torch.Tensor]:
-    """Unsharded CPU weights on rank 0 (empty elsewhere); tied duplicates left out. Collective."""
+def full_state_dict(model: torch.nn.Module, ctx: Dist, *, on_device: bool = False) -> dict[str, torch.Tensor]:
+    """Unsharded weights on rank 0 (empty elsewhere); tied duplicates left out. Collective.
+
+    In host memory by default (what the HTTP transport serialises). ``on_device``: on the
+    learner's device (``ctx.device``, a GPU for the NCCL transport, which broadcasts from there);
+    under FSDP2 each parameter is all-gathered in turn, in the same order on every rank, and only
+    rank 0 keeps the result, so the other ranks never hold more than one full tensor.
+    """
     skip = tied_names(model)
     if not ctx.distributed:
-        return {k: v.detach().to("cpu") for k, v in model.state_dict().items() if k not in skip}
+        where = ctx.device if on_device else "cpu"
+        return {k: v.detach().to(where) for k, v in model.state_dict().items() if k not in skip}
+    if on_device:
+        out: dict[str, torch.Tensor] = {}
+        for k, v in model.state_dict().items():
+            if k in skip:
+                continue
+            full = v.full_tensor() if hasattr(v, "full_tensor") else v  # a DTensor shard: all-gather it
+            if ctx.is_main:
+                out[k] = full.detach().to(ctx.device)
+            del full
+        return out
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))

@@ -1,12 +1,15 @@
 """Where the learner's batches come from and where its weights go: serve's buffer and weight route.
 
 Role: the learner loop's one seam to the outside, used on rank 0 only. ``ServeSource`` is the
-product (``BufferClient`` for batches and acks, ``agentrl.weights.publish`` for weights); a test
-or benchmark may pass any object with the same methods (``BatchSource``).
+product: ``BufferClient`` for batches and acks, and for weights the transport that
+``cfg.weights.transport`` chooses (:func:`agentrl.weights.transports.make_transport`: HTTP chunks,
+or an NCCL broadcast from the GPU). A test or benchmark may pass any object with the same methods
+(``BatchSource``).
 
 Invariants: ``get_batch`` leases (the batch is served again unless acked); ``ack`` is idempotent
 and answers False for a batch the buffer no longer knows; ``release`` returns every lease of a
-previous learner to the pending samples; ``publish`` returns once engines serve the version.
+previous learner to the pending samples; ``publish`` returns once engines serve the version, and
+takes the full weights on ``weights_device``.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ log = logging.getLogger(__name__)
 
 class BatchSource(Protocol):
     publishes: bool  # False: the learner skips gathering weights for publish()
+    weights_device: str  # where publish() wants the full weights: "cpu" or "cuda" (read only if publishes)
 
     async def info(self) -> dict[str, Any]: ...  # {"model_path": ..., "version": ...}
 
@@ -38,21 +42,27 @@ class BatchSource(Protocol):
 
 
 class ServeSource:
-    """Batches from serve's buffer over HTTP; weights to serve's weight route."""
+    """Batches from serve's buffer over HTTP; weights through the configured weight transport."""
 
     publishes = True
 
     def __init__(self, cfg: LearnConfig) -> None:
         from agentrl.buffer import BufferClient
         from agentrl.client import ServeClient
+        from agentrl.weights.transports import make_transport
 
         self.cfg = cfg
         self.token = self._token()
         self.http = ServeClient(cfg.serve, self.token, timeout_s=60.0)
         self.client = BufferClient(cfg.serve, client=self.http)
+        self.transport = make_transport(cfg.weights.transport, cfg.serve, self.token)
         # the batch size and staleness bound: the learner's own, or (0 / -1) serve's buffer's (info)
         self.batch_size = cfg.batch_size or None
         self.max_staleness = cfg.max_staleness if cfg.max_staleness >= 0 else None
+
+    @property
+    def weights_device(self) -> str:
+        return self.transport.device
 
     def _token(self) -> str:
         from agentrl.credentials import SecretError, find_admin_token
@@ -100,11 +110,10 @@ class ServeSource:
         return None if batch is None else (batch.batch_id, batch.samples)
 
     async def publish(self, state: dict[str, Any], version: int) -> dict[str, Any]:
-        from agentrl.weights import EnginesFailed, publish, serialize_state_dict
+        from agentrl.weights import EnginesFailed
 
-        data = await asyncio.to_thread(serialize_state_dict, state)
         try:
-            return await publish(data, version, self.cfg.serve, self.token)
+            return await self.transport.publish(state, version)
         except EnginesFailed as e:
             # Every engine failed to load this version; serve keeps serving the previous one and the
             # next version is a fresh attempt. Training goes on; the failure is in the metrics.
@@ -118,4 +127,7 @@ class ServeSource:
         return await self.client.release_leases()
 
     async def close(self) -> None:
-        await self.http.close()
+        try:
+            await self.transport.close()
+        finally:
+            await self.http.close()

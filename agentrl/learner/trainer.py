@@ -12,7 +12,9 @@ learner's Prometheus ``/metrics`` and, when enabled, written to TensorBoard / W&
 Under ``torchrun`` the same loop runs on every rank with an FSDP2-sharded model
 (``agentrl.learner.dist``); rank 0 alone talks to serve and broadcasts each batch, every rank
 trains its share of the packed rows (``agentrl.learner.step``), and the full weights are gathered
-to rank 0 for publishing. Without torchrun it is one plain process.
+to rank 0 for publishing: in host memory for the HTTP transport, on the GPU for NCCL (the weight
+transport is ``weights.transport``; the source says which device it wants). Without torchrun it
+is one plain process.
 """
 
 from __future__ import annotations
@@ -82,7 +84,13 @@ class Learner:
         history: list[dict[str, Any]] = []
         try:
             info = ctx.broadcast_object(await source.info() if source is not None else None)
-            publishes = ctx.broadcast_object(bool(source.publishes) if source is not None else None)
+            publishes, weights_device = ctx.broadcast_object(
+                (bool(source.publishes), source.weights_device if source.publishes else "cpu")
+                if source is not None else None)
+            if publishes and weights_device == "cuda" and ctx.device.type != "cuda":  # before any training
+                raise SystemExit(f"agentrl learn: the weight transport (weights.transport.kind = "
+                                 f"{cfg.weights.transport.kind!r}) publishes from a CUDA device, and this learner "
+                                 f"runs on {ctx.device}: run it on a GPU, or set weights.transport.kind = \"http\"")
             model_path = cfg.model or info["model_path"]
             self.version = int(info.get("version", 0))
             log.info("loading %s (policy version %d, %d process(es))", model_path, self.version, ctx.world)
@@ -125,7 +133,7 @@ class Learner:
                 t_pub = time.monotonic()
                 sync: dict[str, Any] = {}
                 if publishes:
-                    full = await asyncio.to_thread(full_state_dict, model, ctx)
+                    full = await asyncio.to_thread(full_state_dict, model, ctx, on_device=weights_device != "cpu")
                     if source is not None:
                         sync = await source.publish(full, self.version)
                     del full

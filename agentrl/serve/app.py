@@ -79,6 +79,7 @@ class Serve:
     async def start(self) -> None:
         from agentrl.models import resolve_model
         from agentrl.serve import build
+        from agentrl.weights import EngineUpdater
 
         cfg = self.cfg
         build.import_user_code(cfg)  # the user's environments, before anything looks them up
@@ -111,6 +112,8 @@ class Serve:
         self._phase("connecting to the engines")
         self.pool = build.build_pool(cfg, urls)
         await self.pool.start()
+        self.updater = EngineUpdater(self.pool)  # brings engines to a version; rejoins through pool.on_rejoin
+        await self.updater.start()  # stamps the engines with the pool's version
         self.router = build.build_router(cfg, self.pool, self.model_path, self.run_dir)
         self.buffer = build.build_buffer(cfg, self.run_dir)
         await self._serve_http()
@@ -175,7 +178,7 @@ class Serve:
 
         app = make_app(self.router, admin_token=self.admin_token, api_keys=self.api_keys)
         add_buffer_routes(app, self.buffer, self.admin_token)
-        self.weights = WeightReceiver(self.run_dir / "weights", self.pool)
+        self.weights = WeightReceiver(self.run_dir / "weights", self.updater)
         self.weights.add_routes(app, require_admin)
         app.router.add_get("/admin/info", self._info)
         app.router.add_get("/admin/status", self._status)

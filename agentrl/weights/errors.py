@@ -1,15 +1,40 @@
-"""Errors of the weight-sync boundary, each naming the engines it concerns.
+"""Errors of the weight-sync boundary: one root, :class:`WeightSyncError`, under agentrl's root.
 
-Kept free of router imports so the engine pool can raise them without an import cycle.
+- :class:`WeightTransferError` (learner side): the weights did not get to serve, or serve refused
+  them; ``status`` is serve's HTTP status when it answered. :class:`EnginesFailed` under it: they
+  arrived but no engine could load them (serve kept its previous version; the next version is a
+  fresh attempt).
+- :class:`WeightUpdateFailed` (serve side): no engine took a version; names every engine and why.
+- :class:`WeightGroupStale` (serve side, NCCL): the weight-transfer group no longer matches the
+  engines; the learner must re-form it.
+
+Imports only :mod:`agentrl.errors`, so every module of the weight boundary may raise these.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from agentrl.errors import AgentrlError
 
-class WeightSyncError(RuntimeError):
-    """A weight update did not reach the engines it was meant for."""
+
+class WeightSyncError(AgentrlError, RuntimeError):
+    """A weight update did not reach the engines it was meant for.
+
+    Still a RuntimeError, as both of its former roots were (like the sandbox's family).
+    """
+
+
+class WeightTransferError(WeightSyncError):
+    """The learner's weights did not complete their way to serve (transport, checksum or engine failure)."""
+
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class EnginesFailed(WeightTransferError):
+    """The weights arrived but no engine could load them (the message names each engine)."""
 
 
 class WeightUpdateFailed(WeightSyncError):

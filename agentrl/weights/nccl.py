@@ -15,8 +15,11 @@ group, so FSDP collectives and weight broadcasts cannot interleave. Per version:
 
 Failure: a rank that dies mid-broadcast leaves the communicator unusable; serve's per-step timeouts
 end the update, survivors are resumed, the group is dropped, and :meth:`NCCLWeightSender.publish`
-raises. The learner re-forms the group (:meth:`connect`) with the engines that answer and carries
-on with the next version. torch and vLLM are imported only when a sender connects.
+raises (:class:`EnginesFailed` when serve says no engine took the version). The learner re-forms
+the group (:meth:`connect`) with the engines that answer and carries on with the next version.
+torch and vLLM are imported only when a sender connects, after :func:`require_nccl` has checked
+that this process can be rank 0 at all. The learner uses this through
+:class:`agentrl.weights.transports.NcclTransport` (``weights.transport.kind = "nccl"``).
 """
 
 from __future__ import annotations
@@ -29,9 +32,34 @@ from typing import Any
 
 import aiohttp
 
-from agentrl.weights.transfer import WeightTransferError, _error_message
+from agentrl.weights.errors import EnginesFailed, WeightTransferError
+from agentrl.weights.transfer import _error_message
 
 log = logging.getLogger(__name__)
+
+
+NEEDS = ('the NCCL weight transport (weights.transport.kind = "nccl") broadcasts from the learner\'s GPU: '
+         "it needs a CUDA device here and vLLM's CUDA build installed beside torch; without them use "
+         'weights.transport.kind = "http"')
+
+
+def require_nccl() -> None:
+    """Raise :class:`WeightTransferError` saying what is missing unless this process can be rank 0.
+
+    Checked before serve is asked to have its engines join, so a learner without CUDA fails at
+    once and no engine waits in a rendezvous that will never come.
+    """
+    try:
+        import torch
+    except ImportError as e:
+        raise WeightTransferError(f"{NEEDS} (torch does not import: {e})") from None
+    if not torch.cuda.is_available():
+        raise WeightTransferError(f"{NEEDS} (torch {torch.__version__} sees no CUDA device)")
+    try:
+        import vllm.distributed.weight_transfer.nccl_common  # noqa: F401
+        import vllm.distributed.weight_transfer.packed_tensor  # noqa: F401
+    except ImportError as e:
+        raise WeightTransferError(f"{NEEDS} (vLLM's weight-transfer modules do not import: {e})") from None
 
 
 def update_info(params: list[tuple[str, Any]]) -> dict[str, list]:
@@ -73,6 +101,8 @@ class NCCLWeightSender:
         async with aiohttp.ClientSession(headers=self.headers) as http, http.post(
                 self.serve_url + path, json=body, timeout=aiohttp.ClientTimeout(total=self.timeout_s)) as r:
             text = await r.text()
+            if r.status == 502 and "weight_sync_error" in text:  # serve answered: no engine took it
+                raise EnginesFailed(f"{path}: {_error_message(text)}", r.status)
             if r.status != 200:
                 raise WeightTransferError(f"{path}: {r.status} {_error_message(text)}", r.status)
             return await r.json()
@@ -85,6 +115,7 @@ class NCCLWeightSender:
 
     async def connect(self) -> dict[str, Any]:
         """Form the weight-transfer group: serve has its engines join while we open rank 0."""
+        require_nccl()
         import torch
         from vllm.distributed.weight_transfer.nccl_common import stateless_init_process_group
 
@@ -130,7 +161,8 @@ class NCCLWeightSender:
             self.group = None
             err = serve.exception()
             status = getattr(err, "status", None)
-            raise WeightTransferError(f"version {version} was not loaded: {err}", status)
+            failed = EnginesFailed if isinstance(err, EnginesFailed) else WeightTransferError
+            raise failed(f"version {version} was not loaded: {err}", status)
         await send
         return await serve
 

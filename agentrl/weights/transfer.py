@@ -5,12 +5,14 @@ at once), each with its SHA-256 and byte offset, then commits with the chunk cou
 the SHA-256 of the chunks' digests in order. Serve side: :class:`WeightReceiver` verifies each
 chunk and writes it at its offset in a staging file (so chunks may arrive in any order, and a
 resent one just lands again), checks on commit that every chunk arrived and that the digests agree,
-moves the file into ``weights/v<version>/`` and asks the engine pool to load it (pause(keep) ->
-reload -> reset prefix cache -> set version -> resume). Every byte is hashed once on each side.
-Any mismatch is a 4xx the learner can retry; nothing half-written is loaded. If the engines fail, the commit answers 502 with a ``weight_sync_error``
-body naming each engine and why; the pool stays at its previous version and the learner may publish
-the next one. The NCCL routes (``/admin/weights/nccl/...``) drive the same choreography while the
-learner broadcasts (see :mod:`agentrl.weights.nccl`).
+moves the file into ``weights/v<version>/`` and has the engine updater
+(:class:`agentrl.weights.updates.EngineUpdater`) load it (pause(keep) -> reload -> reset prefix
+cache -> set version -> resume). Every byte is hashed once on each side. Any mismatch is a 4xx the
+learner can retry; nothing half-written is loaded. If the engines fail, the commit answers 502
+with a ``weight_sync_error`` body naming each engine and why; the pool stays at its previous
+version and the learner may publish the next one. The NCCL routes (``/admin/weights/nccl/...``)
+drive the same choreography while the learner broadcasts (see :mod:`agentrl.weights.nccl`).
+The learner reaches :func:`publish` through :class:`agentrl.weights.transports.HttpTransport`.
 """
 
 from __future__ import annotations
@@ -27,20 +29,12 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from agentrl.weights.errors import WeightGroupStale, WeightUpdateFailed
+from agentrl.weights.errors import EnginesFailed, WeightGroupStale, WeightTransferError, WeightUpdateFailed
 
 log = logging.getLogger(__name__)
 
 CHUNK_BYTES = 16 * 2**20
 PARALLEL_CHUNKS = 3  # chunks in flight at once: serve hashes and writes one while the next arrives
-
-
-class WeightTransferError(RuntimeError):
-    """A weight update did not complete (transport, checksum or engine failure)."""
-
-    def __init__(self, message: str, status: int | None = None) -> None:
-        super().__init__(message)
-        self.status = status
 
 
 def _sync_error(e: WeightUpdateFailed) -> web.Response:
@@ -50,11 +44,15 @@ def _sync_error(e: WeightUpdateFailed) -> web.Response:
 
 
 class WeightReceiver:
-    """Serve's end of weight sync: staged chunks, verified commits, one update at a time."""
+    """Serve's end of weight sync: staged chunks, verified commits, one update at a time.
 
-    def __init__(self, root: Path, pool: Any, keep: int = 2) -> None:
+    ``updater`` is serve's :class:`~agentrl.weights.updates.EngineUpdater` (or a stand-in with
+    its ``version``, ``weights_path`` and update methods); the routes drive it.
+    """
+
+    def __init__(self, root: Path, updater: Any, keep: int = 2) -> None:
         self.root = root
-        self.pool = pool
+        self.updater = updater
         self.keep = keep
         # version -> {chunk index: (its SHA-256, offset, length)}
         self._staging: dict[int, dict[int, tuple[str, int, int]]] = {}
@@ -96,15 +94,15 @@ class WeightReceiver:
             raise web.HTTPBadRequest(reason=f"version {version}: the chunks' digests do not match the commit")
         await asyncio.to_thread(os.truncate, path, size)  # an earlier, longer attempt may have left a tail
         async with self._lock:
-            if version <= self.pool.version and self.pool.weights_path:
-                raise web.HTTPConflict(reason=f"version {version} is not newer than {self.pool.version}")
+            if version <= self.updater.version and self.updater.weights_path:
+                raise web.HTTPConflict(reason=f"version {version} is not newer than {self.updater.version}")
             target = self.root / f"v{version}"
             shutil.rmtree(target, ignore_errors=True)
             target.mkdir(parents=True)
             path.rename(target / "model.safetensors")
             t0 = time.perf_counter()
             try:
-                result = await self.pool.update_weights(str(target), version)
+                result = await self.updater.update_weights(str(target), version)
             except WeightUpdateFailed:
                 shutil.rmtree(target, ignore_errors=True)  # no engine serves it: never a join target
                 raise
@@ -156,7 +154,7 @@ class WeightReceiver:
             require_admin(request)
             body = await request.json()
             try:
-                result = await self.pool.init_weight_transfer(
+                result = await self.updater.init_weight_transfer(
                     body["master_address"], int(body["master_port"]),
                     workers_per_engine=int(body.get("workers_per_engine", 1)), packed=bool(body.get("packed", True)),
                     packed_buffer_size_bytes=body.get("packed_buffer_size_bytes"),
@@ -172,10 +170,10 @@ class WeightReceiver:
             version = int(request.match_info["version"])
             body = await request.json()
             async with self._lock:
-                if version <= self.pool.version:
-                    raise web.HTTPConflict(reason=f"version {version} is not newer than {self.pool.version}")
+                if version <= self.updater.version:
+                    raise web.HTTPConflict(reason=f"version {version} is not newer than {self.updater.version}")
                 try:
-                    result = await self.pool.update_weights_nccl(version, body["update_info"])
+                    result = await self.updater.update_weights_nccl(version, body["update_info"])
                 except WeightGroupStale as e:
                     raise web.HTTPConflict(reason=str(e)) from None
                 except WeightUpdateFailed as e:
@@ -187,10 +185,6 @@ class WeightReceiver:
         app.router.add_post("/admin/weights/{version}/commit", commit)
         app.router.add_post("/admin/weights/nccl/init", nccl_init)
         app.router.add_post("/admin/weights/nccl/{version}/update", nccl_update)
-
-
-class EnginesFailed(WeightTransferError):
-    """The weights arrived but no engine could load them (the message names each engine)."""
 
 
 def _error_message(text: str) -> str:
