@@ -98,6 +98,7 @@ class LearnConfig:
     export_dir: str = ""  # at exit, write the policy here as a Hugging Face folder (empty: no export)
     metrics_port: int = 0  # Prometheus /metrics of the learner (rank 0); 0: a free port (logged, in run_dir/learner_metrics_url); -1: off
     metrics_host: str = "127.0.0.1"  # bind address of /metrics; loopback unless told otherwise
+    no_signal_steps: int = 3  # warn once when a run has had no learning signal for this many steps in a row (0: never)
     tensorboard: bool = False  # also write each step's metrics as TensorBoard events in run_dir/tensorboard (extra agentrl[tensorboard])
     wandb: WandbConfig = field(default_factory=WandbConfig)
     weights: WeightsConfig = field(default_factory=WeightsConfig)

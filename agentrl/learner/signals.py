@@ -16,12 +16,9 @@ consecutive steps, warns once (per condition) with the figures and what usually 
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
-
-log = logging.getLogger(__name__)
 
 CAUSES = {
     "flat_rewards": "every group's episodes got the same reward, so advantages are 0 and the loss has no "
@@ -62,7 +59,5 @@ class SignalWatch:
                            f"{rewards[:8]}{'...' if len(rewards) > 8 else ''}, "
                            f"tool calls {sum((s.info or {}).get('tool_calls', 0) for s in usable)}, "
                            f"truncated {sum(bool(s.truncated) for s in usable)}")
-                message = f"no learning signal ({name}): {figures}. {CAUSES[name]}"
-                log.warning("%s", message)
-                out.append(message)
+                out.append(f"no learning signal ({name}): {figures}. {CAUSES[name]}")
         return out

@@ -28,6 +28,7 @@ from typing import Any
 
 from agentrl.learner.config import LearnConfig
 from agentrl.learner.packing import pad_batch, token_logprobs
+from agentrl.learner.signals import SignalWatch
 
 __all__ = ["Learner", "learn", "pad_batch", "token_logprobs"]
 
@@ -113,6 +114,7 @@ class Learner:
                     log.info("released %d leased batch(es) of a previous learner", released)
             t_start = time.monotonic()
             wait_total = 0.0
+            signals = SignalWatch(cfg.no_signal_steps) if cfg.no_signal_steps else None
             while not cfg.steps or state.step < cfg.steps:
                 t0 = time.monotonic()
                 got: Any = None
@@ -151,6 +153,10 @@ class Learner:
                            "checkpoint_s": now - t_ckpt, "idle_fraction": wait_total / max(1e-9, now - t_start),
                            "engine_sync": {k: v for k, v in sync.items() if k != "version"}}
                     row["wait_fraction"] = row["idle_fraction"]
+                    if signals is not None and (warned := signals.observe(samples, stats["advantage_std"])):
+                        row["warnings"] = warned
+                        for w in warned:
+                            progress.warning("WARNING: %s", w)
                     history.append(row)
                     with open(self.metrics_path, "a") as f:
                         f.write(json.dumps(row, default=str) + "\n")
