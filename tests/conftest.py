@@ -7,11 +7,26 @@ that needs it (marker ``vllm``). Tests that use it must not change its weights, 
 from __future__ import annotations
 
 import asyncio
+import os
 import socket
+import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """Keep the run's output ending with its summary: third-party extensions report at interpreter
+    shutdown (triton's nanobind prints hundreds of "leaked ..." lines to stderr after pytest's
+    summary). From here on stderr goes to a file beside the other temporary files, not the terminal."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    path = Path(tempfile.gettempdir()) / "agentrl-pytest-shutdown.log"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.dup2(fd, 2)
+    os.close(fd)
 
 
 def free_port() -> int:
