@@ -39,6 +39,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import psutil  # noqa: E402
+from common import percentile  # benchmarks/common.py
 
 import agentrl  # noqa: E402
 from agentrl.env.tools import parse_tool_calls  # noqa: E402
@@ -172,13 +173,6 @@ agentrl.environment(ENV_NAME)(BenchCalc)
 
 # --- the driver ----------------------------------------------------------------------------------------
 
-def percentile(xs: list[float], q: float) -> float:
-    if not xs:
-        return float("nan")
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q / 100 * len(xs)))]
-
-
 async def lag_monitor(samples: list[float], own: list[float], measuring: asyncio.Event,
                       interval: float = 0.01) -> None:
     """Wall-clock lag of a 10 ms sleep, and the part of it this thread spent on the CPU.
@@ -275,10 +269,10 @@ async def bench(args: argparse.Namespace, port: int, engine_pid: int) -> dict[st
         "episodes_per_s": round(done["measured"] / wall, 1),
         "model_calls_per_s": round((calls1 - calls0) / wall, 1),
         "agent_cpu_ms_per_model_call": round(cpu * 1000 / max(1, calls1 - calls0), 3),
-        "loop_lag_p50_ms": round(percentile(lags, 50), 2),
-        "loop_lag_p99_ms": round(percentile(lags, 99), 2),
+        "loop_lag_p50_ms": round(percentile(lags, 0.5), 2),
+        "loop_lag_p99_ms": round(percentile(lags, 0.99), 2),
         "loop_lag_max_ms": round(max(lags, default=float("nan")), 2),
-        "loop_lag_own_cpu_p99_ms": round(percentile(own_lags, 99), 2),
+        "loop_lag_own_cpu_p99_ms": round(percentile(own_lags, 0.99), 2),
         "machine_load_avg_1m": [round(load0, 1), round(os.getloadavg()[0], 1)], "cpus": os.cpu_count(),
         "rss_mb_per_1k_episodes": round((rss_peak - rss0) / 2**20 / args.concurrency * 1000, 1),
         "rss_mb": round(rss_peak / 2**20, 1),

@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -33,11 +32,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from common import free_port  # benchmarks/common.py
 
 
 def run_mode(mode: str, args: argparse.Namespace, out: Path) -> Path:

@@ -18,17 +18,12 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from common import free_port  # benchmarks/common.py
 
 
 def main() -> None:

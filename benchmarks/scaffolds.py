@@ -17,7 +17,6 @@ import asyncio
 import json
 import logging
 import os
-import socket
 import statistics
 import sys
 import tempfile
@@ -25,18 +24,14 @@ import time
 from pathlib import Path
 from typing import Any
 
+from common import free_port  # benchmarks/common.py
+
 ROOT = Path(__file__).resolve().parents[1]
 SCAFFOLDS = {
     "openai_sdk_in_serve": {"agent": "scaffolds.openai_minimal:agent"},
     "openai_sdk_as_a_program": {"command": "{python} -m scaffolds.openai_minimal"},
     "openai_agents_framework": {"agent": "scaffolds.openai_agents_sdk:agent"},
 }
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 async def _one(engine_url: str, name: str, spec: dict[str, str], episodes: int, group: int) -> dict[str, Any]:
@@ -47,7 +42,7 @@ async def _one(engine_url: str, name: str, spec: dict[str, str], episodes: int, 
     run_dir = Path(tempfile.mkdtemp(prefix=f"bench-scaffold-{name}-"))
     cfg = ServeConfig(model="tiny-tools", run_dir=str(run_dir), admin_token="bench", max_episodes=episodes)
     cfg.engine.urls = [engine_url]
-    cfg.router.port = _free_port()
+    cfg.router.port = free_port()
     cfg.env.name, cfg.env.group_size, cfg.env.max_concurrency = "guess_number", group, group
     cfg.env.max_turns, cfg.env.max_tokens = 3, 32
     cfg.buffer.batch_size, cfg.buffer.max_staleness = episodes, 100
@@ -91,7 +86,7 @@ def main() -> None:
         from agentrl.engines.vllm import EngineSpec, VLLMEngine
         from agentrl.models import resolve_model
 
-        spec = EngineSpec(model=resolve_model("tiny-tools"), served_name="tiny-tools", port=_free_port(),
+        spec = EngineSpec(model=resolve_model("tiny-tools"), served_name="tiny-tools", port=free_port(),
                           max_model_len=2048)
         engine = VLLMEngine(spec, Path(tempfile.mkdtemp(prefix="bench-scaffold-engine-")))
         engine.launch()

@@ -39,7 +39,6 @@ import asyncio
 import json
 import logging
 import shutil
-import socket
 import statistics
 import tempfile
 import time
@@ -48,14 +47,9 @@ from typing import Any
 
 import aiohttp
 from aiohttp import web
+from common import free_port  # benchmarks/common.py
 
 log = logging.getLogger("benchmarks.weight_sync")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def resolve(name: str) -> str:
