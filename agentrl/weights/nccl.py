@@ -30,8 +30,6 @@ import threading
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-import aiohttp
-
 from agentrl.weights.errors import EnginesFailed, WeightTransferError
 from agentrl.weights.transfer import _error_message
 
@@ -87,7 +85,7 @@ class NCCLWeightSender:
                  workers_per_engine: int = 1, packed_buffer_size_bytes: int = 256 * 2**20,
                  packed_num_buffers: int = 2, timeout_s: float = 600.0) -> None:
         self.serve_url = serve_url.rstrip("/")
-        self.headers = {"Authorization": f"Bearer {admin_token}"} if admin_token else {}
+        self.admin_token = admin_token
         self.master_address = master_address
         self.master_port = master_port
         self.workers_per_engine = workers_per_engine
@@ -97,20 +95,30 @@ class NCCLWeightSender:
         self.group: Any = None
         self.world_size = 0
 
+    def _client(self, timeout_s: float) -> Any:
+        from agentrl.client import ServeClient
+
+        # no retries: a collective call that failed half-way is answered by re-forming the group
+        return ServeClient(self.serve_url, self.admin_token, timeout_s=timeout_s, retries=0)
+
     async def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
-        async with aiohttp.ClientSession(headers=self.headers) as http, http.post(
-                self.serve_url + path, json=body, timeout=aiohttp.ClientTimeout(total=self.timeout_s)) as r:
-            text = await r.text()
-            if r.status == 502 and "weight_sync_error" in text:  # serve answered: no engine took it
-                raise EnginesFailed(f"{path}: {_error_message(text)}", r.status)
-            if r.status != 200:
-                raise WeightTransferError(f"{path}: {r.status} {_error_message(text)}", r.status)
-            return await r.json()
+        from agentrl.errors import TransportError
+
+        async with self._client(self.timeout_s) as http:
+            try:
+                got = await http.request("POST", path, json=body, accept={502})
+            except TransportError as e:
+                raise WeightTransferError(f"{path}: {e.message}", e.status) from None
+        text = got.body.decode(errors="replace")
+        if got.status == 502:
+            if "weight_sync_error" in text:  # serve answered: no engine took it
+                raise EnginesFailed(f"{path}: {_error_message(text)}", 502)
+            raise WeightTransferError(f"{path}: 502 {_error_message(text)}", 502)
+        return got.json()
 
     async def _engines_answering(self) -> int:
-        async with aiohttp.ClientSession(headers=self.headers) as http, http.get(
-                self.serve_url + "/admin/engines", timeout=aiohttp.ClientTimeout(total=30)) as r:
-            data = await r.json()
+        async with self._client(30.0) as http:
+            data = await http.json("GET", "/admin/engines")
         return sum(1 for e in data["engines"] if e.get("healthy"))
 
     async def connect(self) -> dict[str, Any]:

@@ -26,7 +26,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import aiohttp
 from aiohttp import web
 
 from agentrl.weights.errors import EnginesFailed, WeightGroupStale, WeightTransferError, WeightUpdateFailed
@@ -237,8 +236,15 @@ def serialize_state_dict(state: dict[str, Any]) -> bytes:
 async def publish(data: bytes, version: int, serve_url: str, admin_token: str, *,
                   timeout_s: float = 600.0, attempts: int = 3, chunk_bytes: int = CHUNK_BYTES,
                   parallel: int = PARALLEL_CHUNKS) -> dict[str, Any]:
-    """Send serialised weights to serve as ``version`` and wait until engines serve them."""
-    headers = {"Authorization": f"Bearer {admin_token}"} if admin_token else {}
+    """Send serialised weights to serve as ``version`` and wait until engines serve them.
+
+    Each chunk and the commit go through serve's one client (:class:`~agentrl.client.ServeClient`:
+    connection errors, timeouts and 5xx retried, never a 4xx). A conflict (409: a chunk serve has
+    not got, e.g. after a restart) sends the whole version again, up to ``attempts`` times; engines
+    that could not load it are :class:`EnginesFailed` (sending again would not help)."""
+    from agentrl.client import ServeClient
+    from agentrl.errors import TransportError
+
     view = memoryview(data)  # chunks are views: no copy of the whole payload
     offsets = list(range(0, len(data), chunk_bytes)) or [0]
     chunks = [view[o : o + chunk_bytes] for o in offsets]
@@ -246,15 +252,13 @@ async def publish(data: bytes, version: int, serve_url: str, admin_token: str, *
     chunk_shas = await asyncio.to_thread(lambda: [_sha256(c) for c in chunks])
     commit = {"chunks_sha256": _digest_of(chunk_shas), "chunks": len(chunks), "bytes": len(data)}
     last_error: Exception | None = None
-    async with aiohttp.ClientSession(headers=headers) as http:
+    async with ServeClient(serve_url, admin_token, timeout_s=timeout_s, retries=2, backoff_s=0.5) as http:
         slots = asyncio.Semaphore(max(1, parallel))
 
         async def put(i: int) -> None:
-            async with slots, http.put(f"{serve_url}/admin/weights/{version}/chunks/{i}", data=chunks[i],
-                                       headers={"X-Sha256": chunk_shas[i], "X-Offset": str(offsets[i])},
-                                       timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
-                if r.status != 200:
-                    raise WeightTransferError(f"chunk {i}: {r.status} {await r.text()}", r.status)
+            async with slots:
+                await http.request("PUT", f"/admin/weights/{version}/chunks/{i}", data=chunks[i],
+                                   headers={"X-Sha256": chunk_shas[i], "X-Offset": str(offsets[i])})
 
         for attempt in range(attempts):
             try:
@@ -265,26 +269,27 @@ async def publish(data: bytes, version: int, serve_url: str, admin_token: str, *
                     for t in sends:
                         t.cancel()
                     await asyncio.gather(*sends, return_exceptions=True)
-                async with http.post(f"{serve_url}/admin/weights/{version}/commit", json=commit,
-                                     timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
-                    if r.status == 502 and "weight_sync_error" in (text := await r.text()):
+                got = await http.request("POST", f"/admin/weights/{version}/commit", json=commit, accept={502},
+                                         retries=0)
+                text = got.body.decode(errors="replace")
+                if got.status == 502:
+                    if "weight_sync_error" in text:
                         # The engines failed, not the transfer: sending again would not help. The
                         # pool kept its previous version, so the learner can publish the next one.
-                        raise EnginesFailed(_error_message(text), r.status)
-                    if r.status != 200:
-                        raise WeightTransferError(f"commit: {r.status} {await r.text()}", r.status)
-                    result = await r.json()
-                    if result.get("failed"):
-                        log.error("version %d: engines %s failed and were taken out: %s", version,
-                                  result["failed"], {n: result["engines"][n] for n in result["failed"]})
-                    return result
+                        raise EnginesFailed(_error_message(text), 502)
+                    raise TransportError(f"commit answered 502: {_error_message(text)}", status=502)
+                result = got.json()
+                if result.get("failed"):
+                    log.error("version %d: engines %s failed and were taken out: %s", version,
+                              result["failed"], {n: result["engines"][n] for n in result["failed"]})
+                return result
             except EnginesFailed:
                 raise
-            except (TimeoutError, aiohttp.ClientError, WeightTransferError) as e:
+            except TransportError as e:
                 last_error = e
-                status = getattr(e, "status", None)
-                if status is not None and 400 <= status < 500 and status != 409:
+                if e.status is not None and 400 <= e.status < 500 and e.status != 409:
                     break  # a 4xx other than a conflict will not be fixed by retrying
                 log.warning("weight publish attempt %d failed: %s", attempt + 1, e)
                 await asyncio.sleep(1.0 * (attempt + 1))
-    raise WeightTransferError(f"could not publish version {version}: {last_error}")
+    raise WeightTransferError(f"could not publish version {version}: {last_error}",
+                              getattr(last_error, "status", None))
