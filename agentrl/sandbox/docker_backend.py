@@ -28,6 +28,8 @@ from agentrl.sandbox.types import SandboxConfig, SandboxError
 
 log = logging.getLogger(__name__)
 
+READONLY_PROC_PATHS = ("/proc/bus", "/proc/fs", "/proc/irq", "/proc/sys", "/proc/sysrq-trigger")
+
 
 def _tracked(coro: Any, into: set[asyncio.Future[Any]]) -> asyncio.Future[Any]:
     """``coro`` as a future held in ``into`` until it is done (close() waits for what is there)."""
@@ -69,6 +71,8 @@ class DockerBackend(SandboxBackend):
             "HostConfig": {
                 "NetworkMode": "none",
                 "ReadonlyRootfs": True,
+                # The engine's default, stated so that it cannot silently go: no sysctl is writable.
+                "ReadonlyPaths": list(READONLY_PROC_PATHS),
                 "Tmpfs": {"/work": tmpfs, "/tmp": tmpfs},
                 "Memory": mem, "MemorySwap": mem,
                 "NanoCpus": int(cfg.cpus * 1e9),

@@ -46,7 +46,8 @@ class SandboxConfig:
     times before it is replaced; 0 replaces after every episode. Sandboxes whose episode was
     cancelled mid-call or hit a timeout are always replaced."""
     user: str = "65534:65534"
-    """uid:gid commands run as (Docker); the default is `nobody`."""
+    """uid:gid commands run as; the default is `nobody`. A bubblewrap sandbox started by root also runs
+    as this uid:gid on the host (it may not be 0: bwrap would map the sandbox to host root)."""
     docker_host: str = ""
     """Docker engine address; empty: $DOCKER_HOST or unix:///var/run/docker.sock."""
     create_concurrency: int = 4
