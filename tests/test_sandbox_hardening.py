@@ -11,6 +11,7 @@ through the agent, within a bound.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import textwrap
 import uuid
@@ -115,4 +116,114 @@ def test_bubblewrap_refuses_a_root_sandbox_user_when_run_as_root() -> None:
         with pytest.raises(SandboxError, match="host root"):
             await pool.start()
         await pool.close()
+    run(body())
+
+
+# --- the exec agent ---------------------------------------------------------------------------------
+
+def test_a_command_cannot_trace_the_agent_or_open_its_memory_or_channel(backend: str) -> None:
+    # If the attach worked (old code), the agent is waited for and detached at once so that the
+    # rest of the run is not left with a stopped agent; nothing is written to its memory.
+    code = """
+        pid = int(sys.argv[1])
+        if libc.ptrace(16, pid, None, None) == 0:  # PTRACE_ATTACH
+            os.waitpid(pid, 0x40000000)  # __WALL
+            libc.ptrace(17, pid, None, None)  # PTRACE_DETACH
+            print("ATTACHED")
+        else:
+            print("attach refused", ctypes.get_errno())
+        try:
+            os.close(os.open(f"/proc/{pid}/mem", os.O_RDWR))
+            print("MEM OPENED")
+        except OSError as e:
+            print("mem refused", e.errno)
+        # No other process of the box shows us its descriptors: the host channel is in none of them
+        # (an init such as tini or bwrap's keeps the sandbox's stdin/stdout open).
+        for p in os.listdir("/proc"):
+            if p.isdigit() and int(p) != os.getpid():
+                try:
+                    print("FDS of", p, os.listdir(f"/proc/{p}/fd"))
+                except OSError as e:
+                    print("fds refused", p, e.errno)
+        """
+
+    async def body() -> None:
+        async with pool_of(backend) as pool, pool.acquire() as sb:
+            pid = await agent_pid(sb)
+            r = await sb.exec(["python3", "-c", PRELUDE + textwrap.dedent(code), str(pid)])
+            assert r.ok, r
+            assert "attach refused 1" in r.stdout, r.stdout  # EPERM
+            assert "MEM OPENED" not in r.stdout and "FDS of" not in r.stdout, r.stdout
+            assert (await sb.exec("echo alive")).stdout == "alive\n"
+    run(body())
+
+
+def test_a_command_cannot_kill_or_stop_the_agent(backend: str) -> None:
+    async def body() -> None:
+        async with pool_of(backend) as pool, pool.acquire() as sb:
+            pid = await agent_pid(sb)
+            r = await sb.exec(f"kill -STOP {pid}; kill -KILL {pid}; kill -TERM {pid}; echo sent", timeout=10)
+            assert r.stdout.endswith("sent\n") and not r.timed_out, r
+            assert (await sb.exec("echo alive")).stdout == "alive\n"
+    run(body())
+
+
+# --- timeouts and OOM kills ---------------------------------------------------------------------------
+
+DETACH = """
+    def detach(path, orphan):
+        # A child in a session of its own; with orphan, its own child, whose parent then exits.
+        pid = os.fork()
+        if pid == 0:
+            os.setsid()
+            if orphan and os.fork():
+                os._exit(0)
+            with open(path + ".tmp", "w") as f:
+                f.write(str(os.getpid()))
+            os.rename(path + ".tmp", path)
+            time.sleep(1000)
+            os._exit(0)
+        if orphan:
+            os.waitpid(pid, 0)
+    if sys.argv[1] == "hostile":
+        libc.prctl(36, 0, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER off: our orphans go elsewhere
+    detach(f"/work/{sys.argv[1]}-child.pid", False)
+    detach(f"/work/{sys.argv[1]}-grandchild.pid", True)
+    while not all(os.path.exists(f"/work/{sys.argv[1]}-{k}.pid") for k in ("child", "grandchild")):
+        time.sleep(0.01)
+    print("planted", flush=True)
+    time.sleep(1000)
+    """
+
+ALIVE = """
+    for path in sys.argv[1:]:
+        pid = open(path).read()
+        try:
+            state = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state != "Z":
+            print(path)
+    """
+
+
+def test_a_timed_out_commands_detached_descendants_are_killed(backend: str) -> None:
+    async def body() -> None:
+        async with pool_of(backend) as pool, pool.acquire() as sb:
+            server = await sb.start_background(["sleep", "1000"])  # the episode's own: it stays
+            pid_files = []
+            for variant in ("plain", "hostile"):
+                r = await sb.exec(["python3", "-c", PRELUDE + textwrap.dedent(DETACH), variant], timeout=5)
+                assert r.timed_out and r.stdout == "planted\n", r
+                pid_files += [f"/work/{variant}-child.pid", f"/work/{variant}-grandchild.pid"]
+            alive = ["?"]
+            for _ in range(100):  # bounded: the kill is synchronous, this only rides out the reaping
+                r = await sb.exec(["python3", "-c", PRELUDE + textwrap.dedent(ALIVE), *pid_files])
+                assert r.ok, r
+                alive = r.stdout.split()
+                if not alive:
+                    break
+                await asyncio.sleep(0.1)
+            assert alive == [], f"still running after their command's timeout: {alive}"
+            assert await server.poll() is None
     run(body())

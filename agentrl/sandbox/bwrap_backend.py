@@ -14,6 +14,7 @@ Invariants:
   the kernel checks by uid, /proc/sys/kernel/core_pattern among them, becomes writable.)
 - /proc/sys and /dev are read-only; /dev/shm and /dev/mqueue are the sandbox's own mounts, which
   the agent empties at reset. Nested user namespaces are refused (`--disable-userns`).
+- The agent is pid 1 (`--as-pid-1`): no bwrap init holds its stdin/stdout (see agent.py).
 - `--die-with-parent`: if the owning process dies, every sandbox it started dies with it.
 - Each sandbox's cgroup lives under `agentrl/<owner pid>.<owner start ticks>/`, so a later process
   can find and remove what a dead owner left (`reap_stale`).
@@ -198,7 +199,7 @@ class BubblewrapBackend(SandboxBackend):
         cfg = self.cfg
         size = str(cfg.work_size_mb * 2**20)
         uid, gid = _user_ids(cfg.user)
-        argv = [cfg.bwrap_path, "--unshare-all", "--unshare-user", "--disable-userns",
+        argv = [cfg.bwrap_path, "--unshare-all", "--unshare-user", "--disable-userns", "--as-pid-1",
                 "--die-with-parent", "--new-session", "--cap-drop", "ALL",
                 "--uid", str(uid), "--gid", str(gid), "--hostname", "sandbox",
                 "--ro-bind", "/usr", "/usr"]

@@ -1,7 +1,9 @@
 """Docker backend: one locked-down container per sandbox, driven through the engine's HTTP API.
 
-Each container runs the exec agent as its main process under `--init`, attached to our end of a
-hijacked API connection (stdin/stdout). Isolation: no network, read-only root, tmpfs /work and
+Each container runs the exec agent as its pid 1 (no `--init`: an init would hold the container's
+stdin/stdout, which any command of the same uid could open through /proc/1/fd and use to forge or
+steal the agent's messages), attached to our end of a hijacked API connection (stdin/stdout). The
+agent reaps orphans itself. Isolation: no network, read-only root and /proc/sys, tmpfs /work and
 /tmp, memory with swap equal, CPU quota, pids limit, uid nobody, every capability dropped,
 no-new-privileges, private IPC, no host mounts, no logs kept by the engine.
 
@@ -10,8 +12,8 @@ Invariants:
   boot id), so any later process can tell whether its owner is alive.
 - Stdin closes when our connection does (StdinOnce) and containers are AutoRemove: if the owning
   process dies, its agents read EOF, exit, and the engine removes their containers by itself;
-  `reap_stale` on the next start removes whatever is left (e.g. a command that ignored the agent's
-  death kept nothing alive, since init kills the namespace when the agent exits).
+  `reap_stale` on the next start removes whatever is left (a command that ignored the agent's
+  death kept nothing alive: the kernel kills a pid namespace when its pid 1, the agent, exits).
 """
 
 from __future__ import annotations
@@ -79,7 +81,7 @@ class DockerBackend(SandboxBackend):
                 "PidsLimit": cfg.pids,
                 "CapDrop": ["ALL"],
                 "SecurityOpt": ["no-new-privileges"],
-                "Init": True,
+                "Init": False,  # the agent is pid 1 (see the module docstring)
                 "AutoRemove": True,
                 "IpcMode": "private",
                 "ShmSize": 64 * 2**20,

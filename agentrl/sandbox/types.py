@@ -36,7 +36,7 @@ class SandboxConfig:
     pids: int = 256
     """Most processes/threads alive in one sandbox (fork bombs stop here)."""
     exec_timeout_s: float = 30.0
-    """Default timeout of `Sandbox.exec`; the command's whole process group is killed at it."""
+    """Default timeout of `Sandbox.exec`; the command's whole process tree is killed at it."""
     work_size_mb: int = 256
     """Size of the writable /work (and of /tmp) tmpfs."""
     max_output_bytes: int = 1 << 20
