@@ -168,6 +168,108 @@ def test_a_command_cannot_kill_or_stop_the_agent(backend: str) -> None:
     run(body())
 
 
+# --- what a reset leaves behind -----------------------------------------------------------------------
+
+async def _two_episodes_on_one_box(backend: str, first: object, second: object) -> None:
+    """Run ``first(sb)`` then ``second(sb)`` in two episodes that get the same (reset) box."""
+    async with pool_of(backend, warm=1, max_reuses=5) as pool:
+        async with pool.acquire() as sb:
+            await first(sb)  # type: ignore[operator]
+            box = sb.id
+        await pool.wait_idle()
+        async with pool.acquire() as sb:
+            assert sb.id == box and pool.stats()["resets"] == 1, "the second episode must reuse the box"
+            await second(sb)  # type: ignore[operator]
+
+
+SYSV_LIST = """
+    for kind in ("shm", "sem", "msg"):
+        rows = open("/proc/sysvipc/" + kind).read().splitlines()[1:]
+        print(kind, len([r for r in rows if r.strip()]))
+    """
+
+
+def test_a_reset_removes_sysv_shared_memory_semaphores_and_message_queues(backend: str) -> None:
+    make = """
+        IPC_CREAT = 0o1000
+        for key in (0x41475201, 0):  # a named key and IPC_PRIVATE
+            assert libc.shmget(key, 4096, IPC_CREAT | 0o666) >= 0
+            assert libc.semget(key, 1, IPC_CREAT | 0o666) >= 0
+            assert libc.msgget(key, IPC_CREAT | 0o666) >= 0
+        """
+    attach = PRELUDE + textwrap.dedent("""
+        shm = libc.shmget(0x41475202, 4096, 0o1666)
+        libc.shmat.restype = ctypes.c_void_p
+        assert libc.shmat(shm, None, 0) not in (None, 2**64 - 1)
+        open("/work/attached", "w").write("yes")
+        time.sleep(1000)
+        """)
+
+    async def first(sb: Sandbox) -> None:
+        await py(sb, make)
+        await sb.start_background(["python3", "-c", attach])  # holds a segment attached at reset
+        for _ in range(200):
+            if (await sb.exec("cat /work/attached")).stdout == "yes":
+                break
+            await asyncio.sleep(0.05)
+        assert await py(sb, SYSV_LIST) == "shm 3\nsem 2\nmsg 2\n"
+
+    async def second(sb: Sandbox) -> None:
+        assert await py(sb, SYSV_LIST) == "shm 0\nsem 0\nmsg 0\n"
+        assert "-1" == (await py(sb, "print(libc.shmget(0x41475201, 0, 0))")).strip()
+    run(_two_episodes_on_one_box(backend, first, second))
+
+
+def test_a_reset_removes_posix_message_queues(backend: str) -> None:
+    async def first(sb: Sandbox) -> None:
+        out = await py(sb, "print(libc.mq_open(b'/agentrl-probe', os.O_CREAT | os.O_RDWR, 0o600, None))")
+        assert int(out) >= 0
+
+    async def second(sb: Sandbox) -> None:
+        out = await py(sb, "print(libc.mq_open(b'/agentrl-probe', os.O_RDONLY), ctypes.get_errno())")
+        assert out.split() == ["-1", "2"], out  # ENOENT
+    run(_two_episodes_on_one_box(backend, first, second))
+
+
+MOUNT_POINTS = """
+    points = []
+    for line in open("/proc/self/mountinfo"):
+        point = line.split()[4].replace("\\\\040", " ")
+        if os.path.isdir(point) and not os.path.islink(point):
+            points.append(point)
+    """
+
+
+def test_a_reset_leaves_no_file_in_any_writable_mount(backend: str) -> None:
+    """A file planted in every mount the command can write to (/dev on the old bubblewrap backend,
+    /dev/mqueue on Docker, ...) is gone in the next episode."""
+    plant = MOUNT_POINTS + """
+    for point in sorted(set(points + ["/dev"])):
+        path = os.path.join(point, "agentrl-probe")
+        try:
+            open(path, "w").close()
+            print(path)
+        except OSError:
+            pass
+    """
+
+    async def first(sb: Sandbox) -> None:
+        planted = (await py(sb, plant)).split()
+        assert "/work/agentrl-probe" in planted and "/tmp/agentrl-probe" in planted, planted
+        await sb.write_file("/work/planted", "\n".join(planted))
+
+    async def second(sb: Sandbox) -> None:
+        left = await py(sb, MOUNT_POINTS + """
+    for point in sorted(set(points + ["/dev"])):
+        if os.path.lexists(os.path.join(point, "agentrl-probe")):
+            print(point)
+    """)
+        assert left == "", f"left from the previous episode in: {left.split()}"
+        with pytest.raises(FileNotFoundError):
+            await sb.read_file("/work/planted")
+    run(_two_episodes_on_one_box(backend, first, second))
+
+
 # --- timeouts and OOM kills ---------------------------------------------------------------------------
 
 DETACH = """

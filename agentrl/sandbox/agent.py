@@ -28,8 +28,9 @@ Every command is hostile. Invariants:
   tree is killed, sessions included, and so is every orphan the agent adopted since it started
   (a command that gave up its subreaper role orphans to the agent).
 - Commands get ``oom_score_adj`` 1000 so that the kernel's OOM killer picks them, not the agent.
-- ``reset`` kills every process except the agent and empties the writable directories; it answers
-  ``ok: false`` if it could not do both.
+- ``reset`` kills every process except the agent, removes every SysV IPC object, empties every
+  writable mount (``/work``, ``/tmp``, ``/dev/shm``, ``/dev/mqueue``, and any other the mount table
+  shows), and answers ``ok: false`` (with what is left) unless all of that is verified gone.
 - This file must run on the image's ``python3`` (3.9+) with only its standard library (ctypes
   included: python3-minimal alone lacks it) and must not import anything from agentrl.
 """
@@ -52,7 +53,10 @@ except (ImportError, OSError):  # checked in _harden: the agent refuses to run u
     ctypes = _libc = None
 
 PR_GET_DUMPABLE, PR_SET_DUMPABLE, PR_SET_CHILD_SUBREAPER = 3, 4, 36
-WRITABLE_DIRS = ("/work", "/tmp", "/dev/shm")
+IPC_RMID = 0
+WRITABLE_DIRS = ("/work", "/tmp", "/dev/shm", "/dev/mqueue")
+# Mounts that are writable but hold no files a command can leave behind.
+NO_FILES_FS = {"proc", "sysfs", "devpts", "cgroup", "cgroup2", "devtmpfs", "securityfs", "debugfs"}
 _out = sys.stdout.buffer
 _out_lock = threading.Lock()
 _active = 0  # requests in flight; reset waits for zero
@@ -60,6 +64,7 @@ _active_cond = threading.Condition()
 _spawn_lock = threading.Lock()  # Popen + registration, against the orphan reaper
 _commands = {}  # pid -> Popen of exec commands in flight
 _background = {}  # pid -> Popen
+_wipe_dirs = list(WRITABLE_DIRS)  # replaced in main() by what the mount table says
 
 
 def _send(msg):
@@ -405,6 +410,34 @@ def _other_pids(protected):
     return [int(p) for p in os.listdir("/proc") if p.isdigit() and int(p) not in protected]
 
 
+def _unescape(field):
+    """A mountinfo path: the kernel writes space, tab, newline and backslash as \\ooo (octal)."""
+    head, *rest = field.split("\\")
+    return head + "".join(chr(int(part[:3], 8)) + part[3:] for part in rest)
+
+
+def _writable_mounts():
+    """Every mounted directory a command could leave files in: read-write, writable by us (the
+    commands' uid), and of a file system that holds files. Read once: no command can mount here."""
+    found = []
+    try:
+        with open("/proc/self/mountinfo") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return list(WRITABLE_DIRS)
+    for line in lines:
+        fields = line.split()
+        try:
+            point = _unescape(fields[4])
+            fstype = fields[fields.index("-") + 1]
+        except (ValueError, IndexError):
+            continue
+        if ("rw" in fields[5].split(",") and fstype not in NO_FILES_FS and os.path.isdir(point)
+                and not os.path.islink(point) and os.access(point, os.W_OK)):
+            found.append(point)
+    return sorted(set(found) | {d for d in WRITABLE_DIRS if os.path.isdir(d)})
+
+
 def _remove_tree(path):
     try:
         if os.path.isdir(path) and not os.path.islink(path):
@@ -416,6 +449,31 @@ def _remove_tree(path):
             os.unlink(path)
     except OSError:
         pass
+
+
+def _sysv_ids():
+    """(kind, id) of every SysV shared memory segment, semaphore set and message queue."""
+    ids = []
+    for kind in ("shm", "sem", "msg"):
+        try:
+            with open("/proc/sysvipc/" + kind) as f:
+                rows = f.read().splitlines()[1:]
+        except OSError:
+            continue
+        ids += [(kind, int(row.split()[1])) for row in rows if row.strip()]
+    return ids
+
+
+def _remove_sysv():
+    """IPC_RMID every SysV object. Commands run as our uid, so we are each object's creator (cuid,
+    which IPC_SET cannot change): removal is permitted even if a command gave it away."""
+    for kind, ipc_id in _sysv_ids():
+        if kind == "shm":
+            _libc.shmctl(ipc_id, IPC_RMID, None)
+        elif kind == "sem":
+            _libc.semctl(ipc_id, 0, IPC_RMID)
+        else:
+            _libc.msgctl(ipc_id, IPC_RMID, None)
 
 
 def op_reset(req):
@@ -436,21 +494,21 @@ def op_reset(req):
                 pass
         time.sleep(0.002)
     _background.clear()
-    clean = not _other_pids(protected)
-    for d in WRITABLE_DIRS:
+    left = [f"process {p}" for p in _other_pids(protected)]
+    _remove_sysv()  # after the kills: a segment still attached would outlive its removal
+    left += [f"sysv {kind} {ipc_id}" for kind, ipc_id in _sysv_ids()]
+    for d in _wipe_dirs:
         try:
             names = os.listdir(d)
         except OSError:
             continue
         for name in names:
-            p = os.path.join(d, name)
-            _remove_tree(p)
+            _remove_tree(os.path.join(d, name))
         try:
-            if os.listdir(d):
-                clean = False
+            left += [os.path.join(d, name) for name in os.listdir(d)]
         except OSError:
             pass
-    return {"ok": clean}
+    return {"ok": not left, "left": left[:20]}
 
 
 def op_ping(req):
@@ -498,7 +556,7 @@ def _requests(fd):
 
 
 def main():
-    global _active
+    global _active, _wipe_dirs
     signal.signal(signal.SIGPIPE, signal.SIG_DFL)
     try:
         os.chdir("/work")
@@ -508,7 +566,8 @@ def main():
     if refused:
         _send({"id": 0, "ready": False, "error": refused})
         os._exit(1)
-    _send({"id": 0, "ready": True, "pid": os.getpid()})
+    _wipe_dirs = _writable_mounts()
+    _send({"id": 0, "ready": True, "pid": os.getpid(), "wipes": _wipe_dirs})
     for req in _requests(0):
         with _active_cond:
             if req.get("op") == "reset":  # runs alone: wait for every other request to finish

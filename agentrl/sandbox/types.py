@@ -42,9 +42,9 @@ class SandboxConfig:
     max_output_bytes: int = 1 << 20
     """Stdout and stderr of one command are each truncated to this many bytes."""
     max_reuses: int = 50
-    """A clean sandbox is reset (processes killed, writable dirs emptied) and reused up to this many
-    times before it is replaced; 0 replaces after every episode. Sandboxes whose episode was
-    cancelled mid-call or hit a timeout are always replaced."""
+    """A clean sandbox is reset (processes killed, SysV IPC removed, writable mounts emptied) and
+    reused up to this many times before it is replaced; 0 replaces after every episode. Sandboxes
+    whose episode was cancelled mid-call or hit a timeout are always replaced."""
     user: str = "65534:65534"
     """uid:gid commands run as; the default is `nobody`. A bubblewrap sandbox started by root also runs
     as this uid:gid on the host (it may not be 0: bwrap would map the sandbox to host root)."""
