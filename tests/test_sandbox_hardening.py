@@ -329,3 +329,19 @@ def test_a_timed_out_commands_detached_descendants_are_killed(backend: str) -> N
             assert alive == [], f"still running after their command's timeout: {alive}"
             assert await server.poll() is None
     run(body())
+
+
+HOG = "chunks = []\nwhile True:\n    chunks.append(b'x' * (16 << 20))\n"
+
+
+def test_an_oom_kill_of_a_child_under_sh_is_reported(backend: str) -> None:
+    async def body() -> None:
+        async with pool_of(backend, memory_mb=128) as pool, pool.acquire() as sb:
+            await sb.write_file("/work/hog.py", HOG)
+            r = await sb.exec("python3 /work/hog.py; echo child=$?", timeout=60)
+            assert r.stdout == "child=137\n" and r.exit_code == 0, r
+            assert r.oom_killed and not r.ok, r
+            r = await sb.exec("kill -9 $$")  # a SIGKILL that is not the OOM killer's
+            assert r.exit_code == 137 and not r.oom_killed, r
+            assert pool.stats()["oom_kills"] == 1
+    run(body())

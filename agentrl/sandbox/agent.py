@@ -28,6 +28,7 @@ Every command is hostile. Invariants:
   tree is killed, sessions included, and so is every orphan the agent adopted since it started
   (a command that gave up its subreaper role orphans to the agent).
 - Commands get ``oom_score_adj`` 1000 so that the kernel's OOM killer picks them, not the agent.
+  ``oom_killed`` is the sandbox memory cgroup's oom_kill counter rising while the command ran.
 - ``reset`` kills every process except the agent, removes every SysV IPC object, empties every
   writable mount (``/work``, ``/tmp``, ``/dev/shm``, ``/dev/mqueue``, and any other the mount table
   shows), and answers ``ok: false`` (with what is left) unless all of that is verified gone.
@@ -333,10 +334,13 @@ def op_exec(req):
             _commands.pop(proc.pid, None)
     code = proc.returncode
     exit_code = 128 - code if code < 0 else code
-    oom = False
-    if code == -signal.SIGKILL and not timed_out:
-        oom_after = _oom_kills()
-        oom = oom_after is None or oom_before is None or oom_after > oom_before
+    oom_after = _oom_kills()
+    if oom_before is not None and oom_after is not None:
+        # Any process of the command's tree (a child under sh included), whatever its exit code
+        # says. With several commands running at once, a kill during both is reported on both.
+        oom = oom_after > oom_before
+    else:  # no counter to read: a SIGKILL that was not our timeout is most likely the OOM killer
+        oom = code == -signal.SIGKILL and not timed_out
     return {
         "exit_code": 124 if timed_out else exit_code,
         "stdout": out[0].decode("utf-8", "replace"),
