@@ -469,8 +469,8 @@ def _sysv_ids():
 
 
 def _remove_sysv():
-    """IPC_RMID every SysV object. Commands run as our uid, so we are each object's creator (cuid,
-    which IPC_SET cannot change): removal is permitted even if a command gave it away."""
+    """IPC_RMID every SysV object. Commands run as our uid, so every object's creator uid (cuid,
+    which IPC_SET cannot change) is ours: removal is permitted even if a command gave it away."""
     for kind, ipc_id in _sysv_ids():
         if kind == "shm":
             _libc.shmctl(ipc_id, IPC_RMID, None)
