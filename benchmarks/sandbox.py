@@ -2,8 +2,10 @@
 
 Usage: python benchmarks/sandbox.py [--backend docker|bubblewrap] [--n 200]
 Prints progress, then one final JSON line with cold_start_p50_ms, cold_start_p99_ms,
-warm_acquire_p50_ms, warm_acquire_p99_ms, exec_p50_ms, exec_p99_ms, docker_exec_p50_ms
-(the plain `docker exec` CLI baseline, same run, same container), exec_speedup and leaked_containers.
+warm_acquire_p50_ms, warm_acquire_p99_ms, exec_p50_ms, exec_p99_ms, reset_p50_ms, reset_p99_ms
+(from an episode's end until its box is back in the pool: the agent's reset, which kills, removes
+IPC objects and wipes the writable mounts), docker_exec_p50_ms (the plain `docker exec` CLI
+baseline, same run, same container), exec_speedup and leaked_containers.
 """
 
 from __future__ import annotations
@@ -39,10 +41,13 @@ async def main(backend: str, n: int) -> dict:
         print(f"cold start p50 {pct(cold, .5)} ms", flush=True)
 
         # Warm acquire: a box is waiting (reset boxes come back between episodes).
-        warm, execs = [], []
+        warm, execs, resets = [], [], []
         sid = ""
-        for _ in range(n):
+        for i in range(n):
+            t0 = time.perf_counter()
             await pool.wait_idle()
+            if i:
+                resets.append(time.perf_counter() - t0)  # the previous episode's reset
             t0 = time.perf_counter()
             async with pool.acquire() as sb:
                 warm.append(time.perf_counter() - t0)
@@ -51,7 +56,8 @@ async def main(backend: str, n: int) -> dict:
                 r = await sb.exec(["true"])
                 execs.append(time.perf_counter() - t1)
                 assert r.ok
-        print(f"warm acquire p50 {pct(warm, .5)} ms, exec p50 {pct(execs, .5)} ms", flush=True)
+        print(f"warm acquire p50 {pct(warm, .5)} ms, exec p50 {pct(execs, .5)} ms, "
+              f"reset p50 {pct(resets, .5)} ms", flush=True)
 
         docker_exec = []
         if backend == "docker":
@@ -74,6 +80,7 @@ async def main(backend: str, n: int) -> dict:
         "cold_start_p50_ms": pct(cold, .5), "cold_start_p99_ms": pct(cold, .99),
         "warm_acquire_p50_ms": pct(warm, .5), "warm_acquire_p99_ms": pct(warm, .99),
         "exec_p50_ms": pct(execs, .5), "exec_p99_ms": pct(execs, .99),
+        "reset_p50_ms": pct(resets, .5), "reset_p99_ms": pct(resets, .99),
         "docker_exec_p50_ms": pct(docker_exec, .5) if docker_exec else None,
         "leaked_containers": leaked,
     }

@@ -321,7 +321,9 @@ def test_containers_are_locked_down() -> None:
                 info = await DockerAPI(SandboxConfig().resolved_docker_host()).inspect(sb.id)
                 assert info is not None
                 hc = info["HostConfig"]
-                assert hc["NetworkMode"] == "none" and hc["ReadonlyRootfs"] and hc["Init"]
+                # No --init: the agent is pid 1 itself, so no init holds its channel (agent.py).
+                assert hc["NetworkMode"] == "none" and hc["ReadonlyRootfs"] and not hc["Init"]
+                assert "/proc/sys" in hc["ReadonlyPaths"]
                 assert hc["CapDrop"] == ["ALL"] and "no-new-privileges" in hc["SecurityOpt"]
                 assert hc["Memory"] == hc["MemorySwap"] == 256 * 2**20
                 assert hc["PidsLimit"] == 64 and hc["NanoCpus"] == 5 * 10**8

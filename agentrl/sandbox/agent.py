@@ -6,18 +6,34 @@ pipe instead of a ``docker exec`` (which creates a process through the engine, a
 
 Wire format, both directions: a 4-byte big-endian length, then that many bytes holding the ``repr``
 of a dict of str/bytes/int/float/bool/None/list values, parsed with ``ast.literal_eval`` (safe,
-and unlike json it is in python3-minimal; bytes need no base64).
+and unlike json it needs no import; bytes need no base64).
 Requests carry ``id`` and ``op``; every request gets exactly one response with the same ``id``.
 Requests are served concurrently (one thread each), except ``reset`` which runs alone.
 
-Invariants:
+Every command is hostile. Invariants:
+- The agent is its sandbox's pid 1 (Docker without ``--init``, bwrap ``--as-pid-1``), so no other
+  process in the box holds the host channel (an init like tini keeps the container's stdin/stdout
+  open, and any same-uid command could read or write it through ``/proc/1/fd``), and the kernel
+  drops every signal sent to it from inside its pid namespace (commands cannot kill or stop it).
+- The agent is not dumpable (``prctl(PR_SET_DUMPABLE, 0)``): the kernel then asks for
+  CAP_SYS_PTRACE, which no command has, before ``ptrace``, ``process_vm_writev`` and opening
+  ``/proc/<agent>/{mem,fd,environ,...}``. One check covers them all; a separate uid would need a
+  root agent holding CAP_SETUID inside the container, and seccomp cannot filter ``/proc`` paths.
+  Commands are dumpable again after their exec (the kernel resets it), so gdb still works in the box.
+  Without ctypes, not pid 1, or if the prctl fails, the agent refuses to start (``ready`` carries
+  ``error``).
 - Only the agent writes to its stdout; commands get their own pipes.
-- A command runs in its own session/process group; at its timeout the whole group is SIGKILLed.
+- A command runs in its own session as a child subreaper, so its orphans stay in its tree. When it
+  exits, its process group is killed (children must let go of its pipes). At its timeout its whole
+  tree is killed, sessions included, and so is every orphan the agent adopted since it started
+  (a command that gave up its subreaper role orphans to the agent).
 - Commands get ``oom_score_adj`` 1000 so that the kernel's OOM killer picks them, not the agent.
-- ``reset`` kills every process except the agent and its ancestors (the container's init) and
-  empties the writable directories; it answers ``ok: false`` if it could not do both.
-- This file must run on the image's ``python3`` (3.9+) with only what python3-minimal ships (no
-  json, no shutil), and must not import anything from agentrl.
+  ``oom_killed`` is the sandbox memory cgroup's oom_kill counter rising while the command ran.
+- ``reset`` kills every process except the agent, removes every SysV IPC object, empties every
+  writable mount (``/work``, ``/tmp``, ``/dev/shm``, ``/dev/mqueue``, and any other the mount table
+  shows), and answers ``ok: false`` (with what is left) unless all of that is verified gone.
+- This file must run on the image's ``python3`` (3.9+) with only its standard library (ctypes
+  included: python3-minimal alone lacks it) and must not import anything from agentrl.
 """
 
 import ast
@@ -30,12 +46,26 @@ import sys
 import threading
 import time
 
-WRITABLE_DIRS = ("/work", "/tmp", "/dev/shm")
+try:
+    import ctypes
+
+    _libc = ctypes.CDLL(None, use_errno=True)
+except (ImportError, OSError):  # checked in _harden: the agent refuses to run unprotected
+    ctypes = _libc = None
+
+PR_GET_DUMPABLE, PR_SET_DUMPABLE, PR_SET_CHILD_SUBREAPER = 3, 4, 36
+IPC_RMID = 0
+WRITABLE_DIRS = ("/work", "/tmp", "/dev/shm", "/dev/mqueue")
+# Mounts that are writable but hold no files a command can leave behind.
+NO_FILES_FS = {"proc", "sysfs", "devpts", "cgroup", "cgroup2", "devtmpfs", "securityfs", "debugfs"}
 _out = sys.stdout.buffer
 _out_lock = threading.Lock()
 _active = 0  # requests in flight; reset waits for zero
 _active_cond = threading.Condition()
+_spawn_lock = threading.Lock()  # Popen + registration, against the orphan reaper
+_commands = {}  # pid -> Popen of exec commands in flight
 _background = {}  # pid -> Popen
+_wipe_dirs = list(WRITABLE_DIRS)  # replaced in main() by what the mount table says
 
 
 def _send(msg):
@@ -45,15 +75,104 @@ def _send(msg):
         _out.flush()
 
 
-def _read_exact(stream, n):
-    buf = b""
-    while len(buf) < n:
-        chunk = stream.read(n - len(buf))
-        if not chunk:
-            return None
-        buf += chunk
-    return buf
+def _harden():
+    """Make the agent untouchable by the commands it runs; returns why not, or None."""
+    if os.getpid() != 1:
+        return f"the agent must be its sandbox's pid 1 (got pid {os.getpid()})"
+    if _libc is None:
+        return "python3 has no ctypes: the agent cannot make itself non-dumpable"
+    if _libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) != 0 or _libc.prctl(PR_GET_DUMPABLE, 0, 0, 0, 0) != 0:
+        return "prctl(PR_SET_DUMPABLE, 0) failed: " + os.strerror(ctypes.get_errno())
+    return None
 
+
+# --- the process table ------------------------------------------------------------------------
+
+def _proc_table():
+    """pid -> (ppid, state, start ticks) of every process this pid namespace shows."""
+    table = {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()
+            table[int(name)] = (int(fields[1]), fields[0], int(fields[19]))
+        except (OSError, IndexError, ValueError):
+            continue  # it exited while we looked
+    return table
+
+
+def _registered():
+    """Pids whose exit status a Popen object will collect (call with _spawn_lock held)."""
+    return set(_commands) | {pid for pid, p in _background.items() if p.returncode is None}
+
+
+def _reap_orphans():
+    """Collect the exit status of orphans the agent adopted as pid 1 (nothing else would, and
+    zombies count against the pids limit). Popen's own children are left to Popen."""
+    me = os.getpid()
+    with _spawn_lock:
+        keep = _registered()
+        for pid, (ppid, state, _) in _proc_table().items():
+            if ppid == me and state == b"Z" and pid not in keep:
+                try:
+                    os.waitpid(pid, os.WNOHANG)
+                except ChildProcessError:
+                    pass
+
+
+def _kill_tree(root, strays=False):
+    """SIGKILL ``root`` and all its descendants until none is left. With ``strays``, also every
+    orphan the agent adopted since ``root`` started, and its descendants: a command that stopped
+    being a subreaper orphans to the agent, where only its start time can still tell it apart.
+    A process forked just before its parent's kill is seen in the next round (re-parented, never
+    lost), so the loop ends with the tree empty."""
+    me = os.getpid()
+    since = None
+    for _ in range(500):
+        table = _proc_table()
+        if since is None and root in table:
+            since = table[root][2]
+        kids = {}
+        for pid, (ppid, _, _) in table.items():
+            kids.setdefault(ppid, []).append(pid)
+        tops = [root]
+        if strays and since is not None:
+            with _spawn_lock:
+                keep = _registered()
+            tops += [p for p in kids.get(me, ()) if p not in keep and table[p][2] >= since]
+        tree, stack = set(), tops
+        while stack:
+            pid = stack.pop()
+            if pid != me and pid in table and pid not in tree:
+                tree.add(pid)
+                stack.extend(kids.get(pid, ()))
+        live = [pid for pid in tree if table[pid][1] != b"Z"]
+        if not live:
+            break
+        for pid in live:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        _reap_orphans()
+        time.sleep(0.001)
+    _reap_orphans()
+
+
+def _kill_group(pgid):
+    for _ in range(50):
+        try:
+            os.killpg(pgid, signal.SIGKILL)
+        except ProcessLookupError:
+            return
+        except PermissionError:
+            return
+        time.sleep(0.002)
+
+
+# --- exec ---------------------------------------------------------------------------------------
 
 def _oom_kills():
     path = os.environ.get("AGENTRL_OOM_FILE")
@@ -80,6 +199,8 @@ def _child_setup():
         pass
     for sig in (signal.SIGPIPE, signal.SIGXFSZ):
         signal.signal(sig, signal.SIG_DFL)
+    # Orphans of the command re-parent to it instead of the agent, so its tree stays one tree.
+    _libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
 
 
 def _argv(req):
@@ -94,10 +215,17 @@ def _env(req):
     return env
 
 
+def _spawn(registry, argv, **kw):
+    with _spawn_lock:  # registered before the reaper can see it exit
+        proc = subprocess.Popen(argv, start_new_session=True, preexec_fn=_child_setup, **kw)
+        registry[proc.pid] = proc
+    return proc
+
+
 def _collect(proc, timeout, limit, stdin_data):
     """Feed stdin, read stdout/stderr (each capped at `limit`) and wait for the command, in this
     thread alone: a fork bomb may leave no pids for helper threads. When the command exits, its
-    group is killed so that leftover children release the pipes; at the deadline, likewise."""
+    group is killed so that leftover children release the pipes; at the deadline, its tree."""
     deadline = None if timeout is None else time.monotonic() + timeout
     sel = selectors.DefaultSelector()
     fds = {proc.stdout.fileno(): 0, proc.stderr.fileno(): 1}
@@ -129,7 +257,7 @@ def _collect(proc, timeout, limit, stdin_data):
                 break
             if deadline is not None and now >= deadline and not timed_out and drain_until is None:
                 timed_out = True
-                _kill_group(proc.pid)
+                _kill_tree(proc.pid, strays=True)
                 proc.wait()
                 continue
             if drain_until is not None and now >= drain_until:
@@ -177,20 +305,9 @@ def _collect(proc, timeout, limit, stdin_data):
     try:
         proc.wait(timeout=5)
     except subprocess.TimeoutExpired:
-        _kill_group(proc.pid)
+        _kill_tree(proc.pid, strays=True)
         proc.wait()
     return (b"".join(bufs[0]), b"".join(bufs[1])), timed_out
-
-
-def _kill_group(pgid):
-    for _ in range(50):
-        try:
-            os.killpg(pgid, signal.SIGKILL)
-        except ProcessLookupError:
-            return
-        except PermissionError:
-            return
-        time.sleep(0.002)
 
 
 def op_exec(req):
@@ -200,23 +317,30 @@ def op_exec(req):
     oom_before = _oom_kills()
     start = time.monotonic()
     try:
-        proc = subprocess.Popen(
-            _argv(req), cwd=req.get("cwd") or "/work", env=_env(req), start_new_session=True,
+        proc = _spawn(
+            _commands, _argv(req), cwd=req.get("cwd") or "/work", env=_env(req),
             stdin=subprocess.PIPE if stdin_data is not None else subprocess.DEVNULL,
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=_child_setup, close_fds=True,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, close_fds=True,
         )
     except OSError as e:
         # Command not found, fork refused (pids limit), ...: a tool failure, reported like a shell would.
         code = 127 if isinstance(e, FileNotFoundError) else 126
         return {"exit_code": code, "stdout": "", "stderr": f"{type(e).__name__}: {e}\n",
                 "timed_out": False, "oom_killed": False, "duration_s": time.monotonic() - start}
-    out, timed_out = _collect(proc, timeout, limit, stdin_data)
+    try:
+        out, timed_out = _collect(proc, timeout, limit, stdin_data)
+    finally:
+        with _spawn_lock:
+            _commands.pop(proc.pid, None)
     code = proc.returncode
     exit_code = 128 - code if code < 0 else code
-    oom = False
-    if code == -signal.SIGKILL and not timed_out:
-        oom_after = _oom_kills()
-        oom = oom_after is None or oom_before is None or oom_after > oom_before
+    oom_after = _oom_kills()
+    if oom_before is not None and oom_after is not None:
+        # Any process of the command's tree (a child under sh included), whatever its exit code
+        # says. With several commands running at once, a kill during both is reported on both.
+        oom = oom_after > oom_before
+    else:  # no counter to read: a SIGKILL that was not our timeout is most likely the OOM killer
+        oom = code == -signal.SIGKILL and not timed_out
     return {
         "exit_code": 124 if timed_out else exit_code,
         "stdout": out[0].decode("utf-8", "replace"),
@@ -249,13 +373,10 @@ def op_bg_start(req):
     log_path = f"{log_dir}/bg-{len(_background) + 1}.log"
     log = open(log_path, "wb")
     try:
-        proc = subprocess.Popen(
-            _argv(req), cwd=req.get("cwd") or "/work", env=_env(req), start_new_session=True,
-            stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, preexec_fn=_child_setup,
-        )
+        proc = _spawn(_background, _argv(req), cwd=req.get("cwd") or "/work", env=_env(req),
+                      stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
     finally:
         log.close()
-    _background[proc.pid] = proc
     return {"pid": proc.pid, "log": log_path}
 
 
@@ -269,15 +390,17 @@ def op_bg_poll(req):
 
 def op_bg_kill(req):
     proc = _background.get(int(req["pid"]))
-    if proc is not None:
-        _kill_group(proc.pid)
+    if proc is not None and proc.returncode is None:
+        _kill_tree(proc.pid)
         proc.wait()
     return {}
 
 
+# --- reset ----------------------------------------------------------------------------------------
+
 def _protected_pids():
     pids, pid = set(), os.getpid()
-    while pid > 0:  # the agent and its ancestors (the container's init)
+    while pid > 0:  # the agent and its ancestors (none when it is pid 1)
         pids.add(pid)
         try:
             with open(f"/proc/{pid}/stat") as f:
@@ -289,6 +412,34 @@ def _protected_pids():
 
 def _other_pids(protected):
     return [int(p) for p in os.listdir("/proc") if p.isdigit() and int(p) not in protected]
+
+
+def _unescape(field):
+    """A mountinfo path: the kernel writes space, tab, newline and backslash as \\ooo (octal)."""
+    head, *rest = field.split("\\")
+    return head + "".join(chr(int(part[:3], 8)) + part[3:] for part in rest)
+
+
+def _writable_mounts():
+    """Every mounted directory a command could leave files in: read-write, writable by us (the
+    commands' uid), and of a file system that holds files. Read once: no command can mount here."""
+    found = []
+    try:
+        with open("/proc/self/mountinfo") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return list(WRITABLE_DIRS)
+    for line in lines:
+        fields = line.split()
+        try:
+            point = _unescape(fields[4])
+            fstype = fields[fields.index("-") + 1]
+        except (ValueError, IndexError):
+            continue
+        if ("rw" in fields[5].split(",") and fstype not in NO_FILES_FS and os.path.isdir(point)
+                and not os.path.islink(point) and os.access(point, os.W_OK)):
+            found.append(point)
+    return sorted(set(found) | {d for d in WRITABLE_DIRS if os.path.isdir(d)})
 
 
 def _remove_tree(path):
@@ -304,6 +455,31 @@ def _remove_tree(path):
         pass
 
 
+def _sysv_ids():
+    """(kind, id) of every SysV shared memory segment, semaphore set and message queue."""
+    ids = []
+    for kind in ("shm", "sem", "msg"):
+        try:
+            with open("/proc/sysvipc/" + kind) as f:
+                rows = f.read().splitlines()[1:]
+        except OSError:
+            continue
+        ids += [(kind, int(row.split()[1])) for row in rows if row.strip()]
+    return ids
+
+
+def _remove_sysv():
+    """IPC_RMID every SysV object. Commands run as our uid, so every object's creator uid (cuid,
+    which IPC_SET cannot change) is ours: removal is permitted even if a command gave it away."""
+    for kind, ipc_id in _sysv_ids():
+        if kind == "shm":
+            _libc.shmctl(ipc_id, IPC_RMID, None)
+        elif kind == "sem":
+            _libc.semctl(ipc_id, 0, IPC_RMID)
+        else:
+            _libc.msgctl(ipc_id, IPC_RMID, None)
+
+
 def op_reset(req):
     protected = _protected_pids()
     for _ in range(200):
@@ -315,28 +491,28 @@ def op_reset(req):
                 os.kill(pid, signal.SIGKILL)
             except OSError:
                 pass
-        for pid in others:  # reap our own children; others are reaped by init
+        for pid in others:  # reap our own children (every orphan is ours: we are pid 1)
             try:
                 os.waitpid(pid, os.WNOHANG)
             except OSError:
                 pass
         time.sleep(0.002)
     _background.clear()
-    clean = not _other_pids(protected)
-    for d in WRITABLE_DIRS:
+    left = [f"process {p}" for p in _other_pids(protected)]
+    _remove_sysv()  # after the kills: a segment still attached would outlive its removal
+    left += [f"sysv {kind} {ipc_id}" for kind, ipc_id in _sysv_ids()]
+    for d in _wipe_dirs:
         try:
             names = os.listdir(d)
         except OSError:
             continue
         for name in names:
-            p = os.path.join(d, name)
-            _remove_tree(p)
+            _remove_tree(os.path.join(d, name))
         try:
-            if os.listdir(d):
-                clean = False
+            left += [os.path.join(d, name) for name in os.listdir(d)]
         except OSError:
             pass
-    return {"ok": clean}
+    return {"ok": not left, "left": left[:20]}
 
 
 def op_ping(req):
@@ -363,23 +539,40 @@ def _serve(req):
     _send(result)
 
 
+def _requests(fd):
+    """Yield the host's requests from ``fd``; reap adopted orphans whenever it is quiet for 1 s."""
+    buf = bytearray()
+    sel = selectors.DefaultSelector()
+    sel.register(fd, selectors.EVENT_READ)
+    while True:
+        while len(buf) >= 4 and len(buf) >= 4 + struct.unpack_from(">I", buf)[0]:
+            n = struct.unpack_from(">I", buf)[0]
+            body = bytes(buf[4: 4 + n])
+            del buf[: 4 + n]
+            yield ast.literal_eval(body.decode())
+        if not sel.select(1.0):
+            _reap_orphans()
+            continue
+        chunk = os.read(fd, 65536)
+        if not chunk:
+            return  # the host went away: exit, so the sandbox dies with it
+        buf += chunk
+
+
 def main():
-    global _active
+    global _active, _wipe_dirs
     signal.signal(signal.SIGPIPE, signal.SIG_DFL)
     try:
         os.chdir("/work")
     except OSError:
         pass
-    stdin = sys.stdin.buffer
-    _send({"id": 0, "ready": True, "pid": os.getpid()})
-    while True:
-        header = _read_exact(stdin, 4)
-        if header is None:
-            break  # the host went away: exit, so the sandbox dies with it
-        body = _read_exact(stdin, struct.unpack(">I", header)[0])
-        if body is None:
-            break
-        req = ast.literal_eval(body.decode())
+    refused = _harden()
+    if refused:
+        _send({"id": 0, "ready": False, "error": refused})
+        os._exit(1)
+    _wipe_dirs = _writable_mounts()
+    _send({"id": 0, "ready": True, "pid": os.getpid(), "wipes": _wipe_dirs})
+    for req in _requests(0):
         with _active_cond:
             if req.get("op") == "reset":  # runs alone: wait for every other request to finish
                 while _active:

@@ -8,6 +8,13 @@ cgroups; otherwise only from rlimits (address space; process count when not root
 determined program can partly evade (e.g. many processes each under the address-space limit).
 
 Invariants:
+- bwrap never runs as host root. A root owner (CI, containers) starts it as the host uid:gid of
+  `sandbox.user` (nobody by default), after joining the sandbox's cgroups; bwrap then maps the
+  sandbox user to that uid. (Run by root, bwrap maps it to host uid 0, and every root-owned file
+  the kernel checks by uid, /proc/sys/kernel/core_pattern among them, becomes writable.)
+- /proc/sys and /dev are read-only; /dev/shm and /dev/mqueue are the sandbox's own mounts, which
+  the agent empties at reset. Nested user namespaces are refused (`--disable-userns`).
+- The agent is pid 1 (`--as-pid-1`): no bwrap init holds its stdin/stdout (see agent.py).
 - `--die-with-parent`: if the owning process dies, every sandbox it started dies with it.
 - Each sandbox's cgroup lives under `agentrl/<owner pid>.<owner start ticks>/`, so a later process
   can find and remove what a dead owner left (`reap_stale`).
@@ -35,6 +42,7 @@ log = logging.getLogger(__name__)
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 V1_CONTROLLERS = ("memory", "pids", "cpu")
+SHM_BYTES = 64 * 2**20  # /dev/shm, as Docker's ShmSize
 
 
 class Cgroups:
@@ -114,6 +122,15 @@ class Cgroups:
         return len(sids)
 
 
+def _user_ids(user: str) -> tuple[int, int]:
+    """(uid, gid) from a `sandbox.user` value "uid:gid" (gid defaults to uid)."""
+    uid, _, gid = user.partition(":")
+    try:
+        return int(uid or 65534), int(gid or uid or 65534)
+    except ValueError:
+        raise SandboxError(f"sandbox.user={user!r}: bubblewrap needs numeric uid:gid, e.g. 65534:65534") from None
+
+
 def _write(path: Path, value: str, optional: bool = False) -> None:
     try:
         path.write_text(value)
@@ -142,6 +159,7 @@ class BubblewrapBackend(SandboxBackend):
         pid = os.getpid()
         self._cg = Cgroups(f"{pid}.{process_start_ticks(pid)}")
         self._use_cg = False
+        self._host_ids: tuple[int, int] | None = None
         self._procs: dict[str, asyncio.subprocess.Process] = {}
         self._create_sem = asyncio.Semaphore(cfg.create_concurrency)
         self._python = "/usr/bin/python3" if os.path.exists("/usr/bin/python3") else (shutil.which("python3") or "python3")
@@ -149,6 +167,7 @@ class BubblewrapBackend(SandboxBackend):
     async def start(self) -> int:
         if not shutil.which(self.cfg.bwrap_path):
             raise SandboxError(f"{self.cfg.bwrap_path!r} not found; apt-get install bubblewrap")
+        self._host_ids = self.host_ids()
         reaped = self.reap_stale()
         self._use_cg = self._cg.usable()
         if not self._use_cg:
@@ -165,12 +184,24 @@ class BubblewrapBackend(SandboxBackend):
                     n += self._cg.remove_owner(owner)
         return n
 
+    def host_ids(self) -> tuple[int, int] | None:
+        """The unprivileged host (uid, gid) bwrap runs as when we are root; None when we are not
+        (bwrap then runs as us, an unprivileged user already)."""
+        if os.geteuid() != 0:
+            return None
+        uid, gid = _user_ids(self.cfg.user)
+        if uid == 0 or gid == 0:
+            raise SandboxError(f"sandbox.user={self.cfg.user!r}: bubblewrap sandboxes never run as host root "
+                               "(uid and gid 0); use an unprivileged uid:gid such as 65534:65534")
+        return uid, gid
+
     def _argv(self, oom_file: Path | None) -> list[str]:
         cfg = self.cfg
         size = str(cfg.work_size_mb * 2**20)
-        uid, _, gid = cfg.user.partition(":")
-        argv = [cfg.bwrap_path, "--unshare-all", "--die-with-parent", "--new-session", "--cap-drop", "ALL",
-                "--uid", uid or "65534", "--gid", gid or uid or "65534", "--hostname", "sandbox",
+        uid, gid = _user_ids(cfg.user)
+        argv = [cfg.bwrap_path, "--unshare-all", "--unshare-user", "--disable-userns", "--as-pid-1",
+                "--die-with-parent", "--new-session", "--cap-drop", "ALL",
+                "--uid", str(uid), "--gid", str(gid), "--hostname", "sandbox",
                 "--ro-bind", "/usr", "/usr"]
         for top in ("bin", "lib", "lib64", "sbin", "lib32"):
             host = Path("/") / top
@@ -180,7 +211,11 @@ class BubblewrapBackend(SandboxBackend):
                 argv += ["--ro-bind", str(host), f"/{top}"]
         for f in ("/etc/ld.so.cache", "/etc/alternatives", "/etc/localtime", "/etc/passwd", "/etc/group"):
             argv += ["--ro-bind-try", f, f]
-        argv += ["--proc", "/proc", "--dev", "/dev",
+        # A sysctl file shows the namespaces of whoever reads it, whichever proc mount it is
+        # reached through, so binding the host's /proc/sys read-only over ours shows the same values.
+        argv += ["--proc", "/proc", "--ro-bind", "/proc/sys", "/proc/sys",
+                 "--dev", "/dev", "--size", str(SHM_BYTES), "--tmpfs", "/dev/shm", "--mqueue", "/dev/mqueue",
+                 "--remount-ro", "/dev",  # not recursive: /dev/shm, /dev/mqueue and the device nodes stay
                  "--size", size, "--tmpfs", "/work", "--size", size, "--tmpfs", "/tmp",
                  "--chdir", "/work", "--clearenv",
                  "--setenv", "PATH", "/usr/local/bin:/usr/bin:/bin", "--setenv", "HOME", "/work",
@@ -198,20 +233,27 @@ class BubblewrapBackend(SandboxBackend):
             if self._use_cg:
                 procs_files, oom_file = self._cg.create(sid, self.cfg)
             mem_bytes, pids = self.cfg.memory_mb * 2**20, self.cfg.pids
+            # RLIMIT_NPROC counts every process of the host uid, so it is only set for an owner that
+            # is not root (a root owner's sandboxes share nobody with whatever else runs as nobody).
+            host_ids, nproc = self._host_ids, os.getuid() != 0
 
             def enter_limits() -> None:  # runs in the child between fork and exec
-                for f in procs_files:
+                for f in procs_files:  # while still root: joining a cgroup needs it
                     with open(f, "w") as fh:
                         fh.write(str(os.getpid()))
                 if not procs_files:
                     resource.setrlimit(resource.RLIMIT_AS, (mem_bytes, mem_bytes))
-                    if os.getuid() != 0:
+                    if nproc:
                         resource.setrlimit(resource.RLIMIT_NPROC, (pids, pids))
+                if host_ids is not None:  # last: from here on nothing of root's is left to us
+                    os.setgroups([])
+                    os.setresgid(host_ids[1], host_ids[1], host_ids[1])
+                    os.setresuid(host_ids[0], host_ids[0], host_ids[0])
 
             try:
                 proc = await asyncio.create_subprocess_exec(
                     *self._argv(oom_file), stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
-                    stderr=asyncio.subprocess.PIPE, preexec_fn=enter_limits)
+                    stderr=asyncio.subprocess.PIPE, preexec_fn=enter_limits, cwd="/")
             except OSError as e:
                 self._cg.remove(self._cg.dirs(sid)) if self._use_cg else None
                 raise SandboxError(f"could not start bwrap: {e}") from e

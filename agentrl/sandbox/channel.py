@@ -51,10 +51,15 @@ class AgentChannel:
         return self._closed_reason is not None
 
     async def wait_ready(self, timeout: float) -> dict[str, Any]:
+        """The agent's first message. Raises SandboxError when it refused to run (it could not
+        protect itself from the commands it would run, see agent.py) or did not start in time."""
         try:
-            return await asyncio.wait_for(asyncio.shield(self._ready), timeout)
+            msg = await asyncio.wait_for(asyncio.shield(self._ready), timeout)
         except TimeoutError:
             raise AgentTimeout(f"sandbox {self.name}: agent did not start within {timeout:.0f}s") from None
+        if not msg.get("ready"):
+            raise SandboxError(f"sandbox {self.name}: agent refused to start: {msg.get('error')}")
+        return msg
 
     async def call(self, op: str, wait: float | None, **fields: Any) -> dict[str, Any]:
         """Send one request and wait for its answer. Errors the agent reports come back as

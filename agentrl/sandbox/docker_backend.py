@@ -1,7 +1,9 @@
 """Docker backend: one locked-down container per sandbox, driven through the engine's HTTP API.
 
-Each container runs the exec agent as its main process under `--init`, attached to our end of a
-hijacked API connection (stdin/stdout). Isolation: no network, read-only root, tmpfs /work and
+Each container runs the exec agent as its pid 1 (no `--init`: an init would hold the container's
+stdin/stdout, which any command of the same uid could open through /proc/1/fd and use to forge or
+steal the agent's messages), attached to our end of a hijacked API connection (stdin/stdout). The
+agent reaps orphans itself. Isolation: no network, read-only root and /proc/sys, tmpfs /work and
 /tmp, memory with swap equal, CPU quota, pids limit, uid nobody, every capability dropped,
 no-new-privileges, private IPC, no host mounts, no logs kept by the engine.
 
@@ -10,8 +12,8 @@ Invariants:
   boot id), so any later process can tell whether its owner is alive.
 - Stdin closes when our connection does (StdinOnce) and containers are AutoRemove: if the owning
   process dies, its agents read EOF, exit, and the engine removes their containers by itself;
-  `reap_stale` on the next start removes whatever is left (e.g. a command that ignored the agent's
-  death kept nothing alive, since init kills the namespace when the agent exits).
+  `reap_stale` on the next start removes whatever is left (a command that ignored the agent's
+  death kept nothing alive: the kernel kills a pid namespace when its pid 1, the agent, exits).
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ from agentrl.sandbox.docker_api import DockerAPI, remove_by_label
 from agentrl.sandbox.types import SandboxConfig, SandboxError
 
 log = logging.getLogger(__name__)
+
+READONLY_PROC_PATHS = ("/proc/bus", "/proc/fs", "/proc/irq", "/proc/sys", "/proc/sysrq-trigger")
 
 
 def _tracked(coro: Any, into: set[asyncio.Future[Any]]) -> asyncio.Future[Any]:
@@ -69,13 +73,15 @@ class DockerBackend(SandboxBackend):
             "HostConfig": {
                 "NetworkMode": "none",
                 "ReadonlyRootfs": True,
+                # The engine's default, stated so that it cannot silently go: no sysctl is writable.
+                "ReadonlyPaths": list(READONLY_PROC_PATHS),
                 "Tmpfs": {"/work": tmpfs, "/tmp": tmpfs},
                 "Memory": mem, "MemorySwap": mem,
                 "NanoCpus": int(cfg.cpus * 1e9),
                 "PidsLimit": cfg.pids,
                 "CapDrop": ["ALL"],
                 "SecurityOpt": ["no-new-privileges"],
-                "Init": True,
+                "Init": False,  # the agent is pid 1 (see the module docstring)
                 "AutoRemove": True,
                 "IpcMode": "private",
                 "ShmSize": 64 * 2**20,

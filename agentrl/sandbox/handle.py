@@ -85,7 +85,8 @@ class Sandbox:
     async def exec(self, cmd: Command, timeout: float | None = None, *, cwd: str = "/work",
                    env: dict[str, str] | None = None, stdin: str | bytes | None = None) -> ExecResult:
         """Run `cmd` (argv list, or a string for /bin/sh -c) and wait for it, at most `timeout` s
-        (default `exec_timeout_s`); at the timeout its whole process group is killed."""
+        (default `exec_timeout_s`); at the timeout its whole process tree is killed, descendants
+        that started sessions of their own included."""
         limit = self._cfg.exec_timeout_s if timeout is None else float(timeout)
         data = stdin.encode() if isinstance(stdin, str) else stdin
         t0 = time.perf_counter()
@@ -142,5 +143,5 @@ class BackgroundProcess:
         return (await self.sandbox.read_file(self.log_path)).decode("utf-8", "replace")
 
     async def kill(self) -> None:
-        """Kill it and its process group."""
+        """Kill it and every process it started."""
         await self.sandbox._call("bg_kill", self.sandbox._cfg.exec_timeout_s, pid=self.pid)

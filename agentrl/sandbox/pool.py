@@ -2,8 +2,8 @@
 
 Role: the one object the rest of agentrl holds. It keeps `warm` sandboxes started ahead of demand,
 hands one to each `acquire()` (never more than `max_concurrency` at once), and when an episode ends
-either resets its sandbox (processes killed, /work and /tmp emptied, verified by the agent) for the
-next episode or replaces it.
+either resets its sandbox (processes killed, SysV IPC removed, every writable mount emptied,
+verified by the agent) for the next episode or replaces it.
 
 Invariants:
 - A sandbox goes back to the pool only after a successful reset of a clean episode (no timeout, no
@@ -214,15 +214,18 @@ class SandboxPool:
         try:
             if reason is None:
                 try:
-                    ok = bool((await slot.channel.call("reset", 30.0)).get("ok"))
-                except SandboxError:
-                    ok = False
-                if ok:
+                    answer = await slot.channel.call("reset", 30.0)
+                except SandboxError as e:
+                    answer = {"ok": False, "left": [str(e)]}
+                if answer.get("ok"):
                     slot.uses += 1
                     self._stats.resets += 1
                     self._offer(slot, recycled=True)
                     return
-                reason = "reset failed"
+                # What the agent could not remove (a process, an IPC object, a file): the box
+                # is not handed on, and the log says what an episode managed to leave behind.
+                reason = f"reset failed, left: {answer.get('left')}"
+                log.warning("sandbox %s %s", slot.id[:12], reason)
             log.debug("replacing sandbox %s: %s", slot.id[:12], reason)
             await self._destroy(slot)
         finally:

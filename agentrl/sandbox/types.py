@@ -36,17 +36,18 @@ class SandboxConfig:
     pids: int = 256
     """Most processes/threads alive in one sandbox (fork bombs stop here)."""
     exec_timeout_s: float = 30.0
-    """Default timeout of `Sandbox.exec`; the command's whole process group is killed at it."""
+    """Default timeout of `Sandbox.exec`; the command's whole process tree is killed at it."""
     work_size_mb: int = 256
     """Size of the writable /work (and of /tmp) tmpfs."""
     max_output_bytes: int = 1 << 20
     """Stdout and stderr of one command are each truncated to this many bytes."""
     max_reuses: int = 50
-    """A clean sandbox is reset (processes killed, writable dirs emptied) and reused up to this many
-    times before it is replaced; 0 replaces after every episode. Sandboxes whose episode was
-    cancelled mid-call or hit a timeout are always replaced."""
+    """A clean sandbox is reset (processes killed, SysV IPC removed, writable mounts emptied) and
+    reused up to this many times before it is replaced; 0 replaces after every episode. Sandboxes
+    whose episode was cancelled mid-call or hit a timeout are always replaced."""
     user: str = "65534:65534"
-    """uid:gid commands run as (Docker); the default is `nobody`."""
+    """uid:gid commands run as; the default is `nobody`. A bubblewrap sandbox started by root also runs
+    as this uid:gid on the host (it may not be 0: bwrap would map the sandbox to host root)."""
     docker_host: str = ""
     """Docker engine address; empty: $DOCKER_HOST or unix:///var/run/docker.sock."""
     create_concurrency: int = 4
