@@ -68,6 +68,9 @@ class ProgramScaffold:
 
     kind: Literal["command"] = "command"
     command: str = ""  # the command line ({python}: serve's own Python), split as a shell would
+    env: list[str] = field(default_factory=list)
+    """serve's environment variables the program may also see (it gets only PATH, HOME, the locale and
+    a few such, plus its episode's OPENAI_* and AGENTRL_* variables; never serve's secrets)."""
 
 
 Scaffold = LoopScaffold | FunctionScaffold | ProgramScaffold

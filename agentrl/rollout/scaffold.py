@@ -83,10 +83,11 @@ class ScaffoldContext:
         return str(systems[0]) if systems else ""
 
     def env_vars(self) -> dict[str, str]:
-        """The variables a command scaffold is started with."""
+        """The variables a command scaffold is given for its episode: its endpoint and the task as the
+        model sees it (never the task record, which holds the answer)."""
         out = {"OPENAI_BASE_URL": self.base_url, "OPENAI_API_KEY": self.api_key, "OPENAI_MODEL": self.model,
                "AGENTRL_PROMPT": self.prompt, "AGENTRL_SYSTEM": self.system,
-               "AGENTRL_MESSAGES": json.dumps(self.messages), "AGENTRL_TASK": json.dumps(self.task, default=str),
+               "AGENTRL_MESSAGES": json.dumps(self.messages), "AGENTRL_TOOLS": json.dumps(self.tools),
                "AGENTRL_MAX_TOKENS": str(self.max_tokens), "AGENTRL_TEMPERATURE": str(self.temperature)}
         if self.sandbox is not None:
             out["AGENTRL_SANDBOX_ID"] = str(self.sandbox.id)
@@ -95,17 +96,31 @@ class ScaffoldContext:
 
 Scaffold = Callable[[ScaffoldContext], Awaitable[str | None]]
 
+# what any program needs from the host to start and find its libraries; nothing that is a secret
+HOST_VARS = ("PATH", "HOME", "USER", "LOGNAME", "SHELL", "LANG", "LANGUAGE", "LC_ALL", "LC_CTYPE", "TERM", "TZ",
+             "TMPDIR", "PYTHONPATH", "VIRTUAL_ENV", "SSL_CERT_FILE", "SSL_CERT_DIR", "DOCKER_HOST")
+
+
+def scrubbed_env(ctx: ScaffoldContext, passthrough: Sequence[str] = ()) -> dict[str, str]:
+    """A command scaffold's environment: :data:`HOST_VARS` and ``passthrough`` from serve's, then the
+    episode's own variables (which win)."""
+    keep = set(HOST_VARS) | set(passthrough)
+    return {**{k: v for k, v in os.environ.items() if k in keep}, **ctx.env_vars()}
+
 
 @dataclass
 class CommandScaffold:
     """A program run once per episode on the host; its stdout (stripped) is its answer.
 
-    It runs in a new process group with the parent's environment plus :meth:`ScaffoldContext.env_vars`;
-    when the episode is cancelled (wall-clock limit) the whole group is killed.
+    It runs in a new process group with a scrubbed environment: the few variables a program needs
+    to run (:data:`HOST_VARS`, e.g. PATH and HOME), those named in ``passthrough``, and
+    :meth:`ScaffoldContext.env_vars`; nothing else of serve's (no admin token, no API keys, no task
+    record with its answer). When the episode is cancelled (wall-clock limit) the whole group is killed.
     """
 
     argv: list[str]
     cwd: str | None = None
+    passthrough: tuple[str, ...] = ()  # more of serve's variables the program may see (scaffold.env)
 
     @property
     def name(self) -> str:
@@ -114,7 +129,7 @@ class CommandScaffold:
     async def __call__(self, ctx: ScaffoldContext) -> str | None:
         proc = await asyncio.create_subprocess_exec(
             *self.argv, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE, env={**os.environ, **ctx.env_vars()}, cwd=self.cwd,
+            stderr=asyncio.subprocess.PIPE, env=scrubbed_env(ctx, self.passthrough), cwd=self.cwd,
             start_new_session=True, limit=_OUTPUT_LIMIT)
         try:
             out, err = await proc.communicate()
@@ -131,9 +146,10 @@ class CommandScaffold:
         return text or None
 
 
-def load_scaffold(spec: str | Sequence[str]) -> Scaffold:
+def load_scaffold(spec: str | Sequence[str], passthrough: Sequence[str] = ()) -> Scaffold:
     """``"package.module:function"`` -> that async callable; anything else is a command line
-    (a string is split like a shell would, ``{python}`` stands for this interpreter)."""
+    (a string is split like a shell would, ``{python}`` stands for this interpreter) run with
+    a scrubbed environment plus the variables named in ``passthrough``."""
     if isinstance(spec, str) and _CALLABLE_SPEC.match(spec.strip()):
         module, _, attr = spec.strip().partition(":")
         try:
@@ -150,7 +166,7 @@ def load_scaffold(spec: str | Sequence[str]) -> Scaffold:
     argv = shlex.split(spec) if isinstance(spec, str) else [str(a) for a in spec]
     if not argv:
         raise ScaffoldError("empty scaffold command")
-    return CommandScaffold([sys.executable if a == "{python}" else a for a in argv])
+    return CommandScaffold([sys.executable if a == "{python}" else a for a in argv], passthrough=tuple(passthrough))
 
 
 def scaffold_name(scaffold: Any) -> str:

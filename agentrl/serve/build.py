@@ -95,7 +95,7 @@ def load_scaffold_of(cfg: ServeConfig) -> Any:
     if isinstance(sc, FunctionScaffold):
         return load_scaffold(sc.agent)
     if isinstance(sc, ProgramScaffold):
-        return load_scaffold(sc.command)
+        return load_scaffold(sc.command, passthrough=sc.env)
     return None
 
 
