@@ -164,3 +164,33 @@ def test_a_chunk_without_an_offset_is_a_clear_400_and_publish_does_not_retry_it(
             await runner.cleanup()
 
     asyncio.run(go())
+
+
+def test_admin_inputs_of_the_weight_routes_are_validated_and_answered_4xx(tmp_path: Path) -> None:
+    """Versions are positive integers that only increase; chunks stay inside the size they declare;
+    bodies that are not JSON objects are a 400, never a 500 (and nothing is written or loaded)."""
+    async def go() -> None:
+        runner, url, pool = await _serve(tmp_path)
+        try:
+            async with aiohttp.ClientSession() as http:
+                data = b"x" * 100
+                for bad in ("seven", "-3", "1.5"):
+                    assert await _put(http, url, bad, 0, 0, data) == 400, bad  # type: ignore[arg-type]
+                async with http.put(f"{url}/admin/weights/1/chunks/0", data=data,
+                                    headers={"X-Sha256": _sha(data), "X-Offset": str(2**40)}) as r:
+                    assert r.status == 400  # no 1 TiB sparse staging file
+                async with http.put(f"{url}/admin/weights/1/chunks/0", data=data,
+                                    headers={"X-Sha256": _sha(data), "X-Offset": "0", "X-Total-Bytes": "50"}) as r:
+                    assert r.status == 400  # ends beyond the size it declares
+                async with http.post(f"{url}/admin/weights/1/commit", data=b"not json") as r:
+                    assert r.status == 400 and "error" in await r.json()
+                async with http.post(f"{url}/admin/weights/nccl/init", json={"master_port": "x"}) as r:
+                    assert r.status == 400
+                assert (await publish(data, 1, url, "", chunk_bytes=64))["version"] == 1
+                assert await _put(http, url, 1, 0, 0, data) == 409  # not newer than what the engines serve
+            staged = [p for p in tmp_path.rglob("*") if p.is_file() and p.stat().st_size > 2**30]
+            assert not staged and pool.version == 1 and [v for v, _ in pool.loaded] == [1]
+        finally:
+            await runner.cleanup()
+
+    asyncio.run(go())

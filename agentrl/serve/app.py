@@ -49,6 +49,16 @@ def settle_gc() -> None:
     gc.set_threshold(*GC_THRESHOLD)
 
 
+def weights_cap(model_path: str) -> int:
+    """The largest weight upload serve takes: four times the model folder's weight files (a full
+    fp32 copy of a bf16 model fits), at least 1 GiB; a hub name (no folder) allows 64 GiB."""
+    folder = Path(model_path)
+    if not folder.is_dir():
+        return 64 << 30
+    size = sum(p.stat().st_size for p in folder.rglob("*") if p.suffix in (".safetensors", ".bin", ".pt"))
+    return max(1 << 30, 4 * size)
+
+
 class Serve:
     def __init__(self, cfg: ServeConfig) -> None:
         self.cfg = cfg
@@ -178,7 +188,7 @@ class Serve:
 
         app = make_app(self.router, admin_token=self.admin_token, api_keys=self.api_keys)
         add_buffer_routes(app, self.buffer, self.admin_token)
-        self.weights = WeightReceiver(self.run_dir / "weights", self.updater)
+        self.weights = WeightReceiver(self.run_dir / "weights", self.updater, max_bytes=weights_cap(self.model_path))
         self.weights.add_routes(app, require_admin)
         app.router.add_get("/admin/info", self._info)
         app.router.add_get("/admin/status", self._status)

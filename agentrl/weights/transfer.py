@@ -49,10 +49,14 @@ class WeightReceiver:
     its ``version``, ``weights_path`` and update methods); the routes drive it.
     """
 
-    def __init__(self, root: Path, updater: Any, keep: int = 2) -> None:
+    def __init__(self, root: Path, updater: Any, keep: int = 2, max_bytes: int = 64 << 30) -> None:
+        """``max_bytes``: the largest upload a version may declare (a chunk's offset and length must
+        fall inside the declared size, so no request can make serve write beyond it)."""
         self.root = root
         self.updater = updater
         self.keep = keep
+        self.max_bytes = max_bytes
+        self._declared: dict[int, int] = {}  # version -> the total size its chunks declared
         # version -> {chunk index: (its SHA-256, offset, length)}
         self._staging: dict[int, dict[int, tuple[str, int, int]]] = {}
         self._lock = asyncio.Lock()
@@ -62,10 +66,22 @@ class WeightReceiver:
     def _staging_path(self, version: int) -> Path:
         return self.root / f"v{version}.staging"
 
-    async def chunk(self, version: int, index: int, offset: int, data: bytes, sha: str) -> None:
-        """Verify one chunk and write it at ``offset`` of the version's staging file."""
+    async def chunk(self, version: int, index: int, offset: int, data: bytes, sha: str, total: int | None = None) -> None:
+        """Verify one chunk and write it at ``offset`` of the version's staging file (of ``total`` bytes)."""
         if index < 0 or offset < 0:
             raise web.HTTPBadRequest(reason=f"chunk {index} of version {version}: bad index or offset {offset}")
+        if total is not None:
+            if not 0 <= total <= self.max_bytes:
+                raise web.HTTPBadRequest(reason=f"version {version}: {total} bytes is beyond the {self.max_bytes} "
+                                                "a version may have")
+            known = self._declared.get(version)
+            if known is not None and known != total:
+                raise web.HTTPBadRequest(reason=f"version {version}: chunks declare different sizes "
+                                                f"({known} and {total})")
+        limit = self.max_bytes if total is None else total
+        if offset + len(data) > limit:
+            raise web.HTTPBadRequest(reason=f"chunk {index} of version {version} ends at {offset + len(data)}, "
+                                            f"beyond the declared {limit} bytes")
         # Hashing and writing run off the event loop: the router shares it, and a 16 MiB SHA-256
         # would stall every agent's call for tens of milliseconds per chunk.
         if await asyncio.to_thread(_sha256, data) != sha:
@@ -73,15 +89,23 @@ class WeightReceiver:
         staged = self._staging.setdefault(version, {})
         await asyncio.to_thread(_write_at, self._staging_path(version), offset, data)
         staged[index] = (sha, offset, len(data))
+        if total is not None:  # an accepted chunk fixes the version's size
+            self._declared[version] = total
 
     async def commit(self, version: int, sha: str, chunks: int, size: int) -> dict[str, Any]:
         """Load the staged version once all ``chunks`` arrived and their digests, in order, hash to ``sha``."""
         staged = self._staging.get(version, {})
+        if not 0 <= size <= self.max_bytes or chunks < 1:
+            raise web.HTTPBadRequest(reason=f"version {version}: a commit of {chunks} chunks and {size} bytes")
+        declared = self._declared.get(version)
+        if declared is not None and declared != size:
+            raise web.HTTPBadRequest(reason=f"version {version}: the chunks declared {declared} bytes, the commit {size}")
         missing = [i for i in range(chunks) if i not in staged]
         if missing:
             raise web.HTTPConflict(reason=f"version {version}: {chunks - len(missing)} of {chunks} chunks "
                                           f"received (missing {missing[:5]}{'...' if len(missing) > 5 else ''})")
         self._staging.pop(version)
+        self._declared.pop(version, None)
         path = self._staging_path(version)
         parts = [staged[i] for i in range(chunks)]
         ends = [o + n for _, o, n in parts]
@@ -125,21 +149,55 @@ class WeightReceiver:
                 p.unlink(missing_ok=True)
 
     def add_routes(self, app: web.Application, require_admin: Any) -> None:
+        from agentrl.web import error_middleware
+
+        if error_middleware not in app.middlewares:  # a bare app (tests, tools): the one error shape too
+            app.middlewares.append(error_middleware)
+        def new_version(request: web.Request) -> int:
+            """The route's version: a positive integer newer than the engines' (a 4xx otherwise)."""
+            text = request.match_info["version"]
+            if not text.isdigit() or int(text) < 1:
+                raise web.HTTPBadRequest(reason=f"a version is a positive integer, not {text[:40]!r}")
+            version = int(text)
+            if version <= self.updater.version:
+                raise web.HTTPConflict(reason=f"version {version} is not newer than {self.updater.version}")
+            return version
+
+        def header_int(request: web.Request, name: str, required: bool) -> int | None:
+            raw = request.headers.get(name)
+            if raw is None and not required:
+                return None
+            if raw is None or not raw.isdigit():
+                raise web.HTTPBadRequest(reason=f"a chunk needs an {name} header (a non-negative integer)")
+            return int(raw)
+
+        async def json_object(request: web.Request) -> dict[str, Any]:
+            try:
+                body = await request.json()
+            except ValueError:
+                raise web.HTTPBadRequest(reason="the body is not JSON") from None
+            if not isinstance(body, dict):
+                raise web.HTTPBadRequest(reason="the body must be a JSON object")
+            return body
+
         async def put_chunk(request: web.Request) -> web.Response:
             require_admin(request)
-            version, index = int(request.match_info["version"]), int(request.match_info["index"])
-            try:
-                offset = int(request.headers["X-Offset"])
-            except (KeyError, ValueError):
-                raise web.HTTPBadRequest(reason="a chunk needs an X-Offset header (its byte offset)") from None
-            await self.chunk(version, index, offset, await request.read(), request.headers.get("X-Sha256", ""))
+            version = new_version(request)
+            text = request.match_info["index"]
+            if not text.isdigit():
+                raise web.HTTPBadRequest(reason=f"a chunk index is a non-negative integer, not {text[:40]!r}")
+            offset = header_int(request, "X-Offset", required=True)
+            total = header_int(request, "X-Total-Bytes", required=False)
+            assert offset is not None
+            await self.chunk(version, int(text), offset, await request.read(), request.headers.get("X-Sha256", ""),
+                             total)
             return web.json_response({"ok": True})
 
         async def commit(request: web.Request) -> web.Response:
             require_admin(request)
-            body = await request.json()
+            version = new_version(request)
+            body = await json_object(request)
             try:
-                version = int(request.match_info["version"])
                 sha, chunks, size = str(body["chunks_sha256"]), int(body["chunks"]), int(body["bytes"])
             except (KeyError, TypeError, ValueError):
                 raise web.HTTPBadRequest(reason="a commit needs chunks_sha256, chunks and bytes") from None
@@ -151,11 +209,15 @@ class WeightReceiver:
 
         async def nccl_init(request: web.Request) -> web.Response:
             require_admin(request)
-            body = await request.json()
+            body = await json_object(request)
+            try:
+                address, port = str(body["master_address"]), int(body["master_port"])
+                per_engine = int(body.get("workers_per_engine", 1))
+            except (KeyError, TypeError, ValueError):
+                raise web.HTTPBadRequest(reason="an NCCL init needs master_address and master_port (an integer)") from None
             try:
                 result = await self.updater.init_weight_transfer(
-                    body["master_address"], int(body["master_port"]),
-                    workers_per_engine=int(body.get("workers_per_engine", 1)), packed=bool(body.get("packed", True)),
+                    address, port, workers_per_engine=per_engine, packed=bool(body.get("packed", True)),
                     packed_buffer_size_bytes=body.get("packed_buffer_size_bytes"),
                     packed_num_buffers=body.get("packed_num_buffers"), world_size=body.get("world_size"))
             except WeightGroupStale as e:
@@ -166,8 +228,10 @@ class WeightReceiver:
 
         async def nccl_update(request: web.Request) -> web.Response:
             require_admin(request)
-            version = int(request.match_info["version"])
-            body = await request.json()
+            version = new_version(request)
+            body = await json_object(request)
+            if not isinstance(body.get("update_info"), dict):
+                raise web.HTTPBadRequest(reason="an NCCL update needs update_info (names, dtype_names, shapes)")
             async with self._lock:
                 if version <= self.updater.version:
                     raise web.HTTPConflict(reason=f"version {version} is not newer than {self.updater.version}")
@@ -258,7 +322,8 @@ async def publish(data: bytes, version: int, serve_url: str, admin_token: str, *
         async def put(i: int) -> None:
             async with slots:
                 await http.request("PUT", f"/admin/weights/{version}/chunks/{i}", data=chunks[i],
-                                   headers={"X-Sha256": chunk_shas[i], "X-Offset": str(offsets[i])})
+                                   headers={"X-Sha256": chunk_shas[i], "X-Offset": str(offsets[i]),
+                                            "X-Total-Bytes": str(len(data))})
 
         for attempt in range(attempts):
             try:
