@@ -37,6 +37,23 @@ def _setup_logging(verbose: bool = False) -> None:
         progress.setLevel(logging.INFO)
 
 
+def _private_files() -> None:
+    """Files serve, learn and run write (buffer log, sessions, weights, checkpoints, metrics) are the
+    user's alone: mode 0600, folders 0700, whatever the shell's umask."""
+    import os
+
+    os.umask(0o077)
+
+
+def _private_dir(path: str) -> None:
+    """A run directory that already exists with wider permissions is narrowed to 0700."""
+    from pathlib import Path
+
+    p = Path(path)
+    if p.is_dir() and p.stat().st_mode & 0o077:
+        p.chmod(0o700)
+
+
 def _load(cls: type, args: argparse.Namespace, extra: list[str]) -> Any:
     try:
         return C.load(cls, args.config, extra)
@@ -51,6 +68,8 @@ def cmd_serve(args: argparse.Namespace, extra: list[str]) -> int:
         extra = ["endpoint_only=true", *extra]
     cfg = _load(C.ServeConfig, args, extra)
     _setup_logging(args.verbose)
+    _private_files()
+    _private_dir(cfg.run_dir)
     import asyncio
 
     from agentrl.serve.app import serve_forever
@@ -68,6 +87,8 @@ def cmd_learn(args: argparse.Namespace, extra: list[str]) -> int:
         extra = [f"serve={args.serve}", *extra]
     cfg = _load(C.LearnConfig, args, extra)
     _setup_logging(args.verbose)
+    _private_files()
+    _private_dir(cfg.run_dir)
     from agentrl.learner.trainer import learn
 
     learn(cfg)
@@ -77,6 +98,8 @@ def cmd_learn(args: argparse.Namespace, extra: list[str]) -> int:
 def cmd_run(args: argparse.Namespace, extra: list[str]) -> int:
     cfg = _load(C.RunConfig, args, extra)
     _setup_logging(args.verbose)
+    _private_files()
+    _private_dir(cfg.serve.run_dir)
     import logging as _logging
 
     _logging.getLogger("agentrl.progress").info("agentrl run: %s on %s, run directory %s", cfg.serve.model,
