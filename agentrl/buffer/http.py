@@ -182,10 +182,9 @@ class BufferClient:
             raise BufferTransportError(f"{what}: HTTP {status}: {body[:300]!r}")
 
     async def get_batch(self, learner_version: int, max_staleness: int | None = None,
-                        batch_size: int | None = None, timeout_s: float = 10.0,
-                        as_arrays: bool = False) -> Batch | None:
-        """Long-poll for a batch; None when nothing was ready within ``timeout_s``. ``as_arrays``
-        gives samples whose per-token fields are numpy arrays (see ``codec.decode_sample``)."""
+                        batch_size: int | None = None, timeout_s: float = 10.0) -> Batch | None:
+        """Long-poll for a batch; None when nothing was ready within ``timeout_s`` (samples as
+        ``codec.decode_sample`` gives them: numpy per-token fields)."""
         params: dict[str, str] = {"learner_version": str(learner_version), "timeout_s": str(timeout_s)}
         if max_staleness is not None:
             params["max_staleness"] = str(max_staleness)
@@ -195,7 +194,7 @@ class BufferClient:
         if status == 204:
             return None
         self._check(status, body, "get_batch")
-        return decode_batch(body, as_arrays)
+        return decode_batch(body)
 
     async def ack(self, batch_id: str) -> bool:
         """True once the buffer has durably recorded the batch consumed; False if it no longer
