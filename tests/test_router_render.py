@@ -12,6 +12,7 @@ import asyncio
 import os
 from typing import Any
 
+import numpy as np
 import pytest
 import requests
 
@@ -231,7 +232,7 @@ def test_local_and_engine_render_give_the_same_completion_and_session_samples(en
     assert local.counters["continued"] == engine.counters["continued"] == 2
     ls, es = local.sessions["s"].samples(), engine.sessions["s"].samples()
     assert len(ls) == len(es) == 1
-    assert ls[0].token_ids == es[0].token_ids and ls[0].loss_mask == es[0].loss_mask
+    assert np.array_equal(ls[0].token_ids, es[0].token_ids) and np.array_equal(ls[0].loss_mask, es[0].loss_mask)
 
 
 def test_requests_the_local_codec_does_not_know_go_to_the_engine(tiny_tools_model):

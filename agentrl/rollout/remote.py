@@ -4,7 +4,9 @@
 - :class:`RemoteRouter`: serve's router as a rollout worker on another machine sees it. Each
   episode's calls go to ``/sessions/<episode id>/v1`` (the router records exact tokens, logprobs
   and versions there, as in-process); at the episode's end ``fetch_session`` closes the session
-  with ``POST /admin/sessions/<id>/close`` and brings its token-level samples back.
+  with ``POST /admin/sessions/<id>/close`` and brings its samples back in the buffer's binary
+  batch encoding, decoded into the same :class:`~agentrl.buffer.sample.Sample` objects an
+  in-process session gives.
 - :class:`RemoteBuffer`: the orchestrator's buffer seam (``wait_for_room``, ``put``) over serve's
   ``/buffer/room`` and ``/buffer/samples`` routes.
 - :class:`EpisodeUploader`: a worker's per-episode summary lines, sent in batches to serve's
@@ -20,11 +22,12 @@ import asyncio
 import json
 import logging
 import time
-from types import SimpleNamespace
 from typing import Any
 
 import aiohttp
 
+from agentrl.buffer.codec import CodecError, decode_batch
+from agentrl.buffer.sample import Sample
 from agentrl.router.errors import EngineError, InvalidRequest
 
 log = logging.getLogger(__name__)
@@ -114,12 +117,13 @@ class RemoteRouter(OpenAIChat):
                 async with self._http.post(url, timeout=aiohttp.ClientTimeout(total=60)) as r:
                     if r.status == 404:  # no model call was made: the router never opened it
                         return
-                    data = await r.json(content_type=None)
+                    raw = await r.read()
                     if r.status != 200:
-                        raise EngineError(f"POST {url} answered {r.status}: {json.dumps(data)[:300]}")
-                self._closed[session_id] = FetchedSession(int(data.get("splits", 0)), data["samples"])
+                        raise EngineError(f"POST {url} answered {r.status}: {raw[:300]!r}")
+                batch = decode_batch(raw)
+                self._closed[session_id] = FetchedSession(int(batch.info.get("splits", 0)), batch.samples)
                 return
-            except (aiohttp.ClientError, TimeoutError, EngineError) as e:
+            except (aiohttp.ClientError, TimeoutError, EngineError, CodecError) as e:
                 if attempt == 2:
                     log.warning("could not fetch session %s from serve: %s", session_id, e)
                     return
@@ -131,19 +135,12 @@ class RemoteRouter(OpenAIChat):
 class FetchedSession:
     """A session's samples as serve's router returned them (what ``finish_samples`` reads)."""
 
-    def __init__(self, splits: int, samples: list[dict[str, Any]]) -> None:
+    def __init__(self, splits: int, samples: list[Sample]) -> None:
         self.splits = splits
         self._samples = samples
 
-    def samples(self, as_arrays: bool = False) -> list[SimpleNamespace]:
-        if not as_arrays:
-            return [SimpleNamespace(**s) for s in self._samples]
-        import numpy as np
-
-        return [SimpleNamespace(**dict(s, token_ids=np.asarray(s["token_ids"], np.int32),
-                                       loss_mask=np.asarray(s["loss_mask"], np.int32),
-                                       logprobs=np.asarray(s["logprobs"], np.float32),
-                                       versions=np.asarray(s["versions"], np.int32))) for s in self._samples]
+    def samples(self) -> list[Sample]:
+        return self._samples
 
 
 class RemoteBuffer:

@@ -202,8 +202,8 @@ async def run_scaffold_episode(router: Router, env_name: str, task: dict[str, An
         log.warning("scaffold episode %s failed: %s", ep.episode_id, ep.error)
     finally:
         ep.turns = len(session.records)
-        ep.completion_tokens = sum(len(c["token_ids"]) for r in session.records for c in r.completions)
-        ep.versions = sorted({v for r in session.records for c in r.completions for v in c["versions"]})
+        ep.completion_tokens = sum(len(c.token_ids) for r in session.records for c in r.completions)
+        ep.versions = sorted({v for r in session.records for c in r.completions for v in c.versions})
         ep.seconds = time.monotonic() - t0
         finish_samples(router, ep)
     return ep
@@ -238,7 +238,7 @@ async def _play(scaffold: Scaffold, ctx: ScaffoldContext, timeout_s: float, lim:
 def _last_reply(session: Any) -> str:
     for rec in reversed(session.records):
         for comp in rec.completions:
-            content = (comp.get("message") or {}).get("content")
+            content = (comp.message or {}).get("content")
             if content:
                 return str(content)
     return ""

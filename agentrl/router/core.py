@@ -32,7 +32,7 @@ from agentrl.router.errors import EngineError, InvalidRequest, NotFound, RouterE
 from agentrl.router.metrics import RouterMetrics
 from agentrl.router.pool import Engine, EnginePool, parse_version
 from agentrl.router.render import LocalCodec
-from agentrl.router.sessions import CallRecord, Session, continued_prompt, normalize_message
+from agentrl.router.sessions import CallRecord, Completion, Session, continued_prompt, normalize_message
 from agentrl.router.validate import validate_chat, validate_completion
 
 log = logging.getLogger(__name__)
@@ -177,7 +177,7 @@ class Router:
                                  param="messages", code="max_turns_exceeded")
         caps = [lim.max_tokens] if lim.max_tokens else []
         if lim.max_session_tokens:
-            left = lim.max_session_tokens - sum(len(c["token_ids"]) for r in session.records for c in r.completions)
+            left = lim.max_session_tokens - sum(len(c.token_ids) for r in session.records for c in r.completions)
             if left <= 0:
                 lim.refused = "max_tokens"
                 raise InvalidRequest(f"this episode allows at most {lim.max_session_tokens} completion tokens",
@@ -316,7 +316,7 @@ class Router:
         parent: CallRecord | None = None
         choice = 0
         if session is not None and session.records:
-            found = session.find_parent(body["messages"])
+            found = session.find_parent([normalize_message(m) for m in body["messages"]])
             if found is not None:
                 parent, choice = found
                 k = len(parent.messages) + 1
@@ -394,30 +394,29 @@ class Router:
             oc["token_ids"] = ids
         out["model"] = self.model_name
         out["prompt_token_ids"] = prep.prompt_ids
-        n_out = sum(len(c["token_ids"]) for c in comps)
+        n_out = sum(len(c.token_ids) for c in comps)
         out["usage"] = {"prompt_tokens": len(prep.prompt_ids), "completion_tokens": n_out,
                         "total_tokens": len(prep.prompt_ids) + n_out}
         rec = self.record(prep, comps)
         if rec is not None:
             out["agentrl"] = {"session_id": rec.session_id, "call_index": rec.index, "parent": rec.parent,
-                              "versions": [c["versions"] for c in comps]}
+                              "versions": [c.versions for c in comps]}
         return out
 
     def completion_entry(self, engine: Engine, ids: list[int], lps: list[float],
                          weight_versions: list[dict[str, Any]] | None, finish_reason: str | None,
-                         stop_reason: Any, message: dict[str, Any]) -> dict[str, Any]:
+                         stop_reason: Any, message: dict[str, Any]) -> Completion:
         """One choice as captured: exact ids, behaviour logprobs, per-token versions."""
         if len(lps) != len(ids):
             raise EngineError(f"engine {engine.name} returned {len(lps)} logprobs for {len(ids)} tokens")
         if finish_reason == "stop" and stop_reason is None and ids:
             self.eos_token_ids.add(ids[-1])
-        return {"token_ids": ids, "logprobs": lps, "versions": token_versions(weight_versions, len(ids)),
-                "finish_reason": finish_reason, "message": message}
+        return Completion(ids, lps, token_versions(weight_versions, len(ids)), finish_reason, message)
 
-    def record(self, prep: Prepared, comps: list[dict[str, Any]]) -> CallRecord | None:
+    def record(self, prep: Prepared, comps: list[Completion]) -> CallRecord | None:
         """Count the call's tokens and, in a session, write its record (as the call completes)."""
         self.counters["prompt_tokens"] += len(prep.prompt_ids)
-        self.counters["completion_tokens"] += sum(len(c["token_ids"]) for c in comps)
+        self.counters["completion_tokens"] += sum(len(c.token_ids) for c in comps)
         if prep.session is None:
             return None
         session = prep.session

@@ -11,6 +11,13 @@ unknown session is refused rather than created. A session's own records
 (``GET /sessions/<id>/records``) need that session's key ``sess-<id>`` or the admin token, so
 one session cannot read another's. Every error is an OpenAI-style JSON body; nothing a client
 sends crashes the router.
+
+A session's samples (``GET /admin/sessions/<id>/samples``, and ``POST /admin/sessions/<id>/close``,
+which a rollout worker on another machine calls at an episode's end) travel in the buffer's binary
+batch encoding (``application/octet-stream``, :func:`agentrl.buffer.codec.encode_batch`): the
+per-token numbers are encoded once, as the buffer stores them; the batch header's ``info`` holds
+``session_id``, ``splits`` and ``calls``, its ``learner_version`` the policy version the router
+serves.
 """
 
 from __future__ import annotations
@@ -22,10 +29,12 @@ from typing import Any
 
 from aiohttp import web
 
+from agentrl.buffer.codec import Batch, encode_batch
 from agentrl.router.core import Router
 from agentrl.router.errors import InvalidRequest, NotFound, RouterError, Unauthorized
 from agentrl.router.metrics import metrics_text
 from agentrl.router.pool import dumps, loads
+from agentrl.router.sessions import Session
 from agentrl.router.streaming import open_stream
 
 log = logging.getLogger(__name__)
@@ -153,7 +162,7 @@ async def own_records(request: web.Request) -> web.Response:
     s = request.app[ROUTER_KEY].sessions.get(sid)
     if s is None:
         raise NotFound(f"unknown session {sid!r}", param="session_id")
-    return web.json_response({"session_id": sid, "records": [vars(r) for r in s.records]}, dumps=_dumps)
+    return web.json_response({"session_id": sid, "records": [r.to_dict() for r in s.records]}, dumps=_dumps)
 
 
 async def models(request: web.Request) -> web.Response:
@@ -179,22 +188,28 @@ async def create_session(request: web.Request) -> web.Response:
     return web.json_response({"session_id": s.session_id, "base_url": base})
 
 
+def _samples_response(router: Router, s: Session) -> web.Response:
+    """A session's samples as one binary batch (see the module docstring)."""
+    batch = Batch(batch_id=s.session_id, samples=s.samples(), learner_version=router.pool.version,
+                  info={"session_id": s.session_id, "splits": s.splits, "calls": len(s.records)})
+    return web.Response(body=encode_batch(batch), content_type="application/octet-stream")
+
+
 async def session_samples(request: web.Request) -> web.Response:
     require_admin(request)
-    s = request.app[ROUTER_KEY].get_session(request.match_info["sid"])
-    return web.json_response({"session_id": s.session_id, "splits": s.splits, "calls": len(s.records),
-                              "samples": [vars(x) for x in s.samples()]})
+    router = request.app[ROUTER_KEY]
+    return _samples_response(router, router.get_session(request.match_info["sid"]))
 
 
 async def close_session(request: web.Request) -> web.Response:
     """Close a session and return its samples: how a rollout worker on another machine ends an episode."""
     require_admin(request)
     sid = request.match_info["sid"]
-    s = request.app[ROUTER_KEY].close_session(sid)
+    router = request.app[ROUTER_KEY]
+    s = router.close_session(sid)
     if s is None:
         raise NotFound(f"unknown session {sid!r}", param="session_id")
-    return web.json_response({"session_id": s.session_id, "splits": s.splits, "calls": len(s.records),
-                              "samples": [vars(x) for x in s.samples()]}, dumps=_dumps)
+    return _samples_response(router, s)
 
 
 async def engines_status(request: web.Request) -> web.Response:
