@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 _I32 = np.iinfo(np.int32)
+_INT32, _FLOAT32 = np.dtype(np.int32), np.dtype(np.float32)
 
 
 def int32_array(xs: Any, what: str) -> np.ndarray:
@@ -69,17 +70,19 @@ class Sample:
     timings: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        self.token_ids = int32_array(self.token_ids, "token_ids")
-        self.loss_mask = mask_array(self.loss_mask)
-        self.logprobs = float32_array(self.logprobs)
-        self.versions = int32_array(self.versions, "versions")
-        n = len(self.token_ids)
-        if not (self.token_ids.ndim == self.loss_mask.ndim == self.logprobs.ndim == self.versions.ndim == 1) or not (
-                len(self.loss_mask) == len(self.logprobs) == len(self.versions) == n):
+        t, m, lp, v = self.token_ids, self.loss_mask, self.logprobs, self.versions
+        # The common case (arrays of the right dtypes, from the rollout or the codec) costs a few
+        # identity checks: a sample is built once per decoded record, 256 to a batch.
+        if not (type(t) is np.ndarray and t.dtype is _INT32 and type(m) is np.ndarray and m.dtype is _INT32
+                and type(lp) is np.ndarray and lp.dtype is _FLOAT32 and type(v) is np.ndarray and v.dtype is _INT32):
+            self.token_ids = t = int32_array(t, "token_ids")
+            self.loss_mask = m = mask_array(m)
+            self.logprobs = lp = float32_array(lp)
+            self.versions = v = int32_array(v, "versions")
+        if not (t.ndim == 1 and t.shape == m.shape == lp.shape == v.shape):
             raise ValueError(
                 f"sample {self.sample_id}: per-token fields must be 1-D of one length "
-                f"(tokens {self.token_ids.shape}, mask {self.loss_mask.shape}, logprobs {self.logprobs.shape}, "
-                f"versions {self.versions.shape})"
+                f"(tokens {t.shape}, mask {m.shape}, logprobs {lp.shape}, versions {v.shape})"
             )
 
     def __eq__(self, other: object) -> bool:
