@@ -1,17 +1,18 @@
 """Buffer throughput: durable put, in-process get+ack, and 256-sample fetches over loopback HTTP.
 
 Samples are 2,048 tokens (512 prompt, 1,536 generated across two policy versions) with the info
-and timings the rollout code attaches. The headline figures use what the product passes around:
-the rollout builds per-token numpy arrays once (``Session.samples(as_arrays=True)`` in
-``agentrl/rollout/episode.py``: int32 ids, mask and versions, float32 logprobs), so puts store
-their bytes; the learner decodes batches to numpy arrays (``as_arrays=True`` in
-``agentrl/learner/source.py``), so gets and fetches decode to arrays. The same phases with
-Python-list fields (``*_lists``: samples built as lists, gets decoded to lists) are reported beside
-them. The log is on with ``sync="fsync"`` (one ``fdatasync`` per put call: group commit of the
-call's samples). Prints one JSON line at the end: put_samples_per_s, get_samples_per_s,
-batch_fetch_ms_p50 (and p90), bytes_per_sample, put_samples_per_s_one_per_call, the list figures,
-the same rates per CPU-second of this process (meaningful on a shared, loaded machine), the load
-average, and the parameters.
+and timings the rollout code attaches. Per-token fields are numpy arrays everywhere (int32 ids,
+mask and versions, float32 logprobs): the rollout builds them once (``Session.samples()``), puts
+store their bytes, gets and fetches decode to arrays (what the learner turns into tensors).
+
+The ``*_lists`` figures price Python lists at the edges, on the same array path: a producer that
+hands lists (each Sample built from lists inside the timed put, so ``Sample`` converts them) and a
+consumer that wants lists (``.tolist()`` of the four fields after each get or fetch). The log is
+on with ``sync="fsync"`` (one ``fdatasync`` per put call: group commit of the call's samples).
+Prints one JSON line at the end: put_samples_per_s, get_samples_per_s, batch_fetch_ms_p50 (and
+p90), bytes_per_sample, put_samples_per_s_one_per_call, the list figures, the same rates per
+CPU-second of this process (meaningful on a shared, loaded machine), the load average, and the
+parameters.
 
     python benchmarks/buffer.py [--samples 8192] [--put-chunk 64] [--fetches 20] [--dir DIR]
 """
@@ -27,7 +28,7 @@ import random
 import statistics
 import tempfile
 import time
-from dataclasses import replace
+from dataclasses import fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -41,21 +42,21 @@ ROUND = 1024
 PROMPT = 512
 
 
-def make_pool(n: int, rng: random.Random, as_arrays: bool) -> list[Sample]:
+def make_pool(n: int, rng: random.Random) -> list[Sample]:
     pool = []
     for i in range(n):
         gen = TOKENS - PROMPT
         switch = rng.randrange(gen)
-        fields: dict[str, Any] = {
+        per_token: dict[str, Any] = {
             "token_ids": [rng.randrange(151_000) for _ in range(TOKENS)],
             "loss_mask": [0] * PROMPT + [1] * gen,
             "logprobs": [0.0] * PROMPT + [-rng.random() * 3 for _ in range(gen)],
             "versions": [-1] * PROMPT + [10] * switch + [11] * (gen - switch),
         }
-        if as_arrays:  # the dtypes Session.samples(as_arrays=True) builds
-            fields = {k: np.array(v, dtype=np.float32 if k == "logprobs" else np.int32) for k, v in fields.items()}
+        # the dtypes Session.samples() builds
+        per_token = {k: np.array(v, dtype=np.float32 if k == "logprobs" else np.int32) for k, v in per_token.items()}
         pool.append(Sample(
-            **fields,
+            **per_token,
             episode_id=f"e{i}", group_id=f"g{i}", env="bench", reward=rng.random(),
             # What the rollout code attaches to every sample (episode.py), so headers cost what they will.
             info={"task_id": f"task-{i}", "turns": 3, "sandbox_id": f"sb-{i:08x}", "calls": 2,
@@ -65,43 +66,71 @@ def make_pool(n: int, rng: random.Random, as_arrays: bool) -> list[Sample]:
     return pool
 
 
+FIELDS = ("token_ids", "loss_mask", "logprobs", "versions")
+
+
 def fresh(pool: list[Sample], n: int, tag: str) -> list[Sample]:
     """n samples with distinct ids, sharing the pool's token fields (building them is not timed)."""
     return [replace(pool[i % len(pool)], sample_id=f"{tag}-{i}") for i in range(n)]
 
 
-async def put_get(buf: Buffer, pool: list[Sample], rounds: int, put_chunk: int, as_arrays: bool,
+def as_lists(samples: list[Sample]) -> list[dict[str, Any]]:
+    """The samples' constructor arguments with Python-list token fields (a list-fed producer's input)."""
+    out = []
+    for s in samples:
+        kw = {f.name: getattr(s, f.name) for f in fields(Sample)}
+        kw.update({k: getattr(s, k).tolist() for k in FIELDS})
+        out.append(kw)
+    return out
+
+
+def to_lists(samples: list[Sample]) -> None:
+    """What a consumer that wants lists pays after a get."""
+    for s in samples:
+        for k in FIELDS:
+            getattr(s, k).tolist()
+
+
+async def put_get(buf: Buffer, pool: list[Sample], rounds: int, put_chunk: int, lists: bool,
                   tag: str) -> dict[str, list[float]]:
     """Put ``rounds`` rounds of 1,024 samples, then get+ack them all; rates per round (and the log's
-    bytes per sample after the puts, framing included)."""
+    bytes per sample after the puts, framing included). ``lists``: the samples are built from
+    Python lists inside the timed put, and each got batch is turned back into lists."""
     out: dict[str, list[float]] = {"put": [], "put_cpu": [], "get": [], "get_cpu": []}
     for r in range(rounds):
         samples = fresh(pool, ROUND, tag=f"{tag}{r}")
+        kwargs = as_lists(samples) if lists else []
         t0, c0 = time.perf_counter(), time.process_time()
         for i in range(0, ROUND, put_chunk):
-            await buf.put(samples[i : i + put_chunk])
+            chunk = [Sample(**kw) for kw in kwargs[i : i + put_chunk]] if lists else samples[i : i + put_chunk]
+            await buf.put(chunk)
         out["put"].append(ROUND / (time.perf_counter() - t0))
         out["put_cpu"].append(ROUND / (time.process_time() - c0))
     out["log_bytes_per_put_sample"] = [buf.stats()["log_bytes"] / buf.stats()["produced"]]
     while buf.stats()["depth"] >= ROUND:
         t0, c0 = time.perf_counter(), time.process_time()
         for _ in range(ROUND // 256):
-            batch = await buf.get_batch(12, batch_size=256, as_arrays=as_arrays)
+            batch = await buf.get_batch(12, batch_size=256)
             assert batch is not None
+            if lists:
+                to_lists(batch.samples)
             buf.ack(batch.batch_id)
         out["get"].append(ROUND / (time.perf_counter() - t0))
         out["get_cpu"].append(ROUND / (time.process_time() - c0))
     return out
 
 
-async def fetches(buf: Buffer, client: BufferClient, pool: list[Sample], n: int, as_arrays: bool,
+async def fetches(buf: Buffer, client: BufferClient, pool: list[Sample], n: int, lists: bool,
                   tag: str) -> tuple[list[float], list[float]]:
-    """n fetches of 256 samples over HTTP (decoded as the learner does), ms and CPU-ms each."""
+    """n fetches of 256 samples over HTTP (decoded as the learner does; ``lists``: then turned into
+    lists), ms and CPU-ms each."""
     wall, cpu = [], []
     for k in range(n):
         await buf.put(fresh(pool, 256, tag=f"{tag}{k}"))
         t0, c0 = time.perf_counter(), time.process_time()
-        batch = await client.get_batch(12, batch_size=256, timeout_s=5, as_arrays=as_arrays)
+        batch = await client.get_batch(12, batch_size=256, timeout_s=5)
+        if lists and batch is not None:
+            to_lists(batch.samples)
         wall.append(1000 * (time.perf_counter() - t0))
         cpu.append(1000 * (time.process_time() - c0))
         assert batch is not None and len(batch.samples) == 256
@@ -115,9 +144,7 @@ def _med(xs: list[float], digits: int = 1) -> float:
 
 async def bench(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     rng = random.Random(0)
-    arrays = make_pool(256, rng, as_arrays=True)
-    lists = [replace(s, **{k: getattr(s, k).tolist() for k in ("token_ids", "loss_mask", "logprobs", "versions")})
-             for s in arrays]
+    arrays = make_pool(256, rng)
     cfg = BufferConfig(path=str(workdir / "buf"), batch_size=256, max_staleness=4, sync="fsync",
                        compact_bytes=1 << 40)
     buf = Buffer(cfg)
@@ -125,9 +152,9 @@ async def bench(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     # Each phase runs in rounds of 1,024 samples; the figures are the median round, and the best
     # round is reported beside it because shared build machines are often heavily loaded.
     rounds = args.samples // ROUND
-    main = await put_get(buf, arrays, rounds, args.put_chunk, as_arrays=True, tag="a")
+    main = await put_get(buf, arrays, rounds, args.put_chunk, lists=False, tag="a")
     (bytes_per_sample,) = main["log_bytes_per_put_sample"]
-    with_lists = await put_get(buf, lists, max(1, rounds // 2), args.put_chunk, as_arrays=False, tag="l")
+    with_lists = await put_get(buf, arrays, max(1, rounds // 2), args.put_chunk, lists=True, tag="l")
 
     singles = fresh(arrays, 256, tag="single")
     t0 = time.perf_counter()
@@ -145,9 +172,9 @@ async def bench(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     await site.start()
     port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
     client = BufferClient(f"http://127.0.0.1:{port}", "bench-token", timeout_s=30)
-    fetch_ms, fetch_cpu_ms = await fetches(buf, client, arrays, args.fetches, as_arrays=True, tag="f")
-    fetch_list_ms, fetch_list_cpu_ms = await fetches(buf, client, lists, max(1, args.fetches // 2),
-                                                     as_arrays=False, tag="fl")
+    fetch_ms, fetch_cpu_ms = await fetches(buf, client, arrays, args.fetches, lists=False, tag="f")
+    fetch_list_ms, fetch_list_cpu_ms = await fetches(buf, client, arrays, max(1, args.fetches // 2),
+                                                     lists=True, tag="fl")
     await client.close()
     await runner.cleanup()
     stats = buf.stats()
@@ -163,7 +190,7 @@ async def bench(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         "batch_fetch_ms_min": round(min(fetch_ms), 2),
         "batch_fetch_ms_p90": round(sorted(fetch_ms)[int(0.9 * (len(fetch_ms) - 1))], 2),
         "put_samples_per_s_one_per_call": round(put_single_rate, 1),
-        # Python-list fields end to end (the representation before the rollout built arrays).
+        # Python lists at the edges: built from lists at put, turned into lists after get/fetch.
         "put_samples_per_s_lists": _med(with_lists["put"]),
         "get_samples_per_s_lists": _med(with_lists["get"]),
         "batch_fetch_ms_p50_lists": _med(fetch_list_ms, 2),
@@ -181,7 +208,7 @@ async def bench(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         "put_chunk": args.put_chunk,
         "sync": cfg.sync,
         "fetch_batch_size": 256,
-        "sample_fields": "numpy int32/float32 (lists: *_lists)",
+        "sample_fields": "numpy int32/float32 (*_lists: list-fed puts, list-wanting gets)",
     }
 
 

@@ -9,7 +9,7 @@ Three kinds of child process, so none of them is measured inside another's event
   every call recorded with exact ids, logprobs and versions) over that engine, rendering and
   derendering locally with the tiny-tools tokenizer and chat template. Its calibration against
   an engine is skipped here (the stand-in has no template); tests/test_router_render.py checks
-  the local codec against real vLLM;
+  the local renderer against real vLLM;
 - load generators: a minimal keep-alive HTTP client, several processes at high concurrency, so
   that the load side is not the bottleneck.
 
@@ -133,8 +133,8 @@ def _run_router(port: int, engine_port: int, model_dir: str, use_uvloop: bool, p
         pool = EnginePool([f"http://127.0.0.1:{engine_port}"], health_interval_s=5)
         await pool.start()
         router = Router(pool, model_name="stand-in", eos_token_ids={2}, max_model_len=4096, model_dir=model_dir)
-        if router.codec is not None:
-            router.codec_state = "on"  # the stand-in has no chat template to calibrate against
+        if router.local is not None:
+            router.local.state = "on"  # the stand-in has no chat template to calibrate against
         settle_gc()  # as serve does once it is up
         return make_app(router)
 

@@ -12,7 +12,6 @@ import asyncio
 import json
 import re
 import uuid
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -146,19 +145,19 @@ def test_a_three_turn_tool_episode_is_exactly_the_tokens_the_engine_received_and
 
     (sample,) = ep.samples
     # Samples carry int32 / float32 arrays (the buffer's wire format): compare as lists, logprobs at float32.
-    sample = replace(sample, token_ids=list(map(int, sample.token_ids)), loss_mask=list(map(int, sample.loss_mask)),
-                     logprobs=[float(x) for x in sample.logprobs])
+    token_ids, loss_mask = sample.token_ids.tolist(), sample.loss_mask.tolist()
+    logprobs = [float(x) for x in sample.logprobs]
     out_logprobs = [[float(np.float32(x)) for x in lps] for lps in out_logprobs]
-    assert sample.token_ids == prompts[-1] + outputs[-1]
-    expected_mask = [0] * len(sample.token_ids)
+    assert token_ids == prompts[-1] + outputs[-1]
+    expected_mask = [0] * len(token_ids)
     for prompt, output, lps in zip(prompts, outputs, out_logprobs, strict=True):
         start = len(prompt)
-        assert sample.token_ids[:start] == prompt  # each prompt extends the one before, token for token
-        assert sample.token_ids[start:start + len(output)] == output  # and every completion sits where it was sampled
-        assert sample.logprobs[start:start + len(output)] == lps
+        assert token_ids[:start] == prompt  # each prompt extends the one before, token for token
+        assert token_ids[start:start + len(output)] == output  # and every completion sits where it was sampled
+        assert logprobs[start:start + len(output)] == lps
         expected_mask[start:start + len(output)] = [1] * len(output)
-    assert sample.loss_mask == expected_mask  # 1 exactly on sampled tokens: tool results and prompts are 0
-    assert sum(sample.loss_mask) == ep.completion_tokens == sum(map(len, outputs))
+    assert loss_mask == expected_mask  # 1 exactly on sampled tokens: tool results and prompts are 0
+    assert sum(loss_mask) == ep.completion_tokens == sum(map(len, outputs))
 
     records = [json.loads(line) for line in (tmp_path / f"{ep.episode_id}.jsonl").read_text().splitlines()]
     assert [r["parent"] for r in records] == [None, 0, 1]

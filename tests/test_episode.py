@@ -13,7 +13,7 @@ import numpy as np
 
 import agentrl
 from agentrl.rollout import EpisodeLimits, run_episode
-from agentrl.router.sessions import CallRecord, Session
+from agentrl.router.sessions import CallRecord, Completion, Session
 
 
 class ScriptedRouter:
@@ -42,10 +42,9 @@ class ScriptedRouter:
         message = self.replies.pop(0)
         s = self.sessions[session_id]
         ids = [7, 8, 9]
-        prompt = [1, 2, 3] if not s.records else s.records[-1].prompt_ids + s.records[-1].completions[0]["token_ids"] + [4]
+        prompt = [1, 2, 3] if not s.records else s.records[-1].prompt_ids + s.records[-1].completions[0].token_ids + [4]
         s.record(CallRecord(session_id, len(s.records), len(s.records) - 1 if s.records else None, 0, prompt,
-                            [{"token_ids": ids, "logprobs": [-1.0] * 3, "versions": [0] * 3,
-                              "finish_reason": "stop", "message": message}], engine="scripted"))
+                            [Completion(ids, [-1.0] * 3, [0] * 3, "stop", message)], engine="scripted"))
         return {"choices": [{"message": message, "finish_reason": "stop", "token_ids": ids}],
                 "agentrl": {"versions": [[0, 0, 0]]}}
 
@@ -101,9 +100,9 @@ def test_episode_samples_are_compact_arrays_equal_to_the_session_lists():
     (lists,) = sessions[0].samples()
     assert sample.token_ids.dtype == np.int32 and sample.loss_mask.dtype == np.int32
     assert sample.versions.dtype == np.int32 and sample.logprobs.dtype == np.float32
-    assert sample.token_ids.tolist() == lists.token_ids and sample.loss_mask.tolist() == lists.loss_mask
-    assert sample.logprobs.tolist() == lists.logprobs and sample.versions.tolist() == lists.versions
-    assert lists.loss_mask == [0, 0, 0, 1, 1, 1, 0, 1, 1, 1] and sample.min_version == 0
+    assert sample.token_ids.tolist() == lists.token_ids.tolist() and sample.loss_mask.tolist() == lists.loss_mask.tolist()
+    assert sample.logprobs.tolist() == lists.logprobs.tolist() and sample.versions.tolist() == lists.versions.tolist()
+    assert lists.loss_mask.tolist() == [0, 0, 0, 1, 1, 1, 0, 1, 1, 1] and sample.min_version == 0
 
 
 def test_an_environment_that_raises_produces_a_failed_episode_not_an_exception():

@@ -84,7 +84,7 @@ def test_a_train_step_on_samples_decoded_as_arrays_equals_one_on_lists(tiny_mode
     from agentrl.learner.step import build_state, train_step
 
     samples = make_samples(8, seed=3)
-    arrays = decode_batch(encode_batch(Batch("b", samples, 1)), as_arrays=True).samples  # what ServeSource gets
+    arrays = decode_batch(encode_batch(Batch("b", samples, 1))).samples  # what ServeSource gets
     lists = decode_batch(encode_batch(Batch("b", samples, 1))).samples  # same float32-rounded logprobs
     results = []
     for batch in (lists, arrays):

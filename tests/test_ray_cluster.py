@@ -94,7 +94,7 @@ def test_serve_on_a_two_node_ray_cluster_runs_episodes_and_survives_a_killed_rol
             assert all("reward" in json.loads(x) for x in log_path.read_text().splitlines() if x.strip())
             batch = await serve.buffer.get_batch(0, timeout_s=30)
             assert batch is not None and len(batch.samples) == 4
-            assert any(sum(s.loss_mask) > 0 and s.logprobs for s in batch.samples)  # the engine's exact tokens
+            assert any(sum(s.loss_mask) > 0 and len(s.logprobs) for s in batch.samples)  # the engine's exact tokens
             assert serve.buffer.ack(batch.batch_id)
             assert serve.router.counters["calls"] >= 8
             assert len(serve.router.sessions) <= 8  # finished episodes closed theirs; only in-flight ones stay

@@ -56,8 +56,8 @@ def test_a_plain_chat_returns_the_engines_own_tokens_and_records_them(server, en
     assert r.choices[0].message.content == direct["choices"][0]["message"]["content"]
     (rec,) = server.router.sessions["plain"].records
     assert rec.prompt_ids == direct["prompt_token_ids"]
-    assert rec.completions[0]["token_ids"] == ids
-    assert len(rec.completions[0]["logprobs"]) == len(ids)
+    assert rec.completions[0].token_ids == ids
+    assert len(rec.completions[0].logprobs) == len(ids)
     assert r.usage.completion_tokens == len(ids)
 
 
@@ -72,9 +72,9 @@ def test_a_streamed_chat_matches_the_unstreamed_one_and_is_recorded_the_same(ser
     assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == whole.choices[0].finish_reason
     a, b = server.router.sessions["stream"].records
     assert b.prompt_ids == a.prompt_ids
-    assert b.completions[0]["token_ids"] == a.completions[0]["token_ids"]
-    assert b.completions[0]["logprobs"] == pytest.approx(a.completions[0]["logprobs"], abs=1e-4)
-    assert b.completions[0]["message"]["content"] == text
+    assert b.completions[0].token_ids == a.completions[0].token_ids
+    assert b.completions[0].logprobs == pytest.approx(a.completions[0].logprobs, abs=1e-4)
+    assert b.completions[0].message["content"] == text
 
 
 def test_tool_calls_come_back_parsed_streamed_or_not(server):
@@ -92,7 +92,7 @@ def test_tool_calls_come_back_parsed_streamed_or_not(server):
     deltas = [tc for ch in chunks if ch.choices for tc in (ch.choices[0].delta.tool_calls or [])]
     assert deltas and "python" in "".join(d.function.name or "" for d in deltas if d.function)
     rec = server.router.sessions["tools"].records[-1]
-    assert rec.completions[0]["message"]["tool_calls"][0]["function"]["name"] == "python"
+    assert rec.completions[0].message["tool_calls"][0]["function"]["name"] == "python"
 
 
 def test_n_choices_and_logprobs_are_returned_and_each_choice_is_captured(server):
@@ -102,10 +102,10 @@ def test_n_choices_and_logprobs_are_returned_and_each_choice_is_captured(server)
     assert len(r.choices) == 3
     (rec,) = server.router.sessions["nlp"].records
     for ch, comp in zip(r.choices, rec.completions, strict=True):
-        assert ch.model_extra["token_ids"] == comp["token_ids"]
+        assert ch.model_extra["token_ids"] == comp.token_ids
         shown = [x.logprob for x in ch.logprobs.content]  # a sampled eos is captured, not shown as text
-        assert len(comp["logprobs"]) - len(shown) in (0, 1)
-        assert shown == pytest.approx(comp["logprobs"][:len(shown)], abs=1e-5)
+        assert len(comp.logprobs) - len(shown) in (0, 1)
+        assert shown == pytest.approx(comp.logprobs[:len(shown)], abs=1e-5)
         assert all(len(x.top_logprobs) == 2 for x in ch.logprobs.content)
     plain = c.chat.completions.create(model="tiny-tools", messages=HI, max_tokens=4)
     assert plain.choices[0].logprobs is None  # captured, but only returned when asked for
@@ -130,8 +130,7 @@ def test_text_completions_accept_text_or_token_ids_and_are_recorded(server):
     assert "".join(ch.choices[0].text for ch in streamed if ch.choices) == r.choices[0].text
     recs = server.router.sessions["cmpl"].records
     assert [x.prompt_ids for x in recs] == [prompt_ids] * 3
-    assert recs[0].completions[0]["token_ids"] == recs[1].completions[0]["token_ids"] == recs[2].completions[0][
-        "token_ids"]
+    assert recs[0].completions[0].token_ids == recs[1].completions[0].token_ids == recs[2].completions[0].token_ids
 
 
 def test_a_client_that_leaves_mid_stream_leaves_a_record_of_what_was_produced(server):
@@ -144,7 +143,7 @@ def test_a_client_that_leaves_mid_stream_leaves_a_record_of_what_was_produced(se
     server.run(_until(lambda: len(server.router.sessions["gone"].records) == 1))
     (rec,) = server.router.sessions["gone"].records
     comp = rec.completions[0]
-    assert len(comp["token_ids"]) == len(comp["logprobs"]) >= 1
+    assert len(comp.token_ids) == len(comp.logprobs) >= 1
 
 
 async def _until(cond, timeout_s: float = 30.0) -> None:

@@ -12,10 +12,11 @@ import asyncio
 import os
 from typing import Any
 
+import numpy as np
 import pytest
 import requests
 
-from agentrl.router.render import LocalCodec, same_message, same_sampling
+from agentrl.router.render import LocalRenderer, Rendered, same_message, same_sampling
 
 TOOLS = [{"type": "function", "function": {"name": "python", "description": "Run Python code.",
           "parameters": {"type": "object", "properties": {"code": {"type": "string"}}, "required": ["code"]}}},
@@ -86,10 +87,10 @@ def engine_url(request: pytest.FixtureRequest) -> str:
 
 
 @pytest.fixture(scope="module")
-def codec(engine_url, tiny_tools_model) -> LocalCodec:
+def codec(engine_url, tiny_tools_model) -> LocalRenderer:
     from agentrl.router import EnginePool
 
-    c = LocalCodec.load(tiny_tools_model, max_model_len=2048)
+    c = LocalRenderer.load(tiny_tools_model, max_model_len=2048)
     assert c is not None
 
     async def calibrate() -> str | None:
@@ -181,7 +182,7 @@ def test_the_local_derender_matches_the_engine_on_real_generations(engine_url, c
         eb = _engine_body(body)
         ids = codec.render_ids(eb)
         gen = requests.post(engine_url + "/inference/v1/generate", timeout=120,
-                            json=codec.generate_request(eb, ids)).json()
+                            json=codec.generate_request(eb, Rendered(ids, "local"))).json()
         assert len(gen["choices"]) == 4
         local = codec.derender_chat(gen, body)
         theirs = _derender(engine_url, body, ids, gen)
@@ -220,7 +221,7 @@ def test_local_and_engine_render_give_the_same_completion_and_session_samples(en
 
     local, local_outs = asyncio.run(episode("auto"))
     engine, engine_outs = asyncio.run(episode("engine"))
-    assert local.codec_state == "on" and engine.codec_state == "off"
+    assert local.render_state == "on" and engine.render_state == "off"
     assert local.counters["local_renders"] == 3 and local.counters["engine_renders"] == 0
     assert local.counters["local_derenders"] == 3
     assert engine.counters["local_renders"] == 0
@@ -231,11 +232,11 @@ def test_local_and_engine_render_give_the_same_completion_and_session_samples(en
     assert local.counters["continued"] == engine.counters["continued"] == 2
     ls, es = local.sessions["s"].samples(), engine.sessions["s"].samples()
     assert len(ls) == len(es) == 1
-    assert ls[0].token_ids == es[0].token_ids and ls[0].loss_mask == es[0].loss_mask
+    assert np.array_equal(ls[0].token_ids, es[0].token_ids) and np.array_equal(ls[0].loss_mask, es[0].loss_mask)
 
 
 def test_requests_the_local_codec_does_not_know_go_to_the_engine(tiny_tools_model):
-    c = LocalCodec.load(tiny_tools_model, max_model_len=2048)
+    c = LocalRenderer.load(tiny_tools_model, max_model_len=2048)
     assert c is not None
     hi = [{"role": "user", "content": "hi"}]
     assert c.can_render({"messages": hi, "tools": TOOLS})
@@ -253,4 +254,87 @@ def test_requests_the_local_codec_does_not_know_go_to_the_engine(tiny_tools_mode
     assert not c.can_derender({"messages": hi}, gen)  # a stop string: the engine trims it
     assert not c.can_derender({"messages": hi, "logprobs": True}, dict(gen, choices=[dict(
         gen["choices"][0], stop_reason=None)]))  # logprobs shown to the client: the engine's token texts
-    assert LocalCodec.load(None, max_model_len=2048) is None
+    assert LocalRenderer.load(None, max_model_len=2048) is None
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("render", ["auto", "engine"])
+def test_a_five_turn_session_renders_each_turn_once_and_gives_the_two_render_prompts(engine_url, tiny_tools_model,
+                                                                                     render):
+    """Five calls cost five template renders plus one: the base conversation a continued call's new
+    messages are rendered after, rendered once per tool set and cached. Not 2 per continued call
+    (9 here, O(turns^2) tokens). And every continued prompt is exactly what rendering the whole
+    conversation twice gives (the engine's render route, with and without the new messages)."""
+    from agentrl.router import EnginePool, Router
+    from agentrl.router.sessions import continued_prompt
+    from agentrl.models import eos_token_ids
+
+    def engine_ids(body: dict[str, Any], messages: list[dict[str, Any]], gen: bool) -> list[int]:
+        r = requests.post(engine_url + "/v1/chat/completions/render", timeout=60,
+                          json=_engine_body(dict(body, messages=messages, add_generation_prompt=gen)))
+        assert r.status_code == 200, r.text
+        return r.json()["token_ids"]
+
+    async def episode() -> tuple[Router, list[dict[str, Any]], int]:
+        pool = EnginePool([engine_url], health_interval_s=3600)
+        await pool.start()
+        router = Router(pool, model_name="tiny-tools", eos_token_ids=eos_token_ids(tiny_tools_model),
+                        max_model_len=2048, model_dir=tiny_tools_model, render=render)
+        renders = 0
+        try:
+            await router.calibrate(pool.engines[0])  # the checks a first call would make, before counting
+            renderer = router.local if render == "auto" else router.engine_renderer
+            assert renderer is not None and renderer.continuations == "linear"
+            if render == "auto":
+                template = renderer.render_ids
+
+                def counted(*args: Any, **kwargs: Any) -> list[int]:
+                    nonlocal renders
+                    renders += 1
+                    return template(*args, **kwargs)
+
+                renderer.render_ids = counted  # type: ignore[method-assign]
+            else:
+                call = pool.call
+
+                async def counted_call(engine: Any, path: str, *args: Any, **kwargs: Any) -> Any:
+                    nonlocal renders
+                    renders += path == "/v1/chat/completions/render"
+                    return await call(engine, path, *args, **kwargs)
+
+                pool.call = counted_call  # type: ignore[method-assign]
+            bodies = []
+            messages: list[dict[str, Any]] = [{"role": "user", "content": "Compute 6*7 with python."}]
+            for turn in range(5):
+                body = {"messages": list(messages), "tools": TOOLS, "max_tokens": 16, "temperature": 1.0,
+                        "seed": 300 + turn}
+                bodies.append(body)
+                out = await router.chat(body, session_id="s5")
+                msg = out["choices"][0]["message"]
+                messages.append({k: v for k, v in msg.items() if k in ("role", "content", "tool_calls") and v})
+                for call_ in msg.get("tool_calls") or []:
+                    messages.append({"role": "tool", "tool_call_id": call_["id"], "content": "42"})
+                if not msg.get("tool_calls"):
+                    messages.append({"role": "user", "content": f"and turn {turn}?"})
+        finally:
+            await pool.close()
+        return router, bodies, renders
+
+    router, bodies, renders = asyncio.run(episode())
+    assert renders == 5 + 1  # one per turn, plus the cached base conversation (one tool set)
+    session = router.sessions["s5"]
+    assert router.counters["continued"] == 4 and session.splits == 0
+    assert [r.parent for r in session.records] == [None, 0, 1, 2, 3]
+    for rec, body in zip(session.records, bodies, strict=True):
+        if rec.parent is None:
+            assert rec.prompt_ids == engine_ids(body, body["messages"], True)
+            continue
+        parent = session.records[rec.parent]
+        k = len(parent.messages) + 1
+        two_render = continued_prompt(parent, rec.choice, engine_ids(body, body["messages"][:k], False),
+                                      engine_ids(body, body["messages"], True), router.eos_token_ids)
+        assert rec.prompt_ids == two_render
+    (sample,) = session.samples()
+    last = session.records[-1]
+    assert sample.token_ids.tolist() == last.prompt_ids + last.completions[0].token_ids
+    assert int(sample.loss_mask.sum()) == sum(len(r.completions[0].token_ids) for r in session.records)

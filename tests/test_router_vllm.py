@@ -38,7 +38,7 @@ def test_learner_logprobs_match_vllm_behaviour_logprobs(vllm_engine, tiny_tools_
                 await router.chat({"messages": [{"role": "user", "content": "What is 12 * 7?"}], "tools": TOOLS,
                                    "max_tokens": 48, "temperature": 1.0}, session_id=sid)
                 rec = router.sessions[sid].records[0]
-                if len(rec.completions[0]["token_ids"]) > 4:
+                if len(rec.completions[0].token_ids) > 4:
                     break
             return rec
         finally:
@@ -46,9 +46,9 @@ def test_learner_logprobs_match_vllm_behaviour_logprobs(vllm_engine, tiny_tools_
 
     rec = asyncio.run(go())
     comp = rec.completions[0]
-    assert len(comp["token_ids"]) > 4
-    ours = _learner_logprobs(tiny_tools_model, rec.prompt_ids, comp["token_ids"])
-    diffs = [abs(a - b) for a, b in zip(ours, comp["logprobs"], strict=True)]
+    assert len(comp.token_ids) > 4
+    ours = _learner_logprobs(tiny_tools_model, rec.prompt_ids, comp.token_ids)
+    diffs = [abs(a - b) for a, b in zip(ours, comp.logprobs, strict=True)]
     assert sum(diffs) / len(diffs) < 1e-3, diffs
 
 
@@ -71,16 +71,16 @@ def test_a_three_turn_session_becomes_one_sample_with_exact_tokens(vllm_engine, 
     assert [r.parent for r in session.records] == [None, 0, 1]
     (sample,) = session.samples()
     last = session.records[-1]
-    assert sample.token_ids == last.prompt_ids + last.completions[0]["token_ids"]
+    assert sample.token_ids.tolist() == last.prompt_ids + last.completions[0].token_ids
     expected_mask = [0] * len(sample.token_ids)
     for r in session.records:
-        ids = r.completions[0]["token_ids"]
+        ids = r.completions[0].token_ids
         start = len(r.prompt_ids)
-        assert sample.token_ids[start:start + len(ids)] == ids  # every completion at its position
+        assert sample.token_ids[start:start + len(ids)].tolist() == ids  # every completion at its position
         for j in range(len(ids)):
             expected_mask[start + j] = 1
         assert last.prompt_ids[:len(r.prompt_ids)] == r.prompt_ids  # each prompt extends the previous
-    assert sample.loss_mask == expected_mask
+    assert sample.loss_mask.tolist() == expected_mask
 
 
 def test_a_session_whose_history_is_edited_becomes_two_samples(vllm_engine, tiny_tools_model):

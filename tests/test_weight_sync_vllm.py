@@ -134,8 +134,8 @@ def test_generations_in_flight_survive_an_update_and_each_token_matches_the_weig
     assert all(e["head_staged"] for e in sync["engines"].values()), sync
     for rec in records:
         comp = rec.completions[0]
-        ids, lps, versions = comp["token_ids"], comp["logprobs"], comp["versions"]
-        assert len(ids) == max_tokens and comp["finish_reason"] == "length"
+        ids, lps, versions = comp.token_ids, comp.logprobs, comp.versions
+        assert len(ids) == max_tokens and comp.finish_reason == "length"
         split = versions.index(1)  # the first token the new weights produced
         assert 0 < split < len(ids), versions
         assert versions == [0] * split + [1] * (len(ids) - split)
@@ -203,7 +203,7 @@ def test_an_engine_killed_during_an_update_is_taken_out_and_the_survivor_serves_
         assert "engine-1" in result["engines"]["engine-1"]["error"]
         assert "error" not in result["engines"]["engine-0"]
         assert not paused
-        assert rec.engine == "engine-0" and set(rec.completions[0]["versions"]) == {1}
+        assert rec.engine == "engine-0" and set(rec.completions[0].versions) == {1}
         assert second.proc is not None and second.proc.wait(30) is not None
     finally:
         second.stop()

@@ -166,15 +166,14 @@ class Buffer:
     # ------------------------------------------------------------------ learner side
 
     async def get_batch(self, learner_version: int, max_staleness: int | None = None,
-                        batch_size: int | None = None, timeout_s: float = 0.0,
-                        as_arrays: bool = False) -> Batch | None:
+                        batch_size: int | None = None, timeout_s: float = 0.0) -> Batch | None:
         """Lease a batch of whole units (groups or samples) within the staleness bound, waiting up to
-        ``timeout_s`` for one; None if none was ready. ``as_arrays``: see ``codec.decode_sample``."""
+        ``timeout_s`` for one; None if none was ready. Samples as ``codec.decode_sample`` gives them."""
         lease = await self._lease_batch(learner_version, max_staleness, batch_size, timeout_s)
         if lease is None:
             return None
         with gc_paused():
-            samples = [decode_sample(self._entries[i].record, as_arrays) for i in lease.ids]
+            samples = [decode_sample(self._entries[i].record) for i in lease.ids]
         return Batch(lease.batch_id, samples, learner_version, self._batch_info(lease, max_staleness))
 
     async def get_batch_encoded(self, learner_version: int, max_staleness: int | None = None,

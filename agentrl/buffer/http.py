@@ -141,10 +141,9 @@ class BufferClient:
         return self.http.base_url
 
     async def get_batch(self, learner_version: int, max_staleness: int | None = None,
-                        batch_size: int | None = None, timeout_s: float = 10.0,
-                        as_arrays: bool = False) -> Batch | None:
-        """Long-poll for a batch; None when nothing was ready within ``timeout_s``. ``as_arrays``
-        gives samples whose per-token fields are numpy arrays (see ``codec.decode_sample``)."""
+                        batch_size: int | None = None, timeout_s: float = 10.0) -> Batch | None:
+        """Long-poll for a batch; None when nothing was ready within ``timeout_s`` (samples as
+        ``codec.decode_sample`` gives them: numpy per-token fields)."""
         params: dict[str, str] = {"learner_version": str(learner_version), "timeout_s": str(timeout_s)}
         if max_staleness is not None:
             params["max_staleness"] = str(max_staleness)
@@ -154,7 +153,7 @@ class BufferClient:
                                       timeout_s=self.http.timeout_s + timeout_s)
         if got.status == 204:
             return None
-        return decode_batch(got.body, as_arrays)
+        return decode_batch(got.body)
 
     async def ack(self, batch_id: str) -> bool:
         """True once the buffer has durably recorded the batch consumed; False if it no longer

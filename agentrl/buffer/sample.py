@@ -1,32 +1,64 @@
 """The training sample: what crosses from serve to the learner.
 
-The per-token fields are Python lists or 1-D numpy arrays (int32 token ids, mask and versions,
-float32 logprobs). The rollout builds arrays once (``Session.samples(as_arrays=True)``), the buffer
-stores their bytes as they are, and the learner decodes straight into arrays
-(``decode_sample(..., as_arrays=True)``) for ``torch.from_numpy``; lists stay accepted everywhere.
-Compare array samples field by field (``np.array_equal``), not with ``==``.
+The per-token fields are 1-D numpy arrays, always: int32 token ids, loss mask and versions,
+float32 behaviour logprobs. The rollout builds them once (``Session.samples()``), the buffer
+stores their bytes as they are, and the learner decodes straight into arrays for
+``torch.from_numpy``. A list given to the constructor is turned into an array of that dtype there
+(one place, so nothing downstream has a list variant); an array of the right dtype is kept as it
+is, without a copy.
 
 Invariants: all per-token fields have the same length; ``loss_mask[i] == 1`` exactly on tokens the
 engine generated, and only those tokens carry a behaviour logprob and a policy version
 (``versions[i] == -1`` and ``logprobs[i] == 0.0`` elsewhere). Token ids are the engine's own,
-never re-tokenised text.
+never re-tokenised text. Two samples are equal when every field is (arrays by value).
 """
 
 from __future__ import annotations
 
 import uuid
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 import numpy as np
 
+_I32 = np.iinfo(np.int32)
+_INT32, _FLOAT32 = np.dtype(np.int32), np.dtype(np.float32)
 
-@dataclass
+
+def int32_array(xs: Any, what: str) -> np.ndarray:
+    """``xs`` as a 1-D int32 array; a value outside int32 is an OverflowError, never wrapped."""
+    if isinstance(xs, np.ndarray):
+        if xs.dtype == np.int32:
+            return xs
+        if xs.dtype.kind in "iu" and xs.size and (int(xs.min()) < _I32.min or int(xs.max()) > _I32.max):
+            raise OverflowError(f"{what}: a value does not fit in int32")
+        return xs.astype(np.int32)
+    return np.asarray(xs, dtype=np.int32)  # a Python int out of range raises OverflowError here
+
+
+def mask_array(xs: Any) -> np.ndarray:
+    """The loss mask as int32. Bools and floats mean "generated or not" (nonzero becomes 1);
+    integers keep their value (a weight of 2 stays 2)."""
+    a = xs if isinstance(xs, np.ndarray) else np.asarray(xs)
+    if a.dtype.kind in "bf":
+        return (a != 0).astype(np.int32)
+    return int32_array(a, "loss_mask")
+
+
+def float32_array(xs: Any) -> np.ndarray:
+    """Logprobs as float32, rounded to nearest; a finite value beyond float32 becomes +-inf."""
+    if isinstance(xs, np.ndarray) and xs.dtype == np.float32:
+        return xs
+    with np.errstate(over="ignore"):  # the documented rounding, not an error
+        return np.asarray(xs, dtype=np.float32)
+
+
+@dataclass(eq=False)
 class Sample:
-    token_ids: list[int]
-    loss_mask: list[int]
-    logprobs: list[float]
-    versions: list[int]
+    token_ids: np.ndarray
+    loss_mask: np.ndarray
+    logprobs: np.ndarray
+    versions: np.ndarray
     episode_id: str
     group_id: str
     env: str
@@ -39,30 +71,48 @@ class Sample:
     timings: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        n = len(self.token_ids)
-        if not (len(self.loss_mask) == len(self.logprobs) == len(self.versions) == n):
+        t, m, lp, v = self.token_ids, self.loss_mask, self.logprobs, self.versions
+        # The common case (arrays of the right dtypes, from the rollout or the codec) costs a few
+        # identity checks: a sample is built once per decoded record, 256 to a batch.
+        if not (type(t) is np.ndarray and t.dtype is _INT32 and type(m) is np.ndarray and m.dtype is _INT32
+                and type(lp) is np.ndarray and lp.dtype is _FLOAT32 and type(v) is np.ndarray and v.dtype is _INT32):
+            self.token_ids = t = int32_array(t, "token_ids")
+            self.loss_mask = m = mask_array(m)
+            self.logprobs = lp = float32_array(lp)
+            self.versions = v = int32_array(v, "versions")
+        if not (t.ndim == 1 and t.shape == m.shape == lp.shape == v.shape):
             raise ValueError(
-                f"sample {self.sample_id}: per-token lists differ in length "
-                f"(tokens {n}, mask {len(self.loss_mask)}, logprobs {len(self.logprobs)}, "
-                f"versions {len(self.versions)})"
+                f"sample {self.sample_id}: per-token fields must be 1-D of one length "
+                f"(tokens {t.shape}, mask {m.shape}, logprobs {lp.shape}, versions {v.shape})"
             )
 
-    def _generated_versions(self) -> np.ndarray | list[int]:
-        if isinstance(self.versions, np.ndarray) or isinstance(self.loss_mask, np.ndarray):
-            return np.asarray(self.versions)[np.asarray(self.loss_mask) != 0]
-        return [v for v, m in zip(self.versions, self.loss_mask, strict=True) if m]
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Sample):
+            return NotImplemented
+        for f in fields(self):
+            a, b = getattr(self, f.name), getattr(other, f.name)
+            if isinstance(a, np.ndarray):
+                if not np.array_equal(a, b, equal_nan=f.name == "logprobs"):
+                    return False
+            elif a != b:
+                return False
+        return True
+
+    __hash__ = None  # type: ignore[assignment]  # mutable, compared by value
 
     @property
     def min_version(self) -> int:
         """Oldest policy version that produced any generated token (-1 if none was generated)."""
-        generated = self._generated_versions()
-        if isinstance(generated, np.ndarray):
-            return int(generated.min()) if generated.size else -1
-        return min(generated) if generated else -1
+        generated = self.versions[self.loss_mask != 0]
+        return int(generated.min()) if generated.size else -1
 
     def staleness(self, learner_version: int) -> int:
         """Learner version minus the oldest version that produced this sample's tokens."""
         return learner_version - self.min_version if self.min_version >= 0 else 0
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """JSON-ready: the per-token arrays as lists."""
+        d = asdict(self)
+        for k in ("token_ids", "loss_mask", "logprobs", "versions"):
+            d[k] = d[k].tolist()
+        return d

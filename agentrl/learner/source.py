@@ -105,8 +105,7 @@ class ServeSource:
 
     async def get_batch(self, version: int) -> tuple[str, list[Any]] | None:
         # numpy per-token fields straight from the wire bytes; packing makes tensors of them
-        batch = await self.client.get_batch(version, self.max_staleness, self.batch_size, timeout_s=30.0,
-                                            as_arrays=True)
+        batch = await self.client.get_batch(version, self.max_staleness, self.batch_size, timeout_s=30.0)
         return None if batch is None else (batch.batch_id, batch.samples)
 
     async def publish(self, state: dict[str, Any], version: int) -> dict[str, Any]:

@@ -94,7 +94,7 @@ def train_step(state: TrainState, samples: Sequence[Any], cfg: LearnConfig, vers
     rewards = torch.tensor([s.reward for s in usable], dtype=torch.float32)
     adv = group_advantages(rewards, [s.group_id for s in usable]) if usable else rewards
     # the loss sees mask[:, 1:] (the first token is never predicted)
-    total_tokens = sum(int(np.count_nonzero(s.loss_mask[1:])) for s in usable)  # lists or arrays
+    total_tokens = sum(int(np.count_nonzero(s.loss_mask[1:])) for s in usable)
     rows = pack([len(s.token_ids) for s in usable], cfg.micro_batch_tokens)
     passes = math.ceil(len(rows) / ctx.world) if rows else 0
     mine = rows[ctx.rank::ctx.world]

@@ -20,7 +20,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from agentrl.buffer.sample import Sample
@@ -218,19 +218,14 @@ async def _close_env(env: Any) -> None:
 
 
 def _samples(summary: SessionSummary, ep: EpisodeResult) -> list[Sample]:
-    out = []
-    # numpy per-token fields, built once: the buffer stores their bytes without converting lists
-    for st in summary.samples:
-        out.append(Sample(
-            token_ids=st.token_ids, loss_mask=st.loss_mask, logprobs=st.logprobs, versions=st.versions,
-            episode_id=ep.episode_id, group_id=ep.group_id, env=ep.env, reward=ep.reward,
-            truncated=ep.truncated, error=ep.error, error_kind=ep.error_kind,
-            info={"task_id": ep.task_id, "turns": ep.turns, "sandbox_id": ep.sandbox_id, "calls": st.calls,
-                  "truncation": ep.truncation, "splits": ep.splits,
-                  **{k: ep.info[k] for k in ("tools", "tool_calls") if k in ep.info}},
-            timings={"episode_s": ep.seconds, "started": ep.started},
-        ))
-    return out
+    """The session's samples (numpy per-token fields, built once) with the episode's fields."""
+    extra = {k: ep.info[k] for k in ("tools", "tool_calls") if k in ep.info}
+    return [replace(s, episode_id=ep.episode_id, group_id=ep.group_id, env=ep.env, reward=ep.reward,
+                    truncated=ep.truncated, error=ep.error, error_kind=ep.error_kind,
+                    info={"task_id": ep.task_id, "turns": ep.turns, "sandbox_id": ep.sandbox_id,
+                          "calls": s.info["calls"], "truncation": ep.truncation, "splits": ep.splits, **extra},
+                    timings={"episode_s": ep.seconds, "started": ep.started})
+            for s in summary.samples]
 
 
 @dataclass

@@ -5,7 +5,8 @@
   opens the episode's session on serve (``POST /admin/sessions``, with its limits), its calls go
   to ``/sessions/<episode id>/v1`` (the router records exact tokens, logprobs and versions there,
   as in-process), and ``end`` closes it (``POST /admin/sessions/<id>/close``) and brings its
-  samples back.
+  samples back in the buffer's binary batch encoding, decoded into the same
+  :class:`~agentrl.buffer.sample.Sample` objects an in-process session gives.
 - :class:`RemoteBuffer`: the orchestrator's buffer seam (``wait_for_room``, ``put``) over serve's
   ``/buffer/room`` and ``/buffer/samples`` routes.
 - :class:`EpisodeUploader`: a worker's per-episode summary lines, sent in batches to serve's
@@ -26,13 +27,12 @@ import logging
 import time
 from typing import Any
 
-import numpy as np
-
+from agentrl.buffer.codec import CodecError, decode_batch
 from agentrl.client import ServeClient
 from agentrl.errors import TransportError
 from agentrl.router.core import SessionLimits
 from agentrl.router.errors import EngineError, InvalidRequest
-from agentrl.router.sessions import SampleTokens, SessionSummary
+from agentrl.router.sessions import SessionSummary
 
 log = logging.getLogger(__name__)
 
@@ -139,19 +139,22 @@ class RemoteRouter(OpenAIChat):
         got = await self.control.request("POST", f"/admin/sessions/{session_id}/close", accept={404})
         if got.status == 404:
             return None
-        return summary_from_json(got.json())
+        return summary_from_batch(got.body)
 
 
-def summary_from_json(data: dict[str, Any]) -> SessionSummary:
-    """A :class:`SessionSummary` from the close route's answer."""
-    samples = [SampleTokens(token_ids=np.asarray(s["token_ids"], np.int32), loss_mask=np.asarray(s["loss_mask"], np.int32),
-                            logprobs=np.asarray(s["logprobs"], np.float32), versions=np.asarray(s["versions"], np.int32),
-                            calls=list(s["calls"]), finish_reason=s.get("finish_reason"))
-               for s in data["samples"]]
-    return SessionSummary(session_id=str(data["session_id"]), samples=samples, splits=int(data.get("splits", 0)),
-                          calls=int(data.get("calls", 0)), completion_tokens=int(data.get("completion_tokens", 0)),
-                          versions=[int(v) for v in data.get("versions", [])], last_reply=str(data.get("last_reply", "")),
-                          refused=data.get("refused"), model_failures=int(data.get("model_failures", 0)))
+def summary_from_batch(raw: bytes) -> SessionSummary:
+    """A :class:`SessionSummary` from the close route's answer: a binary batch of the session's
+    samples whose header carries the session's figures."""
+    try:
+        batch = decode_batch(raw)
+    except CodecError as e:
+        raise TransportError(f"serve's session answer is not a batch of samples: {e}") from None
+    info = batch.info
+    return SessionSummary(session_id=str(info.get("session_id", batch.batch_id)), samples=batch.samples,
+                          splits=int(info.get("splits", 0)), calls=int(info.get("calls", 0)),
+                          completion_tokens=int(info.get("completion_tokens", 0)),
+                          versions=[int(v) for v in info.get("versions", [])], last_reply=str(info.get("last_reply", "")),
+                          refused=info.get("refused"), model_failures=int(info.get("model_failures", 0)))
 
 
 class RemoteBuffer:

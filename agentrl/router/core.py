@@ -6,6 +6,11 @@ the exact prompt ids, sampled ids, behaviour logprobs and the weight version of 
 in-process; HTTP clients reach the same methods through the server. Streaming calls
 (:mod:`agentrl.router.streaming`) share the preparation and record the same :class:`CallRecord`.
 
+A chat call runs straight through (:meth:`Router.prepare_chat`, :meth:`Router._finish`): validate
+-> pick the renderer, once (local when calibrated and it can render the body, else the engine's)
+-> normalise the messages, once (to find the call it continues, and to record) -> render (the
+whole conversation, or a continued call's new messages) -> generate -> derender -> record.
+
 Retries: a call is retried on another engine only when the engine failed before anything was
 returned to the client; a 4xx is never retried.
 
@@ -31,8 +36,8 @@ import aiohttp
 from agentrl.router.errors import EngineError, InvalidRequest, NotFound, RouterError
 from agentrl.router.metrics import RouterMetrics
 from agentrl.router.pool import Engine, EnginePool, parse_version
-from agentrl.router.render import LocalCodec
-from agentrl.router.sessions import CallRecord, Session, SessionSummary, continued_prompt, normalize_message
+from agentrl.router.render import EngineRenderer, LocalRenderer, Renderer, cap_to_room
+from agentrl.router.sessions import CallRecord, Completion, Session, SessionSummary, normalize_message
 from agentrl.router.validate import validate_chat, validate_completion
 
 log = logging.getLogger(__name__)
@@ -105,8 +110,8 @@ class Prepared:
     choice: int
     want_logprobs: bool
     t0: float
-    codec: LocalCodec | None = None  # set when rendered locally: derender locally too where exact
-    engine_body: dict[str, Any] | None = None  # the body as rendered (logprobs forced on)
+    renderer: Renderer | None = None  # a chat call's (its derender too); None for text completions
+    messages: list[dict[str, Any]] | None = None  # normalised request messages (a session's chat call)
 
 
 class Router:
@@ -121,9 +126,6 @@ class Router:
         self.pool = pool
         if render not in ("auto", "engine"):
             raise ValueError(f"render must be 'auto' or 'engine', not {render!r}")
-        self.codec: LocalCodec | None = (
-            LocalCodec.load(model_dir, max_model_len=max_model_len) if render == "auto" else None)
-        self.codec_state = "unchecked" if self.codec else "off"  # -> "on" | "off" after calibration
         self._calibrating = asyncio.Lock()
         self.model_name = model_name
         self.eos_token_ids = set(eos_token_ids)
@@ -138,6 +140,10 @@ class Router:
             "local_renders": 0, "engine_renders": 0, "local_derenders": 0, "engine_derenders": 0,
             "seeds_ignored": 0,
         }
+        self.engine_renderer = EngineRenderer(pool, max_model_len=max_model_len, counters=self.counters)
+        self.local: LocalRenderer | None = LocalRenderer.load(
+            model_dir, max_model_len=max_model_len, fallback=self.engine_renderer,
+            counters=self.counters) if render == "auto" else None
         self.metrics = RouterMetrics()
         if sessions_dir is not None:
             sessions_dir.mkdir(parents=True, exist_ok=True)
@@ -188,7 +194,7 @@ class Router:
                                  param="messages", code="max_turns_exceeded")
         caps = [lim.max_tokens] if lim.max_tokens else []
         if lim.max_session_tokens:
-            left = lim.max_session_tokens - sum(len(c["token_ids"]) for r in session.records for c in r.completions)
+            left = lim.max_session_tokens - sum(len(c.token_ids) for r in session.records for c in r.completions)
             if left <= 0:
                 lim.refused = "max_tokens"
                 raise InvalidRequest(f"this episode allows at most {lim.max_session_tokens} completion tokens",
@@ -270,45 +276,52 @@ class Router:
         if session_id is not None and session_id in self.sessions:
             self.sessions[session_id].model_failures += 1
 
-    async def local_codec(self, engine: Engine) -> LocalCodec | None:
-        """The codec once calibration on a live engine agreed with it; None means the engine's routes."""
-        if self.codec_state == "unchecked":
-            async with self._calibrating:
-                if self.codec_state == "unchecked" and self.codec is not None:
-                    try:
-                        why = await self.codec.calibrate(self.pool, engine)
-                    except (RouterError, OSError, TimeoutError, aiohttp.ClientError) as e:
-                        # the engine failed: this call takes the engine's routes (and fails or is
-                        # retried there); calibration is tried again on a later call
-                        log.warning("could not calibrate the local render on %s: %s", engine.name, e)
-                        return None
-                    if why is None:
-                        self.codec_state = "on"
-                        log.info("rendering and derendering locally (calibrated on %s)", engine.name)
-                    else:
-                        self.codec_state = "off"
-                        log.warning("local render differs from the engine's (%s): using the engine's "
-                                    "render/derender routes", why)
-        return self.codec if self.codec_state == "on" else None
+    @property
+    def render_state(self) -> str:
+        """The local renderer's state: "unchecked" (not calibrated yet), "on", or "off"."""
+        return self.local.state if self.local is not None else "off"
 
-    async def _engine_render(self, engine: Engine, body: dict[str, Any]) -> dict[str, Any]:
-        """The engine's render route: a generate request (prompt ids and sampling params)."""
-        try:
-            return await self.pool.call(engine, "/v1/chat/completions/render", body)
-        except InvalidRequest as e:
-            if e.code == "context_length_exceeded":
-                e.param = "messages"
-            raise
+    async def _calibrate_local(self, engine: Engine) -> None:
+        """Calibrate the local renderer on a live engine, once; until it agreed, calls use the engine's routes."""
+        async with self._calibrating:
+            local = self.local
+            if local is None or local.state != "unchecked":
+                return
+            try:
+                why = await local.calibrate(self.pool, engine)
+            except (RouterError, OSError, TimeoutError, aiohttp.ClientError) as e:
+                # the engine failed: this call takes the engine's routes (and fails or is retried
+                # there); calibration is tried again on a later call
+                log.warning("could not calibrate the local render on %s: %s", engine.name, e)
+                return
+            if why is None:
+                local.state = "on"
+                log.info("rendering and derendering locally (calibrated on %s)", engine.name)
+            else:
+                local.state = "off"
+                log.warning("local render differs from the engine's (%s): using the engine's "
+                            "render/derender routes", why)
 
-    async def _base_ids(self, engine: Engine, body: dict[str, Any], codec: LocalCodec | None,
-                        messages: list[dict[str, Any]]) -> list[int]:
-        """Ids of ``messages`` rendered without a generation prompt (a continued session's base)."""
-        if codec is not None:
-            return codec.render_ids(body, messages, add_generation_prompt=False)
-        base = await self._engine_render(engine, dict(body, messages=messages, add_generation_prompt=False))
-        return base["token_ids"]
+    async def calibrate(self, engine: Engine) -> None:
+        """Every check the call path would otherwise make on its first calls: the local render
+        against the engine, and for each renderer whether continued calls render linearly."""
+        await self._calibrate_local(engine)
+        renderers: list[Renderer] = [self.engine_renderer]
+        if self.local is not None and self.local.state == "on":
+            renderers.append(self.local)
+        for r in renderers:  # each checks once; a decided one returns at once
+            await r.check_continuations(engine, self.model_name, self.eos_token_ids)
+
+    async def renderer_for(self, engine: Engine, body: dict[str, Any]) -> Renderer:
+        """The call's renderer: local when calibrated and it renders this body exactly, else the engine's."""
+        if self.local is not None and self.local.state == "unchecked":
+            await self._calibrate_local(engine)
+        if self.local is not None and self.local.state == "on" and self.local.can_render(body):
+            return self.local
+        return self.engine_renderer
 
     async def prepare_chat(self, engine: Engine, body: Any, session_id: str | None, t0: float) -> Prepared:
+        # validate
         body = self.validate(body)
         session = self.open_session(session_id) if session_id else None
         cap = self._admit(session)
@@ -317,55 +330,28 @@ class Router:
         engine_body.pop("stream_options", None)
         if not want_logprobs:
             engine_body.pop("top_logprobs", None)
-        codec = await self.local_codec(engine) if self.codec_state != "off" else None
-        if codec is not None and not codec.can_render(engine_body):
-            codec = None
-        gen_req: dict[str, Any]
-        if codec is not None:
-            try:
-                full_ids = codec.render_ids(engine_body)
-            except Exception as e:  # a template that raises: the engine answers with its own 4xx
-                log.debug("local render failed (%s); asking the engine", e)
-                codec = None
-        if codec is not None:
-            self.counters["local_renders"] += 1
-            gen_req = {}
-        else:
-            self.counters["engine_renders"] += 1
-            gen_req = await self._engine_render(engine, engine_body)
-            full_ids = gen_req["token_ids"]
-        prompt_ids = full_ids
+        # the renderer, once
+        renderer = await self.renderer_for(engine, engine_body)
+        # the messages normalised, once: to find the call this one continues, and to record
+        messages = [normalize_message(m) for m in body["messages"]] if session is not None else None
         parent: CallRecord | None = None
         choice = 0
+        if session is not None and messages is not None and session.records:
+            parent, choice = session.find_parent(messages) or (None, 0)
+        # render: the whole conversation, or a continued call's new messages
+        prompt = await renderer.prompt(engine, engine_body, parent, choice, self.eos_token_ids)
         if session is not None and session.records:
-            found = session.find_parent(body["messages"])
-            if found is not None:
-                parent, choice = found
-                k = len(parent.messages) + 1
-                base_ids = await self._base_ids(engine, engine_body, codec, body["messages"][:k])
-                ids = continued_prompt(parent, choice, base_ids, full_ids, self.eos_token_ids)
-                if ids is None:
-                    parent = None
-                else:
-                    prompt_ids = ids
-            if parent is None:
+            if prompt.continues:
+                self.counters["continued"] += 1
+            else:
+                parent = None
                 session.splits += 1
                 self.counters["splits"] += 1
-            else:
-                self.counters["continued"] += 1
-        if codec is not None:
-            self._check_length(prompt_ids, {})
-            gen_req = codec.generate_request(engine_body, prompt_ids)
-        else:
-            self._check_length(prompt_ids, gen_req.setdefault("sampling_params", {}))
-            if prompt_ids is not full_ids:  # the engine's max_tokens was for the re-rendered prompt
-                sp = gen_req["sampling_params"]
-                sp["max_tokens"] = min(sp.get("max_tokens") or self.max_model_len,
-                                       self.max_model_len - len(prompt_ids))
-        self._cap(gen_req.setdefault("sampling_params", {}), cap)
-        gen_req["token_ids"] = prompt_ids
-        return Prepared("chat", engine, body, gen_req, prompt_ids, session, parent, choice, want_logprobs, t0,
-                        codec, engine_body)
+        self._check_length(prompt.ids)
+        gen_req = renderer.generate_request(engine_body, prompt)
+        self._cap(gen_req["sampling_params"], cap)
+        return Prepared("chat", engine, body, gen_req, prompt.ids, session, parent, choice, want_logprobs, t0,
+                        renderer, messages)
 
     async def prepare_completion(self, engine: Engine, body: Any, session_id: str | None,
                                  t0: float) -> Prepared:
@@ -379,7 +365,8 @@ class Router:
         gen_req = rendered[0] if isinstance(rendered, list) else rendered
         prompt_ids: list[int] = gen_req["token_ids"]
         self._cap(gen_req.setdefault("sampling_params", {}), cap)
-        self._check_length(prompt_ids, gen_req["sampling_params"])
+        self._check_length(prompt_ids)
+        cap_to_room(gen_req["sampling_params"], len(prompt_ids), self.max_model_len)
         return Prepared("completion", engine, body, gen_req, prompt_ids, session, None, 0, want_logprobs, t0)
 
     async def _finish(self, prep: Prepared) -> dict[str, Any]:
@@ -388,16 +375,8 @@ class Router:
         gen = await self.pool.call(engine, "/inference/v1/generate", prep.gen_req)
         stripped = [strip_eos(ch, self.eos_token_ids) for ch in gen["choices"]]
         shown = dict(gen, choices=[ch for ch, _ in stripped])
-        out = None
-        if prep.codec is not None and prep.codec.can_derender(prep.body, shown):
-            out = prep.codec.derender_chat(shown, prep.body)
-        if out is not None:
-            self.counters["local_derenders"] += 1
-        elif prep.kind == "chat":
-            self.counters["engine_derenders"] += 1
-            out = await self.pool.call(engine, "/v1/chat/completions/derender", {
-                "generate_response": shown, "prompt_token_ids": prep.prompt_ids,
-                "prompt_tokens": len(prep.prompt_ids), "chat_request": prep.body})
+        if prep.renderer is not None:
+            out = await prep.renderer.derender(engine, prep.body, shown, prep.prompt_ids)
         else:
             out = await self.pool.call(engine, "/v1/completions/derender", {
                 "generate_responses": [shown], "prompt_token_ids": [prep.prompt_ids],
@@ -416,48 +395,43 @@ class Router:
             oc["token_ids"] = ids
         out["model"] = self.model_name
         out["prompt_token_ids"] = prep.prompt_ids
-        n_out = sum(len(c["token_ids"]) for c in comps)
+        n_out = sum(len(c.token_ids) for c in comps)
         out["usage"] = {"prompt_tokens": len(prep.prompt_ids), "completion_tokens": n_out,
                         "total_tokens": len(prep.prompt_ids) + n_out}
         rec = self.record(prep, comps)
         if rec is not None:
             out["agentrl"] = {"session_id": rec.session_id, "call_index": rec.index, "parent": rec.parent,
-                              "versions": [c["versions"] for c in comps]}
+                              "versions": [c.versions for c in comps]}
         return out
 
     def completion_entry(self, engine: Engine, ids: list[int], lps: list[float],
                          weight_versions: list[dict[str, Any]] | None, finish_reason: str | None,
-                         stop_reason: Any, message: dict[str, Any]) -> dict[str, Any]:
+                         stop_reason: Any, message: dict[str, Any]) -> Completion:
         """One choice as captured: exact ids, behaviour logprobs, per-token versions."""
         if len(lps) != len(ids):
             raise EngineError(f"engine {engine.name} returned {len(lps)} logprobs for {len(ids)} tokens")
         if finish_reason == "stop" and stop_reason is None and ids:
             self.eos_token_ids.add(ids[-1])
-        return {"token_ids": ids, "logprobs": lps, "versions": token_versions(weight_versions, len(ids)),
-                "finish_reason": finish_reason, "message": message}
+        return Completion(ids, lps, token_versions(weight_versions, len(ids)), finish_reason, message)
 
-    def record(self, prep: Prepared, comps: list[dict[str, Any]]) -> CallRecord | None:
+    def record(self, prep: Prepared, comps: list[Completion]) -> CallRecord | None:
         """Count the call's tokens and, in a session, write its record (as the call completes)."""
         self.counters["prompt_tokens"] += len(prep.prompt_ids)
-        self.counters["completion_tokens"] += sum(len(c["token_ids"]) for c in comps)
+        self.counters["completion_tokens"] += sum(len(c.token_ids) for c in comps)
         if prep.session is None:
             return None
         session = prep.session
-        messages = [normalize_message(m) for m in prep.body["messages"]] if prep.kind == "chat" else []
         rec = CallRecord(
             session_id=session.session_id, index=len(session.records),
             parent=prep.parent.index if prep.parent else None, choice=prep.choice,
             prompt_ids=prep.prompt_ids, completions=comps, engine=prep.engine.name,
-            latency_s=time.perf_counter() - prep.t0, messages=messages,
+            latency_s=time.perf_counter() - prep.t0, messages=prep.messages or [],
         )
         session.record(rec)
         return rec
 
-    def _check_length(self, prompt_ids: list[int], sampling: dict[str, Any]) -> None:
+    def _check_length(self, prompt_ids: list[int]) -> None:
         if len(prompt_ids) >= self.max_model_len:
             raise InvalidRequest(
                 f"this model's maximum context length is {self.max_model_len} tokens; the prompt has "
                 f"{len(prompt_ids)}", param="messages", code="context_length_exceeded")
-        max_tokens = sampling.get("max_tokens")
-        if max_tokens is None or len(prompt_ids) + max_tokens > self.max_model_len:
-            sampling["max_tokens"] = self.max_model_len - len(prompt_ids)

@@ -1,28 +1,39 @@
-"""Local render and derender: the engine's chat template and tool parser, run in the router process.
+"""Rendering: a chat request to prompt ids, and generated ids back to a chat completion.
 
-Routing a completion through vLLM's render, token-in generate and derender routes costs three
-HTTP round trips. :class:`LocalCodec` does render and derender here, with the same tokenizer and
-chat template files the engine loaded, so a call costs one round trip (generate). It mirrors what
-vLLM 0.32 does for a chat request:
+One interface, :class:`Renderer`, two implementations, picked once per call by the router:
 
-- render: messages normalised as vLLM's ``parse_chat_messages`` does (text parts joined with a
-  newline, assistant tool-call arguments parsed to objects, ``{}`` when they are not valid JSON),
-  tools as vLLM dumps them, then ``tokenizer.apply_chat_template(..., tokenize=True)``; sampling
-  parameters as the render route builds them (with the engine's defaults, learned by calibration);
-- derender: the output ids decoded with special tokens kept (a tool parser is configured), then
-  the hermes parser (``<tool_call>{json}</tool_call>``; any malformed call leaves the whole text as
-  content, as vLLM does).
+- :class:`LocalRenderer` renders and derenders in the router process with the same tokenizer
+  and chat template files the engine loaded, so a call costs one engine round trip (generate).
+  It mirrors what vLLM 0.32 does for a chat request: messages normalised as vLLM's
+  ``parse_chat_messages`` does (text parts joined with a newline, assistant tool-call arguments
+  parsed to objects, ``{}`` when they are not valid JSON), tools as vLLM dumps them, then
+  ``tokenizer.apply_chat_template(..., tokenize=True)``; sampling parameters as the render route
+  builds them (with the engine's defaults, learned by calibration); derender decodes the ids with
+  special tokens kept, then runs the hermes parser (``<tool_call>{json}</tool_call>``; any
+  malformed call leaves the whole text as content, as vLLM does).
+- :class:`EngineRenderer` asks the engine (``/v1/chat/completions/render`` and ``/derender``):
+  three round trips per completion, exact for anything the engine accepts.
 
-Exactness is the invariant. The codec takes only requests it fully understands (:meth:`can_render`,
-:meth:`can_derender`); anything else (content that is not text, named or required tool choice,
-structured outputs, logit bias, logprobs shown to the client, stop strings, a tail that is not
-valid UTF-8 ...) goes to the engine's own routes. And before it is trusted, :meth:`calibrate`
-renders and derenders probe requests both ways on a live engine; any difference switches the
-router to the engine's routes for good, with a warning.
+Exactness is the invariant. The local renderer takes only requests it fully understands
+(:meth:`LocalRenderer.can_render`; derender: :meth:`LocalRenderer.can_derender`, else it hands
+the choice to the engine's derender); anything else (content that is not text, named or
+required tool choice, structured outputs, logit bias, logprobs shown to the client, stop
+strings, a tail that is not valid UTF-8 ...) goes to the engine's routes. Before it is trusted,
+:meth:`LocalRenderer.calibrate` renders and derenders probe requests both ways on a live engine;
+any difference switches the router to the engine's routes for good, with a warning.
+
+A continued session call (the machinery in :class:`Renderer`) costs one render of its new
+messages only: the tokens the template adds after an assistant reply are
+``R(D + new, gen)[len(R(D)):]`` for the short fixed base ``D`` (same tools), with ``R(D)``'s end
+of turn; ``R(D)`` is cached per tool set. Each renderer checks once, on probe conversations
+(:func:`~agentrl.router.calibration.check_continuations`), that this equals rendering the whole
+conversation twice; where it does not (or for requests outside the probed shapes) it renders the
+whole conversation twice, as exact as before, and says why in the log.
 """
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import itertools
 import json
@@ -30,14 +41,31 @@ import logging
 import re
 import secrets
 import time
+from abc import ABC, abstractmethod
+from collections import defaultdict
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from jinja2.runtime import new_context
 
+from agentrl.router.calibration import (
+    BASE_CONVERSATION,
+    CALIBRATION_OUTPUTS,
+    calibration_bodies,
+    check_continuations,
+    probe_renders,
+    same_message,
+    same_sampling,
+    served_model,
+)
+from agentrl.router.errors import EngineError, InvalidRequest
+from agentrl.router.sessions import CallRecord, continued_prompt
+
 log = logging.getLogger(__name__)
 
-# Body keys the local path handles; any other key sends the request to the engine's routes.
+# Body keys the local path handles; any other key sends the request to the engine's routes (and
+# keeps a continued call on the two-render path: the key might change how the template renders).
 LOCAL_CHAT_KEYS = frozenset({
     "messages", "model", "tools", "tool_choice", "n", "max_tokens", "max_completion_tokens", "temperature",
     "top_p", "seed", "stop", "logprobs", "top_logprobs", "presence_penalty", "frequency_penalty", "stream",
@@ -54,12 +82,219 @@ _BILLING_HEADER = "x-anthropic-billing-header"  # vLLM strips system parts that 
 _TOOL_CALL = "<tool_call>"
 _TOOL_CALL_RE = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)", re.DOTALL)
 _OUTPUT_KIND_FINAL = 2  # vLLM RequestOutputKind.FINAL_ONLY: what render sets for a non-streamed body
+_MAX_BASES = 64  # cached base renders (one per distinct tool set); cleared when full
 
 
-class LocalCodec:
-    """Renders chat requests to prompt ids and parses generated ids back, exactly as the engine."""
+@dataclass
+class Rendered:
+    """A call's prompt ids, and how they came about."""
 
-    def __init__(self, tokenizer: Any, *, max_model_len: int, model_dir: str = "") -> None:
+    ids: list[int]
+    by: str  # "local" | "engine": which renderer produced them (the router's counters)
+    gen_req: dict[str, Any] | None = None  # the engine's generate request, for an engine render
+    continues: bool = False  # the ids extend the parent call's tokens (else the whole conversation)
+
+
+def plain_chat(body: dict[str, Any]) -> bool:
+    """Keys and messages of the shapes the local renderer and the continuation probes cover."""
+    return body.keys() <= LOCAL_CHAT_KEYS and all(_plain_message(m) for m in body["messages"])
+
+
+def _plain_message(m: dict[str, Any]) -> bool:
+    if not m.keys() <= _MESSAGE_KEYS or m["role"] not in _ROLES:
+        return False
+    text = _text(m.get("content"))
+    if text is None or (m["role"] == "system" and text.startswith(_BILLING_HEADER)):
+        return False
+    calls = m.get("tool_calls")
+    return calls is None or (m["role"] == "assistant" and isinstance(calls, list) and all(
+        isinstance(c, dict) and c.get("type", "function") == "function" and isinstance(c.get("function"), dict)
+        for c in calls))
+
+
+def cap_to_room(sampling: dict[str, Any], prompt_len: int, max_model_len: int) -> None:
+    """``max_tokens`` no more than fits after the prompt (all of that room when it is unset)."""
+    max_tokens = sampling.get("max_tokens")
+    if max_tokens is None or prompt_len + max_tokens > max_model_len:
+        sampling["max_tokens"] = max_model_len - prompt_len
+
+
+class Renderer(ABC):
+    """Turns a chat request into prompt ids and a generate request, and a generation back into a
+    chat completion. Override :meth:`render`, :meth:`generate_request` and :meth:`derender`; the
+    machinery below them (:meth:`prompt`, :meth:`continuation`) builds a call's prompt the same
+    way for every implementation, and counts ``<by>_renders`` once per call."""
+
+    name: ClassVar[str]
+
+    def __init__(self, counters: dict[str, float] | None = None) -> None:
+        self.counters: dict[str, float] = counters if counters is not None else defaultdict(float)
+        # how continued calls render: "unchecked" -> "linear" (new messages only) | "two-render"
+        self.continuations = "unchecked"
+        self._bases: dict[str, list[int]] = {}  # R(BASE_CONVERSATION) per tool set
+        self._checking = asyncio.Lock()
+
+    # -- override these ---------------------------------------------------------------------------
+    @abstractmethod
+    async def render(self, engine: Any, body: dict[str, Any], messages: list[dict[str, Any]] | None = None,
+                     add_generation_prompt: bool = True) -> Rendered:
+        """``body`` (with ``messages`` in place of its own, when given) rendered to prompt ids."""
+
+    @abstractmethod
+    def generate_request(self, body: dict[str, Any], prompt: Rendered) -> dict[str, Any]:
+        """The token-in generate request for ``prompt``: its ids, the body's sampling parameters,
+        ``max_tokens`` no more than fits after the prompt."""
+
+    @abstractmethod
+    async def derender(self, engine: Any, body: dict[str, Any], gen: dict[str, Any],
+                       prompt_ids: list[int]) -> dict[str, Any]:
+        """The chat completion for the generate response ``gen`` (sampled eos tokens stripped)."""
+
+    # -- hooks ------------------------------------------------------------------------------------
+    async def probe_ids(self, engine: Any, body: dict[str, Any], messages: list[dict[str, Any]],
+                        add_generation_prompt: bool) -> list[int]:
+        """A render for the continuation check (the local renderer's own, never the engine's)."""
+        return (await self.render(engine, body, messages, add_generation_prompt)).ids
+
+    def continues_linearly(self, body: dict[str, Any]) -> bool:
+        """Whether ``body`` is of the shapes the continuation check probed."""
+        return plain_chat(body)
+
+    # -- machinery --------------------------------------------------------------------------------
+    async def prompt(self, engine: Any, body: dict[str, Any], parent: CallRecord | None, choice: int,
+                     eos_ids: set[int]) -> Rendered:
+        """The call's prompt: the whole conversation rendered, or for a call that continues choice
+        ``choice`` of ``parent``, that call's tokens followed by the new messages' (:meth:`continuation`)."""
+        out = await (self.render(engine, body) if parent is None
+                     else self.continuation(engine, body, parent, choice, eos_ids))
+        self.counters[f"{out.by}_renders"] += 1
+        return out
+
+    async def continuation(self, engine: Any, body: dict[str, Any], parent: CallRecord, choice: int,
+                           eos_ids: set[int]) -> Rendered:
+        """Parent prompt + its completion as sampled + end of turn + the new messages' tokens.
+
+        Linear (checked): one render of the new messages after the base conversation (whose
+        render is cached). Otherwise the whole conversation rendered twice, with and without the
+        new messages. Where the template does not extend the conversation by the new messages'
+        tokens, the whole conversation's render, not continuing (a new sample).
+        """
+        k = len(parent.messages) + 1
+        new = body["messages"][k:]
+        if await self._linear(engine, body, eos_ids):
+            base = await self._base(engine, body)
+            rendered = await self.render(engine, body, BASE_CONVERSATION + new)
+            whole = False
+        else:
+            rendered = await self.render(engine, body)
+            base = (await self.render(engine, body, body["messages"][:k], add_generation_prompt=False)).ids
+            whole = True
+        ids = continued_prompt(parent, choice, base, rendered.ids, eos_ids)
+        if ids is not None:
+            return replace(rendered, ids=ids, continues=True)
+        if not whole:  # the probes did not show this: render the whole conversation
+            log.info("a continued call's new messages did not extend the base conversation; new sample")
+            rendered = await self.render(engine, body)
+        return rendered
+
+    async def _linear(self, engine: Any, body: dict[str, Any], eos_ids: set[int]) -> bool:
+        if self.continuations == "unchecked":
+            await self.check_continuations(engine, body["model"], eos_ids)
+        return self.continuations == "linear" and self.continues_linearly(body)
+
+    async def _base(self, engine: Any, body: dict[str, Any]) -> list[int]:
+        key = json.dumps([body.get("tools"), body.get("tool_choice")], sort_keys=True, separators=(",", ":"))
+        ids = self._bases.get(key)
+        if ids is None:
+            ids = (await self.render(engine, body, BASE_CONVERSATION, add_generation_prompt=False)).ids
+            if len(self._bases) >= _MAX_BASES:
+                self._bases.clear()
+            self._bases[key] = ids
+        return ids
+
+    async def check_continuations(self, engine: Any, model: str, eos_ids: set[int]) -> None:
+        """Decide, once, whether continued calls may render only their new messages (see
+        :mod:`agentrl.router.calibration`). An engine failure leaves it undecided (two renders
+        this time, checked again on a later call)."""
+        async with self._checking:
+            if self.continuations != "unchecked":
+                return
+
+            async def render(body: dict[str, Any], messages: list[dict[str, Any]], gen: bool) -> list[int]:
+                return await self.probe_ids(engine, body, messages, gen)
+
+            try:
+                why = await check_continuations(render, eos_ids, model)
+            except EngineError as e:
+                log.warning("could not check continued-call rendering (%s renderer): %s", self.name, e.message)
+                return
+            except Exception as e:  # a probe the template or the engine refuses: not shown to be exact
+                why = f"a probe failed to render: {type(e).__name__}: {e}"
+            if why is None:
+                self.continuations = "linear"
+                log.info("continued calls render only their new messages (%s renderer)", self.name)
+            else:
+                self.continuations = "two-render"
+                log.warning("continued calls render the whole conversation twice (%s renderer): %s", self.name, why)
+
+
+class EngineRenderer(Renderer):
+    """The engine's own render and derender routes (exact for anything the engine accepts)."""
+
+    name = "engine"
+
+    def __init__(self, pool: Any, *, max_model_len: int, counters: dict[str, float] | None = None) -> None:
+        super().__init__(counters)
+        self.pool = pool
+        self.max_model_len = max_model_len
+
+    async def render(self, engine: Any, body: dict[str, Any], messages: list[dict[str, Any]] | None = None,
+                     add_generation_prompt: bool = True) -> Rendered:
+        req = body
+        if messages is not None:
+            req = dict(body, messages=messages)
+        if not add_generation_prompt:
+            req = dict(req, add_generation_prompt=False)
+        try:
+            got = await self.pool.call(engine, "/v1/chat/completions/render", req)
+        except InvalidRequest as e:
+            if e.code == "context_length_exceeded":
+                e.param = "messages"
+            raise
+        return Rendered(got["token_ids"], "engine", gen_req=got)
+
+    def generate_request(self, body: dict[str, Any], prompt: Rendered) -> dict[str, Any]:
+        """The engine's generate request with the call's prompt ids. Its ``max_tokens`` was computed
+        for the ids the engine rendered (for a continued call, not the prompt): capped to the room
+        after the prompt."""
+        assert prompt.gen_req is not None, "an engine render carries the engine's generate request"
+        sampling = dict(prompt.gen_req.get("sampling_params") or {})
+        cap_to_room(sampling, len(prompt.ids), self.max_model_len)
+        return dict(prompt.gen_req, token_ids=prompt.ids, sampling_params=sampling)
+
+    async def derender(self, engine: Any, body: dict[str, Any], gen: dict[str, Any],
+                       prompt_ids: list[int]) -> dict[str, Any]:
+        self.counters["engine_derenders"] += 1
+        return await self.pool.call(engine, "/v1/chat/completions/derender", {
+            "generate_response": gen, "prompt_token_ids": prompt_ids, "prompt_tokens": len(prompt_ids),
+            "chat_request": body})
+
+
+class LocalRenderer(Renderer):
+    """Renders chat requests to prompt ids and parses generated ids back, exactly as the engine.
+
+    ``fallback`` (the router's :class:`EngineRenderer`) takes what the local path cannot do
+    exactly: a template that raises (the engine answers with its own error) and outputs
+    :meth:`can_derender` refuses. ``state``: "unchecked" until :meth:`calibrate` ran, then "on" or
+    "off" (set by the router)."""
+
+    name = "local"
+
+    def __init__(self, tokenizer: Any, *, max_model_len: int, model_dir: str = "",
+                 fallback: EngineRenderer | None = None, counters: dict[str, float] | None = None) -> None:
+        super().__init__(counters)
+        self.fallback = fallback
+        self.state = "unchecked"
         self.tok = tokenizer
         self.template: str = tokenizer.chat_template
         self.max_model_len = max_model_len
@@ -85,8 +320,9 @@ class LocalCodec:
         self._id_prefix = secrets.token_hex(4)
 
     @classmethod
-    def load(cls, model_dir: str | Path | None, *, max_model_len: int) -> LocalCodec | None:
-        """The codec for a model folder, or None (with the reason logged) when it cannot be exact."""
+    def load(cls, model_dir: str | Path | None, *, max_model_len: int, fallback: EngineRenderer | None = None,
+             counters: dict[str, float] | None = None) -> LocalRenderer | None:
+        """The renderer for a model folder, or None (with the reason logged) when it cannot be exact."""
         if not model_dir or not Path(model_dir).is_dir():
             log.info("no local model folder (%s): the router uses the engine's render/derender routes", model_dir)
             return None
@@ -105,32 +341,35 @@ class LocalCodec:
             log.warning("the tokenizer in %s is not a byte-level fast tokenizer with a chat template: using the "
                         "engine's render/derender", model_dir)
             return None
-        return cls(tok, max_model_len=max_model_len, model_dir=str(model_dir))
+        return cls(tok, max_model_len=max_model_len, model_dir=str(model_dir), fallback=fallback, counters=counters)
 
     # -- render -----------------------------------------------------------------------------------
     def can_render(self, body: dict[str, Any]) -> bool:
         """Whether the local render reproduces the engine's for this (validated) chat body."""
-        if not body.keys() <= LOCAL_CHAT_KEYS:
-            return False
         if body.get("tool_choice") not in (None, "auto", "none"):
             return False
-        tools = body.get("tools")
-        if tools is not None:
-            for t in tools:
-                if not t.keys() <= _TOOL_KEYS or t.get("type", "function") != "function" \
-                        or not t["function"].keys() <= _FUNCTION_KEYS or t["function"].get("strict"):
-                    return False  # strict tools make vLLM add a structured-output grammar
-        for m in body["messages"]:
-            if not m.keys() <= _MESSAGE_KEYS or m["role"] not in _ROLES or _text(m.get("content")) is None:
-                return False
-            if m["role"] == "system" and _text(m.get("content")).startswith(_BILLING_HEADER):
-                return False
-            calls = m.get("tool_calls")
-            if calls is not None and (m["role"] != "assistant" or not isinstance(calls, list) or not all(
-                    isinstance(c, dict) and c.get("type", "function") == "function"
-                    and isinstance(c.get("function"), dict) for c in calls)):
-                return False
-        return True
+        for t in body.get("tools") or ():
+            if not t.keys() <= _TOOL_KEYS or t.get("type", "function") != "function" \
+                    or not t["function"].keys() <= _FUNCTION_KEYS or t["function"].get("strict"):
+                return False  # strict tools make vLLM add a structured-output grammar
+        return plain_chat(body)
+
+    def continues_linearly(self, body: dict[str, Any]) -> bool:
+        return True  # can_render, which chose this renderer for the call, checked plain_chat
+
+    async def render(self, engine: Any, body: dict[str, Any], messages: list[dict[str, Any]] | None = None,
+                     add_generation_prompt: bool = True) -> Rendered:
+        try:
+            return Rendered(self.render_ids(body, messages, add_generation_prompt), "local")
+        except Exception as e:  # a template that raises: the engine answers with its own 4xx
+            if self.fallback is None:
+                raise
+            log.debug("local render failed (%s); asking the engine", e)
+            return await self.fallback.render(engine, body, messages, add_generation_prompt)
+
+    async def probe_ids(self, engine: Any, body: dict[str, Any], messages: list[dict[str, Any]],
+                        add_generation_prompt: bool) -> list[int]:
+        return self.render_ids(body, messages, add_generation_prompt)
 
     def conversation(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """Messages as vLLM hands them to the chat template."""
@@ -216,13 +455,26 @@ class LocalCodec:
         sp.update(output_kind=_OUTPUT_KIND_FINAL, skip_clone=True, bad_words=[], skip_reading_prefix_cache=False)
         return sp
 
-    def generate_request(self, body: dict[str, Any], prompt_ids: list[int]) -> dict[str, Any]:
+    def generate_request(self, body: dict[str, Any], prompt: Rendered) -> dict[str, Any]:
+        if prompt.gen_req is not None:  # the template raised and the engine rendered this call
+            assert self.fallback is not None
+            return self.fallback.generate_request(body, prompt)
         # unique per router process (a random prefix) without a system call per request
-        return {"request_id": f"chatcmpl-{self._id_prefix}{next(self._ids):x}", "token_ids": prompt_ids,
-                "sampling_params": self.sampling_params(body, len(prompt_ids)), "model": body.get("model"),
+        return {"request_id": f"chatcmpl-{self._id_prefix}{next(self._ids):x}", "token_ids": prompt.ids,
+                "sampling_params": self.sampling_params(body, len(prompt.ids)), "model": body.get("model"),
                 "stream": False}
 
     # -- derender ---------------------------------------------------------------------------------
+    async def derender(self, engine: Any, body: dict[str, Any], gen: dict[str, Any],
+                       prompt_ids: list[int]) -> dict[str, Any]:
+        out = self.derender_chat(gen, body) if self.can_derender(body, gen) else None
+        if out is not None:
+            self.counters["local_derenders"] += 1
+            return out
+        if self.fallback is None:
+            raise EngineError("this choice cannot be derendered locally and no engine renderer is set")
+        return await self.fallback.derender(engine, body, gen, prompt_ids)
+
     def can_derender(self, body: dict[str, Any], gen: dict[str, Any]) -> bool:
         """Local derender is exact for these; stop strings and client logprobs go to the engine."""
         if body.get("logprobs"):
@@ -257,15 +509,19 @@ class LocalCodec:
 
     # -- calibration ------------------------------------------------------------------------------
     async def calibrate(self, pool: Any, engine: Any) -> str | None:
-        """Compare local and engine render/derender on probe requests; the first difference, or None."""
-        probe = {"model": None, "messages": [{"role": "user", "content": "."}], "logprobs": True}
-        probe["model"] = await _served_model(pool, engine)
+        """Compare local and engine render/derender on probe requests; the first difference, or None.
+
+        Besides the calibration bodies, every conversation the continuation check renders is
+        compared (with and without a generation prompt), so that check's local renders are the
+        engine's too."""
+        model = await served_model(pool, engine)
+        probe = {"model": model, "messages": [{"role": "user", "content": "."}], "logprobs": True}
         got = await pool.call(engine, "/v1/chat/completions/render", probe, count=False)
         sp = got.get("sampling_params") or {}
         self.defaults = {k: sp[k] for k, _ in _DEFAULTED if k in sp}
         if "top_k" in sp:
             self.defaults["top_k"] = sp["top_k"]
-        for body in calibration_bodies(probe["model"]):
+        for body in calibration_bodies(model):
             ref = await pool.call(engine, "/v1/chat/completions/render", body, count=False)
             ids = self.render_ids(body)
             if ids != ref["token_ids"] or ids != self.render_ids_reference(body):
@@ -285,6 +541,13 @@ class LocalCodec:
                                                      theirs["choices"][0]["message"]):
                     return (f"derender differs for {text!r} ({_brief(body)}): local "
                             f"{local and local['choices'][0]['message']}, engine {theirs['choices'][0]['message']}")
+        for body, messages, gen_prompt in probe_renders(model):
+            req = dict(body, messages=messages) if gen_prompt else dict(body, messages=messages,
+                                                                        add_generation_prompt=False)
+            ref = await pool.call(engine, "/v1/chat/completions/render", req, count=False)
+            ids = self.render_ids(body, messages, gen_prompt)
+            if ids != ref["token_ids"] or ids != self.render_ids_reference(body, messages, gen_prompt):
+                return f"prompt ids differ for {_brief(req)}"
         return None
 
 
@@ -306,66 +569,6 @@ def parse_hermes(text: str) -> tuple[list[dict[str, str]], str | None]:
     if content is not None and content.strip() == "":
         content = None
     return calls, content
-
-
-# vLLM's SamplingParams defaults: its render route leaves out some fields that hold them.
-SAMPLING_DEFAULTS: dict[str, Any] = {
-    "n": 1, "max_tokens": 16, "top_k": 0, "skip_special_tokens": True, "seed": None, "stop": [],
-    "stop_token_ids": [], "logprobs": None, "output_kind": 0, "skip_clone": False, "bad_words": [],
-    "skip_reading_prefix_cache": False, "temperature": 1.0, "top_p": 1.0, "min_p": 0.0,
-    "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0, "output_text_buffer_length": 0,
-}
-
-
-def same_sampling(a: dict[str, Any], b: dict[str, Any]) -> bool:
-    """The same sampling parameters once fields left out are read as vLLM's defaults."""
-    return all(a.get(k, SAMPLING_DEFAULTS.get(k)) == b.get(k, SAMPLING_DEFAULTS.get(k)) for k in a.keys() | b.keys())
-
-
-def same_message(a: dict[str, Any], b: dict[str, Any]) -> bool:
-    """Equal as the client sees them, tool-call ids aside (those are random on both sides)."""
-    def strip(m: dict[str, Any]) -> dict[str, Any]:
-        m = dict(m)
-        if m.get("tool_calls"):
-            m["tool_calls"] = [{k: v for k, v in c.items() if k != "id"} for c in m["tool_calls"]]
-        return m
-    return strip(a) == strip(b)
-
-
-TOOLS = [{"type": "function", "function": {"name": "python", "description": "Run Python code.", "parameters": {
-    "type": "object", "properties": {"code": {"type": "string"}}, "required": ["code"]}}}]
-
-
-def calibration_bodies(model: str) -> list[dict[str, Any]]:
-    """Probe requests: plain, system prompt, tools, a tool round trip with invalid arguments, sampling."""
-    call = {"id": "c1", "type": "function", "function": {"name": "python", "arguments": '{"code": "print(1)"}'}}
-    bad = {"id": "c2", "type": "function", "function": {"name": "python", "arguments": "{not json"}}
-    return [
-        {"model": model, "messages": [{"role": "user", "content": "hi"}], "logprobs": True},
-        {"model": model, "messages": [{"role": "system", "content": "Be brief."},
-                                      {"role": "user", "content": "héllo ✓"}], "logprobs": True,
-         "n": 2, "temperature": 0.5, "top_p": 0.9, "seed": 3, "stop": ["x"], "max_tokens": 7},
-        {"model": model, "tools": TOOLS, "logprobs": True, "max_tokens": 16, "messages": [
-            {"role": "system", "content": "Use tools."}, {"role": "user", "content": "1+1?"},
-            {"role": "assistant", "content": None, "tool_calls": [call, bad]},
-            {"role": "tool", "tool_call_id": "c1", "content": "2"}, {"role": "tool", "tool_call_id": "c2",
-                                                                      "content": "error"}]},
-    ]
-
-
-CALIBRATION_OUTPUTS = (
-    "plain answer",
-    'ok <tool_call>\n{"name": "python", "arguments": {"code": "print(\'é\')"}}\n</tool_call>',
-    '<tool_call>\n{"name": "python", "arguments": {"code": "1"}\n</tool_call>',  # invalid JSON
-)
-
-
-async def _served_model(pool: Any, engine: Any) -> str:
-    import aiohttp
-
-    async with pool._http.get(engine.url + "/v1/models", timeout=aiohttp.ClientTimeout(total=30)) as r:
-        data = await r.json()
-    return data["data"][0]["id"]
 
 
 def _text(content: Any) -> str | None:

@@ -11,6 +11,13 @@ unknown session is refused rather than created. A session's own records
 (``GET /sessions/<id>/records``) need that session's key ``sess-<id>`` or the admin token, so
 one session cannot read another's. Every error is an OpenAI-style JSON body; nothing a client
 sends crashes the router.
+
+A session's samples (``GET /admin/sessions/<id>/samples``, and ``POST /admin/sessions/<id>/close``,
+which a rollout worker on another machine calls at an episode's end) travel in the buffer's binary
+batch encoding (``application/octet-stream``, :func:`agentrl.buffer.codec.encode_batch`): the
+per-token numbers are encoded once, as the buffer stores them; the batch header's ``info`` holds
+``session_id``, ``splits`` and ``calls``, its ``learner_version`` the policy version the router
+serves.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ from typing import Any
 
 from aiohttp import web
 
+from agentrl.buffer.codec import Batch, encode_batch
 from agentrl.router.core import Router, SessionLimits
 from agentrl.router.errors import InvalidRequest, NotFound, RouterError, Unauthorized
 from agentrl.router.metrics import metrics_text
@@ -133,7 +141,7 @@ async def own_records(request: web.Request) -> web.Response:
     s = request.app[ROUTER_KEY].sessions.get(sid)
     if s is None:
         raise NotFound(f"unknown session {sid!r}", param="session_id")
-    return web.json_response({"session_id": sid, "records": [vars(r) for r in s.records]}, dumps=_dumps)
+    return web.json_response({"session_id": sid, "records": [r.to_dict() for r in s.records]}, dumps=_dumps)
 
 
 async def models(request: web.Request) -> web.Response:
@@ -167,15 +175,19 @@ async def create_session(request: web.Request) -> web.Response:
     return web.json_response({"session_id": s.session_id, "base_url": base})
 
 
-def _samples_json(samples: list[Any]) -> list[dict[str, Any]]:
-    return [{k: (v.tolist() if hasattr(v, "tolist") else v) for k, v in vars(x).items()} for x in samples]
+def _samples_response(router: Router, session_id: str, samples: list[Any], info: dict[str, Any]) -> web.Response:
+    """A session's samples as one binary batch whose header carries the session's figures (see the
+    module docstring): the per-token numbers are encoded once, as the buffer stores them."""
+    batch = Batch(batch_id=session_id, samples=samples, learner_version=router.pool.version,
+                  info={"session_id": session_id, **info})
+    return web.Response(body=encode_batch(batch), content_type="application/octet-stream")
 
 
 async def session_samples(request: web.Request) -> web.Response:
     require_admin(request)
-    s = request.app[ROUTER_KEY].get_session(request.match_info["sid"])
-    return web.json_response({"session_id": s.session_id, "splits": s.splits, "calls": len(s.records),
-                              "samples": [vars(x) for x in s.samples()]})
+    router = request.app[ROUTER_KEY]
+    s = router.get_session(request.match_info["sid"])
+    return _samples_response(router, s.session_id, s.samples(), {"splits": s.splits, "calls": len(s.records)})
 
 
 async def close_session(request: web.Request) -> web.Response:
@@ -183,12 +195,12 @@ async def close_session(request: web.Request) -> web.Response:
     ends an episode."""
     require_admin(request)
     sid = request.match_info["sid"]
-    summary = await request.app[ROUTER_KEY].end(sid)
+    router = request.app[ROUTER_KEY]
+    summary = await router.end(sid)
     if summary is None:
         raise NotFound(f"unknown session {sid!r}", param="session_id")
-    out = {k: v for k, v in vars(summary).items() if k != "samples"}
-    out["samples"] = _samples_json(summary.samples)
-    return web.json_response(out, dumps=_dumps)
+    return _samples_response(router, sid, summary.samples,
+                             {k: v for k, v in vars(summary).items() if k not in ("samples", "session_id")})
 
 
 async def engines_status(request: web.Request) -> web.Response:

@@ -8,6 +8,14 @@ template adds for the new messages (the rendered suffix beyond the earlier conve
 never re-tokenised, so a multi-turn episode becomes one sample whose loss mask covers exactly the
 sampled tokens. A request that does not continue (history edited, template not prefix-stable)
 starts a new sample, counted.
+
+How the new messages' tokens are found (one render of the new messages against a short fixed
+base, or today's two renders of the whole conversation) is the renderer's business
+(:mod:`agentrl.router.render`); the token arithmetic is :func:`continued_prompt`, here.
+
+Shapes: a :class:`CallRecord` holds what the engine said, as it said it (lists, logged as JSON
+lines); :meth:`Session.samples` turns the records into :class:`~agentrl.buffer.sample.Sample`
+objects with numpy per-token fields, the one shape a sample has from here to the learner.
 """
 
 from __future__ import annotations
@@ -18,6 +26,10 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+
+import numpy as np
+
+from agentrl.buffer.sample import Sample
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +60,17 @@ def normalize_message(m: dict[str, Any]) -> dict[str, Any]:
 
 
 @dataclass
+class Completion:
+    """One choice of a call, exactly as the engine produced it."""
+
+    token_ids: list[int]  # the sampled ids, a sampled end-of-sequence token included
+    logprobs: list[float]  # behaviour logprob of each sampled id
+    versions: list[int]  # policy version that sampled each id
+    finish_reason: str | None
+    message: dict[str, Any]  # the assistant message returned to the client
+
+
+@dataclass
 class CallRecord:
     """One model call, exactly as the engine saw and produced it."""
 
@@ -56,26 +79,17 @@ class CallRecord:
     parent: int | None  # index of the call this one extends token-for-token, or None
     choice: int  # which choice of the parent this call continues
     prompt_ids: list[int]
-    completions: list[dict[str, Any]]  # per choice: token_ids, logprobs, versions, finish_reason, message
+    completions: list[Completion]
     engine: str
     created: float = field(default_factory=time.time)
     latency_s: float = 0.0
     messages: list[dict[str, Any]] = field(default_factory=list)  # normalised request messages
 
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
     def to_json(self) -> str:
         return json.dumps(asdict(self))
-
-
-@dataclass
-class SampleTokens:
-    """Token-level content of one sample built from a chain of calls."""
-
-    token_ids: list[int]  # or numpy arrays from ``Session.samples(as_arrays=True)``
-    loss_mask: list[int]
-    logprobs: list[float]
-    versions: list[int]
-    calls: list[int]
-    finish_reason: str | None
 
 
 @dataclass
@@ -83,7 +97,7 @@ class SessionSummary:
     """A closed session as the episode that owned it needs it: the same in-process and over HTTP."""
 
     session_id: str
-    samples: list[SampleTokens]
+    samples: list[Sample]  # its token-level samples; the episode fills in its own fields
     splits: int = 0  # calls that could not continue an earlier call and started a new sample
     calls: int = 0  # model calls recorded
     completion_tokens: int = 0
@@ -104,12 +118,10 @@ class Session:
 
     def summary(self, refused: str | None = None) -> SessionSummary:
         comps = [c for r in self.records for c in r.completions]
-        last = next((str(c["message"]["content"]) for c in reversed(comps)
-                     if (c.get("message") or {}).get("content")), "")
-        return SessionSummary(self.session_id, self.samples(as_arrays=True), self.splits, len(self.records),
-                              sum(len(c["token_ids"]) for c in comps),
-                              sorted({v for c in comps for v in c["versions"]}), last, refused,
-                              self.model_failures)
+        last = next((str(c.message["content"]) for c in reversed(comps) if (c.message or {}).get("content")), "")
+        return SessionSummary(self.session_id, self.samples(), self.splits, len(self.records),
+                              sum(len(c.token_ids) for c in comps), sorted({int(v) for c in comps for v in c.versions}),
+                              last, refused, self.model_failures)
 
     def record(self, rec: CallRecord) -> None:
         self.records.append(rec)
@@ -118,79 +130,90 @@ class Session:
                 f.write(rec.to_json() + "\n")
 
     def find_parent(self, messages: list[dict[str, Any]]) -> tuple[CallRecord, int] | None:
-        """The latest call whose messages + returned reply are a prefix of ``messages``."""
-        norm = [normalize_message(m) for m in messages]
+        """The latest call whose messages + returned reply are a prefix of ``messages`` (already
+        normalised with :func:`normalize_message`, as the caller also records them)."""
         for rec in reversed(self.records):
             k = len(rec.messages)
-            if len(norm) <= k + 1 or norm[:k] != rec.messages:
+            if len(messages) <= k + 1 or messages[:k] != rec.messages:
                 continue
             for ci, comp in enumerate(rec.completions):
-                if normalize_message(comp["message"]) == norm[k]:
+                if normalize_message(comp.message) == messages[k]:
                     return rec, ci
         return None
 
-    def samples(self, as_arrays: bool = False) -> list[SampleTokens]:
+    def samples(self) -> list[Sample]:
         """One sample per leaf call: the call and the chain of calls it extends.
 
-        ``as_arrays``: the per-token fields as numpy arrays (int32 ids, mask and versions, float32
-        logprobs), what the rollout hands the buffer, which stores their bytes without converting
-        lists; by default lists (JSON-ready).
+        The per-token fields are numpy arrays (int32 ids, mask and versions, float32 logprobs),
+        what the buffer stores as they are. The episode's fields are the episode's to fill (the
+        agent loop replaces them): here ``episode_id`` is the session id, ``group_id`` and ``env``
+        come from the session's meta, the reward is 0, and ``info`` holds ``calls`` (the chain of
+        call indexes) and the leaf's ``finish_reason``.
         """
         extended = {(r.parent, r.choice) for r in self.records if r.parent is not None}
         by_index = {r.index: r for r in self.records}
-        out: list[SampleTokens] = []
+        out: list[Sample] = []
         for leaf in self.records:
             for ci, comp in enumerate(leaf.completions):
                 if (leaf.index, ci) in extended:
                     continue
-                tokens: Any = leaf.prompt_ids + comp["token_ids"]
+                tokens = np.array(leaf.prompt_ids + comp.token_ids, dtype=np.int32)
                 n = len(tokens)
-                mask: Any
-                logprobs: Any
-                versions: Any
-                if as_arrays:
-                    import numpy as np
-
-                    tokens = np.array(tokens, dtype=np.int32)
-                    mask = np.zeros(n, dtype=np.int32)
-                    logprobs = np.zeros(n, dtype=np.float32)
-                    versions = np.full(n, -1, dtype=np.int32)
-                else:
-                    mask, logprobs, versions = [0] * n, [0.0] * n, [-1] * n
+                mask = np.zeros(n, dtype=np.int32)
+                logprobs = np.zeros(n, dtype=np.float32)
+                versions = np.full(n, -1, dtype=np.int32)
                 chain: list[int] = []
                 rec, c = leaf, ci
                 while True:
                     chain.append(rec.index)
                     cc = rec.completions[c]
-                    start, k = len(rec.prompt_ids), len(cc["logprobs"])
-                    if len(cc["versions"]) != k or start + k > n:
+                    start, k = len(rec.prompt_ids), len(cc.logprobs)
+                    if len(cc.versions) != k or start + k > n:
                         raise ValueError(f"session {self.session_id} call {rec.index}: {k} logprobs, "
-                                         f"{len(cc['versions'])} versions, at {start} of {n} tokens")
-                    mask[start : start + k] = [1] * k
-                    logprobs[start : start + k] = cc["logprobs"]
-                    versions[start : start + k] = cc["versions"]
+                                         f"{len(cc.versions)} versions, at {start} of {n} tokens")
+                    mask[start : start + k] = 1
+                    logprobs[start : start + k] = cc.logprobs
+                    versions[start : start + k] = cc.versions
                     if rec.parent is None:
                         break
                     rec, c = by_index[rec.parent], rec.choice
-                out.append(SampleTokens(tokens, mask, logprobs, versions, chain[::-1], comp["finish_reason"]))
+                out.append(Sample(tokens, mask, logprobs, versions, episode_id=self.session_id,
+                                  group_id=str(self.meta.get("group_id", "")), env=str(self.meta.get("env", "")),
+                                  reward=0.0, info={"calls": chain[::-1], "finish_reason": comp.finish_reason}))
         return out
+
+
+def continuation_tail(base_ids: list[int], full_ids: list[int], eos_ids: set[int]) -> list[int] | None:
+    """The tokens a continued call adds after the parent's completion: the template's end of turn
+    (``base_ids`` from its last eos on) and what ``full_ids`` renders beyond ``base_ids``.
+
+    ``base_ids`` renders a conversation that ends with an assistant reply (no generation prompt),
+    ``full_ids`` the same conversation plus new messages (with it). None when ``full_ids`` does not
+    extend ``base_ids`` (the template is not prefix-stable there) or ``base_ids`` has no eos.
+    """
+    if len(full_ids) < len(base_ids) or full_ids[: len(base_ids)] != base_ids:
+        return None
+    last_eos = next((i for i in range(len(base_ids) - 1, -1, -1) if base_ids[i] in eos_ids), None)
+    if last_eos is None:
+        return None
+    return base_ids[last_eos:] + full_ids[len(base_ids):]
 
 
 def continued_prompt(parent: CallRecord, choice: int, base_ids: list[int], full_ids: list[int],
                      eos_ids: set[int]) -> list[int] | None:
-    """Token-in/token-out prompt for a call that extends ``parent``'s chosen completion.
+    """Token-in/token-out prompt for a call that extends ``parent``'s chosen completion: the
+    parent's prompt, its completion exactly as sampled, then :func:`continuation_tail`.
 
-    ``base_ids``: the engine's rendering of the conversation up to and including the parent's reply
-    (no generation prompt); ``full_ids``: its rendering of the new request. Returns None when the
-    template is not prefix-stable here (the caller then uses ``full_ids`` and starts a new sample).
+    ``base_ids``/``full_ids``: a rendering of a conversation ending with an assistant reply (no
+    generation prompt), and of it plus the call's new messages. Either the call's own conversation
+    up to the parent's reply, or a short fixed one the template treats alike (the renderer checks
+    which is exact). Returns None when the template is not prefix-stable here (the caller then
+    renders the whole conversation and starts a new sample).
     """
-    if len(full_ids) < len(base_ids) or full_ids[: len(base_ids)] != base_ids:
+    tail = continuation_tail(base_ids, full_ids, eos_ids)
+    if tail is None:
         return None
-    last_eos = max((i for i, t in enumerate(base_ids) if t in eos_ids), default=None)
-    if last_eos is None:
-        return None
-    completion = parent.completions[choice]["token_ids"]
-    end_of_turn = base_ids[last_eos:]  # eos plus the template's separator after it
+    completion = parent.completions[choice].token_ids
     if completion and completion[-1] in eos_ids:
-        end_of_turn = end_of_turn[1:]  # the model sampled the eos itself
-    return parent.prompt_ids + completion + end_of_turn + full_ids[len(base_ids):]
+        tail = tail[1:]  # the model sampled the eos itself
+    return parent.prompt_ids + completion + tail
