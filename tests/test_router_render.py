@@ -265,9 +265,9 @@ def test_a_five_turn_session_renders_each_turn_once_and_gives_the_two_render_pro
     messages are rendered after, rendered once per tool set and cached. Not 2 per continued call
     (9 here, O(turns^2) tokens). And every continued prompt is exactly what rendering the whole
     conversation twice gives (the engine's render route, with and without the new messages)."""
+    from agentrl.models import eos_token_ids
     from agentrl.router import EnginePool, Router
     from agentrl.router.sessions import continued_prompt
-    from agentrl.models import eos_token_ids
 
     def engine_ids(body: dict[str, Any], messages: list[dict[str, Any]], gen: bool) -> list[int]:
         r = requests.post(engine_url + "/v1/chat/completions/render", timeout=60,
