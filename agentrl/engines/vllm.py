@@ -84,6 +84,7 @@ class EngineSpec(EngineOptions):
     host: str = "127.0.0.1"
     port: int = 8100
     env: dict[str, str] = field(default_factory=dict)  # extra environment variables for the engine process
+    api_key: str = ""  # with a key, the engine answers only requests that carry it (agentrl.engines.guard)
 
     def command(self) -> list[str]:
         cmd = [
@@ -98,6 +99,8 @@ class EngineSpec(EngineOptions):
         ]
         if self.enforce_eager:
             cmd.append("--enforce-eager")
+        if self.api_key:  # the key itself travels in the environment, never on the command line
+            cmd += ["--middleware", "agentrl.engines.guard.EngineGuard"]
         return cmd + list(self.extra_args)
 
     def environment(self, cache_root: Path) -> dict[str, str]:
@@ -110,6 +113,9 @@ class EngineSpec(EngineOptions):
                 env.setdefault("VLLM_CPU_OMP_THREADS_BIND", cores)
                 env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
         env.update(self.env)
+        env.pop("AGENTRL_ENGINE_KEY", None)
+        if self.api_key:
+            env["AGENTRL_ENGINE_KEY"] = self.api_key
         return env
 
 

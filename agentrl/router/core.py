@@ -37,7 +37,14 @@ from agentrl.router.errors import EngineError, InvalidRequest, NotFound, RouterE
 from agentrl.router.metrics import RouterMetrics
 from agentrl.router.pool import Engine, EnginePool, parse_version
 from agentrl.router.render import EngineRenderer, LocalRenderer, Renderer, cap_to_room
-from agentrl.router.sessions import CallRecord, Completion, Session, SessionSummary, normalize_message
+from agentrl.router.sessions import (
+    CallRecord,
+    Completion,
+    Session,
+    SessionSummary,
+    normalize_message,
+    valid_session_id,
+)
 from agentrl.router.validate import validate_chat, validate_completion
 
 log = logging.getLogger(__name__)
@@ -152,6 +159,9 @@ class Router:
     def open_session(self, session_id: str | None = None, limits: SessionLimits | None = None,
                      **meta: Any) -> Session:
         sid = session_id or uuid.uuid4().hex
+        if not valid_session_id(sid):
+            raise InvalidRequest("a session id has 1-128 letters, digits, '_', '-' or inner '.' (no path), "
+                                 f"not {sid[:60]!r}", param="session_id", code="invalid_session_id")
         if limits is not None:
             self.session_limits[sid] = limits
         if sid in self.sessions:

@@ -56,9 +56,10 @@ def parse_version(v: Any) -> int:
 
 class EnginePool:
     def __init__(self, urls: list[str], *, request_timeout_s: float = 600.0, control_timeout_s: float = 60.0,
-                 health_interval_s: float = 2.0, health_failures: int = 3) -> None:
+                 health_interval_s: float = 2.0, health_failures: int = 3, api_key: str = "") -> None:
         """``health_failures``: consecutive failed health checks before an engine is taken out (a
-        refused or dropped connection during a call takes it out at once)."""
+        refused or dropped connection during a call takes it out at once). ``api_key``: the key the
+        engines serve launched demand (agentrl.engines.guard); sent with every call."""
         if not urls:
             raise ValueError("the engine pool needs at least one engine URL")
         self.engines = [Engine(url=u.rstrip("/"), name=f"engine-{i}") for i, u in enumerate(urls)]
@@ -69,7 +70,8 @@ class EnginePool:
         self.version = 0  # the policy version the engines serve; set by whoever updates them
         self._affinity: dict[str, Engine] = {}
         self._http: aiohttp.ClientSession | None = None
-        self._upstream = Upstream()  # the hot path (render / generate / derender calls)
+        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._upstream = Upstream(api_key)  # the hot path (render / generate / derender calls)
         self._health_task: asyncio.Task | None = None
         # Closed (cleared) by the weight-update code around a pause window: new engine calls wait
         # here instead of failing; calls already in flight are kept by vLLM's pause(mode=keep).
@@ -84,7 +86,7 @@ class EnginePool:
         # Keep-alive connections, unbounded in number (a router at 1,024 concurrent calls keeps as
         # many open); ordinary HTTP/1.1, one request per connection at a time.
         self._http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=60),
-                                           skip_auto_headers=("User-Agent",))
+                                           skip_auto_headers=("User-Agent",), headers=self._headers)
         self._health_task = asyncio.create_task(self._health_loop(), name="engine-health")
 
     async def close(self) -> None:

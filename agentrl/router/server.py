@@ -34,6 +34,7 @@ from agentrl.router.core import Router, SessionLimits
 from agentrl.router.errors import InvalidRequest, NotFound, RouterError, Unauthorized
 from agentrl.router.metrics import metrics_text
 from agentrl.router.pool import dumps, loads
+from agentrl.router.sessions import valid_session_id
 from agentrl.router.streaming import open_stream
 from agentrl.web import ADMIN_TOKEN, bearer, error_middleware, require_admin, token_matches
 
@@ -49,6 +50,9 @@ def _session_of(request: web.Request) -> str | None:
     key = _bearer(request)
     if sid is None and key and key.startswith("sess-"):
         sid = key[5:]
+    if sid is not None and not valid_session_id(sid):  # before any work: it would name a file
+        raise InvalidRequest("a session id has 1-128 letters, digits, '_', '-' or inner '.' (no path), "
+                             f"not {sid[:60]!r}", param="session_id", code="invalid_session_id")
     return sid
 
 

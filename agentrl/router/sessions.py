@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -32,6 +33,14 @@ import numpy as np
 from agentrl.buffer.sample import Sample
 
 log = logging.getLogger(__name__)
+
+# A session id names a file (sessions/<id>.jsonl) and travels in URLs, headers and keys: letters,
+# digits, "_", "-" and inner dots only, at most 128 characters; never a path.
+_SESSION_ID = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}")
+
+
+def valid_session_id(sid: str) -> bool:
+    return isinstance(sid, str) and _SESSION_ID.fullmatch(sid) is not None and ".." not in sid
 
 
 def _norm_args(args: Any) -> Any:

@@ -167,8 +167,10 @@ def _dechunk(buf: bytearray, pos: int) -> bytes | None:
 
 
 class Upstream:
-    def __init__(self, idle_s: float = IDLE_S) -> None:
+    def __init__(self, api_key: str = "", idle_s: float = IDLE_S) -> None:
         self.idle_s = idle_s
+        # the engine's key (agentrl.engines.guard), sent with every request; empty: none
+        self._auth = f"Authorization: Bearer {api_key}\r\n" if api_key else ""
         self._idle: dict[tuple[str, int], deque[_Connection]] = {}
         self._addr: dict[str, tuple[str, int, str]] = {}
 
@@ -184,8 +186,8 @@ class Upstream:
     async def post(self, base_url: str, path: str, payload: bytes, timeout_s: float) -> tuple[int, bytes]:
         """POST ``payload`` (JSON) to ``base_url + path``: (status, body). Bounded by ``timeout_s``."""
         host, port, prefix = self._address(base_url)
-        request = (f"POST {prefix}{path} HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
-                   f"Content-Length: {len(payload)}\r\n\r\n").encode("latin-1") + payload
+        request = (f"POST {prefix}{path} HTTP/1.1\r\nHost: {host}:{port}\r\n{self._auth}"
+                   f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\n\r\n").encode("latin-1") + payload
         key = (host, port)
         async with asyncio.timeout(timeout_s):
             conn = self._take(key)

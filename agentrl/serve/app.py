@@ -106,21 +106,23 @@ class Serve:
         self.model_path = await asyncio.to_thread(resolve_model, cfg.model)
 
         urls = list(cfg.engine.urls)
+        # engines serve launches answer only serve (a key per run); running ones (engine.urls) are theirs
+        self.engine_key = "" if urls else build.engine_key()
         if not urls and cfg.ray.address:  # engines (and later rollout workers) as Ray actors
             from agentrl.serve.ray import RayCluster
 
-            self.cluster = RayCluster(cfg, self.model_path, self.run_dir)
+            self.cluster = RayCluster(cfg, self.model_path, self.run_dir, engine_key=self.engine_key)
             self._phase(f"starting {cfg.engine.count} engine actor(s) on the Ray cluster")
             urls = await self.cluster.start_engines()
         if not urls:
             from agentrl.serve.local import LocalEngines
 
-            self.local = LocalEngines(build.engine_specs(cfg, self.model_path), self.run_dir / "logs")
+            self.local = LocalEngines(build.engine_specs(cfg, self.model_path, self.engine_key), self.run_dir / "logs")
             self.local.launch()  # from this (main) thread: the reaper dies with us
             self._phase(f"starting {cfg.engine.count} engine(s)")
             urls = await self.local.start(cfg.engine.start_timeout_s)
         self._phase("connecting to the engines")
-        self.pool = build.build_pool(cfg, urls)
+        self.pool = build.build_pool(cfg, urls, self.engine_key)
         await self.pool.start()
         self.updater = EngineUpdater(self.pool)  # brings engines to a version; rejoins through pool.on_rejoin
         await self.updater.start()  # stamps the engines with the pool's version

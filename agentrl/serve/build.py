@@ -41,15 +41,23 @@ def drops_seeds(cfg: ServeConfig) -> bool:
     return r.seed == "ignore" or (r.seed == "auto" and not e.gpu and not e.urls)
 
 
-def engine_specs(cfg: ServeConfig, model_path: str) -> list[EngineSpec]:
+def engine_key() -> str:
+    """A fresh secret for the engines serve launches: they answer only requests that carry it."""
+    return secrets.token_urlsafe(24)
+
+
+def engine_specs(cfg: ServeConfig, model_path: str, api_key: str = "") -> list[EngineSpec]:
     """The launch specs of the ``engine.count`` engines serve starts for ``model_path``."""
-    return [cfg.engine.spec(i, model_path, cfg.model) for i in range(cfg.engine.count)]
+    return [dataclasses.replace(cfg.engine.spec(i, model_path, cfg.model), api_key=api_key)
+            for i in range(cfg.engine.count)]
 
 
-def build_pool(cfg: ServeConfig, urls: list[str]) -> EnginePool:
+def build_pool(cfg: ServeConfig, urls: list[str], api_key: str = "") -> EnginePool:
+    """The engine pool; ``api_key``: the key of the engines serve launched (none for ``engine.urls``)."""
     from agentrl.router import EnginePool
 
-    return EnginePool(urls, request_timeout_s=cfg.router.request_timeout_s, health_failures=cfg.router.health_failures)
+    return EnginePool(urls, request_timeout_s=cfg.router.request_timeout_s, health_failures=cfg.router.health_failures,
+                      api_key=api_key)
 
 
 def build_router(cfg: ServeConfig, pool: EnginePool, model_path: str, run_dir: Path | None) -> Router:

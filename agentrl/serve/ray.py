@@ -25,6 +25,7 @@ Ray is imported only here, and only when ``serve.ray.address`` is set.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import socket
@@ -146,8 +147,9 @@ class RolloutWorkerHost:
 class RayCluster:
     """The driver side: places actors, supervises them, reports them in serve's status."""
 
-    def __init__(self, cfg: ServeConfig, model_path: str, run_dir: Path) -> None:
+    def __init__(self, cfg: ServeConfig, model_path: str, run_dir: Path, engine_key: str = "") -> None:
         self.cfg = cfg
+        self.engine_key = engine_key  # to the engine actors through Ray's channels, never a command line
         self.model_path = model_path
         self.run_dir = run_dir
         self.ray = import_ray()
@@ -171,7 +173,7 @@ class RayCluster:
 
     def _engine_actor(self, i: int) -> Any:
         cfg, rc = self.cfg, self.cfg.ray
-        spec = cfg.engine.spec(i, self.model_path, cfg.model)
+        spec = dataclasses.replace(cfg.engine.spec(i, self.model_path, cfg.model), api_key=self.engine_key)
         spec_dict = {k: v for k, v in vars(spec).items() if k != "host"}
         actor_cls = self.ray.remote(EngineHost).options(
             num_cpus=rc.engine_cpus, num_gpus=rc.engine_gpus, resources=dict(rc.engine_resources) or None,
