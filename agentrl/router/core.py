@@ -152,6 +152,11 @@ class Router:
             model_dir, max_model_len=max_model_len, fallback=self.engine_renderer,
             counters=self.counters) if render == "auto" else None
         self.metrics = RouterMetrics()
+        # no prompt longer than this many characters can fit the context, however it tokenises; and no
+        # body longer than this many bytes can carry such a prompt (a character is at most 6 bytes in
+        # JSON, "\uXXXX"; 1 MiB for the structure around the text)
+        self.max_prompt_chars = max_model_len * (self.local.max_token_chars if self.local is not None else 64)
+        self.max_request_bytes = 6 * self.max_prompt_chars + (1 << 20)
         if sessions_dir is not None:
             sessions_dir.mkdir(parents=True, exist_ok=True)
 
@@ -219,7 +224,7 @@ class Router:
 
     # -- validation -------------------------------------------------------------------------------
     def validate(self, body: Any) -> dict[str, Any]:
-        return self._seedless(validate_chat(body, self.model_name))
+        return self._seedless(validate_chat(body, self.model_name, self.max_prompt_chars))
 
     def _seedless(self, body: dict[str, Any]) -> dict[str, Any]:
         """``body`` without its ``seed`` when the router drops seeds (a copy: the caller's stays whole)."""

@@ -61,6 +61,7 @@ from agentrl.router.calibration import (
 )
 from agentrl.router.errors import EngineError, InvalidRequest
 from agentrl.router.sessions import CallRecord, continued_prompt
+from agentrl.router.validate import text_size
 
 log = logging.getLogger(__name__)
 
@@ -117,6 +118,11 @@ def cap_to_room(sampling: dict[str, Any], prompt_len: int, max_model_len: int) -
     max_tokens = sampling.get("max_tokens")
     if max_tokens is None or prompt_len + max_tokens > max_model_len:
         sampling["max_tokens"] = max_model_len - prompt_len
+
+
+# a request with more text than this is rendered in a worker thread (below it, the hop costs more
+# than the render)
+OFFLOAD_CHARS = 32_000
 
 
 class Renderer(ABC):
@@ -296,6 +302,8 @@ class LocalRenderer(Renderer):
         self.fallback = fallback
         self.state = "unchecked"
         self.tok = tokenizer
+        # the most characters one token can stand for (byte-level: a token string's length bounds its text)
+        self.max_token_chars = max((len(t) for t in tokenizer.get_vocab()), default=64) or 64
         self.template: str = tokenizer.chat_template
         self.max_model_len = max_model_len
         self.model_dir = model_dir
@@ -360,7 +368,12 @@ class LocalRenderer(Renderer):
     async def render(self, engine: Any, body: dict[str, Any], messages: list[dict[str, Any]] | None = None,
                      add_generation_prompt: bool = True) -> Rendered:
         try:
-            return Rendered(self.render_ids(body, messages, add_generation_prompt), "local")
+            if text_size(body if messages is None else dict(body, messages=messages)) > OFFLOAD_CHARS:
+                # tokenising a long prompt takes milliseconds to seconds: not on the loop every call shares
+                ids = await asyncio.to_thread(self.render_ids, body, messages, add_generation_prompt)
+            else:
+                ids = self.render_ids(body, messages, add_generation_prompt)
+            return Rendered(ids, "local")
         except Exception as e:  # a template that raises: the engine answers with its own 4xx
             if self.fallback is None:
                 raise

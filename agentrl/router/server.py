@@ -96,9 +96,18 @@ def _dumps(obj: Any) -> str:
 
 async def _completion_route(request: web.Request, kind: str) -> web.StreamResponse:
     _check_client(request)
-    body = await _json_body(request)
     router = request.app[ROUTER_KEY]
     sid = _session_of(request)
+    limit = router.max_request_bytes
+    if kind == "chat" and limit and request.content_length is not None and request.content_length > limit:
+        # so much text cannot fit the context whatever it says: refused before it is read or parsed,
+        # and the connection closed (draining the rest of the body would cost the loop as much)
+        resp = InvalidRequest(f"the request has {request.content_length} bytes: more than a prompt that fits "
+                              f"this model's context can take ({limit})", param="messages",
+                              code="context_length_exceeded").response()
+        resp.force_close()
+        return resp
+    body = await _json_body(request)
     if isinstance(body, dict) and body.get("stream") is True:
         return await _stream(request, await open_stream(router, kind, body, sid))
     fn = router.chat if kind == "chat" else router.complete

@@ -62,7 +62,36 @@ def check_sampling(body: dict[str, Any]) -> None:
         raise InvalidRequest("'stream_options' must be an object", param="stream_options")
 
 
-def validate_chat(body: Any, model_name: str) -> dict[str, Any]:
+def text_size(body: dict[str, Any]) -> int:
+    """Characters of text a chat request carries (message contents, tool-call arguments, tools): a
+    cheap bound of its prompt, taken before anything is tokenised."""
+    n = 0
+    for m in body.get("messages") or []:
+        if not isinstance(m, dict):
+            continue
+        content = m.get("content")
+        if isinstance(content, str):
+            n += len(content)
+        elif isinstance(content, list):
+            n += sum(len(p.get("text") or "") for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
+        for c in m.get("tool_calls") or []:
+            args = (c.get("function") or {}).get("arguments") if isinstance(c, dict) else None
+            n += len(args) if isinstance(args, str) else 0
+    tools = body.get("tools")
+    if isinstance(tools, list):
+        n += sum(len(repr(t)) for t in tools)
+    return n
+
+
+def check_size(body: dict[str, Any], max_chars: int) -> None:
+    """Refuse a request whose text cannot fit the context however it tokenises (``max_chars`` =
+    context length x the longest token's characters): a huge prompt costs no tokenising at all."""
+    if max_chars and (n := text_size(body)) > max_chars:
+        raise InvalidRequest(f"the prompt has {n} characters: more than this model's context can hold "
+                             f"({max_chars} characters at most)", param="messages", code="context_length_exceeded")
+
+
+def validate_chat(body: Any, model_name: str, max_chars: int = 0) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise InvalidRequest("the request body must be a JSON object")
     check_model(body, model_name)
@@ -73,6 +102,7 @@ def validate_chat(body: Any, model_name: str) -> dict[str, Any]:
         if not isinstance(m, dict) or m.get("role") not in ALLOWED_ROLES:
             raise InvalidRequest(f"messages[{i}] must be an object with a role in {sorted(ALLOWED_ROLES)}",
                                  param=f"messages[{i}]")
+    check_size(body, max_chars)
     check_sampling(body)
     lp = body.get("logprobs")
     if lp is not None and not isinstance(lp, bool):

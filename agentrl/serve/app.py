@@ -188,7 +188,8 @@ class Serve:
         from agentrl.web import require_admin
         from agentrl.weights import WeightReceiver
 
-        app = make_app(self.router, admin_token=self.admin_token, api_keys=self.api_keys)
+        app = make_app(self.router, admin_token=self.admin_token, api_keys=self.api_keys,
+                       client_max_size=self.cfg.router.max_body_mb << 20)
         add_buffer_routes(app, self.buffer, self.admin_token)
         self.weights = WeightReceiver(self.run_dir / "weights", self.updater, max_bytes=weights_cap(self.model_path))
         self.weights.add_routes(app, require_admin)

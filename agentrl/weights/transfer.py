@@ -189,7 +189,7 @@ class WeightReceiver:
             offset = header_int(request, "X-Offset", required=True)
             total = header_int(request, "X-Total-Bytes", required=False)
             assert offset is not None
-            await self.chunk(version, int(text), offset, await request.read(), request.headers.get("X-Sha256", ""),
+            await self.chunk(version, int(text), offset, await _read_chunk(request), request.headers.get("X-Sha256", ""),
                              total)
             return web.json_response({"ok": True})
 
@@ -248,6 +248,22 @@ class WeightReceiver:
         app.router.add_post("/admin/weights/{version}/commit", commit)
         app.router.add_post("/admin/weights/nccl/init", nccl_init)
         app.router.add_post("/admin/weights/nccl/{version}/update", nccl_update)
+
+
+MAX_CHUNK_BYTES = 64 << 20
+
+
+async def _read_chunk(request: web.Request) -> bytes:
+    """A chunk's body, up to :data:`MAX_CHUNK_BYTES` (the app's own body limit is for chat requests,
+    far smaller than a weight chunk; this route has its own)."""
+    if request.content_length is not None and request.content_length > MAX_CHUNK_BYTES:
+        raise web.HTTPRequestEntityTooLarge(max_size=MAX_CHUNK_BYTES, actual_size=request.content_length)
+    data = bytearray()
+    async for piece in request.content.iter_chunked(1 << 20):
+        data += piece
+        if len(data) > MAX_CHUNK_BYTES:
+            raise web.HTTPRequestEntityTooLarge(max_size=MAX_CHUNK_BYTES, actual_size=len(data))
+    return bytes(data)
 
 
 def _error_message(text: str) -> str:
