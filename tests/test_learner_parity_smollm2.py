@@ -59,9 +59,9 @@ def test_learner_logprobs_match_vllm_cpu_on_smollm2(tmp_path):
         learner = packed_logprobs(model, samples)  # all three samples in one packed row
     diffs = []
     for i, s in enumerate(samples):
-        n = s.loss_mask.index(1)
+        n = s.loss_mask.tolist().index(1)
         mine = learner[i, n - 1 : len(s.token_ids) - 1]
-        diffs.append((mine - torch.tensor(s.logprobs[n:])).abs())
+        diffs.append((mine - torch.from_numpy(s.logprobs[n:])).abs())
     diff = torch.cat(diffs)
     print(f"smollm2 parity: {diff.numel()} tokens, mean abs diff {diff.mean().item():.2e}, "
           f"max {diff.max().item():.2e}")
