@@ -184,6 +184,9 @@ class Serve:
         app.router.add_get("/admin/status", self._status)
         # Rollout workers on other machines (serve --ray) send their episode lines here.
         app.router.add_post("/admin/episodes", episode_log_route(self.run_dir / "episodes.jsonl", require_admin))
+        from agentrl.view import mount as mount_view
+
+        mount_view(app, self.run_dir, self.admin_token, self.model_path)  # read-only pages under /view
         self._runner = web.AppRunner(app, access_log=None)
         await self._runner.setup()
         if self._starting is not None:  # the port passes from the start-up status to the real routes
@@ -192,6 +195,8 @@ class Serve:
         await web.TCPSite(self._runner, self.cfg.router.host, self.cfg.router.port).start()
         log.info("serving on %s (OpenAI base URL %s/v1; admin token in %s)", self.url, self.url,
                  self.run_dir / "admin_token")
+        log.info("run view at %s/view/ (open it with ?token= and the token in %s or %s)", self.url,
+                 self.run_dir / "view_token", self.run_dir / "admin_token")
 
     async def _info(self, request: web.Request) -> web.Response:
         from agentrl.web import require_admin
