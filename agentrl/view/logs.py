@@ -4,9 +4,9 @@
   read stopped and keeps only the numbers the charts draw, as columns of floats. Past
   ``max_rows`` kept rows it drops every other one and keeps every second row from then on, so a
   week-long run costs the same memory as a long afternoon, and the kept rows stay evenly spread.
-- :class:`EpisodeIndex` follows ``episodes.jsonl`` and keeps, per episode, its byte offset and the
-  fields the browser filters on (about 50 bytes an episode, in ``array`` columns); a page of rows
-  is read back from the file by offset, and one episode is found by scanning lines.
+- :class:`EpisodeIndex` follows ``episodes.jsonl`` and keeps, per episode, its byte offset, a hash of its
+  id and the fields the browser filters on (about 60 bytes an episode, in ``array`` columns); a page
+  of rows, or one episode's line, is read back from the file by offset.
 
 Invariants: only complete lines are read (a line the run is still writing waits for the next
 refresh); one refresh reads at most ``budget`` bytes, so a request on a huge run returns in bounded
@@ -17,6 +17,7 @@ start. Nothing here writes to the run directory. The classes are not thread-safe
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import math
@@ -196,6 +197,10 @@ class EpisodeFilter:
     truncation: str = ""  # "", "no", "yes" (any reason) or a reason
 
 
+def _id_hash(episode_id: str) -> int:
+    return int.from_bytes(hashlib.blake2b(episode_id.encode(), digest_size=8).digest(), "little")
+
+
 class _Codes:
     """Small strings (env names, error kinds, truncation reasons) as small integers; 0 is "none"."""
 
@@ -228,6 +233,7 @@ class EpisodeIndex:
     def _reset(self) -> None:
         self.offset = 0
         self.offsets = array("q")
+        self.ids = array("Q")  # 64-bit hashes of the episode ids: find() without scanning the file
         self.times = array("d")
         self.rewards = array("d")
         self.vmin = array("q")
@@ -251,6 +257,7 @@ class EpisodeIndex:
                 continue
             versions = [int(v) for v in row.get("versions") or [] if isinstance(v, int | float)]
             self.offsets.append(off)
+            self.ids.append(_id_hash(row["episode_id"]))
             self.times.append(number(row, "time") or NAN)
             self.rewards.append(number(row, "reward") or 0.0)
             self.vmin.append(min(versions, default=-1))
@@ -314,13 +321,15 @@ class EpisodeIndex:
         return rows
 
     def find(self, episode_id: str) -> dict[str, Any] | None:
-        """The episode's line, by scanning the indexed part of the file (newest wins, as a rerun appends)."""
-        needle = json.dumps(episode_id).encode()
-        found = None
-        for _, line, _ in complete_lines(self.path, 0, budget=1 << 62):
-            if needle in line and (row := parse(line)) is not None and row.get("episode_id") == episode_id:
-                found = row
-        return found
+        """The episode's line (the newest, should one be written twice), found by its id's hash in the
+        index and read back by offset; None when the indexed part of the log has none."""
+        h = _id_hash(episode_id)
+        for i in range(len(self.ids) - 1, -1, -1):
+            if self.ids[i] == h:
+                rows = self.read_rows([self.offsets[i]])
+                if rows and rows[0].get("episode_id") == episode_id:
+                    return rows[0]
+        return None
 
     def series(self, max_points: int) -> dict[str, Any]:
         """Episode rewards in finish order, averaged over bins of equal size (at most ``max_points`` bins)."""

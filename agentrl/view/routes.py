@@ -138,11 +138,11 @@ class ViewState:
     def episode(self, episode_id: str) -> dict[str, Any] | None:
         with self.lock:
             got = self.sessions.get(episode_id)
-        if got is None:
-            return None
+            if got is None:
+                return None
+            self.episodes.refresh()
+            line = self.episodes.find(episode_id)  # None while the episode is still being played
         session, samples = got
-        # its own file handle, so outside the lock; None while the episode is still being played
-        line = self.episodes.find(episode_id)
         return {"episode": line, "calls": call_views(session),
                 "samples": [sample_summary(k, s) for k, s in enumerate(samples)]}
 

@@ -49,7 +49,11 @@ function drawChart(box, spec) {
   let y1 = spec.yMax !== undefined ? spec.yMax : Math.max(...all.map((p) => p[1]));
   if (spec.ref !== undefined) { y0 = Math.min(y0, spec.ref); y1 = Math.max(y1, spec.ref); }
   if (x1 === x0) { x0 -= 1; x1 += 1; }
-  if (y1 === y0) { const d = Math.abs(y0) * 0.1 || 1; y0 -= d; y1 += d; }
+  if (y1 === y0) {  // a flat series: a band around it (above it when the floor is fixed)
+    const d = Math.abs(y0) * 0.1 || 1;
+    if (spec.yMin === undefined) y0 -= d;
+    y1 += d;
+  }
   const pad = (y1 - y0) * 0.05;
   if (spec.yMin === undefined) y0 -= pad;
   if (spec.yMax === undefined) y1 += pad;
