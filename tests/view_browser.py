@@ -6,8 +6,9 @@ root; no background networking, component updates or sync, which would try the c
 :class:`Console` collects what a page logs as an error (console errors, uncaught exceptions,
 failed requests), so a test can say "no console errors".
 
-``python -m tests.view_browser RUN_URL RUN_DIR OUT_DIR [EPISODE_ID]`` takes the README's screenshots
-of a view (serve's or ``agentrl view``'s) with the token from RUN_DIR/view_token.
+``python -m tests.view_browser BASE_URL RUN_DIR OUT.png [EPISODE_ID]`` takes the README's screenshots
+of a view (serve's or ``agentrl view``'s; its run page, or an episode's page) with the token from
+RUN_DIR/view_token.
 """
 
 from __future__ import annotations
@@ -112,29 +113,34 @@ def agentrl_view(run_dir: Path, model: str = "", timeout_s: float = 120.0) -> It
 POINTS = "[...document.querySelectorAll('[data-points]')].reduce((n, e) => n + Number(e.dataset.points), 0)"
 
 
-def shoot(base: str, run_dir: Path, out: Path, episode: str | None = None) -> list[Path]:
+def shoot(base: str, run_dir: Path, out: Path, episode: str | None = None, sample_only: bool = False) -> Path:
+    """A screenshot of a view's run page, or of one episode's page (hovering its first trained token),
+    or of only its first sample's tokens (hovering the last trained one)."""
     token = (run_dir / "view_token").read_text().strip()
-    out.mkdir(parents=True, exist_ok=True)
-    shots = []
+    out.parent.mkdir(parents=True, exist_ok=True)
     with chromium() as browser:
         page = browser.new_page(viewport={"width": 1400, "height": 1000}, device_scale_factor=1)
+        console = Console(page)
         page.goto(f"{base}/view/?token={token}")
         wait_for(page, POINTS + " > 0")
-        page.wait_for_timeout(500)
-        shots.append(out / "view_run.png")
-        page.screenshot(path=str(shots[-1]), full_page=True)
         if episode:
             page.goto(f"{base}/view/episode/{episode}")
             wait_for(page, "document.body.dataset.ready === '1'")
-            tok = page.query_selector(".tok.t")
-            if tok is not None:
-                tok.hover()
-            shots.append(out / "view_episode.png")
-            page.screenshot(path=str(shots[-1]), full_page=False)
-    return shots
+            (page.locator("#sample-0 .tok.t").last if sample_only else page.locator(".tok.t").first).hover()
+        page.wait_for_timeout(500)
+        if sample_only:
+            # the hover read-out above the tokens, where the shot of the card can show it
+            page.evaluate("() => { const t = document.getElementById('tooltip'); t.style.position = 'static';"
+                          " document.querySelector('#sample-0 .tokens').before(t); }")
+            page.locator("#sample-0").screenshot(path=str(out))
+        else:
+            page.screenshot(path=str(out), full_page=True)
+        if console.errors:
+            raise AssertionError(f"console errors: {console.errors}")
+    return out
 
 
 if __name__ == "__main__":
     args = sys.argv[1:]
-    for p in shoot(args[0].rstrip("/"), Path(args[1]), Path(args[2]), args[3] if len(args) > 3 else None):
-        print(p)
+    print(shoot(args[0].rstrip("/"), Path(args[1]), Path(args[2]), args[3] if len(args) > 3 else None,
+                sample_only="--sample" in args[4:]))

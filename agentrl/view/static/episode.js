@@ -10,7 +10,7 @@ function stat(k, v) { return el("div", {class: "stat"}, el("span", {class: "k"},
 function renderEpisode(ep) {
   const box = document.getElementById("episode-facts");
   if (!ep) {
-    box.replaceChildren(el("p", {class: "note"}, "No line in episodes.jsonl yet: the episode is still being played."));
+    box.replaceChildren(el("p", {class: "note"}, "No line in episodes.jsonl: the episode is still being played (or the run stopped before it ended)."));
     return;
   }
   const vs = ep.versions || [];
