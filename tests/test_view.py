@@ -381,3 +381,40 @@ def test_agentrl_view_serves_a_run_directory_and_prints_where_the_token_is_not_t
     finally:
         proc.terminate()
         proc.wait(30)
+
+
+def test_serves_start_up_app_already_opens_the_view_with_the_same_cookie(tmp_path: Path) -> None:
+    """While serve's engines start, its port answers the view (empty charts) and 503 elsewhere; the
+    cookie it gives stays good on the real app, which shares the view's state."""
+    import aiohttp
+    from yarl import URL
+
+    from agentrl.config import ServeConfig
+    from agentrl.serve import Serve
+    from agentrl.view import serve_view
+    from tests.conftest import free_port
+
+    run = tmp_path / "run"
+    write_view_run(run, steps=2)
+    cfg = ServeConfig(model="tiny-tools", run_dir=str(run), admin_token=ADMIN)
+    cfg.router.port = free_port()
+    serve = Serve(cfg)
+    serve.admin_token = ADMIN
+    serve.view = serve_view(run, ADMIN, lambda: None)
+
+    async def main() -> None:
+        await serve._serve_startup_status()
+        try:
+            async with aiohttp.ClientSession(cookie_jar=aiohttp.CookieJar(unsafe=True)) as http:
+                r = await http.get(f"{serve.url}/view/?token={ADMIN}", allow_redirects=False)
+                assert r.status == 303 and r.headers["Location"] == "/view/"
+                assert (await http.get(f"{serve.url}/view/")).status == 200
+                series = await (await http.get(f"{serve.url}/view/api/series")).json()
+                assert series["learner"]["rev"] == 2
+                assert (await http.get(f"{serve.url}/v1/models")).status == 503  # the rest is still starting
+                cookie = http.cookie_jar.filter_cookies(URL(f"{serve.url}/view/"))["agentrl_view"].value
+                assert serve.view.auth.cookie_ok(cookie)  # the state the real app mounts too
+        finally:
+            await serve._starting.cleanup()
+
+    asyncio.run(main())

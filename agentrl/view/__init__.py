@@ -16,12 +16,13 @@ from typing import TYPE_CHECKING
 from agentrl._lazy import lazy
 
 if TYPE_CHECKING:
-    from agentrl.view.server import mount, run_view, standalone_app
+    from agentrl.view.server import mount, run_view, serve_view, standalone_app
 
 __getattr__, __dir__ = lazy(__name__, {
     "mount": "agentrl.view.server",
     "run_view": "agentrl.view.server",
+    "serve_view": "agentrl.view.server",
     "standalone_app": "agentrl.view.server",
 })
 
-__all__ = ["mount", "run_view", "standalone_app"]
+__all__ = ["mount", "run_view", "serve_view", "standalone_app"]

@@ -1,7 +1,8 @@
 """The view on serve's app (``/view``, beside the router) and on its own (``agentrl view RUN_DIR``).
 
 On serve the admin token and the run's view token (``RUN_DIR/view_token``, made on first use,
-mode 0600) open it, and the tokenizer is serve's model folder. Alone, the view reads a run
+mode 0600) open it, from the moment serve's port answers (the start-up app mounts it too, with the
+same state, so a cookie stays good), and the tokenizer is serve's model folder once it is known. Alone, the view reads a run
 directory, live or finished: the view token and, when the directory has one, the admin token open
 it; the model named in ``serve_config.json`` gives the tokenizer, unless that model is a built-in
 one not built on this machine (the view does not build models: its token pages then show ids).
@@ -32,17 +33,28 @@ _BUILT_IN = {"tiny": "tiny", "tiny-tools": "tiny-tools", "tiny-arith": "tiny-ari
              "smollm2": "smollm2-135m", "smollm2-135m": "smollm2-135m"}
 
 
-def mount(app: web.Application, run_dir: str | Path, admin_token: str, model_path: str | None) -> ViewState:
-    """Add the view's routes to serve's ``app`` (before it starts)."""
-    tokens = [admin_token, view_token(Path(run_dir))]
-    state = ViewState(run_dir, ViewAuth(tokens), model_path)
+def serve_view(run_dir: str | Path, admin_token: str, model_path: Callable[[], str | None]) -> ViewState:
+    """serve's view of its run: opened by the admin token or the run's view token. One state for
+    serve's start-up app and its real one, so a cookie given during start-up stays good."""
+    return ViewState(run_dir, ViewAuth([admin_token, view_token(Path(run_dir))]), model_path)
+
+
+def mount(app: web.Application, state: ViewState) -> None:
+    """Add the view's routes to one of serve's apps (before it starts, and before any catch-all route)."""
     add_view_routes(app, state)
-    return state
 
 
 def model_locator(run_dir: Path, model: str = "") -> Callable[[], str | None]:
-    """A function that finds the run's model folder when the first token page asks for it."""
+    """A function that finds the run's model folder when the first token page asks for it (once:
+    its answer, a folder or None, is kept)."""
+    found: list[str | None] = []
+
     def locate() -> str | None:
+        if not found:
+            found.append(_locate())
+        return found[0]
+
+    def _locate() -> str | None:
         name = model
         if not name:
             try:

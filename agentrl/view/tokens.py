@@ -37,6 +37,8 @@ class Detokenizer:
     @property
     def error(self) -> str | None:
         """Why token text is unavailable (None when the tokenizer loaded, or has not been tried yet)."""
+        if self._error is None and self._tok is None and not self.model_path:
+            return "no model folder is known for this run: tokens show as ids"
         return self._error
 
     def _load(self) -> Any:
@@ -50,8 +52,7 @@ class Detokenizer:
                     log.warning("could not find the run's model folder", exc_info=True)
                     self._error = f"could not find the run's model: {type(e).__name__}: {e}"
                     return None
-            if not self.model_path:
-                self._error = "no model folder is known for this run: tokens show as ids"
+            if not self.model_path:  # not known yet (serve still starting) or not at all: ask again later
                 return None
             try:
                 from transformers import AutoTokenizer
