@@ -126,7 +126,7 @@ def test_the_run_page_plots_new_rows_as_the_logs_grow_without_a_reload(tmp_path:
         page = browser.new_page()
         console = Console(page)
         page.goto(f"{base}/view/?token={_token(run)}")
-        wait_for(page, "Number(document.querySelector('#chart-reward').dataset.points) === 3")
+        wait_for(page, "Number(document.querySelector('#chart-reward')?.dataset.points) === 3")
         page.evaluate("window.__sameDocument = 'yes'")
         counts = [page.evaluate(POINTS)]
         for step in (4, 5):  # a learner step, four episodes and a serve row arrive, twice
@@ -138,7 +138,7 @@ def test_the_run_page_plots_new_rows_as_the_logs_grow_without_a_reload(tmp_path:
             _append(run / "serve_metrics.jsonl", [{"time": t0 + 600 + step, "version": step,
                                                    "router": {"completion_tokens": 10_000 * step},
                                                    "rollout": {"episodes": 500 + step, "in_flight": 3}}])
-            wait_for(page, f"Number(document.querySelector('#chart-reward').dataset.points) === {step}")
+            wait_for(page, f"Number(document.querySelector('#chart-reward')?.dataset.points) === {step}")
             counts.append(page.evaluate(POINTS))
         assert counts[0] < counts[1] < counts[2], counts
         assert page.evaluate("window.__sameDocument") == "yes"  # the same page, never reloaded

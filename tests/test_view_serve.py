@@ -102,7 +102,7 @@ def test_serves_view_shows_a_real_episodes_tokens_with_the_trainers_mask_and_ver
             st.run(st.serve.rollout_finished(), 600)
             episodes = _lines(run_dir / "episodes.jsonl")
             assert len(episodes) == 4 and all(e["error"] is None for e in episodes), episodes
-            wait_for(page, "Number(document.querySelector('#chart-episode-reward').dataset.points) === 8",
+            wait_for(page, "Number(document.querySelector('#chart-episode-reward')?.dataset.points) === 8",
                      timeout_s=60)  # four episodes: their rewards and the moving average
             later = wait_for(page, f"{POINTS} > {max(grown, page.evaluate(POINTS))} && {POINTS}", timeout_s=60)
             assert first < grown < later

@@ -75,10 +75,10 @@ class Console:
 
 def wait_for(page: Any, js: str, timeout_s: float = 60.0) -> Any:
     """Poll a JS expression in the page until it is truthy (bounded); returns its value. (Passed as a
-    function: the view's Content-Security-Policy rightly forbids evaluating strings.)"""
-    fn = f"() => ({js})"
-    page.wait_for_function(fn, timeout=timeout_s * 1000, polling=200)
-    return page.evaluate(fn)
+    function: the view's Content-Security-Policy rightly forbids evaluating strings. An expression
+    that throws fails the wait at once, so it must be safe before the page has drawn anything.)"""
+    handle = page.wait_for_function(f"() => ({js})", timeout=timeout_s * 1000, polling=200)
+    return handle.json_value()  # the value that met the wait, not a later one
 
 
 @contextmanager

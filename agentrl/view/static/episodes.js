@@ -17,7 +17,8 @@ function query() {
 
 function fillSelect(id, values, fixed) {
   const sel = document.getElementById(id);
-  const want = new URLSearchParams(location.search).get(id) || "";
+  // a refresh keeps what the person has chosen but not yet applied
+  const want = sel.options.length ? sel.value : (new URLSearchParams(location.search).get(id) || "");
   const opts = [...fixed, ...values.map((v) => [v, v])];
   if (want && !opts.some(([v]) => v === want)) opts.push([want, want]);
   sel.replaceChildren(...opts.map(([v, label]) => el("option", {value: v, selected: v === want}, label)));
