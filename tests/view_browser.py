@@ -56,7 +56,9 @@ def chromium(path: str | None = None) -> Iterator[Any]:
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=path or need_browser(), args=FLAGS, headless=True)
+        # a generous bound: on a loaded 2-core machine (load average 45 seen) a start took over 3 minutes
+        browser = p.chromium.launch(executable_path=path or need_browser(), args=FLAGS, headless=True,
+                                    timeout=600_000)
         try:
             yield browser
         finally:
