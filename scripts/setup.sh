@@ -11,6 +11,11 @@ need=()
 command -v dockerd >/dev/null 2>&1 || need+=(docker.io)
 command -v debootstrap >/dev/null 2>&1 || need+=(debootstrap)
 command -v bwrap >/dev/null 2>&1 || need+=(bubblewrap)
+# A browser for the web view's tests (tests/test_view_browser.py), only when asked for: .ci/run sets
+# AGENTRL_TEST_BROWSER=1; the quickstart needs none. Debian's chromium (about 80 MB to download,
+# 290 MB installed, 30 s here) is driven by the playwright package of the dev extra, which downloads
+# no browser of its own (its installer's downloads cannot be fetched here).
+if [ "${AGENTRL_TEST_BROWSER:-0}" = 1 ] && ! command -v chromium >/dev/null 2>&1; then need+=(chromium); fi
 if [ ${#need[@]} -gt 0 ]; then
   say "installing system packages: ${need[*]}"
   export DEBIAN_FRONTEND=noninteractive

@@ -10,6 +10,7 @@
     agentrl status --serve URL [--admin-token-file F | --run-dir D] [--watch S] [--json]
     agentrl eval --env NAME --endpoint URL [--tasks N] [--split test] [--api-key-file F] [--out F]
     agentrl plot RUN_DIR [--out DIR]
+    agentrl view RUN_DIR [--port P] [--host H] [--token-file F] [--model M]
 """
 
 from __future__ import annotations
@@ -228,6 +229,23 @@ def cmd_plot(args: argparse.Namespace, extra: list[str]) -> int:
     return 0
 
 
+def cmd_view(args: argparse.Namespace, extra: list[str]) -> int:
+    _no_settings("view", extra)
+    _setup_logging(args.verbose)
+    import asyncio
+
+    from agentrl.credentials import SecretError
+    from agentrl.view import run_view
+
+    try:
+        asyncio.run(run_view(args.run_dir, args.host, args.port, args.token_file or "", args.model or ""))
+    except (FileNotFoundError, PermissionError, SecretError, OSError) as e:
+        raise SystemExit(f"agentrl view: {e}") from None
+    except KeyboardInterrupt:
+        return 0
+    return 0
+
+
 # `agentrl eval`'s defaults are the config tree's (one definition, shared with agentrl run's evaluation)
 EVAL = C.EvalConfig()
 LIMITS = C.EpisodeLimits()
@@ -334,6 +352,20 @@ def parser() -> argparse.ArgumentParser:
     pp.add_argument("run_dir", help="a run directory, e.g. runs/latest")
     pp.add_argument("--out", help="where to write the PNGs (default: RUN_DIR/plots)")
     pp.set_defaults(fn=cmd_plot)
+
+    vp = sub.add_parser("view", help="a web view of a run directory: live charts, episodes, tokens",
+                        description="Serve the web view of a run directory (live or finished) on its own: the "
+                        "charts, the episode browser and each episode's tokens with loss mask, versions and "
+                        "logprobs. serve shows the same view at its URL/view/. Opened with the run's view token "
+                        "(RUN_DIR/view_token, made if missing) or its admin token: the command prints the file "
+                        "to read it from, never the token.")
+    vp.add_argument("run_dir", help="a run directory, e.g. runs/latest")
+    vp.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
+    vp.add_argument("--port", type=int, default=8800, help="port (default: %(default)s; 0: a free one)")
+    vp.add_argument("--token-file", help="file holding the view token (default: RUN_DIR/view_token, "
+                    "$AGENTRL_VIEW_TOKEN or $AGENTRL_VIEW_TOKEN_FILE)")
+    vp.add_argument("--model", help="model folder or name for the token text (default: serve_config.json's model)")
+    vp.set_defaults(fn=cmd_view)
     return p
 
 

@@ -101,6 +101,10 @@ class Serve:
         self.admin_token = settle_admin_token(cfg.admin_token, cfg.admin_token_file, self.run_dir)
         self.api_keys = frozenset(find_api_keys(cfg.router.api_keys, cfg.router.api_keys_file))
         (self.run_dir / "serve_config.json").write_text(json.dumps(redacted(cfg), indent=2))
+        from agentrl.view import serve_view
+
+        # the read-only web view, on the start-up app and the real one (the model folder once known)
+        self.view = serve_view(self.run_dir, self.admin_token, lambda: getattr(self, "model_path", None))
         await self._serve_startup_status()
         self._phase(f"preparing the model {cfg.model}")
         self.model_path = await asyncio.to_thread(resolve_model, cfg.model)
@@ -176,6 +180,9 @@ class Serve:
         app[ADMIN_TOKEN] = self.admin_token
         app.router.add_get("/health", health)
         app.router.add_get("/admin/status", status)
+        from agentrl.view import mount as mount_view
+
+        mount_view(app, self.view)
         app.router.add_route("*", "/{tail:.*}", not_yet)
         self._starting = web.AppRunner(app, access_log=None)
         await self._starting.setup()
@@ -197,6 +204,9 @@ class Serve:
         app.router.add_get("/admin/status", self._status)
         # Rollout workers on other machines (serve --ray) send their episode lines here.
         app.router.add_post("/admin/episodes", episode_log_route(self.run_dir / "episodes.jsonl", require_admin))
+        from agentrl.view import mount as mount_view
+
+        mount_view(app, self.view)  # read-only pages under /view
         self._runner = web.AppRunner(app, access_log=None)
         await self._runner.setup()
         if self._starting is not None:  # the port passes from the start-up status to the real routes
@@ -205,6 +215,8 @@ class Serve:
         await web.TCPSite(self._runner, self.cfg.router.host, self.cfg.router.port).start()
         log.info("serving on %s (OpenAI base URL %s/v1; admin token in %s)", self.url, self.url,
                  self.run_dir / "admin_token")
+        log.info("run view at %s/view/ (open it with ?token= and the token in %s or %s)", self.url,
+                 self.run_dir / "view_token", self.run_dir / "admin_token")
 
     async def _info(self, request: web.Request) -> web.Response:
         from agentrl.web import require_admin
