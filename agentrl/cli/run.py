@@ -115,6 +115,8 @@ def run(cfg: RunConfig) -> int:
     before = after = None
     try:
         wait_for_serve(learn_cfg.serve, serve, cfg.serve.engine.start_timeout_s + 120)
+        _progress.info("watch the run: %s/view/ (open it once with ?token= and the token in %s)", learn_cfg.serve,
+                       run_dir / "view_token")
         if cfg.eval.tasks:
             before = held_out_eval(cfg, learn_cfg.serve, "before", run_dir)
         history = learn(learn_cfg)
