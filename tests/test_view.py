@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
-from agentrl.router.sessions import CallRecord, Session
+from agentrl.router.sessions import CallRecord, Completion, Session
 from agentrl.view import standalone_app
 from agentrl.view.auth import ViewAuth, safe_next
 from agentrl.view.logs import EpisodeFilter, EpisodeIndex, LogTail, learner_numbers
@@ -32,9 +32,8 @@ TOKEN = "view-token-for-tests-0123456789"
 ADMIN = "admin-token-for-tests-9876543210"
 
 
-def _completion(ids: list[int], versions: list[int], message: dict[str, Any], finish: str = "stop") -> dict[str, Any]:
-    return {"token_ids": ids, "logprobs": [-0.1 * (i + 1) for i in range(len(ids))], "versions": versions,
-            "finish_reason": finish, "message": message}
+def _completion(ids: list[int], versions: list[int], message: dict[str, Any], finish: str = "stop") -> Completion:
+    return Completion(ids, [-0.1 * (i + 1) for i in range(len(ids))], versions, finish, message)
 
 
 def multi_turn_records(sid: str) -> list[CallRecord]:
@@ -212,7 +211,8 @@ def test_episode_tokens_carry_the_mask_and_versions_of_the_routers_stitching(run
             assert len(ep["samples"]) == len(truth[sid])
             for k, s in enumerate(truth[sid]):
                 page = await (await c.get(f"/view/api/episode/{sid}/sample/{k}", headers=auth)).json()
-                assert page["ids"] == s.token_ids and page["mask"] == s.loss_mask and page["version"] == s.versions
+                assert page["ids"] == s.token_ids.tolist() and page["mask"] == s.loss_mask.tolist()
+                assert page["version"] == s.versions.tolist()
                 assert [lp for lp in page["logprob"] if lp is not None] == [lp for lp, m in
                                                                             zip(s.logprobs, s.loss_mask, strict=True) if m]
                 assert ep["samples"][k]["trained"] == sum(s.loss_mask)

@@ -24,7 +24,7 @@ import json
 import logging
 import re
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -97,8 +97,20 @@ class CallRecord:
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
+    @classmethod
+    def from_dict(cls, row: dict[str, Any]) -> CallRecord:
+        """The record :meth:`to_dict` wrote; fields a newer router may add are left out."""
+        kept = {k: v for k, v in row.items() if k in _RECORD_FIELDS}
+        kept["completions"] = [Completion(**{k: v for k, v in c.items() if k in _COMPLETION_FIELDS})
+                               for c in kept.get("completions") or []]
+        return cls(**kept)
+
     def to_json(self) -> str:
         return json.dumps(asdict(self))
+
+
+_RECORD_FIELDS = frozenset(f.name for f in fields(CallRecord))
+_COMPLETION_FIELDS = frozenset(f.name for f in fields(Completion))
 
 
 @dataclass

@@ -14,7 +14,6 @@ An episode id is a plain name (letters, digits, ``-``, ``_``), so it cannot reac
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import re
@@ -23,7 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from agentrl.router.sessions import CallRecord, SampleTokens, Session
+from agentrl.buffer.sample import Sample
+from agentrl.router.sessions import CallRecord, Session
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +31,6 @@ EPISODE_ID = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
 MAX_SESSION_BYTES = 64 << 20
 MAX_TEXT = 20_000
 MAX_TOKENS_PER_PAGE = 20_000
-_RECORD_FIELDS = {f.name for f in dataclasses.fields(CallRecord)}
 
 
 class TooLarge(ValueError):
@@ -59,8 +58,7 @@ def read_session(path: Path) -> Session:
             except ValueError:
                 continue
             if isinstance(row, dict):
-                # fields a newer router may add are not CallRecord's: keep what it knows
-                records.append(CallRecord(**{k: v for k, v in row.items() if k in _RECORD_FIELDS}))
+                records.append(CallRecord.from_dict(row))
     sid = records[0].session_id if records else path.stem
     return Session(sid, records=records)
 
@@ -96,9 +94,9 @@ def call_views(session: Session) -> list[dict[str, Any]]:
         seen = len(parent.messages) + 1 if parent is not None else 0
         choices = []
         for c in r.completions:
-            msg = c.get("message") or {}
-            choices.append({"finish_reason": c.get("finish_reason"), "tokens": len(c.get("token_ids") or []),
-                            "versions": sorted(set(c.get("versions") or [])),
+            msg = c.message or {}
+            choices.append({"finish_reason": c.finish_reason, "tokens": len(c.token_ids),
+                            "versions": sorted(set(c.versions)),
                             "content": _cut(msg.get("content") or ""), "tool_calls": _tool_calls(msg)})
         out.append({"index": r.index, "parent": r.parent, "choice": r.choice, "engine": r.engine,
                     "created": r.created, "latency_s": r.latency_s, "prompt_tokens": len(r.prompt_ids),
@@ -106,34 +104,36 @@ def call_views(session: Session) -> list[dict[str, Any]]:
     return out
 
 
-def sample_summary(k: int, s: SampleTokens) -> dict[str, Any]:
+def sample_summary(k: int, s: Sample) -> dict[str, Any]:
     trained = [v for v, m in zip(s.versions, s.loss_mask, strict=True) if m]
-    return {"index": k, "tokens": len(s.token_ids), "trained": int(sum(s.loss_mask)),
-            "versions": sorted(set(trained)), "calls": list(s.calls), "finish_reason": s.finish_reason}
+    return {"index": k, "tokens": len(s.token_ids), "trained": int(s.loss_mask.sum()),
+            "versions": sorted({int(v) for v in trained}), "calls": list(s.info["calls"]),
+            "finish_reason": s.info.get("finish_reason")}
 
 
-def call_spans(session: Session, s: SampleTokens) -> list[dict[str, int]]:
+def call_spans(session: Session, s: Sample) -> list[dict[str, int]]:
     """Where each call of the sample's chain put its sampled tokens: [start, end) in the sample."""
     by_index = {r.index: r for r in session.records}
     spans = []
-    for pos, idx in enumerate(s.calls):
+    calls = s.info["calls"]
+    for pos, idx in enumerate(calls):
         rec = by_index[idx]
         # the choice this chain followed: the next call's ``choice``, or the sample's own leaf choice
-        choice = by_index[s.calls[pos + 1]].choice if pos + 1 < len(s.calls) else _leaf_choice(rec, s)
+        choice = by_index[calls[pos + 1]].choice if pos + 1 < len(calls) else _leaf_choice(rec, s)
         start = len(rec.prompt_ids)
-        spans.append({"call": idx, "start": start, "end": start + len(rec.completions[choice]["logprobs"])})
+        spans.append({"call": idx, "start": start, "end": start + len(rec.completions[choice].logprobs)})
     return spans
 
 
-def _leaf_choice(rec: CallRecord, s: SampleTokens) -> int:
+def _leaf_choice(rec: CallRecord, s: Sample) -> int:
     tail = s.token_ids[len(rec.prompt_ids):]
     for ci, c in enumerate(rec.completions):
-        if list(c["token_ids"]) == list(tail):
+        if list(c.token_ids) == tail.tolist():
             return ci
     return 0
 
 
-def token_page(session: Session, s: SampleTokens, pieces: Any, offset: int, limit: int) -> dict[str, Any]:
+def token_page(session: Session, s: Sample, pieces: Any, offset: int, limit: int) -> dict[str, Any]:
     """Columns of ``s``'s tokens ``offset`` .. ``offset + limit``: id, text, raw token, special, mask,
     logprob (prompt tokens have none: null) and version (-1 for prompt tokens)."""
     n = len(s.token_ids)
@@ -156,7 +156,7 @@ def token_page(session: Session, s: SampleTokens, pieces: Any, offset: int, limi
 class _Entry:
     stamp: tuple[int, int]  # (size, mtime_ns): a session still being written is read again
     session: Session
-    samples: list[SampleTokens]
+    samples: list[Sample]
 
 
 class SessionCache:
@@ -173,7 +173,7 @@ class SessionCache:
         p = self.dir / f"{episode_id}.jsonl"
         return p if p.is_file() else None
 
-    def get(self, episode_id: str) -> tuple[Session, list[SampleTokens]] | None:
+    def get(self, episode_id: str) -> tuple[Session, list[Sample]] | None:
         p = self.path(episode_id)
         if p is None:
             return None
