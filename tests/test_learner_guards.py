@@ -256,3 +256,28 @@ def test_a_checkpointed_batch_the_buffer_forgot_is_not_trained_again_after_resum
     assert acks == ["b1", "b1", "b2"]  # re-ack refused; a's samples came back as b1, acked without a step
     assert [(r["step"], r["version"], r["batch_id"]) for r in history] == [(2, 2, "b2")]
     assert history[0]["guards"]["batches_trained_before"] == 1
+
+
+def test_the_learner_rides_out_a_serve_that_does_not_answer(tiny_model: str, tmp_path: Path, monkeypatch) -> None:
+    from agentrl.errors import TransportError
+    from agentrl.learner import trainer
+
+    monkeypatch.setattr(trainer, "RETRY_S", 0.01)
+    source = Recorded(tiny_model, [_group("r", seed=13)])
+    down = {"get_batch": 1, "ack": 2}  # calls that find serve down before it answers again
+    calls = {"get_batch": source.get_batch, "ack": source.ack}
+
+    def flaky(name: str) -> Any:
+        async def call(*args: Any) -> Any:
+            if down[name]:
+                down[name] -= 1
+                raise TransportError("connection refused")  # no answer: retryable
+            return await calls[name](*args)
+        return call
+
+    source.get_batch = flaky("get_batch")  # type: ignore[method-assign]
+    source.ack = flaky("ack")  # type: ignore[method-assign]
+    history = learn(_cfg(tiny_model, tmp_path, steps=1, checkpoint_every=0), source)
+    assert [(r["version"], r["acked"]) for r in history] == [(1, True)]
+    assert source.events == [("batch", "b1", 0), ("publish", 1), ("ack", "b1")]
+    assert down == {"get_batch": 0, "ack": 0}

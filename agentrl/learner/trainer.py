@@ -22,6 +22,8 @@ Guards, so that no batch is trained wrong (docs/learner.md):
 - A step that did not update the weights (a non-finite loss or gradient norm, nothing to train)
   publishes nothing and does not advance the version; it is counted (``guards`` in each row)
   and logged with the offending samples' ids, and its batch is acknowledged.
+- A serve that does not answer (restarting) is waited for, up to ``batch_timeout_s``, for batches
+  and acks alike (an ack is idempotent), instead of the learner dying with a trained batch.
 
 Under ``torchrun`` the same loop runs on every rank with an FSDP2-sharded model
 (``agentrl.learner.dist``); rank 0 alone talks to serve and broadcasts each batch, every rank
@@ -42,6 +44,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from agentrl.errors import TransportError
 from agentrl.learner.config import LearnConfig
 from agentrl.learner.packing import pad_batch, token_logprobs
 from agentrl.learner.signals import SignalWatch
@@ -54,6 +57,7 @@ progress = logging.getLogger("agentrl.progress")
 
 SERVE_CHECK_S = 30.0  # while no batch comes, ask serve's version at most this often
 REMEMBER_TRAINED = 1 << 16  # trained sample ids kept while their ack is unconfirmed
+RETRY_S = 2.0  # pause before asking a serve that did not answer again
 
 
 class Learner:
@@ -83,11 +87,11 @@ class Learner:
         for i in ids:
             self.trained.pop(i, None)
 
-    async def _pull(self, source: Any) -> tuple[Any, ...]:
+    async def _pull(self, source: Any, since: float) -> tuple[Any, ...]:
         """The next batch with samples not trained yet: ("batch", id, samples, ids trained before);
-        or ("republish",) when serve serves an older version than the learner's."""
+        or ("republish",) when serve serves an older version than the learner's. Gives up
+        ``batch_timeout_s`` after ``since`` (when the wait began, republishing included)."""
         cfg = self.cfg
-        t0 = time.monotonic()
         checked = time.monotonic()
         while True:
             if self.publishes and (self._check_serve or time.monotonic() - checked > SERVE_CHECK_S):
@@ -97,7 +101,15 @@ class Learner:
                     log.warning("serve serves version %d, the learner is at %d (serve restarted?): publishing "
                                 "the learner's weights again", serving, self.version)
                     return ("republish",)
-            got = await source.get_batch(self.version)
+            try:
+                got = await source.get_batch(self.version)
+            except TransportError as e:  # serve down (restarting?): ride it out, then ask its version
+                if not e.retryable:
+                    raise
+                log.warning("no answer from serve for a batch (%s); waiting for it", e)
+                self._check_serve = True  # info() waits for serve to answer
+                await asyncio.sleep(RETRY_S)
+                got = None
             if got is not None:
                 batch_id, samples = got
                 before = [s.sample_id for s in samples if s.sample_id in self.trained]
@@ -109,15 +121,28 @@ class Learner:
                             "training them again", batch_id, len(before), len(samples))
                 if fresh:
                     return ("batch", batch_id, fresh, before)
-                acked = await source.ack(batch_id)
+                acked = await self._ack(source, batch_id)
                 self.guards["batches_trained_before"] += 1
                 progress.warning("WARNING: batch %s held only samples trained before; acknowledged without a step "
                                  "(ack %s)", batch_id, acked)
                 if acked:
                     self._forget(before)
                 continue
-            if time.monotonic() - t0 > cfg.batch_timeout_s:
+            if time.monotonic() - since > cfg.batch_timeout_s:
                 raise SystemExit(f"no batch from {cfg.serve} within {cfg.batch_timeout_s:.0f} s")
+
+    async def _ack(self, source: Any, batch_id: str) -> bool:
+        """``source.ack``, tried again (it is idempotent) while serve does not answer, up to
+        ``batch_timeout_s``: a learner rides out a serve outage instead of dying with a trained batch."""
+        deadline = time.monotonic() + self.cfg.batch_timeout_s
+        while True:
+            try:
+                return bool(await source.ack(batch_id))
+            except TransportError as e:
+                if not e.retryable or time.monotonic() > deadline:
+                    raise
+                log.warning("ack of batch %s got no answer (%s); trying again", batch_id, e)
+                await asyncio.sleep(RETRY_S)
 
     # ------------------------------------------------------------------ the loop
 
@@ -185,7 +210,7 @@ class Learner:
                 held = resumed.version
                 self._remember(resumed.trained)
                 if source is not None and resumed.batch_id:
-                    acked = await source.ack(resumed.batch_id)
+                    acked = await self._ack(source, resumed.batch_id)
                     log.info("re-acked checkpointed batch %s: %s", resumed.batch_id, acked)
                     if not acked:  # the buffer forgot it: its samples come back, and are in these weights
                         self._remember(resumed.batch_samples)
@@ -210,13 +235,15 @@ class Learner:
             t_start = time.monotonic()
             wait_total = 0.0
             signals = SignalWatch(cfg.no_signal_steps) if cfg.no_signal_steps else None
+            waiting_since: float | None = None
             while not cfg.steps or state.step < cfg.steps:
                 # --- pull
                 t0 = time.monotonic()
+                waiting_since = waiting_since or t0
                 got: Any = None
                 if source is not None:
                     try:
-                        got = await self._pull(source)
+                        got = await self._pull(source, waiting_since)
                     except BaseException as e:
                         ctx.broadcast_object(("stop", str(e)))  # let the other ranks leave too
                         raise
@@ -228,6 +255,7 @@ class Learner:
                     self.guards["republished"] += 1
                     continue
                 _, batch_id, samples, before = got
+                waiting_since = None
                 t_got = time.monotonic()
                 wait_total += t_got - t0
 
@@ -252,7 +280,7 @@ class Learner:
                 # --- ack
                 acked = True
                 if source is not None:
-                    acked = await source.ack(batch_id)
+                    acked = await self._ack(source, batch_id)
                     if acked:
                         self._forget(before)
                     else:
