@@ -11,6 +11,8 @@ Invariants:
   (position t predicts token t+1, zeros past each sample's end), so every loss, aggregation and
   sequence-level correction sees the same tensors as without packing.
 - Packing is a pure function of the token counts: every rank computes the same rows.
+- Logprobs are a log-softmax over fp32 logits (``.float()`` is a no-op for the fp32 logits the
+  learner's model produces; under bf16 FSDP its LM head computes in fp32, ``dist.load_model``).
 """
 
 from __future__ import annotations
