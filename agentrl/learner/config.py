@@ -41,11 +41,6 @@ class LossConfig:
         """``compute_loss``'s keyword arguments for this loss (``kind`` included)."""
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if not f.metadata.get("step")}
 
-    @property
-    def updates(self) -> int:
-        """Optimizer updates per batch (minibatches x epochs; 1 for kinds without passes)."""
-        return int(getattr(self, "minibatches", 1)) * int(getattr(self, "epochs", 1))
-
 
 @dataclass
 class PGLoss(LossConfig):
