@@ -94,7 +94,8 @@ def main() -> None:
             samples.append(SimpleNamespace(
                 token_ids=ids + comp, loss_mask=[0] * len(ids) + [1] * len(comp), logprobs=[0.0] * len(ids) + lp,
                 versions=[-1] * len(ids) + [version] * len(comp), reward=reward, group_id=expr, min_version=version,
-                error=None))
+                error=None, episode_id=f"{expr}-{version}-{i}", sample_id=f"{expr}-{version}-{i}", truncated=False,
+                info={}))
         return samples
 
     def evaluate() -> float:

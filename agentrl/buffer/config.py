@@ -36,6 +36,12 @@ class BufferConfig:
     stale): serve the members present as a partial group, or drop them (reason "partial_group")."""
     drop_errors: bool = False
     """Drop samples of failed episodes (reason "error") instead of keeping them as data."""
+    drop_uniform_groups: bool = False
+    """Dynamic sampling (DAPO): drop a group about to be served whose episodes all got the same
+    reward (reason "uniform_group", counted in ``uniform_groups_dropped``): its advantages are all 0,
+    it teaches nothing. Failed episodes' rewards are left out of the comparison (the learner does not
+    train them). The freed admission room lets the rollout generate replacements, so batches stay
+    full. Needs grouped serving (group_size > 1 and require_full_groups); otherwise it does nothing."""
     error_reward: float | None = 0.0
     """Reward stored for samples of failed episodes (None keeps what the producer set)."""
     sync: Literal["fsync", "flush"] = "fsync"

@@ -22,6 +22,9 @@ Invariants:
   dropped as stale) is served partial or dropped (reason "partial_group") per config; members
   arriving after their group was closed are dropped (reason "group_closed"), except further
   samples of an episode already in a group still waiting to be served, which join it.
+- Dynamic sampling (``drop_uniform_groups``): a group about to be served whose episodes that did
+  not fail all got the same reward is dropped instead (reason "uniform_group"); that frees
+  admission room, so the rollout generates replacements and batches stay full.
 """
 
 from __future__ import annotations
@@ -52,6 +55,18 @@ from agentrl.buffer.units import ARRIVAL, Bounded, Entry, Group, Lease, Unit
 log = logging.getLogger(__name__)
 
 _NO_FLOOR = 1 << 62
+_CLOSING = ("stale", "partial_group", "uniform_group")  # drops that close their group
+
+
+async def _wait(event: asyncio.Event, timeout_s: float) -> None:
+    """Wait for ``event`` at most ``timeout_s``. Not ``asyncio.wait_for``: on Python 3.11 it swallows a
+    cancellation that arrives as the event is set, so the orchestrator (waiting for room) could not
+    be stopped."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            await event.wait()
+    except TimeoutError:
+        pass
 
 class Buffer:
     def __init__(self, cfg: BufferConfig) -> None:
@@ -108,7 +123,7 @@ class Buffer:
                 self._store(e)
                 self._admit(e, drops, touched)
             for gid in touched:
-                self._check_complete(gid)
+                self._check_complete(gid, drops)
             self._drop(drops)
         self._notify()
         return len(entries)
@@ -153,11 +168,7 @@ class Buffer:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     break
-                event = self._event
-                try:
-                    await asyncio.wait_for(event.wait(), left)
-                except TimeoutError:
-                    pass
+                await _wait(self._event, left)
                 allowance = self.in_flight_allowance(in_flight)
         finally:
             self._counters["admission_wait_ms"] += int(1000 * (time.monotonic() - t0))
@@ -212,10 +223,7 @@ class Buffer:
                 wake = self._next_timer()
                 if wake is not None:
                     left = min(left, max(wake - time.time(), 0.001))
-                try:
-                    await asyncio.wait_for(event.wait(), left)
-                except TimeoutError:
-                    pass
+                await _wait(event, left)
         finally:
             self._pollers -= 1
 
@@ -323,13 +331,26 @@ class Buffer:
     def _is_error(self, e: Entry) -> bool:
         return read_header(e.record).get("error") is not None
 
-    def _check_complete(self, gid: str) -> None:
+    def _check_complete(self, gid: str, drops: dict[str, list[str]]) -> None:
         g = self._waiting.get(gid)
         if g is not None and len(g.episodes) >= self.cfg.group_size:
             del self._waiting[gid]
             self._closed.add(gid)
-            self._push_ready(Unit("g:" + gid, g.ids, g.episodes))
             self._counters["groups_completed"] += 1
+            if not self._dropped_uniform(g.ids, drops):
+                self._push_ready(Unit("g:" + gid, g.ids, g.episodes))
+
+    def _dropped_uniform(self, ids: list[str], drops: dict[str, list[str]]) -> bool:
+        """Under drop_uniform_groups, drop a group whose episodes that did not fail (the ones the
+        learner trains) all got the same reward: its advantages are all 0 (DAPO's dynamic sampling)."""
+        if not self.cfg.drop_uniform_groups:
+            return False
+        heads = [read_header(self._entries[i].record) for i in ids]
+        if len({h["reward"] for h in heads if h.get("error") is None}) > 1:
+            return False
+        drops.setdefault("uniform_group", []).extend(ids)
+        self._counters["uniform_groups_dropped"] += 1
+        return True
 
     def _push_ready(self, unit: Unit, front: bool = False) -> None:
         self._ready[unit.key] = unit
@@ -340,7 +361,7 @@ class Buffer:
     def _close_partial(self, key: str, ids: list[str], episodes: set[str], drops: dict[str, list[str]],
                        front: bool = False) -> None:
         """A group that can no longer complete: serve what is there, or drop it, per config."""
-        if not ids:
+        if not ids or self._dropped_uniform(ids, drops):
             return
         if self.cfg.partial_groups == "serve":
             self._push_ready(Unit(key, ids, episodes, partial=True), front=front)
@@ -410,7 +431,7 @@ class Buffer:
             for i in ids:
                 gid = self._entries[i].group_id
                 self._forget(i, "dropped:" + reason)
-                if reason in ("stale", "partial_group"):
+                if reason in _CLOSING:
                     self._closed.add(gid)
             self._dropped[reason] += len(ids)
         self._notify()
@@ -462,7 +483,7 @@ class Buffer:
         known = [i for i in d["sample_ids"] if i in self._entries]
         for i in known:
             gid = self._entries[i].group_id
-            if kind == Kind.ACK or d["reason"] in ("stale", "partial_group"):
+            if kind == Kind.ACK or d["reason"] in _CLOSING:
                 self._closed.add(gid)
             self._forget(i, "consumed" if kind == Kind.ACK else "dropped:" + d["reason"])
         if kind == Kind.ACK:
@@ -481,7 +502,7 @@ class Buffer:
         for e in self._entries.values():
             self._admit(e, drops, touched, replay=True)
         for gid in dict.fromkeys(touched):
-            self._check_complete(gid)
+            self._check_complete(gid, drops)
         if self.cfg.grouped:
             for unit in self._ready.values():
                 unit.partial = len(unit.episodes) < self.cfg.group_size

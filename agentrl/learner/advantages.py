@@ -1,13 +1,17 @@
 """Group-relative advantages (GRPO): the learner's only use of rewards.
 
 Role: turn one scalar reward per episode into one advantage per episode by comparing each episode
-with the other episodes of its group (the G rollouts of the same task).
+with the other episodes of its group (the G rollouts of the same task), and hand each sample the
+advantage of the episode it came from.
 
 Invariants:
 - Pure: no globals, no gradient (rewards are detached), output has the shape and floating dtype of
   the input rewards.
 - A group whose rewards are all equal, and in particular a group of one, gets advantage exactly 0,
   never NaN: it carries no learning signal.
+- An episode counts once in its group's mean and std however many samples it became (a chat
+  template that is not prefix-stable, several choices per call, branching): its samples share
+  its advantage.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from collections.abc import Hashable, Sequence
 import torch
 from torch import Tensor
 
-__all__ = ["group_advantages", "group_index"]
+__all__ = ["episode_advantages", "group_advantages", "group_index"]
 
 
 def group_index(group_ids: Sequence[Hashable] | Tensor, n: int, device: torch.device | None = None) -> Tensor:
@@ -75,3 +79,39 @@ def group_advantages(
     degenerate = (r_max == r_min)[idx]
     adv = torch.where(degenerate, torch.zeros_like(adv), adv)
     return adv.to(out_dtype)
+
+
+def episode_advantages(
+    rewards: Tensor,
+    episode_ids: Sequence[Hashable],
+    group_ids: Sequence[Hashable],
+    normalize_std: bool = True,
+    eps: float = 1e-6,
+) -> Tensor:
+    """Per-sample GRPO advantages in which every episode counts once.
+
+    rewards: [N] one per sample (the samples of one episode carry its reward; if they differ, the
+    episode's reward is their mean). episode_ids, group_ids: N hashables. The episodes' rewards
+    go through :func:`group_advantages` (one entry per episode, so an episode that became k
+    samples does not weigh k times in its group's mean and std), and each sample gets its
+    episode's advantage. Returns [N].
+    """
+    n = rewards.shape[0]
+    if len(episode_ids) != n or len(group_ids) != n:
+        raise ValueError(f"episode_ids ({len(episode_ids)}) and group_ids ({len(group_ids)}) must have one "
+                         f"entry per reward ({n})")
+    out_dtype = rewards.dtype if rewards.is_floating_point() else torch.get_default_dtype()
+    if n == 0:
+        return torch.zeros(0, dtype=out_dtype, device=rewards.device)
+    # an episode id is unique within its group; the pair is its key
+    episode = group_index([(g, e) for g, e in zip(group_ids, episode_ids, strict=True)], n, rewards.device)
+    count = int(episode.max()) + 1
+    r = rewards.detach().to(torch.float64)
+    zeros = torch.zeros(count, dtype=torch.float64, device=r.device)
+    per_episode = zeros.index_add(0, episode, r) / zeros.index_add(0, episode, torch.ones_like(r))
+    first = [None] * count
+    for i, k in enumerate(episode.tolist()):
+        if first[k] is None:
+            first[k] = group_ids[i]
+    adv = group_advantages(per_episode, first, normalize_std=normalize_std, eps=eps)
+    return adv[episode].to(out_dtype)

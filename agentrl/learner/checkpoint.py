@@ -6,7 +6,9 @@ Layout of ``checkpoint_dir``::
       __0_0.distcp ...      DCP shards: {"model": ..., "optim": ...}, written by every rank
       .metadata
       rank_0.pt ...         per rank: RNG states (torch, CUDA, Python), scheduler state
-      meta.json             step, policy version, batch_id of the batch trained at this step
+      meta.json             step, policy version, batch_id of the batch trained at this step and
+                            its sample ids, and the ids of samples of earlier batches trained into
+                            these weights whose ack was refused
     latest                  name of the newest complete checkpoint (replaced atomically)
 
 Invariants:
@@ -16,7 +18,10 @@ Invariants:
 - The checkpoint is written after the step's weights were published and before its batch is
   acknowledged; ``meta.json`` names that batch, so on resume the learner acks it again (the
   buffer's ack is idempotent) and releases every other lease: no batch trained into the restored
-  weights is served again, and every batch trained after them is (docs/buffer.md).
+  weights is served again, and every batch trained after them is (docs/buffer.md). If that ack
+  answers False (the buffer forgot the batch: it restarted, or the lease expired), the batch's
+  samples come back in a new batch; ``batch_sample_ids`` (and ``trained_sample_ids`` for earlier
+  refused acks) let the learner skip them there.
 - Model and optimizer state are sharded (DCP reshards on load, so a checkpoint written by N
   ranks loads on M); one process without torchrun reads and writes the same format.
 """
@@ -28,7 +33,8 @@ import logging
 import os
 import random
 import shutil
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +52,8 @@ class Resumed:
     version: int
     batch_id: str | None
     path: Path
+    trained: list[str] = field(default_factory=list)  # samples of earlier batches in these weights, ack refused
+    batch_samples: list[str] = field(default_factory=list)  # the sample ids of batch_id
 
 
 def _rng_state() -> dict[str, Any]:
@@ -75,8 +83,10 @@ def latest_checkpoint(checkpoint_dir: str | Path) -> Path | None:
 
 
 def save_checkpoint(state: TrainState, checkpoint_dir: str | Path, *, version: int, batch_id: str | None,
-                    keep: int = 2) -> Path:
-    """Write a complete checkpoint of ``state`` (collective: every rank calls it)."""
+                    keep: int = 2, batch_samples: Sequence[str] = (), trained: Sequence[str] = ()) -> Path:
+    """Write a complete checkpoint of ``state`` (collective: every rank calls it). ``batch_samples``:
+    the sample ids of ``batch_id``; ``trained``: ids of samples of earlier batches trained into these
+    weights whose ack the buffer refused (both rank 0's)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
@@ -93,7 +103,8 @@ def save_checkpoint(state: TrainState, checkpoint_dir: str | Path, *, version: i
     torch.save({"rng": _rng_state(), "scheduler": state.scheduler.state_dict()}, tmp / f"rank_{ctx.rank}.pt")
     ctx.barrier()
     if ctx.is_main:
-        meta = {"step": state.step, "version": version, "batch_id": batch_id, "world": ctx.world}
+        meta = {"step": state.step, "version": version, "batch_id": batch_id, "world": ctx.world,
+                "batch_sample_ids": list(batch_samples), "trained_sample_ids": list(trained)}
         (tmp / "meta.json").write_text(json.dumps(meta))
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
@@ -124,7 +135,8 @@ def load_checkpoint(state: TrainState, path: str | Path) -> Resumed:
     _set_rng_state(extra["rng"])
     state.step = int(meta["step"])
     log.info("resumed from %s: step %d, version %d", path, meta["step"], meta["version"])
-    return Resumed(step=int(meta["step"]), version=int(meta["version"]), batch_id=meta.get("batch_id"), path=path)
+    return Resumed(step=int(meta["step"]), version=int(meta["version"]), batch_id=meta.get("batch_id"), path=path,
+                   trained=list(meta.get("trained_sample_ids", [])), batch_samples=list(meta.get("batch_sample_ids", [])))
 
 
 def save_hf(state_dict: dict[str, torch.Tensor], model_path: str, out: str | Path) -> Path:

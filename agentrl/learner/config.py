@@ -1,9 +1,11 @@
 """``LearnConfig``: the config tree of ``agentrl learn``; ``loss`` is the loss's own parameters.
 
-The loss section is a tagged union on ``kind`` (``pg``, ``ppo``, ``decoupled_ppo``): each variant holds
-exactly the parameters :func:`agentrl.learner.losses.compute_loss` takes for that kind, under the
-names docs/losses.md uses, and :meth:`LossConfig.arguments` hands them over as they are. Only the
-standard library is imported here (torch is imported by the learner itself).
+The loss section is a tagged union on ``kind`` (``pg``, ``ppo``, ``decoupled_ppo``, ``gspo``,
+``cispo``). Each variant holds the parameters :func:`agentrl.learner.losses.compute_loss` takes for
+that kind, under the names docs/losses.md uses, and :meth:`LossConfig.arguments` hands them over
+as they are; fields marked ``STEP`` in their metadata are read by the step itself instead
+(advantages, the truncated-episode policy, the number of optimizer passes, the proximal policy).
+Only the standard library is imported here (torch is imported by the learner itself).
 """
 
 from __future__ import annotations
@@ -15,22 +17,29 @@ from typing import Any, Literal
 from agentrl.errors import ConfigError
 from agentrl.weights.config import WeightsConfig
 
+STEP = {"step": True}  # a loss setting the step reads (not a compute_loss parameter)
+
 
 @dataclass
 class LossConfig:
-    """Parameters every loss kind shares: the off-policy correction and the aggregation."""
+    """Parameters every loss kind shares: the off-policy correction, the aggregation, the advantages."""
 
     correction: Literal["none", "tis", "mis"] = "tis"  # importance correction against the behaviour policy
     level: Literal["token", "sequence", "geometric"] = "token"  # unit of the correction's ratio
     tis_cap: float = 2.0  # tis: weights are min(pi_old / mu, tis_cap)
-    mis_low: float = 0.5  # mis: units whose ratio is below this are dropped
-    mis_high: float = 2.0  # mis: units whose ratio is above this are dropped
+    mis_low: float = 0.5  # mis: units whose ratio is below this are dropped (and leave the denominator)
+    mis_high: float = 2.0  # mis: units whose ratio is above this are dropped (and leave the denominator)
     mismatch_band: tuple[float, float] | None = None  # drop single tokens whose pi_old / mu leaves [low, high]
-    agg: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = "token-mean"  # loss aggregation
+    agg: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = \
+        "token-mean"  # loss aggregation; seq-mean-token-sum-norm is Dr. GRPO's (a constant length, norm_tokens)
+    norm_tokens: int = 0  # seq-mean-token-sum-norm: the constant length L per sequence (0: the batch's longest completion)
+    advantage_std: bool = field(default=True, metadata=STEP)  # divide group-centred rewards by the group's std (GRPO); false: Dr. GRPO
+    overlong: Literal["keep", "mask", "penalize"] = field(default="keep", metadata=STEP)  # truncated episodes: train as they are, mask them out of the loss (DAPO's overlong filtering; still in their group's baseline), or subtract overlong_penalty from their reward
+    overlong_penalty: float = field(default=1.0, metadata=STEP)  # overlong = "penalize": subtracted from a truncated episode's reward before advantages
 
     def arguments(self) -> dict[str, Any]:
         """``compute_loss``'s keyword arguments for this loss (``kind`` included)."""
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if not f.metadata.get("step")}
 
 
 @dataclass
@@ -47,6 +56,8 @@ class PPOLoss(LossConfig):
     kind: Literal["ppo"] = "ppo"
     clip_low: float = 0.2  # ratio floor 1 - clip_low
     clip_high: float = 0.2  # ratio ceiling 1 + clip_high (above clip_low: DAPO's clip-higher)
+    minibatches: int = field(default=1, metadata=STEP)  # optimizer updates per epoch: the batch split into this many minibatches
+    epochs: int = field(default=1, metadata=STEP)  # passes over the batch; pi_old stays the weights at the start of the step
 
 
 @dataclass
@@ -56,9 +67,37 @@ class DecoupledPPOLoss(LossConfig):
     kind: Literal["decoupled_ppo"] = "decoupled_ppo"
     clip_low: float = 0.2  # ratio floor 1 - clip_low
     clip_high: float = 0.2  # ratio ceiling 1 + clip_high
+    minibatches: int = field(default=1, metadata=STEP)  # optimizer updates per epoch: the batch split into this many minibatches
+    epochs: int = field(default=1, metadata=STEP)  # passes over the batch; pi_prox stays the weights at the start of the step
+    proximal: Literal["recompute", "approx"] = field(default="recompute", metadata=STEP)  # pi_prox: a no-grad forward pass at the start of the step, or approx_proximal_logp (no extra pass)
 
 
-Loss = PGLoss | PPOLoss | DecoupledPPOLoss
+@dataclass
+class GSPOLoss(LossConfig):
+    """GSPO (Zheng et al. 2025): PPO's clip on the length-normalised sequence ratio, one unit per sequence."""
+
+    kind: Literal["gspo"] = "gspo"
+    level: Literal["token", "sequence", "geometric"] = "geometric"  # unit of the correction's ratio (GSPO's own: the sequence's geometric mean)
+    agg: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = \
+        "seq-mean-token-mean"  # loss aggregation; GSPO's own counts each sequence once
+    clip_low: float = 3e-4  # sequence-ratio floor 1 - clip_low (GSPO's ratios are geometric means: a narrow range)
+    clip_high: float = 4e-4  # sequence-ratio ceiling 1 + clip_high
+    minibatches: int = field(default=1, metadata=STEP)  # optimizer updates per epoch: the batch split into this many minibatches
+    epochs: int = field(default=1, metadata=STEP)  # passes over the batch; pi_old stays the weights at the start of the step
+
+
+@dataclass
+class CISPOLoss(LossConfig):
+    """CISPO (MiniMax-M1): REINFORCE weighted by the clipped, stop-gradient ratio pi_theta / pi_old."""
+
+    kind: Literal["cispo"] = "cispo"
+    clip_low: float = 1.0  # weight floor 1 - clip_low (1: no floor, as MiniMax-M1)
+    clip_high: float = 1.0  # weight ceiling 1 + clip_high
+    minibatches: int = field(default=1, metadata=STEP)  # optimizer updates per epoch: the batch split into this many minibatches
+    epochs: int = field(default=1, metadata=STEP)  # passes over the batch; pi_old stays the weights at the start of the step
+
+
+Loss = PGLoss | PPOLoss | DecoupledPPOLoss | GSPOLoss | CISPOLoss
 
 
 @dataclass
@@ -112,6 +151,14 @@ class LearnConfig:
             raise ConfigError("warmup_steps, decay_steps and checkpoint_every must not be negative")
         if self.batch_size < 0 or self.max_staleness < -1:
             raise ConfigError("batch_size must be >= 0 (0: serve's) and max_staleness >= -1 (-1: serve's)")
-        band = self.loss.mismatch_band
+        loss = self.loss
+        band = loss.mismatch_band
         if band is not None and not 0 < band[0] <= band[1]:
             raise ConfigError(f"loss.mismatch_band needs 0 < low <= high, got {list(band)}")
+        if getattr(loss, "minibatches", 1) < 1 or getattr(loss, "epochs", 1) < 1:
+            raise ConfigError("loss.minibatches and loss.epochs must be at least 1")
+        if loss.norm_tokens < 0 or loss.overlong_penalty < 0:
+            raise ConfigError("loss.norm_tokens and loss.overlong_penalty must not be negative")
+        clip = (getattr(loss, "clip_low", 0.0), getattr(loss, "clip_high", 0.0))
+        if not (0 <= clip[0] <= 1 and clip[1] >= 0):
+            raise ConfigError(f"loss.clip_low must be in [0, 1] and loss.clip_high >= 0, got {list(clip)}")

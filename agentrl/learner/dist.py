@@ -10,7 +10,14 @@ Invariants:
 - Under torchrun every rank makes the same sequence of collective calls; only rank 0 talks to
   serve, and the others receive what it got through ``broadcast_object``.
 - Parameters stay fp32 (the optimizer's master weights); ``precision="bf16"`` only changes the
-  compute dtype of the sharded forward/backward, gradients are reduced in fp32.
+  compute dtype of the decoder layers' forward/backward, gradients are reduced in fp32. The root
+  (embeddings, final norm, LM head) computes in fp32 even then, so the logits, and the log-softmax
+  the learner takes over them, are fp32: bf16 keeps 8 significant bits, so a logit of 16 would be
+  off by up to 0.03 and the token's logprob with it (MiniMax-M1 traced its train/inference
+  mismatch to the LM head's precision and moved that to fp32).
+- Dropout is switched off at load (:func:`disable_dropout`): the policy's logprobs must be those
+  of the distribution the engine samples from, which has none; the training passes stay in
+  training mode only so that activation checkpointing (which transformers gates on it) works.
 """
 
 from __future__ import annotations
@@ -118,6 +125,7 @@ def load_model(model_path: str, ctx: Dist, *, precision: str = "auto", activatio
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
     if activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    disable_dropout(model)
     model.train()
     bf16 = precision == "bf16" or (precision == "auto" and ctx.device.type == "cuda")
     if not ctx.distributed:
@@ -134,8 +142,34 @@ def load_model(model_path: str, ctx: Dist, *, precision: str = "auto", activatio
     for i, layer in enumerate(layers):
         # the last layer's parameters are needed again at once by backward: keep them gathered
         fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=i < len(layers) - 1)
-    fully_shard(model, mesh=mesh, mp_policy=mp)  # embeddings, final norm, (tied) lm_head
+    # embeddings, final norm, (tied) lm_head: in fp32 whatever the layers compute in, so the
+    # logits are fp32 (the norm's fp32 weight promotes the last layer's bf16 output)
+    fully_shard(model, mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=torch.float32,
+                                                                 reduce_dtype=torch.float32))
     return model
+
+
+def disable_dropout(model: torch.nn.Module) -> int:
+    """Set every dropout probability of ``model`` to 0 (``nn.Dropout`` modules and the float
+    ``*dropout`` / ``*pdrop`` attributes transformers' attention reads); returns how many were
+    non-zero."""
+    changed = 0
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            changed += module.p > 0
+            module.p = 0.0
+            continue
+        for name, value in list(vars(module).items()):
+            if isinstance(value, float) and (name.endswith("dropout") or name.endswith("pdrop")):
+                changed += value > 0
+                setattr(module, name, 0.0)
+    config = getattr(model, "config", None)
+    for name in ("attention_dropout", "hidden_dropout", "dropout"):
+        if isinstance(getattr(config, name, None), float):
+            setattr(config, name, 0.0)
+    if changed:
+        log.info("dropout off in %d place(s): the learner's logprobs are those of the sampling policy", changed)
+    return changed
 
 
 def tied_names(model: torch.nn.Module) -> set[str]:

@@ -11,6 +11,8 @@ Invariants:
   (position t predicts token t+1, zeros past each sample's end), so every loss, aggregation and
   sequence-level correction sees the same tensors as without packing.
 - Packing is a pure function of the token counts: every rank computes the same rows.
+- Logprobs are a log-softmax over fp32 logits (``.float()`` is a no-op for the fp32 logits the
+  learner's model produces; under bf16 FSDP its LM head computes in fp32, ``dist.load_model``).
 """
 
 from __future__ import annotations
@@ -29,8 +31,12 @@ def token_logprobs(model: Any, input_ids: Tensor, attention_mask: Tensor) -> Ten
     return logp.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
 
 
-def pad_batch(samples: Sequence[Any], pad_id: int) -> dict[str, Tensor]:
-    """Right-padded tensors; per-token fields shifted to align with next-token logprobs."""
+def pad_batch(samples: Sequence[Any], pad_id: int, masks: Sequence[Any] | None = None) -> dict[str, Tensor]:
+    """Right-padded tensors; per-token fields shifted to align with next-token logprobs.
+
+    ``masks``: loss masks to use instead of the samples' own (one per sample, same lengths), e.g.
+    with a completion that another sample already trains masked out (:mod:`agentrl.learner.batch`).
+    """
     width = max(len(s.token_ids) for s in samples)
     b = len(samples)
     ids = torch.full((b, width), pad_id, dtype=torch.long)
@@ -42,7 +48,7 @@ def pad_batch(samples: Sequence[Any], pad_id: int) -> dict[str, Tensor]:
         n = len(s.token_ids)
         ids[i, :n] = torch.as_tensor(s.token_ids, dtype=torch.long)
         attn[i, :n] = 1
-        mask[i, :n] = torch.as_tensor(s.loss_mask, dtype=torch.float32)
+        mask[i, :n] = torch.as_tensor(s.loss_mask if masks is None else masks[i], dtype=torch.float32)
         behaviour[i, :n] = torch.as_tensor(s.logprobs, dtype=torch.float32)
         versions[i, :n] = torch.as_tensor(s.versions, dtype=torch.long)
     # position t of the [B, T-1] logprob tensor predicts token t+1

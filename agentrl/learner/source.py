@@ -9,7 +9,8 @@ or an NCCL broadcast from the GPU). A test or benchmark may pass any object with
 Invariants: ``get_batch`` leases (the batch is served again unless acked); ``ack`` is idempotent
 and answers False for a batch the buffer no longer knows; ``release`` returns every lease of a
 previous learner to the pending samples; ``publish`` returns once engines serve the version, and
-takes the full weights on ``weights_device``.
+takes the full weights on ``weights_device``; ``info`` may be called again at any time (the
+learner asks serve's version to notice a serve that came back at an older one).
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ class ServeSource:
         # the batch size and staleness bound: the learner's own, or (0 / -1) serve's buffer's (info)
         self.batch_size = cfg.batch_size or None
         self.max_staleness = cfg.max_staleness if cfg.max_staleness >= 0 else None
+        self._told = False
 
     @property
     def weights_device(self) -> str:
@@ -100,7 +102,9 @@ class ServeSource:
             self.batch_size = int(info.get("batch_size") or 16)
         if self.max_staleness is None:
             self.max_staleness = int(info.get("max_staleness", 2))
-        log.info("batches of %d samples at most %d versions old", self.batch_size, self.max_staleness)
+        if not self._told:  # said once: the learner asks again later, for serve's version
+            self._told = True
+            log.info("batches of %d samples at most %d versions old", self.batch_size, self.max_staleness)
         return info
 
     async def get_batch(self, version: int) -> tuple[str, list[Any]] | None:

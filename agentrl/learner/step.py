@@ -1,18 +1,31 @@
-"""One optimizer step on a given list of samples: the learner's math, apart from any I/O.
+"""One learner step on a given list of samples: the learner's math, apart from any I/O.
 
-Role: advantages, packed micro-batches, logprob recomputation, the off-policy-corrected loss,
-gradient clipping and the AdamW + schedule step. ``train_step`` takes samples and returns
-statistics; it never talks to serve, so tests and benchmarks drive it on fixed batches.
+Role: per-episode advantages and loss masks (:mod:`agentrl.learner.batch`), packed micro-batches,
+logprob recomputation, the off-policy-corrected loss, gradient clipping and the AdamW + schedule
+update. ``train_step`` takes samples and returns statistics; it never talks to serve, so tests
+and benchmarks drive it on fixed batches.
+
+A step is one optimizer update, or for the clipped kinds with ``minibatches`` x ``epochs`` > 1
+that many updates over the batch, with ``pi_old`` the weights at the start of the step: one
+no-grad pass in eval mode computes it first (decoupled PPO's ``proximal = "approx"`` interpolates
+it instead, :func:`agentrl.learner.corrections.approx_proximal_logp`). The learning-rate schedule
+counts steps (batches), not updates.
 
 Invariants:
-- Every rank receives the whole batch and computes the same advantages and the same packed rows;
-  rank r trains rows r, r + world, ... A rank with fewer rows runs a zero-weight dummy pass so
-  all ranks make the same FSDP collectives.
-- The loss normaliser is the global count of trained tokens of the batch (``denominator``), so
-  the summed loss and gradient are the same for any world size and any micro-batching. FSDP
-  averages gradients over ranks; each rank's loss is scaled by ``world`` to undo that.
-- Reported loss and statistics are global: summed (loss) or token-weighted (means) over all
-  ranks, maxima by max.
+- Every rank receives the whole batch and computes the same advantages, masks and packed rows;
+  rank r trains rows r, r + world, ... of each update. A rank with fewer rows runs a zero-weight
+  dummy pass so all ranks make the same FSDP collectives.
+- Each row's loss is taken in its sum form (``denominator = 1``) and the gradient is divided once
+  by the update's global count of what the loss was taken over (tokens, or sequences, after
+  every mask: tokens that MIS or the mismatch band drop leave the denominator), so the loss and
+  gradient are the same for any world size and any micro-batching. FSDP averages gradients over
+  ranks; each rank's loss is scaled by ``world`` to undo that.
+- An update whose loss or gradient norm is not finite is not applied (gradients dropped, no
+  optimizer step) and names the samples that caused it. A step none of whose updates was applied
+  reports ``updated = False``: the weights did not change, the schedule and ``state.step`` did
+  not advance, and the caller must not publish a new version.
+- Reported statistics are global: summed (counts) or token-weighted (means) over all ranks,
+  maxima by max; with several updates, averaged over them.
 """
 
 from __future__ import annotations
@@ -20,18 +33,22 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
+from agentrl.learner.batch import Prepared, prepare
 from agentrl.learner.config import LearnConfig
 from agentrl.learner.dist import Dist, grad_norm_and_clip
 from agentrl.learner.packing import pack, packed_logprobs, pad_batch
 
 log = logging.getLogger(__name__)
+
+NEEDS_OLD = ("ppo", "decoupled_ppo", "gspo", "cispo")  # kinds whose loss compares with pi_old
 
 
 @dataclass
@@ -41,11 +58,11 @@ class TrainState:
     scheduler: torch.optim.lr_scheduler.LambdaLR
     ctx: Dist
     pad_id: int = 0
-    step: int = 0  # optimizer steps taken
+    step: int = 0  # steps that updated the weights (each published as one version)
 
 
 def lr_factor(step: int, warmup_steps: int, decay_steps: int, min_ratio: float) -> float:
-    """Multiplier of ``lr`` at optimizer step ``step`` (0-based): linear warm-up, then linear decay."""
+    """Multiplier of ``lr`` at step ``step`` (0-based): linear warm-up, then linear decay."""
     if warmup_steps and step < warmup_steps:
         return (step + 1) / warmup_steps
     if not decay_steps:
@@ -63,77 +80,202 @@ def build_state(cfg: LearnConfig, model: torch.nn.Module, ctx: Dist) -> TrainSta
     return TrainState(model=model, optimizer=opt, scheduler=sched, ctx=ctx, pad_id=pad_id if pad_id is not None else 0)
 
 
-def usable_samples(samples: Sequence[Any]) -> list[Any]:
-    """Samples that carry a gradient: no error, and at least one generated token after the first."""
-    return [s for s in samples if s.error is None and len(s.token_ids) > 1 and np.count_nonzero(s.loss_mask[1:])]
+@contextmanager
+def eval_mode(model: torch.nn.Module) -> Iterator[None]:
+    """The model in eval mode (no dropout) for a logprob pass, then back as it was."""
+    was = model.training
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train(was)
 
 
 def _merge_stats(parts: list[list[tuple[float, dict[str, float]]]]) -> dict[str, float]:
-    """Token-weighted means of per-row statistics; ``max`` keys by max, ``tokens`` by sum."""
+    """Token-weighted means of per-row statistics; ``max`` keys by max."""
     out: dict[str, float] = {}
     for rank_rows in parts:
         for w, st in rank_rows:
             for k, v in st.items():
                 if k.endswith("max"):
                     out[k] = max(out.get(k, -math.inf), v)
-                elif k.endswith("tokens") or k == "loss/loss":
-                    out[k] = out.get(k, 0.0) + v
                 else:
                     out[k] = out.get(k, 0.0) + w * v
     return out
 
 
-def train_step(state: TrainState, samples: Sequence[Any], cfg: LearnConfig, version: int) -> dict[str, Any]:
-    """One optimizer step on ``samples`` (the whole batch, identical on every rank); global stats."""
-    from agentrl.learner.losses import compute_loss, group_advantages
+def _denominator(agg: str, tokens: float, sequences: float, norm_tokens: float) -> float:
+    if agg == "token-mean":
+        return tokens
+    if agg == "seq-mean-token-sum-norm":
+        return sequences * norm_tokens
+    return sequences
 
-    ctx, model = state.ctx, state.model
+
+def _offending(mb: list[Any], logp: torch.Tensor, t: dict[str, torch.Tensor]) -> list[str]:
+    """The samples of a row whose loss was not finite: those with a non-finite logprob of the
+    learner's, else of the engine's, on a counted token; else all of them."""
+    m = t["mask"].to(logp.device) > 0
+    for values in (logp.detach(), t["behaviour"].to(logp.device)):
+        bad = ~torch.isfinite(torch.where(m, values, torch.zeros_like(values))).all(-1)
+        if bool(bad.any()):
+            return [mb[i].sample_id for i in bad.nonzero().flatten().tolist()]
+    return [s.sample_id for s in mb]
+
+
+def _dummy_pass(state: TrainState, backward: bool) -> None:
+    """A zero-weight pass: keeps this rank's FSDP collectives in step with ranks that have a row."""
+    ids = torch.full((1, 2), state.pad_id, dtype=torch.long, device=state.ctx.device)
+    out = state.model(input_ids=ids, use_cache=False).logits.float().sum() * 0.0
+    if backward:
+        out.backward()
+
+
+def _old_logprobs(state: TrainState, prep: Prepared, plan: list[list[list[int]]]) -> dict[tuple[int, int], Any]:
+    """pi_old of every row this rank trains, keyed (minibatch, row): no grad, eval mode (no dropout)."""
+    ctx = state.ctx
+    out: dict[tuple[int, int], Any] = {}
+    with torch.no_grad(), eval_mode(state.model):
+        for m, rows in enumerate(plan):
+            mine = list(range(ctx.rank, len(rows), ctx.world))
+            for i in range(math.ceil(len(rows) / ctx.world)):
+                if i >= len(mine):
+                    _dummy_pass(state, backward=False)
+                    continue
+                out[(m, mine[i])] = packed_logprobs(state.model, [prep.samples[j] for j in rows[mine[i]]], ctx.device)
+    return out
+
+
+def _update(state: TrainState, cfg: LearnConfig, prep: Prepared, rows: list[list[int]], old: dict[int, Any],
+            version: int, progress: float, norm_tokens: float) -> dict[str, Any]:
+    """One optimizer update on ``rows`` (lists of indexes into ``prep.samples``); collective."""
+    from agentrl.learner.corrections import approx_proximal_logp
+    from agentrl.learner.losses import compute_loss
+
+    ctx, model, loss_cfg = state.ctx, state.model, cfg.loss
+    approx = getattr(loss_cfg, "proximal", "recompute") == "approx"
+    weight_of = float(max(1, sum(int(np.count_nonzero(prep.masks[j][1:])) for r in rows for j in r)))
+    mine = list(range(ctx.rank, len(rows), ctx.world))
+    state.optimizer.zero_grad(set_to_none=True)
+    loss_sum, tokens, sequences, bad_ids = 0.0, 0.0, 0.0, []
+    row_stats: list[tuple[float, dict[str, float]]] = []
+    for i in range(math.ceil(len(rows) / ctx.world)):
+        if i >= len(mine):
+            _dummy_pass(state, backward=True)
+            continue
+        idx = rows[mine[i]]
+        mb = [prep.samples[j] for j in idx]
+        t = pad_batch(mb, state.pad_id, masks=[prep.masks[j] for j in idx])
+        logp = packed_logprobs(model, mb, ctx.device)
+        behaviour = t["behaviour"].to(ctx.device)
+        logp_old = old.get(mine[i])
+        if approx:  # pi_prox at the step's start version, interpolated from this update's logprobs
+            logp_old = approx_proximal_logp(behaviour, logp.detach(), t["versions"].to(ctx.device),
+                                            current_version=version + progress, proximal_version=version)
+        loss, st = compute_loss(**loss_cfg.arguments(), logp=logp, logp_old=logp_old, logp_behaviour=behaviour,
+                                advantages=prep.advantages[idx].to(ctx.device), mask=t["mask"].to(ctx.device),
+                                denominator=1.0)
+        (loss * ctx.world).backward()
+        value = float(loss.detach())
+        if not math.isfinite(value):
+            bad_ids += _offending(mb, logp, t)
+        loss_sum += value
+        tokens += float(st.pop("loss/tokens"))
+        sequences += float(st.pop("loss/sequences"))
+        st.pop("loss/loss")
+        row_stats.append((float(t["mask"].sum()) / weight_of, {k: float(v) for k, v in st.items()}))
+    loss_sum, tokens, sequences = ctx.all_reduce_sum([loss_sum, tokens, sequences])
+    parts = ctx.all_gather_object((row_stats, bad_ids))
+    stats = _merge_stats([p[0] for p in parts])
+    bad_ids = [i for p in parts for i in p[1]]
+    denominator = _denominator(loss_cfg.agg, tokens, sequences, norm_tokens)
+    result: dict[str, Any] = {"stats": stats, "tokens": tokens, "sequences": sequences, "applied": False,
+                              "grad_norm": 0.0, "loss": 0.0, "skipped": None, "offending": bad_ids}
+    if bad_ids or not math.isfinite(loss_sum):
+        result["skipped"] = "non_finite_loss"
+    elif denominator <= 0:
+        result["skipped"] = "nothing_to_train"  # every token masked: no gradient, and AdamW would still move
+    else:
+        for p in model.parameters():
+            if p.grad is not None:
+                p.grad.mul_(1.0 / denominator)
+        grad_norm = grad_norm_and_clip(model, cfg.grad_clip)
+        result["loss"], result["grad_norm"] = loss_sum / denominator, grad_norm
+        if math.isfinite(grad_norm):
+            state.optimizer.step()
+            result["applied"] = True
+        else:
+            result["skipped"] = "non_finite_grad_norm"
+            result["offending"] = [prep.samples[j].sample_id for r in rows for j in r]
+    if not result["applied"]:
+        state.optimizer.zero_grad(set_to_none=True)  # nothing of this update may reach a later one
+    return result
+
+
+def _minibatches(n: int, count: int) -> list[list[int]]:
+    """``count`` contiguous slices of range(n) (groups arrive contiguous: they stay mostly whole)."""
+    return [part.tolist() for part in np.array_split(np.arange(n), min(count, n)) if len(part)] if n else []
+
+
+def train_step(state: TrainState, samples: Sequence[Any], cfg: LearnConfig, version: int) -> dict[str, Any]:
+    """One step on ``samples`` (the whole batch, identical on every rank); global stats."""
+    loss_cfg = cfg.loss
     t0 = time.monotonic()
     staleness = [version - s.min_version for s in samples if s.min_version >= 0]
-    usable = usable_samples(samples)
-    rewards = torch.tensor([s.reward for s in usable], dtype=torch.float32)
-    adv = group_advantages(rewards, [s.group_id for s in usable]) if usable else rewards
-    # the loss sees mask[:, 1:] (the first token is never predicted)
-    total_tokens = sum(int(np.count_nonzero(s.loss_mask[1:])) for s in usable)
-    rows = pack([len(s.token_ids) for s in usable], cfg.micro_batch_tokens)
-    passes = math.ceil(len(rows) / ctx.world) if rows else 0
-    mine = rows[ctx.rank::ctx.world]
-    state.optimizer.zero_grad(set_to_none=True)
-    loss_sum = 0.0
-    row_stats: list[tuple[float, dict[str, float]]] = []
-    for i in range(passes):
-        if i >= len(mine):  # keep the collectives in step with the other ranks
-            ids = torch.full((1, 2), state.pad_id, dtype=torch.long, device=ctx.device)
-            (model(input_ids=ids, use_cache=False).logits.float().sum() * 0.0).backward()
-            continue
-        idx = mine[i]
-        mb = [usable[j] for j in idx]
-        t = pad_batch(mb, state.pad_id)
-        logp = packed_logprobs(model, mb, ctx.device)
-        loss, st = compute_loss(**cfg.loss.arguments(), logp=logp, logp_behaviour=t["behaviour"].to(ctx.device),
-                                advantages=adv[idx].to(ctx.device), mask=t["mask"].to(ctx.device),
-                                denominator=float(max(1, total_tokens)))
-        (loss * ctx.world).backward()
-        loss_sum += float(loss.detach())
-        row_stats.append((float(t["mask"].sum()) / max(1, total_tokens), {k: float(v) for k, v in st.items()}))
-    grad_norm = grad_norm_and_clip(model, cfg.grad_clip) if usable else 0.0
+    prep = prepare(samples, loss_cfg)
+    n = len(prep.samples)
+    # the loss sees mask[1:] (the first token is never predicted)
+    counted = [int(np.count_nonzero(m[1:])) for m in prep.masks]
+    norm_tokens = float(getattr(loss_cfg, "norm_tokens", 0) or max(counted, default=1))
+    epochs = int(getattr(loss_cfg, "epochs", 1))
+    parts = _minibatches(n, int(getattr(loss_cfg, "minibatches", 1)))
+    plan = [[[part[j] for j in row] for row in pack([len(prep.samples[j].token_ids) for j in part],
+                                                      cfg.micro_batch_tokens)] for part in parts]
+    updates = epochs * len(plan)
+    recompute = loss_cfg.kind in NEEDS_OLD and updates > 1 and getattr(loss_cfg, "proximal", "recompute") == "recompute"
+    old = _old_logprobs(state, prep, plan) if recompute else {}
     lr = state.scheduler.get_last_lr()[0]
-    if usable:
-        state.optimizer.step()
+    done: list[dict[str, Any]] = []
+    for _ in range(epochs):
+        for m, rows in enumerate(plan):
+            mine = {i: v for (mm, i), v in old.items() if mm == m}
+            done.append(_update(state, cfg, prep, rows, mine, version, len(done) / updates, norm_tokens))
+    applied = [u for u in done if u["applied"]]
+    skipped = [u for u in done if not u["applied"]]
+    offending = sorted({i for u in skipped for i in u["offending"]})
+    if offending:
+        log.warning("step at version %d: %d of %d update(s) not applied (%s); samples: %s", version, len(skipped),
+                    len(done), ", ".join(sorted({u["skipped"] for u in skipped})), ", ".join(offending))
+    if applied:
         state.scheduler.step()
-    state.step += 1
-    (loss_sum,) = ctx.all_reduce_sum([loss_sum])
-    agg = _merge_stats(ctx.all_gather_object(row_stats))
+        state.step += 1
+    stats = _average([u["stats"] for u in (applied or done)])
     seconds = time.monotonic() - t0
-    return {
-        "loss": loss_sum, "grad_norm": grad_norm, "lr": lr, "samples": len(samples), "trained_samples": len(usable),
+    out: dict[str, Any] = {
+        "updated": bool(applied), "updates": len(applied), "updates_skipped": len(skipped),
+        "skipped": None if applied else (skipped[0]["skipped"] if skipped else "nothing_to_train"),
+        "loss": sum(u["loss"] for u in applied) / max(1, len(applied)),
+        "grad_norm": sum(u["grad_norm"] for u in applied) / max(1, len(applied)),
+        "grad_norm_max": max((u["grad_norm"] for u in applied), default=0.0),
+        "lr": lr, "samples": len(samples), "trained_samples": n, "usable_samples": prep.candidates,
         "failed_samples": sum(s.error is not None for s in samples),
-        "reward_mean": sum(s.reward for s in samples) / max(1, len(samples)),
-        "advantage_mean": float(adv.mean()) if len(adv) else 0.0,
-        "advantage_std": float(adv.std()) if len(adv) > 1 else 0.0,
-        "advantage_abs_mean": float(adv.abs().mean()) if len(adv) else 0.0,
+        "reward_mean": sum(float(s.reward) for s in samples) / max(1, len(samples)),
+        **prep.stats,
         "staleness_mean": sum(staleness) / max(1, len(staleness)), "staleness_max": max(staleness, default=0),
         "staleness_hist": {str(k): staleness.count(k) for k in sorted(set(staleness))},
-        "tokens": total_tokens, "packed_rows": len(rows),
-        "tokens_per_s": total_tokens / max(1e-9, seconds), "step_s": seconds, **agg,
+        "tokens": sum(counted), "packed_rows": sum(len(rows) for rows in plan),
+        "tokens_per_s": sum(counted) / max(1e-9, seconds), "step_s": seconds, **stats,
+        "loss/tokens": done[0]["tokens"] if done else 0.0, "loss/sequences": done[0]["sequences"] if done else 0.0,
     }
+    if offending:
+        out["offending_sample_ids"] = offending
+    return out
+
+
+def _average(parts: list[dict[str, float]]) -> dict[str, float]:
+    """Per-update statistics averaged over updates (``max`` keys by max)."""
+    out: dict[str, float] = {}
+    for st in parts:
+        for k, v in st.items():
+            out[k] = max(out.get(k, -math.inf), v) if k.endswith("max") else out.get(k, 0.0) + v / len(parts)
+    return out
