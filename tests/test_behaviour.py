@@ -23,7 +23,6 @@ KEPT = [[4, 1, 2], [3, 0, 9], [5, 6, 7]]
 
 
 def sample(behaviour: Behaviour | None, tokens: np.ndarray = TOKENS, mask: list[int] = MASK) -> Sample:
-    n = len(tokens)
     return Sample(tokens, mask, [-0.5 * m for m in mask], [0 if m else -1 for m in mask], episode_id="e",
                   group_id="g", env="t", reward=1.0, behaviour=behaviour)
 
