@@ -13,6 +13,17 @@ The loss mask and the per-token policy versions travel run-length encoded becaus
 runs in practice (prompt / generated turns, one version per weight update). A 2,048-token sample is
 about 8 bytes per token plus a few dozen bytes of header; no number ever travels as JSON text.
 
+A sample with a :class:`~agentrl.buffer.behaviour.Behaviour` is a format-3 record: magic "ARS3",
+the format-2 header followed by four more u32 (calls C, kept-count runs kk, kept ids nk, kept-id
+width w: 2 when every id fits in a u16, else 4), the format-2 body, then::
+
+    | call starts (i32 x C) | call lengths (i32 x C) | call settings (f32 x 7C, behaviour.PARAMS)
+    | kept-count runs: values (i32 x kk), lengths (i32 x kk) | kept ids (u16 or i32 x nk) | pad to 4
+
+Kept counts are long runs too (0 on prompts, top_k on most tokens of a top-k call), so a call
+costs 36 bytes and a truncated token about ``w * top_k`` bytes (top_k 20 on a 49k vocabulary:
+40 bytes a token); a sample without truncation pays a few dozen bytes in all.
+
 The per-token fields are numpy arrays (``Sample`` guarantees int32/float32): their bytes are
 written as they are (on a little-endian machine, without conversion), and the mask and version
 runs come from one comparison each. Decoding gives writable arrays (one copy out of the record,
@@ -23,8 +34,10 @@ A batch is ``MAGIC | u32 header length | JSON header | (u32 length | sample reco
 Invariants: ``decode_sample(encode_sample(s))`` equals ``s`` field by field, except that logprobs
 round-trip through float32 (rounded to nearest, as a C ``(float)`` cast; a finite value beyond
 float32 becomes +-inf) and a loss mask of bools or floats comes back as 0/1 ints (both done by
-``Sample`` itself). Records of format 1 (a JSON header; logs written before format 2) are still
-read. Decoding rejects what it does not know with :class:`CodecError` instead of guessing.
+``Sample`` itself). Records of format 1 (a JSON header; logs written before format 2) and format 2
+(samples without a behaviour, and every record written before format 3) are still read; a sample
+without a behaviour is still written as format 2. Decoding rejects what it does not know with
+:class:`CodecError` instead of guessing.
 """
 
 from __future__ import annotations
@@ -39,16 +52,21 @@ from typing import Any
 
 import numpy as np
 
+from agentrl.buffer.behaviour import PARAMS, Behaviour
 from agentrl.buffer.sample import Sample
 
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 BATCH_MAGIC = b"ARB1"
 RECORD_MAGIC = b"ARS2"
+BEHAVIOUR_MAGIC = b"ARS3"  # a format-2 record with a behaviour section
 _U32 = struct.Struct("<I")
 _BATCH_HEAD = struct.Struct("<4sI")
 _HEAD = struct.Struct("<4sIIIidB3xIIIII")
+_HEAD3 = struct.Struct("<4sIIIidB3xIIIIIIIII")
 _I32 = np.dtype("<i4")
 _F32 = np.dtype("<f4")
+_U16 = np.dtype("<u2")
+_NP = len(PARAMS)
 
 
 class CodecError(ValueError):
@@ -151,12 +169,25 @@ def encode_with_prefix(sample: Sample, prefix: bytes = b"") -> tuple[bytes, dict
                           sample.env.encode())
     km, kv = len(mv), len(vv)
     strings = sid + eid + gid + env + rb
-    head = _HEAD.pack(RECORD_MAGIC, n, km, kv, min_version, float(sample.reward), bool(sample.truncated),
-                      len(sid), len(eid), len(gid), len(env), len(rb))
-    pad = b" " * (-len(strings) % 4)  # keeps the arrays 4-byte aligned (the fixed header is 52 bytes)
+    b = sample.behaviour
+    tail: tuple[bytes, ...] = ()
+    if b is None:
+        head = _HEAD.pack(RECORD_MAGIC, n, km, kv, min_version, float(sample.reward), bool(sample.truncated),
+                          len(sid), len(eid), len(gid), len(env), len(rb))
+    else:
+        cv, cl = _runs(b.kept_counts)
+        nk = b.kept_ids.shape[0]
+        wide = bool(nk) and (int(b.kept_ids.max()) > 0xFFFF or int(b.kept_ids.min()) < 0)
+        ids = _le(b.kept_ids, _I32) if wide else b.kept_ids.astype(_U16)
+        head = _HEAD3.pack(BEHAVIOUR_MAGIC, n, km, kv, min_version, float(sample.reward), bool(sample.truncated),
+                           len(sid), len(eid), len(gid), len(env), len(rb), b.calls, len(cv), nk, 4 if wide else 2)
+        body = ids.tobytes()
+        tail = (_le(b.starts, _I32).tobytes(), _le(b.lengths, _I32).tobytes(), _le(b.params, _F32).tobytes(),
+                _pack_ints(cv + cl), body, b"\0" * (-len(body) % 4))
+    pad = b" " * (-len(strings) % 4)  # keeps the arrays 4-byte aligned (the fixed headers are 52 and 68 bytes)
     record = b"".join((prefix, head, strings, pad, _le(sample.token_ids, _I32).tobytes(),
-                       _le(sample.logprobs, _F32).tobytes(), _pack_ints(mv + ml + vv + vl)))
-    meta = {"v": FORMAT_VERSION, "n": n, "km": km, "kv": kv, "min_version": min_version,
+                       _le(sample.logprobs, _F32).tobytes(), _pack_ints(mv + ml + vv + vl), *tail))
+    meta = {"v": 2 if b is None else FORMAT_VERSION, "n": n, "km": km, "kv": kv, "min_version": min_version,
             "sample_id": sample.sample_id, "episode_id": sample.episode_id, "group_id": sample.group_id,
             "env": sample.env, "reward": float(sample.reward), "truncated": bool(sample.truncated),
             "error": sample.error, "error_kind": sample.error_kind, "info": sample.info, "timings": sample.timings}
@@ -165,11 +196,13 @@ def encode_with_prefix(sample: Sample, prefix: bytes = b"") -> tuple[bytes, dict
 
 def _parse(record: bytes | memoryview) -> tuple[dict[str, Any], int]:
     """The header of a record of either format, and the offset of its arrays."""
-    if bytes(record[:4]) == RECORD_MAGIC:
+    magic = bytes(record[:4])
+    if magic in (RECORD_MAGIC, BEHAVIOUR_MAGIC):
+        three = magic == BEHAVIOUR_MAGIC
         try:
             (_, n, km, kv, min_version, reward, truncated, lsid, leid, lgid, lenv,
-             lrare) = _HEAD.unpack_from(record, 0)
-            off = _HEAD.size
+             lrare, *extra) = (_HEAD3 if three else _HEAD).unpack_from(record, 0)
+            off = (_HEAD3 if three else _HEAD).size
             raw = bytes(record[off : off + lsid + leid + lgid + lenv + lrare])
             strings = raw[: lsid + leid + lgid + lenv].decode()
             rare = json.loads(raw[lsid + leid + lgid + lenv :]) if lrare else {}
@@ -178,11 +211,15 @@ def _parse(record: bytes | memoryview) -> tuple[dict[str, Any], int]:
         if len(raw) != lsid + leid + lgid + lenv + lrare or not isinstance(rare, dict):
             raise CodecError("unreadable sample header: truncated or malformed")
         a, b, c = lsid, lsid + leid, lsid + leid + lgid
-        head = {"v": FORMAT_VERSION, "n": n, "km": km, "kv": kv, "min_version": min_version,
+        head = {"v": 3 if three else 2, "n": n, "km": km, "kv": kv, "min_version": min_version,
                 "sample_id": strings[:a], "episode_id": strings[a:b], "group_id": strings[b:c],
                 "env": strings[c:], "reward": reward, "truncated": bool(truncated),
                 "error": rare.get("error"), "error_kind": rare.get("error_kind"), "info": rare.get("info", {}),
                 "timings": rare.get("timings", {})}
+        if three:
+            head.update(zip(("calls", "kk", "nk", "w"), extra, strict=True))
+            if head["w"] not in (2, 4):
+                raise CodecError(f"sample {head['sample_id']}: kept ids of {head['w']} bytes")
         if len(strings) != len(raw) - lrare:  # non-ASCII ids: slice by bytes, not characters
             sb = raw[: lsid + leid + lgid + lenv]
             head.update(sample_id=sb[:a].decode(), episode_id=sb[a:b].decode(), group_id=sb[b:c].decode(),
@@ -211,15 +248,18 @@ def decode_sample(record: bytes | memoryview) -> Sample:
     (``torch.from_numpy``)."""
     head, off = _parse(record)
     n, km, kv = head["n"], head["km"], head["kv"]
-    if len(record) != off + 8 * n + 8 * km + 8 * kv:
-        raise CodecError(f"sample {head.get('sample_id')}: record is {len(record)} bytes, "
-                         f"expected {off + 8 * n + 8 * km + 8 * kv}")
+    end = off + 8 * n + 8 * km + 8 * kv
+    calls, kk, nk, w = (head["calls"], head["kk"], head["nk"], head["w"]) if head["v"] == 3 else (0, 0, 0, 0)
+    size = end + ((8 + 4 * _NP) * calls + 8 * kk + w * nk + (-(w * nk) % 4) if head["v"] == 3 else 0)
+    if len(record) != size:
+        raise CodecError(f"sample {head.get('sample_id')}: record is {len(record)} bytes, expected {size}")
     arr = np.frombuffer(record, dtype=np.uint8, offset=off)
-    ints = arr[8 * n :].view(_I32)
+    ints = arr[8 * n : end - off].view(_I32)
     mv, ml, vv, vl = ints[:km], ints[km : 2 * km], ints[2 * km : 2 * km + kv], ints[2 * km + kv :]
     lengths = ints[km : 2 * km].tolist(), ints[2 * km + kv :].tolist()  # few: cheaper in Python than numpy
     if sum(lengths[0]) != n or sum(lengths[1]) != n or min((*lengths[0], *lengths[1], 0)) < 0:
         raise CodecError(f"sample {head['sample_id']}: run lengths do not add up to {n} tokens")
+    behaviour = _decode_behaviour(record, end, n, calls, kk, nk, w, head["sample_id"]) if head["v"] == 3 else None
     return Sample(
         token_ids=arr[: 4 * n].view(_I32).astype(np.int32),  # astype copies: writable, native order
         loss_mask=np.repeat(mv, ml).astype(np.int32),
@@ -235,7 +275,27 @@ def decode_sample(record: bytes | memoryview) -> Sample:
         error_kind=head.get("error_kind"),
         info=head["info"],
         timings=head["timings"],
+        behaviour=behaviour,
     )
+
+
+def _decode_behaviour(record: bytes | memoryview, off: int, n: int, calls: int, kk: int, nk: int, w: int,
+                      sample_id: str) -> Behaviour:
+    """The behaviour section of a format-3 record, starting at ``off`` (sizes already checked)."""
+    arr = np.frombuffer(record, dtype=np.uint8, offset=off)
+    ints = arr[: 8 * calls].view(_I32)
+    params = arr[8 * calls : (8 + 4 * _NP) * calls].view(_F32).reshape(calls, _NP)
+    at = (8 + 4 * _NP) * calls
+    runs = arr[at : at + 8 * kk].view(_I32)
+    cl = runs[kk:].tolist()
+    if sum(cl) != n or min(cl, default=0) < 0:
+        raise CodecError(f"sample {sample_id}: kept-count runs do not add up to {n} tokens")
+    ids = arr[at + 8 * kk : at + 8 * kk + w * nk].view(_U16 if w == 2 else _I32)
+    try:
+        return Behaviour(ints[:calls].astype(np.int32), ints[calls:].astype(np.int32), params.astype(np.float32),
+                         np.repeat(runs[:kk], cl).astype(np.int32), ids.astype(np.int32))
+    except ValueError as e:
+        raise CodecError(f"sample {sample_id}: {e}") from e
 
 # ---------------------------------------------------------------------------- batches
 

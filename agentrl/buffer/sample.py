@@ -10,16 +10,20 @@ is, without a copy.
 Invariants: all per-token fields have the same length; ``loss_mask[i] == 1`` exactly on tokens the
 engine generated, and only those tokens carry a behaviour logprob and a policy version
 (``versions[i] == -1`` and ``logprobs[i] == 0.0`` elsewhere). Token ids are the engine's own,
-never re-tokenised text. Two samples are equal when every field is (arrays by value).
+never re-tokenised text. Two samples are equal when every field is (arrays by value). ``behaviour``
+(:mod:`agentrl.buffer.behaviour`), when present, covers exactly the sample's tokens.
 """
 
 from __future__ import annotations
 
+import copy
 import uuid
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import numpy as np
+
+from agentrl.buffer.behaviour import Behaviour
 
 _I32 = np.iinfo(np.int32)
 _INT32, _FLOAT32 = np.dtype(np.int32), np.dtype(np.float32)
@@ -69,6 +73,7 @@ class Sample:
     error_kind: str | None = None  # which boundary failed (agentrl.errors.ErrorKind), None when none did
     info: dict[str, Any] = field(default_factory=dict)
     timings: dict[str, float] = field(default_factory=dict)
+    behaviour: Behaviour | None = None  # how each generated token's distribution was formed (None: T=1, full vocabulary)
 
     def __post_init__(self) -> None:
         t, m, lp, v = self.token_ids, self.loss_mask, self.logprobs, self.versions
@@ -85,6 +90,9 @@ class Sample:
                 f"sample {self.sample_id}: per-token fields must be 1-D of one length "
                 f"(tokens {t.shape}, mask {m.shape}, logprobs {lp.shape}, versions {v.shape})"
             )
+        if self.behaviour is not None and self.behaviour.kept_counts.shape != t.shape:
+            raise ValueError(f"sample {self.sample_id}: behaviour covers {self.behaviour.kept_counts.shape[0]} "
+                             f"tokens of {t.shape[0]}")
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Sample):
@@ -111,8 +119,9 @@ class Sample:
         return learner_version - self.min_version if self.min_version >= 0 else 0
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-ready: the per-token arrays as lists."""
-        d = asdict(self)
+        """JSON-ready: the per-token arrays as lists, the behaviour as :meth:`Behaviour.to_dict`."""
+        d = {f.name: copy.deepcopy(getattr(self, f.name)) for f in fields(self) if f.name != "behaviour"}
         for k in ("token_ids", "loss_mask", "logprobs", "versions"):
             d[k] = d[k].tolist()
+        d["behaviour"] = self.behaviour.to_dict() if self.behaviour is not None else None
         return d

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 if TYPE_CHECKING:
     from agentrl.engines.vllm import EngineSpec
@@ -27,6 +27,15 @@ class EngineOptions:
     gpu: bool = False  # launch the GPU build of vLLM
     cpu_cores: str = ""  # CPU engines: "" = vLLM's default (keeps one core free for a learner), "all", "0-3"
     tool_parser: str = "hermes"  # vLLM's tool-call parser for the model's chat template
+    generation_config: Literal["vllm", "auto"] = "vllm"
+    """vllm: the model folder's generation_config.json sampling defaults (temperature, top_k, top_p,
+    min_p, penalties) are off, so a call samples with what it asks for and nothing else; auto: vLLM
+    applies them to every request that leaves them unset (the router records what was applied, from
+    the generate request, and the learner replays it)."""
+    max_logprobs: int = 65
+    """The most top logprobs a request may ask for (vLLM's --max-logprobs). The router reads each
+    truncated training call's kept set from top_k + 1 processed top logprobs: keep it above
+    router.max_kept_tokens."""
     extra_args: list[str] = field(default_factory=list)  # more vLLM command-line flags, passed as they are
     start_timeout_s: float = 600.0  # give up on an engine that is not healthy by then
 

@@ -4,7 +4,9 @@ An engine is started through :mod:`agentrl.engines.reaper`, which puts vLLM in i
 group and dies with us: Ctrl-C, SIGTERM, a crash or ``kill -9`` of serve all take the engine down.
 Engines run with the routes the router needs: ``--enable-scale-out`` (render / token-in generate /
 derender, with per-token weight versions) and the hermes tool parser; ``VLLM_SERVER_DEV_MODE=1``
-for the weight-reload RPC.
+for the weight-reload RPC; ``--logprobs-mode processed_logprobs`` so every logprob is the one the
+sampler drew with (the behaviour logprob), and ``--generation-config`` as configured (the model's
+sampling defaults off unless asked for).
 """
 
 from __future__ import annotations
@@ -94,6 +96,11 @@ class EngineSpec(EngineOptions):
             "--dtype", self.dtype, "--max-model-len", str(self.max_model_len),
             "--enable-scale-out", "--enable-auto-tool-choice", "--tool-call-parser", self.tool_parser,
             "--disable-uvicorn-access-log",
+            # Logprobs of the distribution the sampler drew from (after penalties, temperature,
+            # min_p, top-k/top-p), not of the raw logits: the behaviour logprobs the learner corrects
+            # with. Model defaults on or off by choice, never by accident (engine.generation_config).
+            "--logprobs-mode", "processed_logprobs", "--generation-config", self.generation_config,
+            "--max-logprobs", str(self.max_logprobs),
             # Re-ties a tied LM head after in-place reloads (vLLM 0.32 leaves the old head otherwise).
             "--worker-extension-cls", "agentrl.weights.vllm_ext.WeightSyncExtension",
         ]

@@ -10,6 +10,11 @@ Invariants:
 - ``packed_logprobs`` returns exactly the [S, T-1] layout of ``pad_batch`` + ``token_logprobs``
   (position t predicts token t+1, zeros past each sample's end), so every loss, aggregation and
   sequence-level correction sees the same tensors as without packing.
+- ``packed_logprobs`` replays each sample's behaviour distribution (its calls' penalties and
+  temperatures and its tokens' kept sets, :mod:`agentrl.learner.replay`) per position, so its
+  logprobs are of the distribution the engine sampled and equal to each sample's own replay
+  whatever it is packed with; a sample without a behaviour, or with neutral sampling, gets plain
+  ``log_softmax`` (what ``token_logprobs`` computes), bit for bit.
 - Packing is a pure function of the token counts: every rank computes the same rows.
 - Logprobs are a log-softmax over fp32 logits (``.float()`` is a no-op for the fp32 logits the
   learner's model produces; under bf16 FSDP its LM head computes in fp32, ``dist.load_model``).
@@ -22,6 +27,8 @@ from typing import Any
 
 import torch
 from torch import Tensor
+
+from agentrl.learner.replay import RowReplay, replayed_logprobs
 
 
 def token_logprobs(model: Any, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
@@ -96,15 +103,22 @@ def unpack_index(lengths: Sequence[int], device: torch.device | str = "cpu") -> 
     return index.to(device), valid.to(device)
 
 
-def packed_logprobs(model: Any, samples: Sequence[Any], device: torch.device | str = "cpu") -> Tensor:
-    """Next-token logprobs of ``samples`` packed into one row, unpacked to [S, T-1] (fp32).
+def packed_logprobs(model: Any, samples: Sequence[Any], device: torch.device | str = "cpu",
+                    replay: bool = True) -> Tensor:
+    """Next-token logprobs of ``samples`` packed into one row, unpacked to [S, T-1] (fp32), under
+    each sample's behaviour distribution (``replay=False``: plain log-softmax, as the learner
+    computed before samples recorded their sampling).
 
-    Equal (to float rounding) to ``token_logprobs(model, **pad_batch(samples))`` on the valid
-    positions; zero past each sample's end.
+    For samples without a behaviour, equal (to float rounding) to ``token_logprobs(model,
+    **pad_batch(samples))`` on the valid positions; zero past each sample's end.
     """
     ids, pos = packed_inputs(samples, device)
     logits = model(input_ids=ids, position_ids=pos, attention_mask=None, use_cache=False).logits
-    logp = torch.log_softmax(logits[0, :-1].float(), dim=-1)
-    row = logp.gather(-1, ids[0, 1:].unsqueeze(-1)).squeeze(-1)  # [N-1]; boundary entries unused
+    plan = RowReplay.build(samples, device) if replay else RowReplay()
+    if plan.empty:
+        logp = torch.log_softmax(logits[0, :-1].float(), dim=-1)
+        row = logp.gather(-1, ids[0, 1:].unsqueeze(-1)).squeeze(-1)  # [N-1]; boundary entries unused
+    else:
+        row = replayed_logprobs(logits[0, :-1].float(), ids[0, 1:], plan)
     index, valid = unpack_index([len(s.token_ids) for s in samples], device)
     return torch.where(valid, row[index], torch.zeros((), dtype=row.dtype, device=row.device))

@@ -23,6 +23,8 @@ class EpisodeLimits:
     episode_timeout_s: float = 300.0  # wall-clock limit per episode
     temperature: float = 1.0  # sampling temperature of the built-in loop's calls
     top_p: float = 1.0  # nucleus sampling of the built-in loop's calls
+    top_k: int = 0  # top-k sampling of the built-in loop's calls (0: off); needed with top_p < 1 or min_p > 0
+    min_p: float = 0.0  # min-p sampling of the built-in loop's calls (0: off)
 
 
 @dataclass

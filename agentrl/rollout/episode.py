@@ -175,6 +175,12 @@ async def _episode_body(client: ChatClient, env_name: str, task: dict[str, Any],
                 return
             body: dict[str, Any] = {"messages": messages, "max_tokens": budget,
                                     "temperature": limits.temperature, "top_p": limits.top_p}
+            # vLLM extensions, sent only when on (a plain OpenAI endpoint, as agentrl eval may use,
+            # refuses them); off, they are off on the engines serve launches (engine.generation_config)
+            if limits.top_k:
+                body["top_k"] = limits.top_k
+            if limits.min_p:
+                body["min_p"] = limits.min_p
             if opening.tools:
                 body["tools"] = opening.tools
             try:

@@ -36,12 +36,18 @@ _BAD = {"id": "c2", "type": "function", "function": {"name": "python", "argument
 
 
 def calibration_bodies(model: str) -> list[dict[str, Any]]:
-    """Probe requests: plain, system prompt, tools, a tool round trip with invalid arguments, sampling."""
+    """Probe requests: plain, system prompt, tools, a tool round trip with invalid arguments, sampling
+    (temperature, top_p, top_k, min_p, the three penalties; greedy; a temperature vLLM raises)."""
     return [
         {"model": model, "messages": [{"role": "user", "content": "hi"}], "logprobs": True},
         {"model": model, "messages": [{"role": "system", "content": "Be brief."},
                                       {"role": "user", "content": "héllo ✓"}], "logprobs": True,
          "n": 2, "temperature": 0.5, "top_p": 0.9, "seed": 3, "stop": ["x"], "max_tokens": 7},
+        {"model": model, "messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_k": 7,
+         "min_p": 0.05, "repetition_penalty": 1.1, "presence_penalty": 0.5, "frequency_penalty": -0.5},
+        {"model": model, "messages": [{"role": "user", "content": "hi"}], "logprobs": True, "temperature": 0},
+        {"model": model, "messages": [{"role": "user", "content": "hi"}], "logprobs": True, "temperature": 0.001,
+         "top_k": -1},
         {"model": model, "tools": TOOLS, "logprobs": True, "max_tokens": 16, "messages": [
             {"role": "system", "content": "Use tools."}, {"role": "user", "content": "1+1?"},
             {"role": "assistant", "content": None, "tool_calls": [_CALL, _BAD]},

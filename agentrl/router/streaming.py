@@ -36,6 +36,7 @@ class _Choice:
     content: list[str] = field(default_factory=list)
     tool_calls: dict[int, dict[str, Any]] = field(default_factory=dict)
     state: dict[str, Any] | None = None  # the derender stream state, carried between chunks
+    kept: list[list[int]] = field(default_factory=list)  # kept sets (a recorded truncated call)
 
     def add_delta(self, kind: str, out: dict[str, Any]) -> None:
         if kind == "completion":
@@ -114,6 +115,9 @@ class Stream:
         if not c.ids and not self.choices.keys() - {ch.get("index", 0)}:
             router.metrics.first_token_seconds.observe(time.perf_counter() - prep.t0, route=prep.kind)
         ids = ch.get("token_ids") or []
+        kept = router.read_kept(prep, ch)  # trims the top logprobs to the client's
+        if kept is not None:
+            c.kept += kept
         c.ids += ids
         c.logprobs += [x["logprob"] for x in ((ch.get("logprobs") or {}).get("content") or [])]
         if ch.get("weight_versions"):
@@ -151,8 +155,9 @@ class Stream:
             c = self.choices[i]
             lps = c.logprobs[:len(c.ids)] if len(c.logprobs) >= len(c.ids) else c.logprobs
             ids = c.ids[:len(lps)]  # a torn chunk never leaves ids without logprobs
+            kept = c.kept[:len(ids)] if prep.capture is not None else None
             comps.append(router.completion_entry(prep.engine, ids, lps, c.weight_versions,
-                                                 c.finish_reason or "abort", c.stop_reason, c.message()))
+                                                 c.finish_reason or "abort", c.stop_reason, c.message(), kept))
         rec = router.record(prep, comps)
         self.record_index = rec.index if rec else None
 

@@ -48,6 +48,13 @@ def check_sampling(body: dict[str, Any]) -> None:
         raise InvalidRequest("'top_p' must be greater than 0", param="top_p")
     _number(body, "presence_penalty", -2, 2)
     _number(body, "frequency_penalty", -2, 2)
+    _number(body, "min_p", 0, 1)
+    _number(body, "repetition_penalty", 0, 100)
+    if body.get("repetition_penalty") == 0:
+        raise InvalidRequest("'repetition_penalty' must be greater than 0", param="repetition_penalty")
+    top_k = body.get("top_k")
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < -1):
+        raise InvalidRequest("'top_k' must be an integer: 0 or -1 (off), or at least 1", param="top_k")
     seed = body.get("seed")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
         raise InvalidRequest("'seed' must be an integer", param="seed")

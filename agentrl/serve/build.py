@@ -67,7 +67,7 @@ def build_router(cfg: ServeConfig, pool: EnginePool, model_path: str, run_dir: P
     return Router(pool, model_name=cfg.model, eos_token_ids=eos_token_ids(model_path),
                   max_model_len=cfg.engine.max_model_len, sessions_dir=run_dir / "sessions" if run_dir else None,
                   retries=cfg.router.retries, model_dir=model_path, render=cfg.router.render,
-                  ignore_seed=drops_seeds(cfg))
+                  ignore_seed=drops_seeds(cfg), max_kept_tokens=cfg.router.max_kept_tokens)
 
 
 def buffer_config(cfg: ServeConfig, run_dir: Path) -> Any:

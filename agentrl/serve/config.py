@@ -72,8 +72,27 @@ class ServeConfig:
                               f"env.group_size ({self.env.group_size}) so batches hold whole groups")
         if self.env.max_tokens >= self.engine.max_model_len:
             raise ConfigError("env.max_tokens must be smaller than engine.max_model_len")
+        self.check_sampling()
         if getattr(self.scaffold, "agent", None) == "" or getattr(self.scaffold, "command", None) == "":
             raise ConfigError(f"scaffold.kind = {self.scaffold.kind!r} needs its scaffold.{self.scaffold.kind}")
+
+
+    def check_sampling(self) -> None:
+        """The built-in loop's sampling is one the learner can replay, and the engines can report."""
+        e, r = self.env, self.router
+        if not 0 < e.top_p <= 1 or not 0 <= e.min_p <= 1 or not 0 <= e.temperature <= 2 or e.top_k < 0:
+            raise ConfigError("env.temperature must be in [0, 2], env.top_p in (0, 1], env.min_p in [0, 1] and "
+                              "env.top_k at least 0")
+        if r.max_kept_tokens < 0:
+            raise ConfigError("router.max_kept_tokens must be at least 0")
+        if e.top_k > r.max_kept_tokens or ((e.top_p < 1 or e.min_p > 0) and not e.top_k):
+            raise ConfigError(
+                f"the built-in loop truncates the vocabulary (env.top_k={e.top_k}, env.top_p={e.top_p:g}, "
+                f"env.min_p={e.min_p:g}): every token's kept set is recorded for the learner, so set env.top_k "
+                f"between 1 and router.max_kept_tokens ({r.max_kept_tokens})")
+        if not self.engine.urls and self.engine.max_logprobs <= r.max_kept_tokens:
+            raise ConfigError(f"engine.max_logprobs ({self.engine.max_logprobs}) must exceed router.max_kept_tokens "
+                              f"({r.max_kept_tokens}): kept sets are read from top_k + 1 top logprobs")
 
 
 def redacted(cfg: ServeConfig) -> dict[str, Any]:
