@@ -201,12 +201,13 @@ class Router:
         return {k: v for k, v in body.items() if k != "seed"}
 
     # -- the call path ----------------------------------------------------------------------------
-    async def chat(self, body: Any, session_id: str | None = None) -> dict[str, Any]:
-        """One chat completion through the pool, recorded in ``session_id`` when given."""
+    async def chat(self, body: Any, session_id: str | None = None, *, route: str = "chat") -> dict[str, Any]:
+        """One chat completion through the pool, recorded in ``session_id`` when given (``route``
+        labels its latency metric: the Responses and Messages APIs run as chat calls)."""
         async def once(engine: Engine, t0: float) -> dict[str, Any]:
             prep = await self.prepare_chat(engine, body, session_id, t0)
             return await self._finish(prep)
-        return await self._counted("chat", lambda: self.with_retries(session_id, once))
+        return await self._counted(route, lambda: self.with_retries(session_id, once))
 
     async def complete(self, body: Any, session_id: str | None = None) -> dict[str, Any]:
         """One text completion (``/v1/completions``), token-exact and recorded like a chat call."""

@@ -210,8 +210,10 @@ class Stream:
         self.record_index = rec.index if rec else None
 
 
-async def open_stream(router: Router, kind: str, body: Any, session_id: str | None) -> Stream:
-    """Validate, render and start generating; returns once the first chunk is in (retrying before)."""
+async def open_stream(router: Router, kind: str, body: Any, session_id: str | None, *,
+                      route: str | None = None) -> Stream:
+    """Validate, render and start generating; returns once the first chunk is in (retrying before).
+    ``route`` labels the latency metric (default: ``<kind>_stream``)."""
     async def once(engine: Engine, t0: float) -> Stream:
         if kind == "chat":
             prep = await router.prepare_chat(engine, body, session_id, t0)
@@ -227,4 +229,4 @@ async def open_stream(router: Router, kind: str, body: Any, session_id: str | No
         return Stream(router, prep, gen, first)
 
     router.counters["streams"] += 1
-    return await router._counted(f"{kind}_stream", lambda: router.with_retries(session_id, once))
+    return await router._counted(route or f"{kind}_stream", lambda: router.with_retries(session_id, once))
