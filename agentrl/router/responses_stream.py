@@ -48,6 +48,7 @@ class ResponsesEvents:
         self.text: dict[str, Any] | None = None  # the open message item: {"id", "index", "parts", "logprobs"}
         self.calls: dict[int, dict[str, Any]] = {}  # open function-call items by chat tool-call index
         self.finish: str | None = None
+        self._lps: list[dict[str, Any]] = []  # logprobs of chunks with no text yet: they go with the next text
         self.response: dict[str, Any] | None = None  # the final Response, once the stream ended
 
     def _event(self, kind: str, **fields: Any) -> dict[str, Any]:
@@ -86,8 +87,11 @@ class ResponsesEvents:
     def _choice(self, ch: dict[str, Any]) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = []
         delta = ch.get("delta") or {}
+        if self.turn.want_logprobs:
+            self._lps += (ch.get("logprobs") or {}).get("content") or []
         if delta.get("content"):
-            out += self._text_delta(delta["content"], (ch.get("logprobs") or {}).get("content"))
+            entries, self._lps = self._lps, []
+            out += self._text_delta(delta["content"], entries)
         for tc in delta.get("tool_calls") or []:
             out += self._call_delta(tc)
         if ch.get("finish_reason"):
@@ -117,6 +121,9 @@ class ResponsesEvents:
             return []
         t, self.text = self.text, None
         full = "".join(t["parts"])
+        if self._lps and not self.calls:  # a held tail (the eos, a call kept as text): the item's still
+            t["logprobs"] += logprob_items(self._lps)
+            self._lps = []
         lps = t["logprobs"] if self.turn.want_logprobs else None
         item = message_item(t["id"], full, status, lps)
         part = item["content"][0]
