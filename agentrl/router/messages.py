@@ -24,6 +24,7 @@ result, a final assistant message (prefill), extended thinking, non-custom tool 
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import secrets
@@ -203,9 +204,10 @@ def parse_request(body: Any, model_name: str, max_model_len: int, *, count_only:
         raise InvalidRequest("the request body must be a JSON object")
     accepted = _ACCEPTED - {"max_tokens", "stream", "stop_sequences", "temperature", "top_p", "top_k", "metadata",
                             "service_tier", "speed", "inference_geo"} if count_only else _ACCEPTED
-    extra = sorted(set(body) - accepted)
+    extra = body.keys() - accepted
     if extra:
-        raise InvalidRequest(f"{extra[0]}: Extra inputs are not permitted", param=extra[0])
+        first = min(extra)
+        raise InvalidRequest(f"{first}: Extra inputs are not permitted", param=first)
     if not isinstance(body.get("model"), str) or not body["model"]:
         raise InvalidRequest("model: Field required", param="model")
     if body["model"] not in (model_name, "default"):
@@ -281,8 +283,12 @@ def _tool_use(call: dict[str, Any]) -> dict[str, Any]:
             "input": args if isinstance(args, dict) else {}}
 
 
+_RUN = secrets.token_hex(8)  # ids are unique per router process without a system call each
+_COUNTER = itertools.count()
+
+
 def new_id() -> str:
-    return f"msg_{secrets.token_hex(12)}"
+    return f"msg_{_RUN}{next(_COUNTER):08x}"
 
 
 def message_object(out: dict[str, Any], model: str) -> dict[str, Any]:

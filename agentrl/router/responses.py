@@ -28,6 +28,7 @@ session's. The store is bounded (least recently used out); an evicted or unknown
 from __future__ import annotations
 
 import copy
+import itertools
 import logging
 import secrets
 import time
@@ -55,8 +56,12 @@ _TEXT_PARTS = {"user": ("input_text",), "system": ("input_text",), "developer": 
 _UNSUPPORTED_PARTS = ("input_image", "input_file", "input_audio")
 
 
+_RUN = secrets.token_hex(8)  # ids are unique per router process without a system call each
+_COUNTER = itertools.count()
+
+
 def new_id(prefix: str) -> str:
-    return f"{prefix}_{secrets.token_hex(16)}"
+    return f"{prefix}_{_RUN}{next(_COUNTER):08x}"
 
 
 @dataclass
@@ -253,9 +258,10 @@ def parse_request(body: Any, model_name: str, store: ResponseStore, session_id: 
     """Validate a Responses request and translate it into the chat request it runs as."""
     if not isinstance(body, dict):
         raise InvalidRequest("the request body must be a JSON object")
-    unknown = sorted(set(body) - _ACCEPTED)
+    unknown = body.keys() - _ACCEPTED
     if unknown:
-        raise InvalidRequest(f"Unknown parameter: '{unknown[0]}'.", param=unknown[0], code="unknown_parameter")
+        first = min(unknown)
+        raise InvalidRequest(f"Unknown parameter: '{first}'.", param=first, code="unknown_parameter")
     check_model(body, model_name)
     if body.get("background"):
         raise InvalidRequest("background responses are not supported by this router", param="background")
