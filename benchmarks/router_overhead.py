@@ -13,11 +13,15 @@ Three kinds of child process, so none of them is measured inside another's event
 - load generators: a minimal keep-alive HTTP client, several processes at high concurrency, so
   that the load side is not the bottleneck.
 
-At each concurrency the same number of completions is sent direct and through the router.
-Besides wall-clock rates it reports the router's CPU seconds per completion (meaningful on a
-shared machine) and the load average. Prints a final JSON line.
+At each concurrency the same number of completions is sent direct and through the router, on
+each of the router's three dialects (``--routes``): chat completions, the Responses API
+(``/v1/responses``, each response stored for ``previous_response_id``) and the Messages API
+(``/v1/messages``); all three run as chat calls on the same capture path, so the difference
+between them is the translation. Besides wall-clock rates it reports the router's CPU seconds
+per completion (meaningful on a shared machine) and the load average. Prints a final JSON line:
+the chat figures under their old names, and ``<route>_added_p50_ms`` / ``<route>_req_per_s`` per route.
 
-    python benchmarks/router_overhead.py [--requests 6000] [--concurrency 1,64,1024] [--uvloop]
+    python benchmarks/router_overhead.py [--requests 6000] [--concurrency 1,64,1024] [--routes chat,responses,messages]
 """
 
 from __future__ import annotations
@@ -41,6 +45,12 @@ PROMPT = [1, 297, 201, 74, 75, 2, 201, 1, 298, 201]
 OUTPUT = [19, 25, 31, 40, 2]
 EPISODE_CALLS = 8  # calls per session before a client opens a new one
 BODY = {"model": "stand-in", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
+# The same call in each dialect the router speaks: (path, body).
+ROUTES: dict[str, tuple[str, dict[str, Any]]] = {
+    "chat": ("/v1/chat/completions", BODY),
+    "responses": ("/v1/responses", {"model": "stand-in", "input": "hi", "max_output_tokens": 8}),
+    "messages": ("/v1/messages", {"model": "stand-in", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]}),
+}
 
 
 def _port() -> int:
@@ -155,16 +165,17 @@ def _run_router(port: int, engine_port: int, model_dir: str, use_uvloop: bool, p
 
 
 # -- load generators -----------------------------------------------------------------------------------
-async def _client(port: int, workers: int, total: int, session: str, start_at: float) -> list[float]:
-    """``workers`` keep-alive connections sending ``total`` chat completions between them."""
-    payload = json.dumps(BODY).encode()
+async def _client(port: int, workers: int, total: int, session: str, start_at: float, route: str) -> list[float]:
+    """``workers`` keep-alive connections sending ``total`` completions (``route``'s dialect) between them."""
+    path, body = ROUTES[route]
+    payload = json.dumps(body).encode()
     counter = iter(range(total))
     latencies: list[float] = []
 
     def request(w: int, i: int) -> bytes:
         # A client's calls go to a session of EPISODE_CALLS calls, then a new one (like episodes).
         extra = f"X-Agentrl-Session: {session}-{w}-{i // EPISODE_CALLS}\r\n" if session else ""
-        return (f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        return (f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                 f"{extra}Content-Length: {len(payload)}\r\n\r\n").encode() + payload
 
     async def worker(w: int) -> None:
@@ -189,9 +200,9 @@ async def _client(port: int, workers: int, total: int, session: str, start_at: f
     return latencies
 
 
-def _run_client(port: int, workers: int, total: int, session: str, start_at: float, q: Any) -> None:
+def _run_client(port: int, workers: int, total: int, session: str, start_at: float, route: str, q: Any) -> None:
     try:
-        q.put(("ok", asyncio.run(_client(port, workers, total, session, start_at)), time.time()))
+        q.put(("ok", asyncio.run(_client(port, workers, total, session, start_at, route)), time.time()))
     except Exception as e:
         q.put(("error", f"{type(e).__name__}: {e}", time.time()))
 
@@ -203,8 +214,8 @@ def _cpu_s(pid: int) -> float:
     return t.user + t.system
 
 
-def _load(port: int, concurrency: int, total: int, session: str, procs: int, cpu_pid: int | None
-          ) -> tuple[list[float], float, float]:
+def _load(port: int, concurrency: int, total: int, session: str, procs: int, cpu_pid: int | None,
+          route: str = "chat") -> tuple[list[float], float, float]:
     """Run ``total`` calls at ``concurrency`` from ``procs`` processes: (latencies, wall s, cpu s of cpu_pid)."""
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
@@ -215,7 +226,7 @@ def _load(port: int, concurrency: int, total: int, session: str, procs: int, cpu
         workers = concurrency // procs + (1 if i < concurrency % procs else 0)
         share = total // procs + (1 if i < total % procs else 0)
         children.append(ctx.Process(target=_run_client, args=(port, workers, share, f"{session}{i}" if session else "",
-                                                              start_at, q), daemon=True))
+                                                              start_at, route, q), daemon=True))
     for c in children:
         c.start()
     while time.time() < start_at:
@@ -250,9 +261,11 @@ def _wait(port: int) -> None:
     raise RuntimeError(f"port {port} did not open")
 
 
-def bench(requests: int, levels: list[int], procs: int, use_uvloop: bool, profile: str) -> dict[str, Any]:
+def bench(requests: int, levels: list[int], procs: int, use_uvloop: bool, profile: str,
+          routes: list[str] | None = None) -> dict[str, Any]:
     from agentrl.models import resolve_model
 
+    routes = routes or ["chat"]
     model_dir = resolve_model("tiny-tools")  # its tokenizer and chat template: the local render's work
     engine_port, router_port = _port(), _port()
     ctx = mp.get_context("spawn")
@@ -266,38 +279,50 @@ def bench(requests: int, levels: list[int], procs: int, use_uvloop: bool, profil
         _wait(router_port)
         time.sleep(1.0)
         _load(engine_port, 8, 400, "", 1, None)  # warm both up (connections, template cache)
-        _load(router_port, 8, 400, "warm", 1, None)
-        results: dict[str, Any] = {}
+        for route in routes:
+            _load(router_port, 8, 400, f"warm-{route}", 1, None, route)
+        per_route: dict[str, dict[str, Any]] = {r: {} for r in routes}
         for c in levels:
             n = min(requests, 1000) if c == 1 else max(requests, 4 * c)
             p = 1 if c == 1 else procs
             d_lat, d_wall, _ = _load(engine_port, c, n, "", p, None)
-            r_lat, r_wall, r_cpu = _load(router_port, c, n, f"bench{c}-", p, router.pid)
-            results[str(c)] = {
-                "requests": n, "load_generators": p,
-                "direct_p50_ms": round(1000 * statistics.median(d_lat), 3),
-                "direct_p99_ms": round(1000 * _pct(d_lat, 0.99), 3),
-                "router_p50_ms": round(1000 * statistics.median(r_lat), 3),
-                "router_p99_ms": round(1000 * _pct(r_lat, 0.99), 3),
-                "direct_req_per_s": round(n / d_wall, 1), "router_req_per_s": round(n / r_wall, 1),
-                "router_cpu_ms_per_req": round(1000 * r_cpu / n, 3),
-                "router_req_per_cpu_s": round(n / r_cpu, 1) if r_cpu else None,
-                "load_avg_1m": round(os.getloadavg()[0], 2),
-            }
-            log.info("concurrency %d: %s", c, json.dumps(results[str(c)]))
-        one = results[str(levels[0])]
-        best = max(results.values(), key=lambda x: x["router_req_per_s"])
-        return {
+            for route in routes:  # the same direct calls are every route's baseline
+                r_lat, r_wall, r_cpu = _load(router_port, c, n, f"bench{c}-{route}-", p, router.pid, route)
+                per_route[route][str(c)] = {
+                    "requests": n, "load_generators": p,
+                    "direct_p50_ms": round(1000 * statistics.median(d_lat), 3),
+                    "direct_p99_ms": round(1000 * _pct(d_lat, 0.99), 3),
+                    "router_p50_ms": round(1000 * statistics.median(r_lat), 3),
+                    "router_p99_ms": round(1000 * _pct(r_lat, 0.99), 3),
+                    "direct_req_per_s": round(n / d_wall, 1), "router_req_per_s": round(n / r_wall, 1),
+                    "router_cpu_ms_per_req": round(1000 * r_cpu / n, 3),
+                    "router_req_per_cpu_s": round(n / r_cpu, 1) if r_cpu else None,
+                    "load_avg_1m": round(os.getloadavg()[0], 2),
+                }
+                log.info("%s at concurrency %d: %s", route, c, json.dumps(per_route[route][str(c)]))
+        out: dict[str, Any] = {
             "benchmark": "router_overhead", "engine": "stand-in (token-in generate, canned ids)",
             "capture": True, "render": "local", "engine_calls_per_completion": 1,
-            "loop": "uvloop" if use_uvloop else "asyncio", "levels": results,
+            "loop": "uvloop" if use_uvloop else "asyncio", "routes": per_route,
+        }
+        for route, results in per_route.items():
+            one = results[str(levels[0])]
+            out[f"{route}_added_p50_ms"] = round(one["router_p50_ms"] - one["direct_p50_ms"], 3)
+            out[f"{route}_added_p99_ms"] = round(one["router_p99_ms"] - one["direct_p99_ms"], 3)
+            out[f"{route}_req_per_s"] = max(x["router_req_per_s"] for x in results.values())
+            out[f"{route}_req_per_cpu_s"] = max(x["router_req_per_cpu_s"] or 0 for x in results.values())
+        first = per_route[routes[0]]  # the keys from before routes: the first route's (chat's) figures
+        one = first[str(levels[0])]
+        out.update({
+            "levels": first,
             "added_latency_p50_ms": round(one["router_p50_ms"] - one["direct_p50_ms"], 3),
             "added_latency_p99_ms": round(one["router_p99_ms"] - one["direct_p99_ms"], 3),
-            "router_req_per_s": best["router_req_per_s"],
-            "direct_req_per_s": max(x["direct_req_per_s"] for x in results.values()),
-            "router_req_per_cpu_s": max(x["router_req_per_cpu_s"] or 0 for x in results.values()),
+            "router_req_per_s": max(x["router_req_per_s"] for x in first.values()),
+            "direct_req_per_s": max(x["direct_req_per_s"] for x in first.values()),
+            "router_req_per_cpu_s": max(x["router_req_per_cpu_s"] or 0 for x in first.values()),
             "load_avg_1m": round(os.getloadavg()[0], 2), "cpus": os.cpu_count(),
-        }
+        })
+        return out
     finally:
         for p in (router, engine):
             p.terminate()
@@ -311,10 +336,15 @@ def main() -> None:
     ap.add_argument("--loadgen-procs", type=int, default=2, help="load-generator processes at concurrency > 1")
     ap.add_argument("--uvloop", action="store_true", help="run the router on uvloop")
     ap.add_argument("--profile", default="", help="write the router's cProfile stats here")
+    ap.add_argument("--routes", default="chat,responses,messages", help="the dialects to measure, chat first")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    routes = [r for r in args.routes.split(",") if r]
+    unknown = set(routes) - set(ROUTES)
+    if unknown:
+        ap.error(f"unknown routes {sorted(unknown)}; known: {sorted(ROUTES)}")
     result = bench(args.requests, [int(x) for x in args.concurrency.split(",")], args.loadgen_procs, args.uvloop,
-                   args.profile)
+                   args.profile, routes)
     sys.stdout.flush()
     sys.stdout.write("\n" + json.dumps(result) + "\n")  # on a line of its own whatever a child printed
 

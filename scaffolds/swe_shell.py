@@ -8,9 +8,8 @@ its submission (for the ``coding`` environment: the solution's source, which the
 tests in the same container). Model calls are streamed (``stream=True``), as interactive agents do.
 
 The protocol (prompt, action format, submit marker, format-error and limit handling) follows
-mini-swe-agent's text-based configuration. mini-swe-agent itself was not used: it reaches models
-through litellm, a large dependency whose offline behaviour was not established here; this file
-is the whole agent. Run: ``--scaffold.agent=scaffolds.swe_shell:agent``.
+mini-swe-agent's text-based configuration, in one file with no dependency beyond ``openai``;
+mini-swe-agent itself runs as ``scaffolds.mini_swe_agent``. Run: ``--scaffold.agent=scaffolds.swe_shell:agent``.
 """
 
 from __future__ import annotations

@@ -13,6 +13,7 @@ import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -51,8 +52,15 @@ def tiny_tools_model() -> str:
 
 @pytest.fixture(scope="session")
 def vllm_engine(tiny_tools_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
-    """A running vLLM engine serving the warm-started tiny model (served name "tiny-tools")."""
+    """A running vLLM engine serving the warm-started tiny model (served name "tiny-tools").
+
+    ``AGENTRL_TEST_ENGINE_URL`` names one already serving it (launched with serve's engine flags),
+    so a developer can run vLLM test files one after another without a start-up each."""
     from agentrl.engines.vllm import EngineSpec, VLLMEngine
+
+    if os.environ.get("AGENTRL_TEST_ENGINE_URL"):
+        yield SimpleNamespace(url=os.environ["AGENTRL_TEST_ENGINE_URL"].rstrip("/"))
+        return
 
     spec = EngineSpec(model=tiny_tools_model, served_name="tiny-tools", port=free_port(), max_model_len=2048)
     engine = VLLMEngine(spec, tmp_path_factory.mktemp("engine"))

@@ -70,3 +70,36 @@ def serve_router(urls: list[str], model_dir: str, *, api_keys: frozenset[str] = 
             asyncio.run_coroutine_threadsafe(stop(), loop).result(60)
         loop.call_soon_threadsafe(loop.stop)
         thread.join(10)
+
+
+def capture_generates(server: RouterServer) -> list[tuple[list[int], list[int], list[float]]]:
+    """Record every token-in generate the router sends to the engine, streamed or not, as
+    (prompt ids, completion ids, logprobs) in the order they finish; returns the live list."""
+    pool = server.router.pool
+    real_call, real_stream = pool.call, pool.stream
+    got: list[tuple[list[int], list[int], list[float]]] = []
+
+    def lps(ch: dict[str, Any]) -> list[float]:
+        return [c["logprob"] for c in ((ch.get("logprobs") or {}).get("content") or [])]
+
+    async def call(engine: Any, path: str, body: dict[str, Any], *a: Any, **kw: Any) -> dict[str, Any]:
+        out = await real_call(engine, path, body, *a, **kw)
+        if path == "/inference/v1/generate":
+            ch = out["choices"][0]
+            got.append((list(body["token_ids"]), list(ch["token_ids"]), lps(ch)))
+        return out
+
+    async def stream(engine: Any, path: str, body: dict[str, Any]) -> Any:
+        ids: list[int] = []
+        lp: list[float] = []
+        try:
+            async for event in real_stream(engine, path, body):
+                for ch in event.get("choices") or []:
+                    ids.extend(ch.get("token_ids") or [])
+                    lp.extend(lps(ch))
+                yield event
+        finally:
+            got.append((list(body["token_ids"]), ids, lp))
+
+    pool.call, pool.stream = call, stream  # type: ignore[method-assign]
+    return got

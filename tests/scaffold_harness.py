@@ -29,6 +29,7 @@ class GroupRun:
     router_counters: dict[str, float]
     instance_id: str | None
     containers_left: list[str] = field(default_factory=list)
+    routes: set[str] = field(default_factory=set)  # the router routes the calls came in on (chat, responses, ...)
 
 
 def ids(x: Any) -> list[int]:
@@ -94,6 +95,7 @@ async def _run(engine_url: str, run_dir: Path, *, env: str, group_size: int, sca
         serve.buffer.put, serve.pool.call, serve.pool.stream = put, call, stream  # type: ignore[method-assign]
         await asyncio.wait_for(serve.rollout_finished(), timeout=600)
         counters = dict(serve.router.counters)
+        routes = {dict(key).get("route", "") for key in serve.router.metrics.request_seconds._series}
         instance = serve.sandbox_pool.instance_id if serve.sandbox_pool else None
     finally:
         await serve.close()
@@ -105,7 +107,7 @@ async def _run(engine_url: str, run_dir: Path, *, env: str, group_size: int, sca
     if instance is not None:
         left = subprocess.run(["docker", "ps", "-aq", "--filter", f"label=agentrl.instance={instance}"],
                               capture_output=True, text=True, check=True).stdout.split()
-    return GroupRun(episodes, samples, records, generated, counters, instance, left)
+    return GroupRun(episodes, samples, records, generated, counters, instance, left, routes)
 
 
 def run_group(engine_url: str, run_dir: Path, *, env: str, group_size: int = 2, scaffold: dict[str, str],

@@ -35,6 +35,14 @@ from typing import Any, TypeVar
 
 import aiohttp
 
+from agentrl.router.chat_parity import (
+    TokenText,
+    blank_text,
+    check_max_tokens,
+    shown_choice,
+    skips_special,
+    tool_finish_reason,
+)
 from agentrl.router.errors import EngineError, InvalidRequest, NotFound, RouterError
 from agentrl.router.metrics import RouterMetrics
 from agentrl.router.pool import Engine, EnginePool, parse_version
@@ -63,37 +71,6 @@ def token_versions(weight_versions: list[dict[str, Any]] | None, n: int) -> list
         if end > start:
             versions[start:end] = [parse_version(span.get("version"))] * (end - start)
     return versions
-
-
-def strip_eos(choice: dict[str, Any], eos_ids: set[int]) -> tuple[dict[str, Any], bool]:
-    """The generate choice as derender should see it: without a sampled end-of-sequence token.
-
-    vLLM's own chat route does not show the eos token as text; derender would. The captured ids
-    keep it (it was sampled, and the learner trains on it). Derender refuses a choice with no
-    tokens, so an eos-only choice goes as it is and the second value says to blank its text.
-    """
-    ids = choice.get("token_ids") or []
-    if not (ids and choice.get("finish_reason") == "stop" and choice.get("stop_reason") is None
-            and ids[-1] in eos_ids):
-        return choice, False
-    if len(ids) == 1:
-        return choice, True
-    out = dict(choice, token_ids=ids[:-1])
-    content = (choice.get("logprobs") or {}).get("content")
-    if content:
-        out["logprobs"] = dict(choice["logprobs"], content=content[:-1])
-    return out, False
-
-
-def blank_text(out: dict[str, Any]) -> None:
-    """Empty the visible text of a derendered choice (chat message, chat delta or completion text)."""
-    for key in ("message", "delta"):
-        if isinstance(out.get(key), dict) and out[key].get("content") is not None:
-            out[key]["content"] = ""
-    if out.get("text") is not None:
-        out["text"] = ""
-    if isinstance(out.get("logprobs"), dict) and out["logprobs"].get("content") is not None:
-        out["logprobs"]["content"] = []
 
 
 @dataclass
@@ -161,6 +138,8 @@ class Router:
         self.local: LocalRenderer | None = LocalRenderer.load(
             model_dir, max_model_len=max_model_len, fallback=self.engine_renderer,
             counters=self.counters) if render == "auto" else None
+        # the chat route's view of generated ids (special tokens, logprob token text): needs the tokenizer
+        self.token_text = TokenText(self.local.tok) if self.local is not None else None
         self.metrics = RouterMetrics()
         # no prompt longer than this many characters can fit the context, however it tokenises; and no
         # body longer than this many bytes can carry such a prompt (a character is at most 6 bytes in
@@ -247,12 +226,13 @@ class Router:
         return {k: v for k, v in body.items() if k != "seed"}
 
     # -- the call path ----------------------------------------------------------------------------
-    async def chat(self, body: Any, session_id: str | None = None) -> dict[str, Any]:
-        """One chat completion through the pool, recorded in ``session_id`` when given."""
+    async def chat(self, body: Any, session_id: str | None = None, *, route: str = "chat") -> dict[str, Any]:
+        """One chat completion through the pool, recorded in ``session_id`` when given (``route``
+        labels its latency metric: the Responses and Messages APIs run as chat calls)."""
         async def once(engine: Engine, t0: float) -> dict[str, Any]:
             prep = await self.prepare_chat(engine, body, session_id, t0)
             return await self._finish(prep)
-        return await self._counted("chat", lambda: self.with_retries(session_id, once))
+        return await self._counted(route, lambda: self.with_retries(session_id, once))
 
     async def complete(self, body: Any, session_id: str | None = None) -> dict[str, Any]:
         """One text completion (``/v1/completions``), token-exact and recorded like a chat call."""
@@ -348,6 +328,7 @@ class Router:
     async def prepare_chat(self, engine: Engine, body: Any, session_id: str | None, t0: float) -> Prepared:
         # validate
         body = self.validate(body)
+        check_max_tokens(body, self.max_model_len)
         session = self.open_session(session_id) if session_id else None
         cap = self._admit(session)
         want_logprobs = bool(body.get("logprobs"))
@@ -383,6 +364,7 @@ class Router:
     async def prepare_completion(self, engine: Engine, body: Any, session_id: str | None,
                                  t0: float) -> Prepared:
         body = self._seedless(validate_completion(body, self.model_name))
+        check_max_tokens(body, self.max_model_len)
         session = self.open_session(session_id) if session_id else None
         cap = self._admit(session)
         want_logprobs = body.get("logprobs") is not None
@@ -436,10 +418,17 @@ class Router:
         engine = prep.engine
         gen = await self.pool.call(engine, "/inference/v1/generate", prep.gen_req)
         kept = [self.read_kept(prep, ch) for ch in gen["choices"]]  # trims the top logprobs to the client's
-        stripped = [strip_eos(ch, self.eos_token_ids) for ch in gen["choices"]]
+        chat = prep.kind == "chat"
+        hidden = self.token_text.special if chat and self.token_text and skips_special(prep.gen_req) else frozenset()
+        stripped = [shown_choice(ch, self.eos_token_ids, hidden) for ch in gen["choices"]]
         shown = dict(gen, choices=[ch for ch, _ in stripped])
+        # logprobs in the chat route's shape are built here when the tokenizer is at hand (the
+        # derender then needs none, and the local one takes the call)
+        own_logprobs = chat and prep.want_logprobs and self.token_text is not None
         if prep.renderer is not None:
-            out = await prep.renderer.derender(engine, prep.body, shown, prep.prompt_ids)
+            body = {k: v for k, v in prep.body.items() if k not in ("logprobs", "top_logprobs")} \
+                if own_logprobs else prep.body
+            out = await prep.renderer.derender(engine, body, shown, prep.prompt_ids)
         else:
             out = await self.pool.call(engine, "/v1/completions/derender", {
                 "generate_responses": [shown], "prompt_token_ids": [prep.prompt_ids],
@@ -449,11 +438,18 @@ class Router:
             if blank:
                 blank_text(oc)
             ids = ch.get("token_ids") or []
-            lps = [c["logprob"] for c in ((ch.get("logprobs") or {}).get("content") or [])]
-            message = oc.get("message") if prep.kind == "chat" else {"role": "assistant", "content": oc.get("text")}
+            entries = (ch.get("logprobs") or {}).get("content") or []
+            lps = [c["logprob"] for c in entries]
+            message = oc.get("message") if chat else {"role": "assistant", "content": oc.get("text")}
             comps.append(self.completion_entry(engine, ids, lps, ch.get("weight_versions"),
                                                ch.get("finish_reason"), ch.get("stop_reason"), message, ks))
-            if not prep.want_logprobs:
+            if chat:
+                oc["finish_reason"] = tool_finish_reason(prep.body, message, oc.get("finish_reason"))
+            if own_logprobs:
+                assert self.token_text is not None
+                oc["logprobs"] = {"content": self.token_text.entries(entries, int(prep.body.get("top_logprobs") or 0),
+                                                                     [])}
+            elif not prep.want_logprobs:
                 oc["logprobs"] = None
             oc["token_ids"] = ids
         out["model"] = self.model_name

@@ -45,9 +45,14 @@ API_KEYS = web.AppKey("api_keys", frozenset)
 _bearer = bearer
 
 
+def client_key(request: web.Request) -> str | None:
+    """The client's key: ``Authorization: Bearer``, or Anthropic's ``x-api-key`` header."""
+    return _bearer(request) or request.headers.get("x-api-key")
+
+
 def _session_of(request: web.Request) -> str | None:
     sid = request.match_info.get("session_id") or request.headers.get("X-Agentrl-Session")
-    key = _bearer(request)
+    key = client_key(request)
     if sid is None and key and key.startswith("sess-"):
         sid = key[5:]
     if sid is not None and not valid_session_id(sid):  # before any work: it would name a file
@@ -64,7 +69,7 @@ def _check_client(request: web.Request) -> None:
     keys = request.app[API_KEYS]
     if not keys:
         return
-    key = _bearer(request) or ""
+    key = client_key(request) or ""
     if key in keys or _is_admin(request, key):
         return
     sid = _session_of(request)
@@ -243,6 +248,9 @@ def add_router_routes(app: web.Application, router: Router, *, admin_token: str 
     app.router.add_get("/admin/sessions/{sid}/samples", session_samples)
     app.router.add_post("/admin/sessions/{sid}/close", close_session)
     app.router.add_get("/admin/engines", engines_status)
+    from agentrl.router.protocol_routes import add_protocol_routes  # it uses this module's auth helpers
+
+    add_protocol_routes(app)
 
 
 def make_app(router: Router, *, admin_token: str = "", api_keys: frozenset[str] = frozenset(),

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from agentrl.router.chat_parity import check_tools
 from agentrl.router.errors import InvalidRequest
 
 ALLOWED_ROLES = {"system", "user", "assistant", "tool", "developer"}
@@ -121,12 +122,7 @@ def validate_chat(body: Any, model_name: str, max_chars: int = 0) -> dict[str, A
                                  param="top_logprobs")
         if not lp:
             raise InvalidRequest("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
-    tools = body.get("tools")
-    if tools is not None and not (isinstance(tools, list) and all(
-            isinstance(t, dict) and isinstance(t.get("function"), dict) and t["function"].get("name")
-            for t in tools)):
-        raise InvalidRequest("'tools' must be a list of {\"type\": \"function\", \"function\": {\"name\": ...}}",
-                             param="tools")
+    check_tools(body)
     body = dict(body)
     body["model"] = model_name
     return body

@@ -1,7 +1,9 @@
 """Build the sandbox images defined under the repository's top-level `sandbox/` folder.
 
 `sandbox/base/build.sh TAG` makes the base image without any registry (debootstrap + docker import);
-every other `sandbox/<name>/Dockerfile` is a task image built FROM it as `agentrl/<name>:latest`.
+every other `sandbox/<name>/Dockerfile` is a task image built FROM it as `agentrl/<name>:latest`, and
+every other `sandbox/<name>/build.sh` makes `agentrl/<name>:latest` its own way (e.g. `swe`: the base
+recipe with more Debian packages, which a Dockerfile could not install without a network).
 
 Invariant: an image is rebuilt only when its definition changed: task images carry the hash of
 their build context and base image id as the label `agentrl.context`; the base script is itself idempotent.
@@ -60,6 +62,11 @@ def build_images(progress: Callable[[str], None] | None = None, root: Path | str
     if base_script.exists():
         _run(["bash", str(base_script), BASE_TAG], say)
         tags.append(BASE_TAG)
+    for script in sorted(root.glob("*/build.sh")):
+        if script != base_script and not (script.parent / "Dockerfile").exists():
+            tag = f"agentrl/{script.parent.name}:latest"
+            _run(["bash", str(script), tag], say)  # idempotent, like the base script
+            tags.append(tag)
     for dockerfile in sorted(root.glob("*/Dockerfile")):
         folder = dockerfile.parent
         tag = f"agentrl/{folder.name}:latest"

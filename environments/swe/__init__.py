@@ -1,0 +1,99 @@
+"""swe: fix a bug in a small git repository until its failing test passes (SWE-bench in miniature).
+
+Each task is a tiny Python project with an issue and a failing unit test. At ``reset`` the
+project is written into the episode's Docker sandbox (``agentrl/swe:latest``: the base image plus
+git, built offline by ``agentrl sandbox build``), committed as a git repository in
+``/work/repo``, and its test is run once to confirm it fails (a task whose test passes before any
+fix is the environment's failure, not the model's). The agent works with shell commands (the
+``bash`` tool here; external agents such as mini-swe-agent run theirs through the sandbox's exec
+API) and never sees how it is scored. The reward is 1.0 when the task's test command passes in
+the same container after the episode and the test files are as committed (``git diff`` is empty
+for them: editing the test away is not a fix), else 0.0.
+"""
+
+from __future__ import annotations
+
+import shlex
+from typing import Any
+
+import agentrl
+from agentrl.env.tasks import load_tasks
+
+REPO = "/work/repo"
+SYSTEM = (f"You are a software engineer. The repository is in {REPO}, a git repository. Use the bash tool to "
+          "inspect and fix the code so that its tests pass; do not change the tests. Say done when finished.")
+_GIT = "git -c user.name=agentrl -c user.email=agentrl@localhost"
+TASKS = [
+    {"id": "calc-add", "issue": "add(2, 3) returns -1 instead of 5.",
+     "files": {"tests/__init__.py": "", "calc.py": "def add(a, b):\n    return a - b\n",
+               "tests/test_calc.py": "import unittest\n\nfrom calc import add\n\n\nclass TestAdd(unittest.TestCase):\n"
+                                     "    def test_add(self):\n        self.assertEqual(add(2, 3), 5)\n"
+                                     "        self.assertEqual(add(-1, 1), 0)\n"},
+     "fix": "sed -i 's/a - b/a + b/' calc.py"},
+    {"id": "shout-upper", "issue": "shout('hi') should return 'HI!' but returns 'hi!'.",
+     "files": {"tests/__init__.py": "", "text.py": "def shout(s):\n    return s.lower() + '!'\n",
+               "tests/test_text.py": "import unittest\n\nfrom text import shout\n\n\nclass TestShout(unittest.TestCase):\n"
+                                     "    def test_shout(self):\n        self.assertEqual(shout('hi'), 'HI!')\n"},
+     "fix": "sed -i 's/s.lower()/s.upper()/' text.py"},
+    {"id": "mean-divisor", "issue": "mean([2, 4]) returns 6.0 instead of 3.0.",
+     "files": {"tests/__init__.py": "", "stats.py": "def mean(xs):\n    return sum(xs) / (len(xs) - 1)\n",
+               "tests/test_stats.py": "import unittest\n\nfrom stats import mean\n\n\nclass TestMean(unittest.TestCase):\n"
+                                      "    def test_mean(self):\n        self.assertEqual(mean([2, 4]), 3.0)\n"
+                                      "        self.assertEqual(mean([5]), 5.0)\n"},
+     "fix": "sed -i 's/(len(xs) - 1)/len(xs)/' stats.py"},
+]
+TEST = "python3 -m unittest discover -s tests -t . -q"
+
+
+@agentrl.environment("swe")
+class SweEnv(agentrl.ToolEnv):
+    system_prompt = SYSTEM
+    sandbox_image = "agentrl/swe:latest"
+    max_turns = 8
+
+    def __init__(self, tasks: Any = None, timeout_s: float = 30.0) -> None:
+        super().__init__()
+        self.source = load_tasks(tasks) if tasks is not None else load_tasks(TASKS)
+        self.timeout_s = timeout_s
+
+    def tasks(self, split: str = "train"):
+        return iter(self.source)
+
+    def prompt(self, task: dict[str, Any]) -> str:
+        return f"Fix this issue in the repository in {REPO}: {task['issue']}"
+
+    async def reset(self, task: dict[str, Any]) -> agentrl.Reset:
+        assert self.sandbox is not None, "the swe environment needs a sandbox"
+        for path, text in task["files"].items():
+            await self.sandbox.write_file(f"{REPO}/{path}", text)
+        r = await self.sandbox.exec(f"cd {REPO} && git init -q && {_GIT} add -A && {_GIT} commit -qm 'the bug'",
+                                    timeout=self.timeout_s)
+        if r.exit_code != 0:
+            raise RuntimeError(f"could not make the repository of task {task['id']} ({r.exit_code}): {r.stderr[-500:]}")
+        if (await self._test(task)).exit_code == 0:  # a broken task is the environment's failure
+            raise RuntimeError(f"the test of task {task['id']} passes before any fix")
+        return await super().reset(task)
+
+    async def _test(self, task: dict[str, Any]) -> Any:
+        assert self.sandbox is not None
+        return await self.sandbox.exec(f"cd {REPO} && {task.get('test', TEST)}", timeout=self.timeout_s)
+
+    @agentrl.tool
+    async def bash(self, command: str) -> str:
+        """Run a shell command in the repository and return its exit code and output.
+
+        Args:
+            command: the command line, run with /bin/sh -c in the repository.
+        """
+        assert self.sandbox is not None
+        r = await self.sandbox.exec(command, timeout=self.timeout_s, cwd=REPO)
+        out = (r.stdout + r.stderr)[-2000:]
+        return f"exit {r.exit_code}" + (" (timed out)" if r.timed_out else "") + (f"\n{out}" if out else "")
+
+    async def reward(self, task: dict[str, Any], answer: str) -> float:
+        assert self.sandbox is not None
+        tests = " ".join(shlex.quote(p) for p in task["files"] if p.startswith("tests/"))
+        untouched = await self.sandbox.exec(f"cd {REPO} && git diff --quiet HEAD -- {tests}", timeout=self.timeout_s)
+        if untouched.exit_code != 0:
+            return 0.0
+        return 1.0 if (await self._test(task)).exit_code == 0 else 0.0
