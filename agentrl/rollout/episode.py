@@ -145,7 +145,7 @@ async def finish_samples(client: ChatClient, ep: EpisodeResult,
 
 @contextlib.asynccontextmanager
 async def episode_env(env_name: str, env_config: dict[str, Any], sandbox_pool: Any,
-                      ep: EpisodeResult) -> AsyncIterator[Any]:
+                      ep: EpisodeResult, task: dict[str, Any] | None = None) -> AsyncIterator[Any]:
     """The episode's environment, with its sandbox attached when it names an image; both are
     released on the way out, cancellation included. A failure to build one is EnvironmentFailure."""
     try:
@@ -154,7 +154,7 @@ async def episode_env(env_name: str, env_config: dict[str, Any], sandbox_pool: A
         raise EnvironmentFailure(f"could not build {env_name!r}: {type(e).__name__}: {e}") from e
     async with contextlib.AsyncExitStack() as stack:
         stack.push_async_callback(_close_env, env)
-        await stack.enter_async_context(attached(env, sandbox_pool))
+        await stack.enter_async_context(attached(env, sandbox_pool, task))  # the task may pick the image
         if env.sandbox is not None:
             ep.sandbox_id = env.sandbox.id
         yield env
@@ -162,7 +162,7 @@ async def episode_env(env_name: str, env_config: dict[str, Any], sandbox_pool: A
 
 async def _episode_body(client: ChatClient, env_name: str, task: dict[str, Any], env_config: dict[str, Any],
                         sandbox_pool: Any, limits: EpisodeLimits, ep: EpisodeResult) -> None:
-    async with episode_env(env_name, env_config, sandbox_pool, ep) as env:
+    async with episode_env(env_name, env_config, sandbox_pool, ep, task) as env:
         try:
             opening = await env.reset(task)
         except Exception as e:
