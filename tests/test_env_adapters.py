@@ -40,7 +40,9 @@ class ScriptedClient:
         self.bodies.append(json.loads(json.dumps(body)))
         message = self.reply(body)
         message = message if isinstance(message, dict) else {"role": "assistant", "content": message}
-        return {"choices": [{"message": message, "finish_reason": "stop"}], "usage": {"completion_tokens": 3}}
+        return {"id": f"chatcmpl-{len(self.bodies)}", "object": "chat.completion", "created": 0, "model": "scripted",
+                "choices": [{"index": 0, "message": message, "finish_reason": "stop"}],
+                "usage": {"prompt_tokens": 10, "completion_tokens": 3, "total_tokens": 13}}
 
     async def end(self, session_id: str) -> None:
         return None
@@ -148,8 +150,9 @@ def test_a_raising_verifier_fails_the_episode_as_an_environment_error(monkeypatc
 # -- TextArena -------------------------------------------------------------------------------------
 
 def first_move(body: dict[str, Any]) -> str:
-    from agentrl.env.adapters.textarena import random_move
     import random
+
+    from agentrl.env.adapters.textarena import random_move
 
     return random_move(body["messages"][-1]["content"], random.Random(len(body["messages"])))
 

@@ -7,7 +7,7 @@ episode's limits. A ``stream: true`` request is answered as server-sent events c
 completion (a single chunk with the whole message, then usage, then ``[DONE]``): the engine call
 itself is not streamed, which keeps one recorded call per request.
 
-Invariants: one server per process, started on first use on a free loopback port; a token names
+Invariants: one server per process (per event loop), started on first use on a free loopback port; a token names
 one episode and is forgotten when its block exits; a call beyond the episode's limits is a 400 in
 OpenAI's error shape (the ecosystem sees a refused request, the episode records the truncation).
 """
@@ -20,6 +20,7 @@ import json
 import logging
 import secrets
 import time
+import weakref
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -30,8 +31,8 @@ from agentrl.env.base import Model
 log = logging.getLogger(__name__)
 
 _models: dict[str, Model] = {}
-_site: tuple[web.AppRunner, int] | None = None
-_lock = asyncio.Lock()
+_sites: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, tuple[web.AppRunner, int]] = weakref.WeakKeyDictionary()
+_locks: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Lock] = weakref.WeakKeyDictionary()
 
 
 def _error(status: int, message: str, kind: str) -> web.Response:
@@ -88,9 +89,11 @@ async def _models_route(request: web.Request) -> web.Response:
 
 
 async def _port() -> int:
-    global _site
-    async with _lock:
-        if _site is None:
+    """The relay's port in this event loop (one server per loop: tests run several loops in turn)."""
+    loop = asyncio.get_running_loop()
+    lock = _locks.setdefault(loop, asyncio.Lock())
+    async with lock:
+        if loop not in _sites:
             app = web.Application(client_max_size=64 << 20)
             app.router.add_post("/m/{token}/v1/chat/completions", _chat)
             app.router.add_get("/m/{token}/v1/models", _models_route)
@@ -98,9 +101,8 @@ async def _port() -> int:
             await runner.setup()
             site = web.TCPSite(runner, "127.0.0.1", 0)
             await site.start()
-            port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-            _site = (runner, port)
-        return _site[1]
+            _sites[loop] = (runner, site._server.sockets[0].getsockname()[1])  # type: ignore[union-attr]
+        return _sites[loop][1]
 
 
 @contextlib.asynccontextmanager

@@ -147,7 +147,20 @@ class _Worker:
             raise
 
 
-_workers: dict[str, _Worker] = {}
+_workers: dict[str, tuple[asyncio.AbstractEventLoop, _Worker]] = {}
+
+
+def _worker(python: str) -> _Worker:
+    """The worker of this event loop (its pipes belong to the loop that started it; a test that runs
+    several loops one after another gets a fresh worker in each, the old one is stopped)."""
+    loop = asyncio.get_running_loop()
+    held = _workers.get(python)
+    if held is None or held[0] is not loop:
+        if held is not None and held[1].proc is not None and held[1].proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(held[1].proc.pid, signal.SIGTERM)
+        held = _workers[python] = (loop, _Worker(python))
+    return held[1]
 # -P: the worker's folder (this package, whose verifiers.py would shadow the real verifiers) is not
 # put on its sys.path
 
@@ -209,7 +222,7 @@ class VerifiersEnv(PlayingEnv):
         from agentrl.env.adapters.relay import serve_model
 
         spec = self.eval_spec if (self.eval_spec is not None and task.get("split") == "test") else self.spec
-        worker = _workers.setdefault(self.python, _Worker(self.python))
+        worker = _worker(self.python)
         async with serve_model(model) as (base_url, api_key):
             out = await worker.call("rollout", env=spec, idx=int(task["idx"]), base_url=base_url, api_key=api_key,
                                     model=model.name)
