@@ -265,7 +265,7 @@ def environment_class(rest: str) -> type[OpenEnvEnv]:
 
 
 def offered() -> list[tuple[str, str]]:
-    out = [(f"openenv:{p.parent.name}", f"OpenEnv environment shipped in {REPO_ENVS.name}/")
+    out = [(f"openenv:{p.parent.name}", f"OpenEnv environment shipped in tasks/{REPO_ENVS.name}/")
            for p in sorted(REPO_ENVS.glob("*/openenv.yaml"))]
     with contextlib.suppress(Exception):
         from openenv.auto._discovery import get_discovery

@@ -32,6 +32,7 @@ log = logging.getLogger(__name__)
 
 _models: dict[str, Model] = {}
 _sites: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, tuple[web.AppRunner, int]] = weakref.WeakKeyDictionary()
+_keepers: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Any] = weakref.WeakKeyDictionary()
 _locks: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Lock] = weakref.WeakKeyDictionary()
 
 
@@ -102,7 +103,18 @@ async def _port() -> int:
             site = web.TCPSite(runner, "127.0.0.1", 0)
             await site.start()
             _sites[loop] = (runner, site._server.sockets[0].getsockname()[1])  # type: ignore[union-attr]
+            keeper = _until_loop_ends(runner)
+            await keeper.__anext__()
+            _keepers[loop] = keeper
         return _sites[loop][1]
+
+
+async def _until_loop_ends(runner: web.AppRunner) -> Any:
+    """Parked in the loop: asyncio.run finalises it at shutdown, which closes the server first."""
+    try:
+        yield
+    finally:
+        await runner.cleanup()
 
 
 @contextlib.asynccontextmanager

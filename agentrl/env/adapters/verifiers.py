@@ -99,6 +99,7 @@ class _Worker:
         self.lock = asyncio.Lock()
         self.ready: asyncio.Future[None] | None = None
         self.reader: asyncio.Task[None] | None = None
+        self.keeper: Any = None
 
     async def start(self) -> None:
         async with self.lock:
@@ -110,6 +111,8 @@ class _Worker:
                 self.python, "-P", str(WORKER), stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
                 stderr=None, env=_worker_env(), limit=64 << 20, start_new_session=True, preexec_fn=_die_with_parent)
             self.reader = asyncio.create_task(self._read())
+            self.keeper = _until_loop_ends(self)
+            await self.keeper.__anext__()
             await asyncio.wait_for(asyncio.shield(self.ready), timeout=600)
 
     async def _read(self) -> None:
@@ -129,6 +132,24 @@ class _Worker:
             if not future.done():
                 future.set_exception(why)
         self.pending.clear()
+
+    async def stop(self) -> None:
+        """End the worker and its pipes (when the event loop that owns them shuts down)."""
+        if self.proc is None:
+            return
+        with contextlib.suppress(Exception):
+            if self.proc.stdin is not None:
+                self.proc.stdin.close()
+            if self.proc.returncode is None:
+                self.proc.terminate()
+            await asyncio.wait_for(self.proc.wait(), timeout=10)
+        if self.proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                self.proc.kill()
+        if self.reader is not None:
+            self.reader.cancel()
+            with contextlib.suppress(BaseException):
+                await self.reader
 
     async def call(self, op: str, **fields: Any) -> dict[str, Any]:
         await self.start()
@@ -161,6 +182,15 @@ def _worker(python: str) -> _Worker:
                 os.kill(held[1].proc.pid, signal.SIGTERM)
         held = _workers[python] = (loop, _Worker(python))
     return held[1]
+
+
+async def _until_loop_ends(worker: _Worker) -> Any:
+    """An async generator parked in the loop: asyncio.run finalises it at shutdown, which stops the
+    worker before its pipes' loop closes (else their transports are torn down by the GC)."""
+    try:
+        yield
+    finally:
+        await worker.stop()
 # -P: the worker's folder (this package, whose verifiers.py would shadow the real verifiers) is not
 # put on its sys.path
 
