@@ -9,7 +9,11 @@ Prints one JSON line at the end with ``success_before``, ``success_after``, thei
 intervals, ``wall_minutes`` (the whole ``agentrl run``: engine start, both evaluations, training)
 and ``model``.
 
-    python benchmarks/learning.py [--tasks 200] [--run-dir runs/learning] [-- extra agentrl run overrides]
+    python benchmarks/learning.py [--tasks 200] [--run-dir runs/learning] [--env NAME] [--model NAME]
+                                  [-- extra agentrl run overrides]
+
+``--env`` and ``--model`` pass through as ``--serve.env.name`` and ``--serve.model`` (any registered or
+ecosystem name, e.g. ``--env reasoning_gym:basic_arithmetic``; docs/environments.md names a recipe).
 """
 
 from __future__ import annotations
@@ -30,13 +34,16 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--tasks", type=int, default=200, help="held-out tasks evaluated before and after")
     p.add_argument("--run-dir", default="runs/learning")
+    p.add_argument("--env", default="", help="the environment (--serve.env.name), e.g. reasoning_gym:basic_arithmetic")
+    p.add_argument("--model", default="", help="the model (--serve.model), e.g. smollm2")
     p.add_argument("extra", nargs="*", help="more agentrl run overrides, e.g. --learn.steps=10 (after --)")
     args = p.parse_args()
     run_dir = Path(args.run_dir)
     shutil.rmtree(run_dir, ignore_errors=True)
     cmd = [sys.executable, "-m", "agentrl.cli", "run", f"--serve.run_dir={run_dir}",
            f"--serve.router.port={free_port()}", f"--serve.engine.base_port={free_port()}",
-           f"--eval.tasks={args.tasks}", *args.extra]
+           f"--eval.tasks={args.tasks}", *([f"--serve.env.name={args.env}"] if args.env else []),
+           *([f"--serve.model={args.model}"] if args.model else []), *args.extra]
     print(" ".join(cmd[2:]), file=sys.stderr, flush=True)
     t0 = time.monotonic()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

@@ -39,6 +39,18 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
 fi
 .venv/bin/pip uninstall -y -q torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 
+# 2b. verifiers in its own venv: it pins openai<3, the scaffolds extra needs openai>=3. The
+#     verifiers adapter runs its worker with .venv-verifiers/bin/python (docs/environments.md).
+vstamp=.venv-verifiers/.agentrl-installed
+[ -x .venv-verifiers/bin/python ] || { say "creating .venv-verifiers"; "$PY" -m venv .venv-verifiers; }
+if [ "$(cat "$vstamp" 2>/dev/null)" != "$want" ]; then
+  say "installing agentrl[verifiers] into .venv-verifiers"
+  .venv-verifiers/bin/pip install --progress-bar off -q -e '.[verifiers]' 2>&1 | grep -v "^WARNING: Location" || true
+  .venv-verifiers/bin/python -c "import verifiers.v1" >/dev/null 2>&1 \
+    || { echo "[setup] the verifiers install failed; re-run: .venv-verifiers/bin/pip install -e '.[verifiers]'" >&2; exit 1; }
+  echo "$want" > "$vstamp"
+fi
+
 # 3. A Docker engine (loopback-safe flags), unless one answers already.
 bash scripts/docker-up.sh
 

@@ -1,7 +1,10 @@
 """The environment API: what users write.
 
 Override in :class:`Environment`: ``tasks``, ``reset`` and ``step`` (and ``reward`` to score an
-external scaffold's final answer another way than one ``step``). Most environments are tool
+external scaffold's final answer another way than one ``step``). An environment whose own code
+plays the episode (another ecosystem's rollout, a two-player game) subclasses
+:class:`PlayingEnv` and implements ``play`` instead of ``step``: it gets a :class:`Model` whose
+calls go through the episode's router session, so the tokens are recorded exactly. Most environments are tool
 environments: subclass :class:`ToolEnv`, mark methods with ``@agentrl.tool``, implement
 ``prompt`` and ``reward``; the machinery turns the model's tool calls into tool messages.
 
@@ -17,7 +20,7 @@ import logging
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from agentrl.env.tools import ToolCallError, call_tool, parse_arguments, parse_tool_calls, tool_schema
 
@@ -81,6 +84,54 @@ class Environment(ABC):
 
     async def close(self) -> None:  # noqa: B027 - an optional hook, empty on purpose
         """Hook: release what the episode held (the sandbox is released by the machinery)."""
+
+
+class Model(Protocol):
+    """The policy as a :class:`PlayingEnv` reaches it: chat completions through the episode's session.
+
+    ``chat`` takes an OpenAI chat-completion body and returns the response as a dict; the episode's
+    limits apply (its sampling temperature and top_p, ``max_tokens`` capped by the per-call and
+    per-episode budgets; a call beyond ``max_turns`` raises). Code that needs an OpenAI base URL
+    instead wraps it in :func:`agentrl.env.adapters.relay.serve_model` (a loopback endpoint).
+    """
+
+    name: str  # the served model's name
+    max_tokens: int  # completion tokens per call
+    temperature: float
+
+    async def chat(self, body: dict[str, Any]) -> dict[str, Any]: ...
+
+
+@dataclass
+class Played:
+    """How a :class:`PlayingEnv`'s episode ended.
+
+    ``sample_rewards``: the reward of each model call's sample, in call order (the calls of one
+    player in a two-player game chain into that player's sample, which gets that player's reward);
+    None gives every sample ``reward``.
+    """
+
+    reward: float
+    sample_rewards: list[float] | None = None
+    truncated: bool = False
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+class PlayingEnv(Environment):
+    """An environment whose own code plays each episode against :class:`Model` (override ``play``).
+
+    ``reset`` still returns the opening as the model first sees it (for ``agentrl envs show`` and the
+    episode record); the agent loop then calls ``play`` instead of alternating model calls and
+    ``step``. Whatever ``play`` raises fails the episode as an environment error, except the
+    model's own failures, which keep their kind.
+    """
+
+    @abstractmethod
+    async def play(self, task: dict[str, Any], model: Model) -> Played:
+        """Play one episode of ``task`` (``reset`` was called with it) and score it."""
+
+    async def step(self, message: Message) -> StepResult:
+        raise NotImplementedError(f"{type(self).__name__} plays its own episodes (play), it has no step")
 
 
 class ToolEnv(Environment):

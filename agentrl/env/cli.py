@@ -28,12 +28,24 @@ def _summary(obj: Any) -> str:
     return doc.strip().splitlines()[0] if doc.strip() else ""
 
 
-def list_envs(out: Write = sys.stdout.write) -> int:
-    """One line per registered environment; entry points that failed to load, with why."""
+def list_envs(out: Write = sys.stdout.write, per_ecosystem: int = 0) -> int:
+    """One line per registered environment; entry points that failed to load, with why; then what
+    each installed ecosystem offers (``prefix:name``) and how to add the missing ones."""
+    from agentrl.env import adapters
+
     for name in registered():
-        out(f"{name:24s} {_summary(lookup(name))}\n")
+        if adapters.ecosystem_of(name) is None:
+            out(f"{name:24s} {_summary(lookup(name))}\n")
     for ep, why in failed_entry_points().items():
         out(f"(failed) {ep}: {why}\n")
+    for prefix, names in adapters.offered().items():
+        shown = names[:per_ecosystem] if per_ecosystem > 0 else names
+        out(f"\n[{prefix}] {len(names)} environment(s)\n")
+        for name, about in shown:
+            out(f"{name:24s} {about}\n")
+        if len(shown) < len(names):
+            out(f"... and {len(names) - len(shown)} more\n")
+    out(f"\n{adapters.describe()}\n")
     return 0
 
 

@@ -7,7 +7,9 @@ Four ways a name becomes known, all ending in the same table:
 - the ``agentrl.environments`` entry-point group (``name = "module:ClassOrFactory"``) of any
   installed distribution, so ``pip install my-envs`` is enough; scanned again on every miss, so a
   package installed while the process runs is found too;
-- the built-in ``environments`` package: ``environments.<name>`` is imported on a miss.
+- the built-in ``environments`` package: ``environments.<name>`` is imported on a miss;
+- an ecosystem adapter (:mod:`agentrl.env.adapters`) for a ``prefix:name`` such as
+  ``reasoning_gym:basic_arithmetic``, resolved on a miss and registered under the full name.
 
 Invariants: a name maps to exactly one object (registering a different object under a taken name
 raises :class:`DuplicateEnvironmentError`; registering the same object again is a no-op, which
@@ -168,7 +170,18 @@ def lookup(name: str) -> Callable[..., Any]:
         _import_builtin(name)
     if name not in _REGISTRY:
         _load_entry_points()
+    if name not in _REGISTRY and ":" in name:
+        from agentrl.env import adapters
+
+        if adapters.ecosystem_of(name) is not None:
+            try:
+                obj = adapters.resolve(name)
+            except adapters.AdapterError as e:
+                raise UnknownEnvironmentError(f"unknown environment {name!r}: {e}") from None
+            environment(name)(obj)
     if name not in _REGISTRY:
+        from agentrl.env import adapters
+
         known = ", ".join(registered()) or "none"
         failed = "".join(f"\n  entry point {k} failed to load: {v}" for k, v in _FAILED_ENTRY_POINTS.items())
         raise UnknownEnvironmentError(
@@ -176,7 +189,8 @@ def lookup(name: str) -> Callable[..., Any]:
             f"file that defines it (whose class uses @agentrl.environment({name!r})): `--env.import=my_env.py` "
             f"or `--env.import=my_package.envs` (in Python: `import my_envs`), or pip install the package "
             f"that provides it (it registers through the {ENTRY_POINT_GROUP!r} entry-point group: "
-            f"[project.entry-points.{ENTRY_POINT_GROUP!r}] {name} = \"my_envs:MyEnv\").{failed}"
+            f"[project.entry-points.{ENTRY_POINT_GROUP!r}] {name} = \"my_envs:MyEnv\"), or name an ecosystem's "
+            f"environment as prefix:name (e.g. reasoning_gym:basic_arithmetic); {adapters.describe()}.{failed}"
         )
     return _REGISTRY[name]
 

@@ -1,7 +1,9 @@
 """The built-in agent loop: one episode of an environment through the router.
 
 model call -> tool calls -> observations -> ... until the environment terminates, or the turn,
-token or wall-clock limit truncates the episode (still data, flagged with why). Every model call
+token or wall-clock limit truncates the episode (still data, flagged with why). An environment
+that plays its own episodes (:class:`~agentrl.env.base.PlayingEnv`, e.g. an ecosystem adapter)
+gets the same session and limits as a :class:`SessionModel` and drives the calls itself. Every model call
 goes through a router session, so the episode's samples carry the engine's exact tokens, behaviour
 logprobs and per-token policy versions. An environment that raises produces a failed episode
 (its ``error_kind`` says which boundary failed, ``error`` what happened), never an exception out of
@@ -25,6 +27,7 @@ from typing import Any
 
 from agentrl.buffer.sample import Sample
 from agentrl.env import make
+from agentrl.env.base import Played, PlayingEnv
 from agentrl.errors import EnvironmentFailure, ErrorKind, ScaffoldError, TransportError
 from agentrl.rollout.config import EpisodeLimits
 from agentrl.rollout.protocols import ChatClient
@@ -58,6 +61,7 @@ class EpisodeResult:
     versions: list[int] = field(default_factory=list)
     splits: int = 0
     info: dict[str, Any] = field(default_factory=dict)
+    sample_rewards: dict[int, float] = field(default_factory=dict)  # leaf call index -> its sample's reward
     started: float = 0.0
     seconds: float = 0.0
     samples: list[Sample] = field(default_factory=list)
@@ -141,7 +145,7 @@ async def finish_samples(client: ChatClient, ep: EpisodeResult,
 
 @contextlib.asynccontextmanager
 async def episode_env(env_name: str, env_config: dict[str, Any], sandbox_pool: Any,
-                      ep: EpisodeResult) -> AsyncIterator[Any]:
+                      ep: EpisodeResult, task: dict[str, Any] | None = None) -> AsyncIterator[Any]:
     """The episode's environment, with its sandbox attached when it names an image; both are
     released on the way out, cancellation included. A failure to build one is EnvironmentFailure."""
     try:
@@ -150,7 +154,7 @@ async def episode_env(env_name: str, env_config: dict[str, Any], sandbox_pool: A
         raise EnvironmentFailure(f"could not build {env_name!r}: {type(e).__name__}: {e}") from e
     async with contextlib.AsyncExitStack() as stack:
         stack.push_async_callback(_close_env, env)
-        await stack.enter_async_context(attached(env, sandbox_pool))
+        await stack.enter_async_context(attached(env, sandbox_pool, task))  # the task may pick the image
         if env.sandbox is not None:
             ep.sandbox_id = env.sandbox.id
         yield env
@@ -158,13 +162,16 @@ async def episode_env(env_name: str, env_config: dict[str, Any], sandbox_pool: A
 
 async def _episode_body(client: ChatClient, env_name: str, task: dict[str, Any], env_config: dict[str, Any],
                         sandbox_pool: Any, limits: EpisodeLimits, ep: EpisodeResult) -> None:
-    async with episode_env(env_name, env_config, sandbox_pool, ep) as env:
+    async with episode_env(env_name, env_config, sandbox_pool, ep, task) as env:
         try:
             opening = await env.reset(task)
         except Exception as e:
             raise EnvironmentFailure(f"reset raised {type(e).__name__}: {e}") from e
         messages = list(opening.messages)
         ep.info["tools"] = len(opening.tools)  # offered: with none ever called, nothing is learned about them
+        if isinstance(env, PlayingEnv):
+            await _play_episode(env, task, SessionModel(client, ep, limits))
+            return
         while True:
             if ep.turns >= limits.max_turns:
                 ep.truncated, ep.truncation = True, "max_turns"
@@ -216,6 +223,82 @@ async def _episode_body(client: ChatClient, env_name: str, task: dict[str, Any],
                 return
 
 
+class LimitReached(Exception):
+    """A playing environment asked for a call beyond the episode's turn or token budget."""
+
+    def __init__(self, truncation: str) -> None:
+        super().__init__(f"the episode's {truncation} limit is reached")
+        self.truncation = truncation
+
+
+class SessionModel:
+    """The policy as a :class:`~agentrl.env.base.PlayingEnv` sees it: chat calls recorded in the
+    episode's session, under the episode's limits (the built-in loop's sampling, the per-call and
+    per-episode token budgets, the turn limit). Counts what it spends on ``ep``."""
+
+    def __init__(self, client: ChatClient, ep: EpisodeResult, limits: EpisodeLimits) -> None:
+        self.client, self.ep, self.limits = client, ep, limits
+        self.name = client.model_name
+        self.max_tokens, self.temperature = limits.max_tokens, limits.temperature
+        self.refused: str | None = None  # the limit that stopped the episode, if one did
+        self.model_failure: BaseException | None = None  # an engine failure behind a call
+
+    async def chat(self, body: dict[str, Any]) -> dict[str, Any]:
+        ep, limits = self.ep, self.limits
+        budget = min(limits.max_tokens, limits.max_episode_tokens - ep.completion_tokens)
+        if ep.turns >= limits.max_turns or budget <= 0:
+            self.refused = "max_turns" if ep.turns >= limits.max_turns else "max_tokens"
+            raise LimitReached(self.refused)
+        asked = body.get("max_completion_tokens") or body.get("max_tokens") or budget
+        # The learner corrects with the temperature and top_p the loop samples at: they are not the
+        # environment's to change. One choice, not streamed: one sample per call.
+        body = {k: v for k, v in body.items() if k not in ("model", "stream", "stream_options", "n",
+                                                            "max_completion_tokens")}
+        body.update(max_tokens=min(int(asked), budget), temperature=limits.temperature, top_p=limits.top_p)
+        try:
+            out = await self.client.chat(body, session_id=ep.episode_id)
+        except InvalidRequest as e:
+            if e.code == "context_length_exceeded":
+                self.refused = "context"
+            raise
+        except (EngineError, TransportError) as e:
+            self.model_failure = e
+            raise
+        ep.turns += 1
+        ep.versions.extend(sorted(set(out.get("agentrl", {}).get("versions", [[]])[0])))
+        ep.completion_tokens += len(out["choices"][0].get("token_ids") or []) or int(
+            (out.get("usage") or {}).get("completion_tokens") or 0)
+        return out
+
+
+async def _play_episode(env: PlayingEnv, task: dict[str, Any], model: SessionModel) -> None:
+    """Let ``env`` play; record how it ended. A limit reached is a truncation, an engine failure
+    behind a call keeps its kind, anything else the environment raised is its failure."""
+    ep = model.ep
+    try:
+        played = await env.play(task, model)
+    except Exception as e:
+        if model.refused is not None:
+            ep.truncated, ep.truncation = True, model.refused
+            ep.info["play_error"] = f"{type(e).__name__}: {e}"[:2000]
+            return
+        if model.model_failure is not None:
+            raise model.model_failure from e
+        raise EnvironmentFailure(f"play raised {type(e).__name__}: {e}") from e
+    if not isinstance(played, Played):
+        raise EnvironmentFailure(f"play returned a {type(played).__name__}, not agentrl.env.base.Played")
+    ep.reward = float(played.reward)
+    ep.info.update(played.info)
+    if played.sample_rewards is not None:
+        ep.sample_rewards = {i: float(r) for i, r in enumerate(played.sample_rewards)}
+    if model.refused is not None:  # it caught the refusal and finished anyway: still cut short
+        ep.truncated, ep.truncation = True, model.refused
+    elif played.truncated:
+        ep.truncated, ep.truncation = True, "env"
+    else:
+        ep.terminated = True
+
+
 async def _close_env(env: Any) -> None:
     try:
         await env.close()
@@ -224,14 +307,19 @@ async def _close_env(env: Any) -> None:
 
 
 def _samples(summary: SessionSummary, ep: EpisodeResult) -> list[Sample]:
-    """The session's samples (numpy per-token fields, built once) with the episode's fields."""
+    """The session's samples (numpy per-token fields, built once) with the episode's fields; a sample
+    whose last call the environment rewarded on its own (a self-play seat) takes that reward."""
     extra = {k: ep.info[k] for k in ("tools", "tool_calls") if k in ep.info}
-    return [replace(s, episode_id=ep.episode_id, group_id=ep.group_id, env=ep.env, reward=ep.reward,
-                    truncated=ep.truncated, error=ep.error, error_kind=ep.error_kind,
-                    info={"task_id": ep.task_id, "turns": ep.turns, "sandbox_id": ep.sandbox_id,
-                          "calls": s.info["calls"], "truncation": ep.truncation, "splits": ep.splits, **extra},
-                    timings={"episode_s": ep.seconds, "started": ep.started})
-            for s in summary.samples]
+    out = []
+    for s in summary.samples:
+        calls = s.info["calls"]
+        reward = ep.sample_rewards.get(calls[-1], ep.reward) if calls else ep.reward
+        out.append(replace(s, episode_id=ep.episode_id, group_id=ep.group_id, env=ep.env, reward=reward,
+                           truncated=ep.truncated, error=ep.error, error_kind=ep.error_kind,
+                           info={"task_id": ep.task_id, "turns": ep.turns, "sandbox_id": ep.sandbox_id,
+                                 "calls": calls, "truncation": ep.truncation, "splits": ep.splits, **extra},
+                           timings={"episode_s": ep.seconds, "started": ep.started}))
+    return out
 
 
 @dataclass

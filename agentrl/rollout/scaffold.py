@@ -196,7 +196,7 @@ async def run_scaffold_episode(client: ChatClient, env_name: str, task: dict[str
     t0 = time.monotonic()
     summary: SessionSummary | None = None
     try:
-        async with episode_env(env_name, env_config or {}, sandbox_pool, ep) as env:
+        async with episode_env(env_name, env_config or {}, sandbox_pool, ep, task) as env:
             try:
                 opening = await env.reset(task)
             except Exception as e:

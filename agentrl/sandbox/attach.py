@@ -5,10 +5,16 @@ An environment declares ``sandbox_image`` (None: it needs none). :func:`pool_for
 process needs for such an environment (serve, a Ray rollout worker, ``agentrl eval``, the gym
 wrapper, ``agentrl envs try``), :func:`attached` hands one of its sandboxes to the environment as
 ``env.sandbox`` for the duration of a block and releases it however the block ends.
+
+An environment whose tasks each need their own image (a folder of Harbor tasks, one Dockerfile
+each) declares every image in ``sandbox_image``, comma-separated (no image reference contains a
+comma), and names a task's image with ``sandbox_image_for(task)``; :func:`pool_for` then makes an
+:class:`ImagePools`, one pool per image with the same limits, each started on first use.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 from collections.abc import AsyncIterator
@@ -18,11 +24,46 @@ from agentrl.errors import EnvironmentFailure
 from agentrl.sandbox.types import SandboxConfig
 
 
+class ImagePools:
+    """One :class:`~agentrl.sandbox.pool.SandboxPool` per image, all with the same limits; a pool
+    starts when its image is first asked for and keeps no warm sandboxes (many images, few used)."""
+
+    def __init__(self, images: list[str], cfg: SandboxConfig, instance_id: str) -> None:
+        self.images, self.cfg, self.instance_id = images, cfg, instance_id
+        self.pools: dict[str, Any] = {}
+        self._lock = asyncio.Lock()
+
+    async def pool(self, image: str) -> Any:
+        if image not in self.images:
+            raise EnvironmentFailure(f"image {image!r} is not one of the environment's declared images")
+        async with self._lock:
+            if image not in self.pools:
+                from agentrl.sandbox.pool import SandboxPool
+
+                pool = SandboxPool(dataclasses.replace(self.cfg, image=image, warm=0),
+                                   instance_id=f"{self.instance_id}-{self.images.index(image)}")
+                await pool.start()
+                self.pools[image] = pool
+            return self.pools[image]
+
+    @contextlib.asynccontextmanager
+    async def acquire(self, image: str) -> AsyncIterator[Any]:
+        async with (await self.pool(image)).acquire() as sandbox:
+            yield sandbox
+
+    async def close(self) -> None:
+        for pool in self.pools.values():
+            await pool.close()
+
+
 async def pool_for(image: str | None, cfg: SandboxConfig | None, instance_id: str) -> Any:
-    """A started :class:`~agentrl.sandbox.pool.SandboxPool` of ``image`` with ``cfg``'s limits, or
-    None when the environment needs no sandbox (``image`` None)."""
+    """A started :class:`~agentrl.sandbox.pool.SandboxPool` of ``image`` with ``cfg``'s limits, an
+    :class:`ImagePools` when ``image`` lists several, or None when the environment needs no sandbox."""
     if not image:
         return None
+    images = [i.strip() for i in image.split(",") if i.strip()]
+    if len(images) > 1:
+        return ImagePools(images, cfg or SandboxConfig(), instance_id)
     from agentrl.sandbox.pool import SandboxPool
 
     pool = SandboxPool(dataclasses.replace(cfg or SandboxConfig(), image=image), instance_id=instance_id)
@@ -31,15 +72,22 @@ async def pool_for(image: str | None, cfg: SandboxConfig | None, instance_id: st
 
 
 @contextlib.asynccontextmanager
-async def attached(env: Any, pool: Any) -> AsyncIterator[Any]:
+async def attached(env: Any, pool: Any, task: dict[str, Any] | None = None) -> AsyncIterator[Any]:
     """``env`` with a sandbox from ``pool`` as ``env.sandbox`` when it declares an image (else as it is);
-    the sandbox goes back to the pool on the way out, cancellation included."""
+    the sandbox goes back to the pool on the way out, cancellation included. With several images,
+    ``task`` picks one (``env.sandbox_image_for(task)``)."""
     if not env.sandbox_image:
         yield env
         return
     if pool is None:
         raise EnvironmentFailure(f"{type(env).__name__} needs a sandbox ({env.sandbox_image}) but none is configured")
-    async with pool.acquire() as sandbox:
+    if isinstance(pool, ImagePools):
+        if task is None or not hasattr(env, "sandbox_image_for"):
+            raise EnvironmentFailure(f"{type(env).__name__} uses several images; which one depends on the task")
+        acquiring = pool.acquire(env.sandbox_image_for(task))
+    else:
+        acquiring = pool.acquire()
+    async with acquiring as sandbox:
         env.sandbox = sandbox
         try:
             yield env

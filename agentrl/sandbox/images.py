@@ -5,14 +5,20 @@ every other `sandbox/<name>/Dockerfile` is a task image built FROM it as `agentr
 every other `sandbox/<name>/build.sh` makes `agentrl/<name>:latest` its own way (e.g. `swe`: the base
 recipe with more Debian packages, which a Dockerfile could not install without a network).
 
+:func:`build_context_image` builds any other folder the same way (an ecosystem's task, e.g. a Harbor
+task's `environment/`): offline, with its Dockerfile's `FROM` lines pointed at the local base image
+(no registry is reachable) and optional lines appended.
+
 Invariant: an image is rebuilt only when its definition changed: task images carry the hash of
-their build context and base image id as the label `agentrl.context`; the base script is itself idempotent.
+their build context (and Dockerfile text) and base image id as the label `agentrl.context`; the
+base script is itself idempotent.
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
+import re
 import subprocess
 from collections.abc import Callable
 from pathlib import Path
@@ -39,9 +45,14 @@ def _image_label(tag: str, label: str) -> str | None:
     return r.stdout.strip() if r.returncode == 0 else None
 
 
-def _run(argv: list[str], progress: Callable[[str], None]) -> None:
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+def _run(argv: list[str], progress: Callable[[str], None], stdin: str | None = None) -> None:
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            stdin=subprocess.PIPE if stdin is not None else None)
     assert proc.stdout is not None
+    if stdin is not None:
+        assert proc.stdin is not None
+        proc.stdin.write(stdin)
+        proc.stdin.close()
     tail: list[str] = []
     for line in proc.stdout:
         line = line.rstrip()
@@ -83,3 +94,45 @@ def build_images(progress: Callable[[str], None] | None = None, root: Path | str
             say(f"[sandbox] built {tag}")
         tags.append(tag)
     return tags
+
+
+_FROM = re.compile(r"^(\s*FROM\s+)((?:--\S+\s+)*)(\S+)(.*)$", re.IGNORECASE)
+
+
+def rewrite_from(dockerfile: str, base: str = BASE_TAG) -> str:
+    """``dockerfile`` with every ``FROM`` that names an image (not an earlier stage) set to ``base``:
+    registry images cannot be pulled here, the local base image stands in for them."""
+    stages: set[str] = set()
+    out = []
+    for line in dockerfile.splitlines():
+        m = _FROM.match(line)
+        if m:
+            head, flags, image, rest = m.groups()
+            stage = re.search(r"\bAS\s+(\S+)", rest, re.IGNORECASE)
+            if image.lower() not in stages:
+                line = f"{head}{flags}{base}{rest}"
+            if stage:
+                stages.add(stage.group(1).lower())
+        out.append(line)
+    return "\n".join(out) + "\n"
+
+
+def build_context_image(context: Path | str, tag: str, dockerfile: str, *, base: str = BASE_TAG,
+                        progress: Callable[[str], None] | None = None, force: bool = False) -> str:
+    """Build ``context`` with ``dockerfile`` (text; its FROM lines pointed at ``base``) as ``tag``,
+    without network; skipped when the context, the Dockerfile and the base image are unchanged."""
+    say = progress or (lambda line: log.info("%s", line))
+    text = rewrite_from(dockerfile, base)
+    base_id = subprocess.run(["docker", "image", "inspect", "-f", "{{.Id}}", base],
+                             capture_output=True, text=True).stdout.strip()
+    if not base_id:
+        raise SandboxError(f"the base image {base} is not built: run `agentrl sandbox build` first")
+    folder = Path(context)
+    digest = hashlib.sha256(f"{context_hash(folder)}:{text}:{base_id}".encode()).hexdigest()[:16]
+    if not force and _image_label(tag, "agentrl.context") == digest:
+        say(f"[sandbox] {tag} is up to date")
+        return tag
+    say(f"[sandbox] building {tag} from {folder}")
+    _run(["docker", "build", "--network", "none", "--label", f"agentrl.context={digest}", "-t", tag,
+          "-f", "-", str(folder)], lambda line: say(f"[sandbox]   {line}"), stdin=text)
+    return tag

@@ -1,0 +1,164 @@
+"""The verifiers side of ``verifiers:<taskset>``: runs in verifiers' own interpreter, not in agentrl's.
+
+verifiers 0.4 pins ``openai<3`` while agentrl's other extras need openai 3, so its code runs in its
+own virtual environment (``.venv-verifiers``), in this process, started by
+:mod:`agentrl.env.adapters.verifiers`. It imports only the standard library and verifiers (never
+agentrl) and speaks JSON lines on stdin/stdout:
+
+- ``{"id", "op": "tasks", "env": {...}}`` -> ``{"id", "tasks": [wire task data, ...]}``
+- ``{"id", "op": "rollout", "env": {...}, "idx": n, "base_url", "api_key", "model"}`` -> ``{"id",
+  "reward", "rewards", "metrics", "errors", "ok", "turns"}``: verifiers' own ``Env.run_episode`` on
+  the task, its agent talking to ``base_url`` (agentrl's relay into the episode's router session),
+  scored by the task's own weighted ``@vf.reward`` functions;
+- ``{"id", "op": "cancel", "target": id}`` cancels a rollout (the episode's wall clock ran out).
+
+Requests run concurrently. One change to verifiers' machinery, and why: harness programs are
+normally provisioned by ``uv`` from a package index at run time; here a harness script runs with
+this interpreter, which already has the chat program's dependencies (they are verifiers' own), so
+nothing is installed while episodes run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import json
+import os
+import sys
+import traceback
+from pathlib import Path
+from typing import Any
+
+
+def _offline_scripts() -> None:
+    from verifiers.v1.runtimes.base import Runtime
+
+    async def prepare_uv_script(self: Any, script: str | bytes, env: dict[str, str] | None = None, *,
+                                activate: bool = True) -> list[str]:
+        data = script.encode() if isinstance(script, str) else script
+        folder = Path(getattr(self, "scripts_dir", "/tmp/agentrl-vf-scripts"))
+        folder.mkdir(parents=True, exist_ok=True)
+        path = folder / f"{hashlib.sha256(data).hexdigest()}.py"
+        if not path.exists():
+            tmp = path.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_bytes(data)
+            tmp.replace(path)
+        return [sys.executable, str(path)]
+
+    Runtime.prepare_uv_script = prepare_uv_script  # type: ignore[method-assign]
+
+
+def resolve(spec: dict[str, Any]) -> Any:
+    """The env config: the taskset and its arguments, and every seat's harness (default ``null``,
+    verifiers' plain chat loop) and runtime (default ``subprocess``: verifiers' own default is its
+    hosted sandboxes, which need an account and the internet) unless ``env_args`` pins them."""
+    import verifiers.v1 as vf
+    from verifiers.v1.configs.agent import agent_config_fields
+
+    raw = {"taskset": {"id": spec["taskset"], **spec.get("taskset_args", {})}, **spec.get("env_args", {})}
+    seats = agent_config_fields(vf.resolve_env_config(raw))
+    for seat in seats:
+        raw.setdefault(seat, {}).setdefault("harness", {"id": spec.get("harness", "null")})
+        raw[seat].setdefault("runtime", {"type": spec.get("runtime", "subprocess")})
+    return vf.resolve_env_config(raw)
+
+
+def list_tasks(spec: dict[str, Any]) -> list[dict[str, Any]]:
+    import verifiers.v1 as vf
+
+    env = vf.load_environment(resolve(spec))
+    return [t.data.model_dump(mode="json", exclude_none=True) for t in env.taskset.take(int(spec.get("max_tasks", 100_000)))]
+
+
+class Worker:
+    def __init__(self) -> None:
+        self.envs: dict[str, Any] = {}  # env config (json) -> (env, tasks)
+        self.stack = contextlib.AsyncExitStack()
+        self.running: dict[Any, asyncio.Task[Any]] = {}
+        self.lock = asyncio.Lock()
+
+    async def env(self, spec: dict[str, Any]) -> tuple[Any, list[Any]]:
+        import verifiers.v1 as vf
+
+        key = json.dumps(spec, sort_keys=True)
+        async with self.lock:
+            if key not in self.envs:
+                env = vf.load_environment(resolve(spec))
+                await self.stack.enter_async_context(env.serving())
+                tasks = list(env.taskset.take(int(spec.get("max_tasks", 100_000))))
+                self.envs[key] = (env, tasks)
+            return self.envs[key]
+
+    async def tasks(self, req: dict[str, Any]) -> dict[str, Any]:
+        _, tasks = await self.env(req["env"])
+        return {"tasks": [t.data.model_dump(mode="json", exclude_none=True) for t in tasks]}
+
+    async def rollout(self, req: dict[str, Any]) -> dict[str, Any]:
+        import verifiers.v1 as vf
+
+        env, tasks = await self.env(req["env"])
+        task = tasks[int(req["idx"])]
+        os.environ["AGENTRL_RELAY_KEY"] = req["api_key"]
+        ctx = vf.ModelContext(model=req["model"], client=vf.EvalClientConfig(base_url=req["base_url"],
+                                                                             api_key_var="AGENTRL_RELAY_KEY"))
+        episode = await env.run_episode(task, ctx)
+        traces = list(episode.traces)
+        rewards = {name: (r.score, r.weight) for t in traces for name, r in t.rewards.items() if r is not None}
+        metrics = {name: v for t in traces for name, v in t.metrics.items() if v is not None}
+        errors = [f"{e.type}: {e.message}" for e in episode.errors] + [
+            f"{e.type}: {e.message}" for t in traces for e in getattr(t, "errors", [])]
+        return {"reward": sum(t.reward for t in traces) / max(1, len(traces)), "rewards": rewards,
+                "metrics": metrics, "errors": errors, "ok": bool(episode.ok), "timeout": bool(episode.is_timeout)}
+
+    async def handle(self, req: dict[str, Any], out: asyncio.Queue[dict[str, Any]]) -> None:
+        try:
+            fn = {"tasks": self.tasks, "rollout": self.rollout}[req["op"]]
+            reply = await fn(req)
+        except asyncio.CancelledError:
+            reply = {"cancelled": True}
+        except Exception as e:  # reported to agentrl, which fails the episode as an environment error
+            reply = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-4000:]}
+        finally:
+            self.running.pop(req.get("id"), None)
+        await out.put({"id": req.get("id"), **reply})
+
+    async def main(self) -> None:
+        _offline_scripts()
+        loop = asyncio.get_running_loop()
+        reader = asyncio.StreamReader(limit=64 << 20)
+        await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
+        out: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+
+        async def write() -> None:
+            while True:
+                msg = await out.get()
+                sys.stdout.write(json.dumps(msg, default=str) + "\n")
+                sys.stdout.flush()
+
+        writer = asyncio.create_task(write())
+        await out.put({"id": None, "ready": True})
+        try:
+            while line := await reader.readline():
+                req = json.loads(line)
+                if req.get("op") == "cancel":
+                    task = self.running.get(req.get("target"))
+                    if task is not None:
+                        task.cancel()
+                    continue
+                self.running[req.get("id")] = asyncio.create_task(self.handle(req, out))
+        finally:
+            for task in list(self.running.values()):
+                task.cancel()
+            await self.stack.aclose()
+            while not out.empty():
+                await asyncio.sleep(0.01)
+            writer.cancel()
+
+
+if __name__ == "__main__":
+    # verifiers logs to stderr; stdout carries only the protocol
+    if sys.argv[1:2] == ["tasks"]:  # one-shot: the task list of the env in argv[2] (JSON), as JSON
+        print(json.dumps(list_tasks(json.loads(sys.argv[2])), default=str))
+    else:
+        asyncio.run(Worker().main())

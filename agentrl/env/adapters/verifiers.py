@@ -1,0 +1,283 @@
+"""verifiers environments as agentrl environments: ``verifiers:<taskset module>``.
+
+A verifiers 0.4 environment is a taskset package (tasks, their weighted ``@vf.reward`` rubric,
+tools) and optionally its own ``Env`` (how agents play a task: one turn, several, several agents).
+agentrl runs verifiers' own rollout, ``Env.run_episode``, unchanged, and gives it an endpoint whose
+every call is a call of the episode's policy: the relay (:mod:`agentrl.env.adapters.relay`) turns
+each request verifiers' agent sends into the episode's ``Model.chat``, which the router renders,
+generates and records token for token. verifiers never renders or tokenises anything itself (its
+``eval`` client forwards the agent's requests as they are), so the samples are the engine's exact
+ids; the reward is the episode's traces' weighted rubric score, as verifiers computes it.
+
+Why verifiers runs in another process: verifiers 0.4 pins ``openai<3`` and agentrl's scaffolds
+extra needs openai 3, so it lives in its own virtual environment (``.venv-verifiers``; see
+docs/environments.md). :mod:`agentrl.env.adapters._verifiers_worker` runs there, one process per
+serve process, and plays the episodes it is asked for concurrently. Its interpreter is, in order:
+``python=`` in the environment's config, ``$AGENTRL_VERIFIERS_PYTHON``, this interpreter when it has
+verifiers, ``.venv-verifiers/bin/python`` in the project.
+
+Splits: verifiers tasksets have none; the last ``num_test`` tasks are held out (never trained on),
+or ``eval_taskset_args`` names the taskset arguments of a separate evaluation set.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import functools
+import importlib.util
+import itertools
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from agentrl.env.adapters import AdapterError
+from agentrl.env.base import Model, Played, PlayingEnv, Reset
+
+log = logging.getLogger(__name__)
+
+ROOT = Path(__file__).resolve().parents[3]
+REPO_TASKSETS = ROOT / "tasks" / "verifiers"  # the verifiers environments shipped with agentrl
+WORKER = Path(__file__).with_name("_verifiers_worker.py")
+
+
+def interpreter(python: str = "") -> str | None:
+    """The Python that has verifiers (see the module docstring), or None."""
+    for candidate in (python, os.environ.get("AGENTRL_VERIFIERS_PYTHON", "")):
+        if candidate:
+            return candidate
+    if importlib.util.find_spec("verifiers") is not None:
+        return sys.executable
+    for root in (Path.cwd(), ROOT):
+        venv = root / ".venv-verifiers" / "bin" / "python"
+        if venv.exists():
+            return str(venv)
+    return None
+
+
+def available() -> bool:
+    return interpreter() is not None
+
+
+def _worker_env() -> dict[str, str]:
+    paths = [str(REPO_TASKSETS), str(Path.cwd()), os.environ.get("AGENTRL_VERIFIERS_PATH", "")]
+    # verifiers' environment must not see agentrl's packages (another openai); its own venv has its own
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
+    return env
+
+
+def _die_with_parent() -> None:
+    with contextlib.suppress(Exception):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+@functools.lru_cache(maxsize=32)
+def list_tasks(python: str, spec_json: str) -> tuple[dict[str, Any], ...]:
+    """The taskset's tasks (wire data), listed once per process by a one-shot worker."""
+    r = subprocess.run([python, "-P", str(WORKER), "tasks", spec_json], capture_output=True, text=True,
+                       env=_worker_env(), timeout=600)
+    if r.returncode != 0:
+        raise AdapterError(f"verifiers could not load {json.loads(spec_json)['taskset']!r}: {r.stderr.strip()[-1500:]}")
+    return tuple(json.loads(r.stdout.strip().splitlines()[-1]))
+
+
+class _Worker:
+    """The long-lived worker process and its requests in flight (futures by request id)."""
+
+    def __init__(self, python: str) -> None:
+        self.python = python
+        self.proc: asyncio.subprocess.Process | None = None
+        self.pending: dict[int, asyncio.Future[dict[str, Any]]] = {}
+        self.ids = itertools.count(1)
+        self.lock = asyncio.Lock()
+        self.ready: asyncio.Future[None] | None = None
+        self.reader: asyncio.Task[None] | None = None
+        self.keeper: Any = None
+
+    async def start(self) -> None:
+        async with self.lock:
+            if self.proc is not None and self.proc.returncode is None:
+                return
+            loop = asyncio.get_running_loop()
+            self.ready = loop.create_future()
+            self.proc = await asyncio.create_subprocess_exec(
+                self.python, "-P", str(WORKER), stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+                stderr=None, env=_worker_env(), limit=64 << 20, start_new_session=True, preexec_fn=_die_with_parent)
+            self.reader = asyncio.create_task(self._read())
+            self.keeper = _until_loop_ends(self)
+            await self.keeper.__anext__()
+            await asyncio.wait_for(asyncio.shield(self.ready), timeout=600)
+
+    async def _read(self) -> None:
+        assert self.proc is not None and self.proc.stdout is not None
+        while line := await self.proc.stdout.readline():
+            with contextlib.suppress(ValueError):
+                msg = json.loads(line)
+                if msg.get("ready") and self.ready is not None and not self.ready.done():
+                    self.ready.set_result(None)
+                future = self.pending.pop(msg.get("id"), None)
+                if future is not None and not future.done():
+                    future.set_result(msg)
+        why = RuntimeError(f"the verifiers worker exited (code {self.proc.returncode})")
+        if self.ready is not None and not self.ready.done():
+            self.ready.set_exception(why)
+        for future in self.pending.values():
+            if not future.done():
+                future.set_exception(why)
+        self.pending.clear()
+
+    async def stop(self) -> None:
+        """End the worker and its pipes (when the event loop that owns them shuts down)."""
+        if self.proc is None:
+            return
+        with contextlib.suppress(Exception):
+            if self.proc.stdin is not None:
+                self.proc.stdin.close()
+            if self.proc.returncode is None:
+                self.proc.terminate()
+            await asyncio.wait_for(self.proc.wait(), timeout=10)
+        if self.proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                self.proc.kill()
+        if self.reader is not None:
+            self.reader.cancel()
+            with contextlib.suppress(BaseException):
+                await self.reader
+
+    async def call(self, op: str, **fields: Any) -> dict[str, Any]:
+        await self.start()
+        assert self.proc is not None and self.proc.stdin is not None
+        rid = next(self.ids)
+        future: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+        self.pending[rid] = future
+        self.proc.stdin.write((json.dumps({"id": rid, "op": op, **fields}) + "\n").encode())
+        await self.proc.stdin.drain()
+        try:
+            return await future
+        except asyncio.CancelledError:  # the episode's wall clock: stop verifiers' rollout too
+            self.pending.pop(rid, None)
+            with contextlib.suppress(Exception):
+                self.proc.stdin.write((json.dumps({"op": "cancel", "target": rid}) + "\n").encode())
+            raise
+
+
+_workers: dict[str, tuple[asyncio.AbstractEventLoop, _Worker]] = {}
+
+
+def _worker(python: str) -> _Worker:
+    """The worker of this event loop (its pipes belong to the loop that started it; a test that runs
+    several loops one after another gets a fresh worker in each, the old one is stopped)."""
+    loop = asyncio.get_running_loop()
+    held = _workers.get(python)
+    if held is None or held[0] is not loop:
+        if held is not None and held[1].proc is not None and held[1].proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(held[1].proc.pid, signal.SIGTERM)
+        held = _workers[python] = (loop, _Worker(python))
+    return held[1]
+
+
+async def _until_loop_ends(worker: _Worker) -> Any:
+    """An async generator parked in the loop: asyncio.run finalises it at shutdown, which stops the
+    worker before its pipes' loop closes (else their transports are torn down by the GC)."""
+    try:
+        yield
+    finally:
+        await worker.stop()
+# -P: the worker's folder (this package, whose verifiers.py would shadow the real verifiers) is not
+# put on its sys.path
+
+
+class VerifiersEnv(PlayingEnv):
+    """A verifiers environment: its own rollout and rubric, its model calls through the episode's session.
+
+    Args:
+        taskset_args: the taskset's config fields (``--env.taskset.*`` in verifiers' CLI).
+        env_args: the env config's other fields (e.g. a seat's ``harness`` or ``max_turns``).
+        harness: the harness of every seat that pins none (default ``null``: verifiers' chat loop).
+        num_test: tasks held out at the end of the taskset (the test split); eval_taskset_args:
+            a separate evaluation taskset instead.
+        python: the interpreter that has verifiers (default: see the module docstring).
+    """
+
+    taskset_id: str = ""  # set on the class registered for each name
+
+    def __init__(self, taskset_args: dict[str, Any] | None = None, env_args: dict[str, Any] | None = None,
+                 harness: str = "null", num_test: int | None = None,
+                 eval_taskset_args: dict[str, Any] | None = None, python: str = "", max_tasks: int = 100_000) -> None:
+        found = interpreter(python)
+        if found is None:
+            raise AdapterError("no Python with verifiers: see docs/environments.md (a .venv-verifiers)")
+        self.python = found
+        self.spec = {"taskset": self.taskset_id, "taskset_args": dict(taskset_args or {}),
+                     "env_args": dict(env_args or {}), "harness": harness, "max_tasks": max_tasks}
+        self.eval_spec = {**self.spec, "taskset_args": dict(eval_taskset_args)} if eval_taskset_args else None
+        self.num_test = num_test
+        self.task: dict[str, Any] = {}
+
+    def _listed(self, spec: dict[str, Any]) -> tuple[dict[str, Any], ...]:
+        return list_tasks(self.python, json.dumps(spec, sort_keys=True))
+
+    def tasks(self, split: str = "train") -> list[dict[str, Any]]:
+        if self.eval_spec is not None:
+            spec = self.eval_spec if split == "test" else self.spec
+            return [self._record(split, spec, i, d) for i, d in enumerate(self._listed(spec))]
+        rows = self._listed(self.spec)
+        held = self.num_test if self.num_test is not None else min(50, len(rows) // 5)
+        chosen = range(len(rows) - held, len(rows)) if split == "test" else range(len(rows) - held)
+        return [self._record(split, self.spec, i, rows[i]) for i in chosen]
+
+    @staticmethod
+    def _record(split: str, spec: dict[str, Any], i: int, data: dict[str, Any]) -> dict[str, Any]:
+        return {"id": str(data.get("id") or f"{split}-{i}"), "idx": i, "split": split, "prompt": data.get("prompt"), "system_prompt": data.get("system_prompt")}
+
+    async def reset(self, task: dict[str, Any]) -> Reset:
+        self.task = task
+        messages = [{"role": "system", "content": task["system_prompt"]}] if task.get("system_prompt") else []
+        prompt = task.get("prompt")
+        if isinstance(prompt, str):
+            messages.append({"role": "user", "content": prompt})
+        elif isinstance(prompt, list):
+            messages.extend(m for m in prompt if isinstance(m, dict))
+        return Reset(messages=messages)
+
+    async def play(self, task: dict[str, Any], model: Model) -> Played:
+        from agentrl.env.adapters.relay import serve_model
+
+        spec = self.eval_spec if (self.eval_spec is not None and task.get("split") == "test") else self.spec
+        worker = _worker(self.python)
+        async with serve_model(model) as (base_url, api_key):
+            out = await worker.call("rollout", env=spec, idx=int(task["idx"]), base_url=base_url, api_key=api_key,
+                                    model=model.name)
+        if out.get("error"):
+            raise RuntimeError(f"verifiers raised {out['error']}")
+        if not out.get("ok"):
+            raise RuntimeError(f"verifiers' episode failed: {'; '.join(out.get('errors') or ['no reason given'])}"[:3000])
+        rewards = {k: {"score": s, "weight": w} for k, (s, w) in (out.get("rewards") or {}).items()}
+        return Played(reward=float(out["reward"]), info={"rewards": rewards, "metrics": out.get("metrics") or {}})
+
+
+def environment_class(rest: str) -> type[VerifiersEnv]:
+    if not rest or not all(part.isidentifier() for part in rest.replace("-", "_").split(".")):
+        raise AdapterError(f"verifiers:{rest}: name a taskset module, e.g. verifiers:vf_arith")
+    return type(f"Verifiers_{rest.replace('-', '_').replace('.', '_')}", (VerifiersEnv,),
+                {"taskset_id": rest, "__module__": __name__, "__doc__": f"verifiers environment {rest}"})
+
+
+def offered() -> list[tuple[str, str]]:
+    out = [(f"verifiers:{p.parent.name}", f"verifiers taskset shipped in tasks/{REPO_TASKSETS.name}/")
+           for p in sorted(REPO_TASKSETS.glob("*/__init__.py"))]
+    python = interpreter()
+    if python:
+        r = subprocess.run([python, "-c", "import pkgutil, verifiers.v1.tasksets as t; "
+                            "print(' '.join(m.name for m in pkgutil.iter_modules(t.__path__)))"],
+                           capture_output=True, text=True, env=_worker_env(), timeout=120)
+        out += [(f"verifiers:{n}", "taskset built into verifiers") for n in r.stdout.split()]
+    return out

@@ -1,0 +1,2 @@
+#!/bin/bash
+grep -c a /app/data/words.txt > /app/answer.txt
