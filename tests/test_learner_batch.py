@@ -10,22 +10,21 @@ import math
 from dataclasses import replace
 
 import numpy as np
-import pytest
 
 from agentrl.buffer.sample import Sample
 from agentrl.learner.batch import prepare, shared_completion_masks
 from agentrl.learner.config import PGLoss
-from agentrl.router.sessions import CallRecord, Session
+from agentrl.router.sessions import CallRecord, Completion, Session
 
 
-def _completion(tokens: list[int], version: int = 3) -> dict:
-    return {"token_ids": tokens, "logprobs": [-0.5] * len(tokens), "versions": [version] * len(tokens),
-            "finish_reason": "stop", "message": {"role": "assistant", "content": str(tokens)}}
+def _completion(tokens: list[int], version: int = 3) -> Completion:
+    return Completion(tokens, [-0.5] * len(tokens), [version] * len(tokens), "stop",
+                      {"role": "assistant", "content": str(tokens)})
 
 
-def _samples(session: Session, as_arrays: bool, episode: str = "ep", reward: float = 1.0) -> list[Sample]:
-    return [Sample(st.token_ids, st.loss_mask, st.logprobs, st.versions, episode_id=episode, group_id="g", env="t",
-                   reward=reward, info={"calls": st.calls}) for st in session.samples(as_arrays=as_arrays)]
+def _samples(session: Session, episode: str = "ep", reward: float = 1.0) -> list[Sample]:
+    return [replace(st, episode_id=episode, group_id="g", env="t", reward=reward, info={"calls": st.info["calls"]})
+            for st in session.samples()]
 
 
 def _branching_session() -> Session:
@@ -37,9 +36,8 @@ def _branching_session() -> Session:
     return s
 
 
-@pytest.mark.parametrize("as_arrays", [False, True])
-def test_a_parent_call_that_two_calls_extend_is_trained_once(as_arrays: bool) -> None:
-    samples = _samples(_branching_session(), as_arrays)
+def test_a_parent_call_that_two_calls_extend_is_trained_once() -> None:
+    samples = _samples(_branching_session())
     assert [list(s.info["calls"]) for s in samples] == [[0, 1], [0, 2]]
     masks, masked = shared_completion_masks(samples)
     # both samples hold call 0's completion (tokens 3, 4); the first keeps it, the second trains only its own
@@ -52,15 +50,15 @@ def test_a_parent_call_that_two_calls_extend_is_trained_once(as_arrays: bool) ->
 def test_several_choices_of_one_call_are_each_trained() -> None:
     s = Session("s")  # one call with n = 2: two leaves, same prompt, different completions
     s.record(CallRecord("s", 0, None, 0, [10, 11], [_completion([20, 21]), _completion([22, 23, 24])], "e0"))
-    samples = _samples(s, as_arrays=True)
+    samples = _samples(s)
     assert [list(x.info["calls"]) for x in samples] == [[0], [0]]
     masks, masked = shared_completion_masks(samples)
     assert masked == 0 and [m.tolist() for m in masks] == [[0, 0, 1, 1], [0, 0, 1, 1, 1]]
 
 
 def test_the_same_chain_in_another_episode_is_not_shared() -> None:
-    a = _samples(_branching_session(), True, episode="A")
-    b = _samples(_branching_session(), True, episode="B")
+    a = _samples(_branching_session(), episode="A")
+    b = _samples(_branching_session(), episode="B")
     _, masked = shared_completion_masks(a + b)
     assert masked == 4  # call 0 once per episode: masked in A's second sample and in B's second
 
