@@ -32,6 +32,19 @@ def _per_token(advantages: Tensor, like: Tensor) -> Tensor:
     return a.unsqueeze(-1) if a.dim() == 1 else a
 
 
+def _clip_stats(high: Tensor, low: Tensor, m: Tensor, ratio: Tensor, rows: Tensor) -> Stats:
+    """The clipped fractions over the counted tokens ``m``, and the ratio's mean and max over ``rows``
+    (the tokens, or the sequences for a sequence-level ratio)."""
+    dtype = ratio.dtype
+    return {
+        "clip_frac": masked_mean((high | low).to(dtype), m),
+        "clip_frac_high": masked_mean(high.to(dtype), m),
+        "clip_frac_low": masked_mean(low.to(dtype), m),
+        "ratio_mean": masked_mean(ratio, rows),
+        "ratio_max": masked_max(ratio, rows),
+    }
+
+
 def policy_gradient_loss(
     logp: Tensor,
     advantages: Tensor,
@@ -86,13 +99,7 @@ def ppo_clip_loss(
         high = (a > 0) & (ratio > 1.0 + clip_high)
         low = (a < 0) & (ratio < 1.0 - clip_low)
         r = ratio.detach()
-        stats = {
-            "clip_frac": masked_mean((high | low).to(r.dtype), m),
-            "clip_frac_high": masked_mean(high.to(r.dtype), m),
-            "clip_frac_low": masked_mean(low.to(r.dtype), m),
-            "ratio_mean": masked_mean(r, m),
-            "ratio_max": masked_max(r, m),
-        }
+        stats = _clip_stats(high, low, m, r, m)
     return loss, stats
 
 
@@ -180,15 +187,7 @@ def gspo_loss(
         r = s.detach()
         high = (a > 0) & (r > 1.0 + clip_high)
         low = (a < 0) & (r < 1.0 - clip_low)
-        rows = m.any(-1)
-        seq_ratio = torch.exp(log_s)
-        stats = {
-            "clip_frac": masked_mean((high | low).to(r.dtype), m),
-            "clip_frac_high": masked_mean(high.to(r.dtype), m),
-            "clip_frac_low": masked_mean(low.to(r.dtype), m),
-            "ratio_mean": masked_mean(seq_ratio, rows),
-            "ratio_max": masked_max(seq_ratio, rows),
-        }
+        stats = _clip_stats(high, low, m, torch.exp(log_s), m.any(-1))
     return loss, stats
 
 
@@ -223,12 +222,5 @@ def cispo_loss(
     per_token = -weight * a * logp
     loss = aggregate(per_token, m, agg, denominator, norm_tokens)
     with torch.no_grad():
-        high, low = r > 1.0 + clip_high, r < 1.0 - clip_low
-        stats = {
-            "clip_frac": masked_mean((high | low).to(r.dtype), m),
-            "clip_frac_high": masked_mean(high.to(r.dtype), m),
-            "clip_frac_low": masked_mean(low.to(r.dtype), m),
-            "ratio_mean": masked_mean(r, m),
-            "ratio_max": masked_max(r, m),
-        }
+        stats = _clip_stats(r > 1.0 + clip_high, r < 1.0 - clip_low, m, r, m)
     return loss, stats
