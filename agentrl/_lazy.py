@@ -4,19 +4,23 @@
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 
-def lazy(package: str, exports: dict[str, str]) -> tuple[Callable[[str], Any], Callable[[], list[str]]]:
-    """A module ``__getattr__`` and ``__dir__`` that import ``exports[name]`` (a module path) on first use."""
+def lazy(package: str, modules: Mapping[str, Sequence[str]]
+         ) -> tuple[Callable[[str], Any], Callable[[], list[str]], list[str]]:
+    """A package's ``__getattr__``, ``__dir__`` and ``__all__`` for the names ``modules`` lists per
+    module: each is imported from its module on first use."""
+    where = {name: module for module, names in modules.items() for name in names}
+
     def __getattr__(name: str) -> Any:
-        module = exports.get(name)
+        module = where.get(name)
         if module is None:
             raise AttributeError(f"module {package!r} has no attribute {name!r}")
         return getattr(importlib.import_module(module), name)
 
     def __dir__() -> list[str]:
-        return sorted(exports)
+        return sorted(where)
 
-    return __getattr__, __dir__
+    return __getattr__, __dir__, sorted(where)

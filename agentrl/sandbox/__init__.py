@@ -11,24 +11,11 @@ leaks: cleanup survives cancellation, an at-exit hook backs it up, and `start()`
 instances left. See docs/sandbox.md.
 """
 
-from typing import TYPE_CHECKING
-
 from agentrl._lazy import lazy
 
-if TYPE_CHECKING:
-    from agentrl.sandbox.handle import BackgroundProcess, Sandbox
-    from agentrl.sandbox.images import build_images
-    from agentrl.sandbox.pool import SandboxPool
-    from agentrl.sandbox.types import ExecResult, SandboxConfig, SandboxError
-
-__getattr__, __dir__ = lazy(__name__, {
-    "BackgroundProcess": "agentrl.sandbox.handle",
-    "Sandbox": "agentrl.sandbox.handle",
-    "build_images": "agentrl.sandbox.images",
-    "SandboxPool": "agentrl.sandbox.pool",
-    "ExecResult": "agentrl.sandbox.types",
-    "SandboxConfig": "agentrl.sandbox.types",
-    "SandboxError": "agentrl.sandbox.types",
+__getattr__, __dir__, __all__ = lazy(__name__, {
+    "agentrl.sandbox.handle": ["BackgroundProcess", "Sandbox"],
+    "agentrl.sandbox.images": ["build_images"],
+    "agentrl.sandbox.pool": ["SandboxPool"],
+    "agentrl.sandbox.types": ["ExecResult", "SandboxConfig", "SandboxError"],
 })
-
-__all__ = ["BackgroundProcess", "ExecResult", "Sandbox", "SandboxConfig", "SandboxError", "SandboxPool", "build_images"]

@@ -7,18 +7,8 @@
 - :mod:`agentrl.serve.ray`: engines and rollout workers placed as Ray actors (``serve --ray``).
 """
 
-from typing import TYPE_CHECKING
-
 from agentrl._lazy import lazy
 
-if TYPE_CHECKING:
-    from agentrl.serve.app import GC_THRESHOLD, Serve, serve_forever, settle_gc
-
-__getattr__, __dir__ = lazy(__name__, {
-    "GC_THRESHOLD": "agentrl.serve.app",
-    "Serve": "agentrl.serve.app",
-    "serve_forever": "agentrl.serve.app",
-    "settle_gc": "agentrl.serve.app",
+__getattr__, __dir__, __all__ = lazy(__name__, {
+    "agentrl.serve.app": ["GC_THRESHOLD", "Serve", "serve_forever", "settle_gc"],
 })
-
-__all__ = ["GC_THRESHOLD", "Serve", "serve_forever", "settle_gc"]

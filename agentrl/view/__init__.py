@@ -11,18 +11,8 @@
   the view fetches nothing from anywhere else.
 """
 
-from typing import TYPE_CHECKING
-
 from agentrl._lazy import lazy
 
-if TYPE_CHECKING:
-    from agentrl.view.server import mount, run_view, serve_view, standalone_app
-
-__getattr__, __dir__ = lazy(__name__, {
-    "mount": "agentrl.view.server",
-    "run_view": "agentrl.view.server",
-    "serve_view": "agentrl.view.server",
-    "standalone_app": "agentrl.view.server",
+__getattr__, __dir__, __all__ = lazy(__name__, {
+    "agentrl.view.server": ["mount", "run_view", "serve_view", "standalone_app"],
 })
-
-__all__ = ["mount", "run_view", "serve_view", "standalone_app"]
