@@ -61,19 +61,24 @@ def read_secret_file(path: str | Path, what: str = "token") -> str:
     return text
 
 
+def find_secret(what: str, env: str, token_file: str = "", path: Path | None = None) -> str:
+    """A secret from ``token_file``, ``$<env>``, the file ``$<env>_FILE`` names, or ``path`` when it
+    exists, in that order; "" if none."""
+    if token_file:
+        return read_secret_file(token_file, what)
+    if os.environ.get(env, "").strip():
+        return os.environ[env].strip()
+    if os.environ.get(f"{env}_FILE"):
+        return read_secret_file(os.environ[f"{env}_FILE"], what)
+    if path is not None and path.is_file():
+        return read_secret_file(path, what)
+    return ""
+
+
 def find_admin_token(cfg_token: str = "", token_file: str = "", run_dir: str | Path | None = None) -> str:
     """The admin token from config, ``token_file``, the environment or ``run_dir/admin_token``; "" if none."""
-    if cfg_token:
-        return cfg_token
-    if token_file:
-        return read_secret_file(token_file, "admin token")
-    if os.environ.get("AGENTRL_ADMIN_TOKEN", "").strip():
-        return os.environ["AGENTRL_ADMIN_TOKEN"].strip()
-    if os.environ.get("AGENTRL_ADMIN_TOKEN_FILE"):
-        return read_secret_file(os.environ["AGENTRL_ADMIN_TOKEN_FILE"], "admin token")
-    if run_dir is not None and (Path(run_dir) / "admin_token").is_file():
-        return read_secret_file(Path(run_dir) / "admin_token", "admin token")
-    return ""
+    return cfg_token or find_secret("admin token", "AGENTRL_ADMIN_TOKEN", token_file,
+                                    Path(run_dir) / "admin_token" if run_dir is not None else None)
 
 
 def settle_admin_token(cfg_token: str, token_file: str, run_dir: Path) -> str:

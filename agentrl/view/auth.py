@@ -35,7 +35,7 @@ from pathlib import Path
 
 from aiohttp import web
 
-from agentrl.credentials import read_secret_file
+from agentrl.credentials import find_secret, read_secret_file
 from agentrl.web import bearer
 
 log = logging.getLogger(__name__)
@@ -138,15 +138,10 @@ def view_token(run_dir: Path, token_file: str = "") -> str:
     """The run's read-only view token: ``token_file``, ``$AGENTRL_VIEW_TOKEN``, ``$AGENTRL_VIEW_TOKEN_FILE``,
     ``RUN_DIR/view_token``, or a new one written there (mode 0600). "" when none can be had (a run
     directory we may not write)."""
-    if token_file:
-        return read_secret_file(token_file, "view token")
-    if os.environ.get("AGENTRL_VIEW_TOKEN", "").strip():
-        return os.environ["AGENTRL_VIEW_TOKEN"].strip()
-    if os.environ.get("AGENTRL_VIEW_TOKEN_FILE"):
-        return read_secret_file(os.environ["AGENTRL_VIEW_TOKEN_FILE"], "view token")
     path = run_dir / "view_token"
-    if path.is_file():
-        return read_secret_file(path, "view token")
+    found = find_secret("view token", "AGENTRL_VIEW_TOKEN", token_file, path)
+    if found:
+        return found
     token = secrets.token_urlsafe(24)
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
