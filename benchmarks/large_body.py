@@ -25,7 +25,7 @@ from pathlib import Path
 
 import aiohttp
 from common import free_port, percentile  # benchmarks/common.py
-from router_overhead import BODY, _run_standin
+from router_overhead import BODY, _run_standin, router_app
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -34,19 +34,8 @@ def _run_router(port: int, engine_port: int, model_dir: str) -> None:
     sys.path.insert(0, str(ROOT))
     from aiohttp import web
 
-    from agentrl.router import EnginePool, Router, make_app
-    from agentrl.serve import settle_gc
-
-    async def build() -> web.Application:
-        pool = EnginePool([f"http://127.0.0.1:{engine_port}"], health_interval_s=5)
-        await pool.start()
-        router = Router(pool, model_name="stand-in", eos_token_ids={2}, max_model_len=2048, model_dir=model_dir)
-        if router.local is not None:
-            router.local.state = "on"  # the stand-in has no chat template to calibrate against
-        settle_gc()
-        return make_app(router, client_max_size=16 << 20)  # serve's default router.max_body_mb
-
-    web.run_app(build(), host="127.0.0.1", port=port, print=None, access_log=None)
+    app = router_app(engine_port, model_dir, max_model_len=2048, client_max_size=16 << 20)  # serve's max_body_mb
+    web.run_app(app, host="127.0.0.1", port=port, print=None, access_log=None)
 
 
 async def _small(url: str, seconds: float) -> list[float]:

@@ -132,21 +132,24 @@ def _run_standin(port: int) -> None:
 
 
 # -- the router ----------------------------------------------------------------------------------------
-def _run_router(port: int, engine_port: int, model_dir: str, use_uvloop: bool, profile: str) -> None:
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from aiohttp import web
-
+async def router_app(engine_port: int, model_dir: str, max_model_len: int = 4096, **app_args: Any) -> Any:
+    """The real router's app in front of the stand-in engine, set up as serve sets it up (in the
+    router's own process: ``sys.path`` holds the repository)."""
     from agentrl.router import EnginePool, Router, make_app
     from agentrl.serve import settle_gc
 
-    async def build() -> web.Application:
-        pool = EnginePool([f"http://127.0.0.1:{engine_port}"], health_interval_s=5)
-        await pool.start()
-        router = Router(pool, model_name="stand-in", eos_token_ids={2}, max_model_len=4096, model_dir=model_dir)
-        if router.local is not None:
-            router.local.state = "on"  # the stand-in has no chat template to calibrate against
-        settle_gc()  # as serve does once it is up
-        return make_app(router)
+    pool = EnginePool([f"http://127.0.0.1:{engine_port}"], health_interval_s=5)
+    await pool.start()
+    router = Router(pool, model_name="stand-in", eos_token_ids={2}, max_model_len=max_model_len, model_dir=model_dir)
+    if router.local is not None:
+        router.local.state = "on"  # the stand-in has no chat template to calibrate against
+    settle_gc()  # as serve does once it is up
+    return make_app(router, **app_args)
+
+
+def _run_router(port: int, engine_port: int, model_dir: str, use_uvloop: bool, profile: str) -> None:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from aiohttp import web
 
     if use_uvloop:
         import uvloop
@@ -158,7 +161,8 @@ def _run_router(port: int, engine_port: int, model_dir: str, use_uvloop: bool, p
 
         prof = cProfile.Profile(time.process_time)  # CPU time: the machine is shared
         prof.enable()
-    web.run_app(build(), host="127.0.0.1", port=port, print=None, access_log=None, backlog=4096)
+    web.run_app(router_app(engine_port, model_dir), host="127.0.0.1", port=port, print=None, access_log=None,
+                backlog=4096)
     if prof is not None:  # run_app returns on SIGTERM
         prof.disable()
         prof.dump_stats(profile)
