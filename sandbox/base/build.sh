@@ -2,12 +2,12 @@
 # Build the agentrl base sandbox image without any registry:
 # debootstrap a minimal Debian with python3 (full standard library: tools expect json, http, ...),
 # then `docker import` it.
-# Usage: build.sh IMAGE_TAG
+# Usage: build.sh IMAGE_TAG  (AGENTRL_SANDBOX_PACKAGES: the packages, for images built on this recipe)
 # Idempotent: skips the work when the tag exists and carries this recipe's hash
 # (label agentrl.recipe), so editing this script rebuilds the image.
 set -euo pipefail
 tag=${1:-agentrl/base:bookworm}
-packages=python3-minimal,python3
+packages=${AGENTRL_SANDBOX_PACKAGES:-python3-minimal,python3}
 recipe=$( (cat "$0"; echo "$packages") | sha256sum | cut -c1-16)
 if [ "$(docker image inspect -f '{{index .Config.Labels "agentrl.recipe"}}' "$tag" 2>/dev/null || true)" = "$recipe" ]; then
   echo "[sandbox] $tag is up to date"; exit 0
