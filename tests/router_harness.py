@@ -12,6 +12,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from agentrl.router.sampling import PROBE_REQUEST_ID
 from tests.conftest import free_port
 
 
@@ -84,7 +85,7 @@ def capture_generates(server: RouterServer) -> list[tuple[list[int], list[int], 
 
     async def call(engine: Any, path: str, body: dict[str, Any], *a: Any, **kw: Any) -> dict[str, Any]:
         out = await real_call(engine, path, body, *a, **kw)
-        if path == "/inference/v1/generate":
+        if path == "/inference/v1/generate" and body.get("request_id") != PROBE_REQUEST_ID:
             ch = out["choices"][0]
             got.append((list(body["token_ids"]), list(ch["token_ids"]), lps(ch)))
         return out

@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 
+from agentrl.router.sampling import PROBE_REQUEST_ID
 from tests.conftest import free_port
 
 
@@ -75,7 +76,7 @@ async def _run(engine_url: str, run_dir: Path, *, env: str, group_size: int, sca
 
         async def call(engine: Any, path: str, body: dict[str, Any], *a: Any, **kw: Any) -> dict[str, Any]:
             out = await real_call(engine, path, body, *a, **kw)
-            if path == "/inference/v1/generate":
+            if path == "/inference/v1/generate" and body.get("request_id") != PROBE_REQUEST_ID:
                 ch = out["choices"][0]
                 generated.append((ids(body["token_ids"]), ids(ch["token_ids"]), _logprobs(ch)))
             return out

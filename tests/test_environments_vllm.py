@@ -21,6 +21,7 @@ import requests
 
 import agentrl
 from agentrl.rollout.episode import EpisodeLimits, EpisodeResult, run_episode
+from agentrl.router.sampling import PROBE_REQUEST_ID
 from agentrl.sandbox import SandboxConfig, SandboxPool
 from environments.arithmetic import SYSTEM
 from tests.conftest import make_router
@@ -132,7 +133,8 @@ def test_a_three_turn_tool_episode_is_exactly_the_tokens_the_engine_received_and
     assert ep.turns == 3 and ep.splits == 0
     assert ep.info["tool_calls"] >= 1, "the warm-started model made no tool call"
 
-    generates = [(sent, got) for path, sent, got in wire if path == "/inference/v1/generate"]
+    generates = [(sent, got) for path, sent, got in wire
+                 if path == "/inference/v1/generate" and sent.get("request_id") != PROBE_REQUEST_ID]
     assert len(generates) == 3
     prompts = [sent["token_ids"] for sent, _ in generates]
     outputs = [got["choices"][0]["token_ids"] for _, got in generates]

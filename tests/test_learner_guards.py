@@ -81,7 +81,7 @@ class RestartingSource:
         return {"model_path": self.model, "version": self.version}
 
     async def get_batch(self, version: int) -> tuple[str, list[Any]] | None:
-        batch = await self.client.get_batch(version, max_staleness=4, batch_size=4, timeout_s=2, as_arrays=True)
+        batch = await self.client.get_batch(version, max_staleness=4, batch_size=4, timeout_s=2)
         if batch is None:
             return None
         self.events.append(("batch", batch.batch_id, sorted(s.sample_id for s in batch.samples)))

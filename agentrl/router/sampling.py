@@ -161,10 +161,13 @@ class Capture:
         return kept
 
 
+PROBE_REQUEST_ID = "agentrl-logprobs-mode"  # the one generate per engine that is no session's call
+
+
 async def check_processed(pool: Any, engine: Any, prompt_ids: list[int], model: str | None) -> bool:
     """Whether ``engine`` reports processed logprobs: one token at top_k 2 with 3 top logprobs has
     its third masked (-inf) and the two kept summing to probability 1; raw logprobs have neither."""
-    req = {"request_id": "agentrl-logprobs-mode", "token_ids": prompt_ids, "model": model, "stream": False,
+    req = {"request_id": PROBE_REQUEST_ID, "token_ids": prompt_ids, "model": model, "stream": False,
            "sampling_params": {"max_tokens": 1, "temperature": 1.0, "top_k": 2, "logprobs": 3}}
     gen = await pool.call(engine, "/inference/v1/generate", req, count=False)
     top = gen["choices"][0]["logprobs"]["content"][0]["top_logprobs"]
