@@ -7,6 +7,7 @@ that needs it (marker ``vllm``). Tests that use it must not change its weights, 
 from __future__ import annotations
 
 import asyncio
+import atexit
 import os
 import socket
 import sys
@@ -21,7 +22,13 @@ import pytest
 def pytest_unconfigure(config: pytest.Config) -> None:
     """Keep the run's output ending with its summary: third-party extensions report at interpreter
     shutdown (triton's nanobind prints hundreds of "leaked ..." lines to stderr after pytest's
-    summary). From here on stderr goes to a file beside the other temporary files, not the terminal."""
+    summary). Once pytest is done (its own capture has put stderr back by then: an atexit hook runs
+    after it, and before the interpreter's finalisation), stderr goes to a file beside the other
+    temporary files, not the terminal."""
+    atexit.register(_stderr_to_file)
+
+
+def _stderr_to_file() -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     path = Path(tempfile.gettempdir()) / "agentrl-pytest-shutdown.log"
