@@ -195,7 +195,7 @@ async def bench(args: argparse.Namespace, port: int, engine_pid: int) -> dict[st
     router = Router(pool, model_name="stand-in", eos_token_ids={EOS}, max_model_len=1 << 20)
     await pool.start()
     limits = EpisodeLimits(max_turns=args.tool_calls + 2, max_tokens=256, max_episode_tokens=1 << 16,
-                           timeout_s=300)
+                           episode_timeout_s=300)
     gc.collect()
     rss0 = proc.memory_info().rss
     stop, measuring = asyncio.Event(), asyncio.Event()
