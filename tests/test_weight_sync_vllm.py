@@ -18,7 +18,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from tests.conftest import free_port, make_router
+from tests.conftest import make_router, start_vllm
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -26,17 +26,7 @@ EXTENSION = ["--worker-extension-cls", "agentrl.weights.vllm_ext.WeightSyncExten
 
 
 def start_engine(model_dir: str, log_dir: Path) -> Any:
-    from agentrl.engines.vllm import EngineSpec, VLLMEngine
-
-    engine = VLLMEngine(EngineSpec(model=model_dir, served_name="tiny-tools", port=free_port(), max_model_len=2048,
-                                   extra_args=EXTENSION), log_dir)
-    engine.launch()
-    try:
-        asyncio.run(engine.start(timeout_s=600))
-    except BaseException:
-        engine.stop()
-        raise
-    return engine
+    return start_vllm(model_dir, log_dir, extra_args=EXTENSION)
 
 
 @pytest.fixture(scope="module")
