@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+from dataclasses import replace
 from pathlib import Path
 
 from agentrl.buffer import Buffer, BufferConfig, Sample
@@ -121,3 +122,35 @@ def test_the_rollout_replaces_dropped_groups_so_the_batch_is_full_of_signal() ->
     assert stats["uniform_groups_dropped"] >= 2  # the room they freed was filled with new groups
     assert stats["dropped_by_reason"]["uniform_group"] == 2 * stats["uniform_groups_dropped"]
     assert stats["identity_holds"]
+
+
+def test_a_group_that_lost_a_member_to_the_infrastructure_is_dropped_and_counted() -> None:
+    def failed(group: str, episode: str, kind: str) -> Sample:
+        return replace(_sample(group, episode, 0.0, error=f"{kind} failed"), error_kind=kind)
+
+    async def go() -> None:
+        buf = Buffer(BufferConfig(batch_size=4, group_size=2))
+        await buf.put([_sample("i", "i1", 1.0)])
+        await buf.put([failed("i", "i2", "model")])  # the engine died under it: says nothing of the policy
+        await buf.put([_sample("e", "e1", 1.0)])
+        await buf.put([failed("e", "e2", "environment")])  # the environment's failure is data
+        await buf.put([_sample("k", "k1", 0.5), _sample("k", "k2", 0.0)])
+        stats = buf.stats()
+        assert stats["dropped_by_reason"] == {"infrastructure": 2}
+        assert stats["infrastructure_groups_dropped"] == 1 and stats["identity_holds"] and stats["depth"] == 4
+        batch = await buf.get_batch(0)
+        assert batch is not None and sorted(s.group_id for s in batch.samples) == ["e", "e", "k", "k"]
+        await buf.put([_sample("i", "i3", 0.0)])  # a late member of the dropped group
+        assert buf.stats()["dropped_by_reason"] == {"infrastructure": 2, "group_closed": 1}
+
+    asyncio.run(go())
+
+
+def test_infrastructure_groups_can_be_kept() -> None:
+    async def go() -> None:
+        buf = Buffer(BufferConfig(batch_size=2, group_size=2, drop_infrastructure_groups=False))
+        await buf.put([_sample("i", "i1", 1.0)])
+        await buf.put([replace(_sample("i", "i2", 0.0, error="engine gone"), error_kind="model")])
+        assert buf.stats()["depth"] == 2 and not buf.stats()["dropped_by_reason"]
+
+    asyncio.run(go())

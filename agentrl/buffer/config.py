@@ -36,6 +36,12 @@ class BufferConfig:
     stale): serve the members present as a partial group, or drop them (reason "partial_group")."""
     drop_errors: bool = False
     """Drop samples of failed episodes (reason "error") instead of keeping them as data."""
+    drop_infrastructure_groups: bool = True
+    """Drop a group one of whose episodes failed at an infrastructure boundary (an engine, the
+    transport or a sandbox: error kinds model, transport, sandbox) when it closes, reason
+    "infrastructure", counted in ``infrastructure_groups_dropped``: the failure says nothing about
+    the policy, and the rest of the group would be compared against fewer members. The freed
+    admission room lets the rollout play a new group. Grouped serving only."""
     drop_uniform_groups: bool = False
     """Dynamic sampling (DAPO): drop a group about to be served whose episodes all got the same
     reward (reason "uniform_group", counted in ``uniform_groups_dropped``): its advantages are all 0,

@@ -22,6 +22,9 @@ Invariants:
   dropped as stale) is served partial or dropped (reason "partial_group") per config; members
   arriving after their group was closed are dropped (reason "group_closed"), except further
   samples of an episode already in a group still waiting to be served, which join it.
+- A group that lost a member to the infrastructure (``drop_infrastructure_groups``, on by default)
+  is dropped when it closes (reason "infrastructure"); like the next rule, that frees admission
+  room and the rollout plays a fresh group in its place.
 - Dynamic sampling (``drop_uniform_groups``): a group about to be served whose episodes that did
   not fail all got the same reward is dropped instead (reason "uniform_group"); that frees
   admission room, so the rollout generates replacements and batches stay full.
@@ -51,11 +54,12 @@ from agentrl.buffer.config import BufferConfig
 from agentrl.buffer.log import HEADER_BYTES, Kind, Log, frame, frame_header
 from agentrl.buffer.sample import Sample
 from agentrl.buffer.units import ARRIVAL, Bounded, Entry, Group, Lease, Unit
+from agentrl.errors import INFRASTRUCTURE
 
 log = logging.getLogger(__name__)
 
 _NO_FLOOR = 1 << 62
-_CLOSING = ("stale", "partial_group", "uniform_group")  # drops that close their group
+_CLOSING = ("stale", "partial_group", "uniform_group", "infrastructure")  # drops that close their group
 
 
 async def _wait(event: asyncio.Event, timeout_s: float) -> None:
@@ -337,8 +341,20 @@ class Buffer:
             del self._waiting[gid]
             self._closed.add(gid)
             self._counters["groups_completed"] += 1
-            if not self._dropped_uniform(g.ids, drops):
+            if not self._dropped_infrastructure(g.ids, drops) and not self._dropped_uniform(g.ids, drops):
                 self._push_ready(Unit("g:" + gid, g.ids, g.episodes))
+
+    def _dropped_infrastructure(self, ids: list[str], drops: dict[str, list[str]]) -> bool:
+        """Under drop_infrastructure_groups, drop a group that lost a member to the infrastructure
+        (an engine, the transport or a sandbox failed, :data:`agentrl.errors.INFRASTRUCTURE`): its
+        other members' advantages would be measured against a smaller, biased group."""
+        if not self.cfg.drop_infrastructure_groups or self.cfg.group_size < 2:
+            return False
+        if not any(read_header(self._entries[i].record).get("error_kind") in INFRASTRUCTURE for i in ids):
+            return False
+        drops.setdefault("infrastructure", []).extend(ids)
+        self._counters["infrastructure_groups_dropped"] += 1
+        return True
 
     def _dropped_uniform(self, ids: list[str], drops: dict[str, list[str]]) -> bool:
         """Under drop_uniform_groups, drop a group whose episodes that did not fail (the ones the
@@ -361,7 +377,7 @@ class Buffer:
     def _close_partial(self, key: str, ids: list[str], episodes: set[str], drops: dict[str, list[str]],
                        front: bool = False) -> None:
         """A group that can no longer complete: serve what is there, or drop it, per config."""
-        if not ids or self._dropped_uniform(ids, drops):
+        if not ids or self._dropped_infrastructure(ids, drops) or self._dropped_uniform(ids, drops):
             return
         if self.cfg.partial_groups == "serve":
             self._push_ready(Unit(key, ids, episodes, partial=True), front=front)
