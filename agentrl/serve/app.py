@@ -132,6 +132,13 @@ class Serve:
         await self.updater.start()  # stamps the engines with the pool's version
         self.router = build.build_router(cfg, self.pool, self.model_path, self.run_dir)
         self.buffer = build.build_buffer(cfg, self.run_dir)
+        from agentrl.weights import WeightReceiver
+
+        self.weights = WeightReceiver(self.run_dir / "weights", self.updater, max_bytes=weights_cap(self.model_path))
+        latest = self.weights.latest_loaded()
+        if latest is not None and latest[0] > self.pool.version:  # a restart: carry on where the run was
+            self._phase(f"restoring policy version {latest[0]} from {latest[1]}")
+            await self.weights.restore(*latest)
         await self._serve_http()
 
         if cfg.endpoint_only:
@@ -193,12 +200,10 @@ class Serve:
         from agentrl.rollout.remote import episode_log_route
         from agentrl.router.server import make_app
         from agentrl.web import require_admin
-        from agentrl.weights import WeightReceiver
 
         app = make_app(self.router, admin_token=self.admin_token, api_keys=self.api_keys,
                        client_max_size=self.cfg.router.max_body_mb << 20)
         add_buffer_routes(app, self.buffer, self.admin_token)
-        self.weights = WeightReceiver(self.run_dir / "weights", self.updater, max_bytes=weights_cap(self.model_path))
         self.weights.add_routes(app, require_admin)
         app.router.add_get("/admin/info", self._info)
         app.router.add_get("/admin/status", self._status)

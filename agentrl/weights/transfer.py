@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import logging
 import os
 import shutil
@@ -34,6 +35,9 @@ log = logging.getLogger(__name__)
 
 CHUNK_BYTES = 16 * 2**20
 PARALLEL_CHUNKS = 3  # chunks in flight at once: serve hashes and writes one while the next arrives
+
+
+LOADED = "loaded.json"  # written into a version's folder once an engine serves it
 
 
 def _sync_error(e: WeightUpdateFailed) -> web.Response:
@@ -130,10 +134,35 @@ class WeightReceiver:
                 shutil.rmtree(target, ignore_errors=True)  # no engine serves it: never a join target
                 raise
             result["sync_s"] = time.perf_counter() - t0
+            (target / LOADED).write_text(json.dumps({"version": version, "sha": sha}))
             self.last = result
             self._prune(version)
             log.info("policy version %d loaded into %d engine(s) in %.2f s", version,
                      sum("error" not in v for v in result["engines"].values()), result["sync_s"])
+            return result
+
+    def latest_loaded(self) -> tuple[int, Path] | None:
+        """The newest version under ``root`` that engines loaded (a commit that completed), if any:
+        what a restarted serve brings its engines back to."""
+        found = []
+        for p in self.root.glob("v*"):
+            try:
+                v = int(p.name[1:])
+            except ValueError:
+                continue
+            if (p / LOADED).exists() and (p / "model.safetensors").exists():
+                found.append((v, p))
+        return max(found) if found else None
+
+    async def restore(self, version: int, path: Path) -> dict[str, Any]:
+        """Load a version an earlier serve of this run directory published into the engines, before
+        they take traffic, so a restarted serve carries on at the learner's version."""
+        async with self._lock:
+            t0 = time.perf_counter()
+            result = await self.updater.update_weights(str(path), version)
+            result["sync_s"] = time.perf_counter() - t0
+            self.last = result
+            log.info("restored policy version %d from %s in %.2f s", version, path, result["sync_s"])
             return result
 
     def _prune(self, version: int) -> None:
