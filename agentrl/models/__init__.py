@@ -20,7 +20,8 @@ def resolve_model(name: str) -> str:
     short tool-call warm-start, ``"tiny-arith"`` after a longer one that also teaches it to copy
     numbers, ``"tiny-agent"`` (the quickstart's) that one after a short mixed warm-start in which
     half the transcripts answer without the tool, ``"smollm2"`` converts SmolLM2-135M-Instruct offline from its PyPI
-    wheel; a local folder is returned as is; anything else is passed through as a hub name.
+    wheel, ``"smollm2-tools"`` is that model with a chat template that renders tools and a short
+    warm-start on generic tool use (the model for an environment of one's own); a local folder is returned as is; anything else is passed through as a hub name.
     """
     if name == "tiny":
         from agentrl.models.tiny import build_tiny_model
@@ -38,6 +39,8 @@ def resolve_model(name: str) -> str:
         from agentrl.models.smollm2 import build_smollm2
 
         return str(build_smollm2(home() / "models" / "smollm2-135m"))
+    if name == "smollm2-tools":
+        return str(build_smollm2_tools_model(home() / "models" / "smollm2-tools"))
     return name
 
 
@@ -100,6 +103,38 @@ def build_tiny_agent_model(out: Path) -> Path:
                           direct_frac=AGENT_RECIPE["direct_frac"], seed=AGENT_RECIPE["seed"])
 
     return _build_once(out, {"recipe": AGENT_RECIPE}, build)
+
+
+# the smollm2-tools recipe: SmolLM2-135M-Instruct with the project's tool-aware ChatML template, then
+# this many steps of generic tool-use transcripts (agentrl/models/tool_use.py), training its top layers
+SMOLLM2_TOOLS_RECIPE = {"base": "smollm2", "steps": 24, "batch_size": 8, "lr": 2e-4, "top_layers": 8, "seed": 0}
+
+
+def build_smollm2_tools_model(out: Path) -> Path:
+    """The model for an environment of one's own (built once, a few minutes on 2 cores): a real
+    pretrained instruct model that calls tools. SmolLM2's own template knows no tools and the model
+    never writes a tool call unprompted; after a short warm-start on unrelated tools it calls the
+    tools it is offered often enough for RL to learn from, and still fails often enough to learn."""
+    def build(tmp: Path) -> dict[str, Any]:
+        import logging
+        import shutil
+
+        from transformers import AutoTokenizer
+
+        from agentrl.models.tiny import TEMPLATE_PATH
+        from agentrl.models.warmstart import tool_use_warm_start
+
+        r = SMOLLM2_TOOLS_RECIPE
+        base = resolve_model(r["base"])
+        logging.getLogger(__name__).info("building %s from %s (%d warm-start steps)", out, base, r["steps"])
+        shutil.copytree(base, tmp)
+        tok = AutoTokenizer.from_pretrained(tmp)
+        tok.chat_template = TEMPLATE_PATH.read_text()
+        tok.save_pretrained(tmp)
+        return tool_use_warm_start(tmp, steps=r["steps"], batch_size=r["batch_size"], lr=r["lr"],
+                                   top_layers=r["top_layers"], seed=r["seed"])
+
+    return _build_once(out, {"recipe": SMOLLM2_TOOLS_RECIPE}, build)
 
 
 def eos_token_ids(model_dir: str) -> set[int]:

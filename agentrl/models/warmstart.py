@@ -12,6 +12,7 @@ import json
 import logging
 import random
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -90,45 +91,91 @@ def warm_start(model_dir: str | Path, *, steps: int = 300, batch_size: int = 16,
     transcripts answer at once without calling the tool (a two-layer model cannot do the arithmetic
     itself, so such answers are nearly always wrong when it samples them: a choice for RL to fix).
     """
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     from agentrl.env.tools import tool_schema
     from environments.arithmetic import SYSTEM, ArithmeticEnv
 
     system_prompt = SYSTEM if system_prompt is None else system_prompt
     tools = [tool_schema(ArithmeticEnv.python)]
-    torch.manual_seed(seed)
     rng = random.Random(seed)
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-    total = copy_steps + steps
+
+    def batch(tok: Any, step: int) -> list[tuple[list[int], list[int]]]:
+        if step < copy_steps:
+            return [_encode(tok, _episode_messages(rng, system_prompt)[1:], []) for _ in range(copy_batch_size)]
+        return [_encode(tok, _episode_messages(rng, system_prompt, direct_frac), tools) for _ in range(batch_size)]
 
     def lr_at(s: int) -> float:
         decay = 1.0 if s < copy_steps else max(0.05, 1 - (s - copy_steps) / max(1, steps))
         return lr * min(1.0, (s + 1) / 20) * decay
 
+    return fine_tune(model_dir, batch, copy_steps + steps, lr_at, seed=seed,
+                     phase=lambda s: "copying" if s < copy_steps else "whole transcripts")
+
+
+def tool_use_warm_start(model_dir: str | Path, *, steps: int, batch_size: int = 8, lr: float = 1e-4,
+                        top_layers: int | None = None, seed: int = 0) -> dict[str, float]:
+    """Fine-tune a pretrained model folder in place on generic tool-use transcripts
+    (:mod:`agentrl.models.tool_use`), rendered with the folder's own chat template; with
+    ``top_layers`` only that many of the last decoder layers (and the final norm) learn, which
+    makes a step several times cheaper on CPU (backward stops below them)."""
+    from agentrl.models.tool_use import tool_use_transcript
+
+    rng = random.Random(seed)
+
+    def batch(tok: Any, step: int) -> list[tuple[list[int], list[int]]]:
+        return [_encode(tok, *tool_use_transcript(rng)) for _ in range(batch_size)]
+
+    def lr_at(s: int) -> float:
+        return lr * min(1.0, (s + 1) / 5) * max(0.1, 1 - s / max(1, steps))
+
+    return fine_tune(model_dir, batch, steps, lr_at, seed=seed, log_every=5, top_layers=top_layers,
+                     phase=lambda s: "tool use")
+
+
+def _masked_loss(model: Any, ids: Any, attn: Any, labels: Any) -> Any:
+    """Next-token cross-entropy on the labelled positions, with the output head applied to those
+    positions only (the loss ``labels=`` gives, without a vocabulary-wide matmul per prompt token)."""
+    import torch.nn.functional as F
+
+    hidden = model.model(input_ids=ids, attention_mask=attn).last_hidden_state[:, :-1]
+    target = labels[:, 1:]
+    keep = target != -100
+    return F.cross_entropy(model.lm_head(hidden[keep]).float(), target[keep])
+
+
+def fine_tune(model_dir: str | Path, batch: Callable[[Any, int], list[tuple[list[int], list[int]]]], steps: int,
+              lr_at: Callable[[int], float], *, seed: int = 0, log_every: int = 50, top_layers: int | None = None,
+              phase: Callable[[int], str] = lambda s: "") -> dict[str, float]:
+    """The supervised loop both warm-starts share: ``batch(tokenizer, step)`` gives (ids, mask)
+    pairs, the loss is on masked-in tokens, AdamW at ``lr_at(step)`` with gradients clipped to 1
+    (on the last ``top_layers`` decoder layers and the final norm only, when given); progress is
+    logged every ``log_every`` steps and the folder saved in place at the end."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.manual_seed(seed)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model.train()
+    if top_layers is not None:
+        model.requires_grad_(False)
+        for module in (*model.model.layers[-top_layers:], model.model.norm):
+            module.requires_grad_(True)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=lr_at(0), weight_decay=0.0)
     t0 = time.monotonic()
     loss_val = float("nan")
-    for step in range(total):
-        short = step < copy_steps
-        if short:
-            batch = [_encode(tok, _episode_messages(rng, system_prompt)[1:], []) for _ in range(copy_batch_size)]
-        else:
-            batch = [_encode(tok, _episode_messages(rng, system_prompt, direct_frac), tools) for _ in range(batch_size)]
-        ids, attn, labels = _batch(tok, batch)
+    for step in range(steps):
+        ids, attn, labels = _batch(tok, batch(tok, step))
         for group in opt.param_groups:
             group["lr"] = lr_at(step)
-        out = model(input_ids=ids, attention_mask=attn, labels=labels)
+        loss = _masked_loss(model, ids, attn, labels)
         opt.zero_grad(set_to_none=True)
-        out.loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
-        loss_val = out.loss.item()
-        if step % 50 == 0 or step == total - 1:
-            log.info("warm-start step %d/%d (%s) loss %.3f (%.0f s)", step + 1, total,
-                     "copying" if short else "whole transcripts", loss_val, time.monotonic() - t0)
+        loss_val = loss.item()
+        if step % log_every == 0 or step == steps - 1:
+            log.info("warm-start step %d/%d (%s) loss %.3f (%.0f s)", step + 1, steps, phase(step), loss_val,
+                     time.monotonic() - t0)
     model.save_pretrained(model_dir, safe_serialization=True)
     return {"loss": loss_val, "seconds": time.monotonic() - t0}
