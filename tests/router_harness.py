@@ -15,6 +15,8 @@ from typing import Any
 from agentrl.router.sampling import PROBE_REQUEST_ID
 from tests.conftest import free_port
 
+ADMIN, KEY = "admin-secret", "client-key"  # the admin token and a client key of conftest's http_router
+
 
 class RouterServer:
     def __init__(self, router: Any, port: int, loop: asyncio.AbstractEventLoop) -> None:
@@ -29,6 +31,18 @@ class RouterServer:
     def run(self, coro: Any, timeout: float = 120) -> Any:
         """Run a coroutine on the router's loop (e.g. to inspect or change the pool)."""
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def open_session(self, session_id: str, admin_token: str) -> str:
+        """Open a session over the admin API; returns its base URL (``.../sessions/<id>``, without ``/v1``)."""
+        import requests
+
+        requests.post(self.url + "/admin/sessions", json={"session_id": session_id},
+                      headers={"Authorization": f"Bearer {admin_token}"}).raise_for_status()
+        return f"{self.url}/sessions/{session_id}"
+
+    def records(self, session_id: str) -> list[dict[str, Any]]:
+        """The session's records so far, as dicts."""
+        return [r.to_dict() for r in self.router.sessions[session_id].records]
 
 
 @contextmanager
