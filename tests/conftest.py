@@ -10,6 +10,7 @@ import asyncio
 import atexit
 import os
 import socket
+import subprocess
 import sys
 import tempfile
 from collections.abc import Iterator
@@ -36,6 +37,14 @@ def _stderr_to_file() -> None:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     os.dup2(fd, 2)
     os.close(fd)
+
+
+def after_help(code: str) -> subprocess.CompletedProcess[str]:
+    """A fresh interpreter that runs ``agentrl --help`` and then ``code`` (what it has imported by
+    then is what ``agentrl --help`` costs)."""
+    prelude = "import sys\nfrom agentrl.cli import main\ntry:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
+    return subprocess.run([sys.executable, "-c", prelude + code], capture_output=True, text=True, timeout=120,
+                          cwd=Path(__file__).resolve().parents[1])
 
 
 def free_port() -> int:
