@@ -47,6 +47,16 @@ def after_help(code: str) -> subprocess.CompletedProcess[str]:
                           cwd=Path(__file__).resolve().parents[1])
 
 
+def agentrl_run(run_dir: Path, *settings: str) -> subprocess.CompletedProcess[str]:
+    """``agentrl run`` as a newcomer runs it (no AGENTRL_ADMIN_TOKEN in the environment) with the
+    tiny-tools model into ``run_dir``, on free ports, then ``settings`` (``--section.key=value``)."""
+    env = {k: v for k, v in os.environ.items() if k != "AGENTRL_ADMIN_TOKEN"}
+    cmd = [sys.executable, "-m", "agentrl.cli", "run", f"--serve.run_dir={run_dir}",
+           f"--serve.router.port={free_port()}", f"--serve.engine.base_port={free_port()}", "--serve.model=tiny-tools",
+           *settings]
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
