@@ -101,7 +101,7 @@ def http_router(vllm_engine: Any, tiny_tools_model: str) -> Iterator[Any]:
     from tests.router_harness import ADMIN, KEY, capture_generates, serve_router
 
     with serve_router([vllm_engine.url], tiny_tools_model, api_keys=frozenset({KEY}), admin_token=ADMIN) as srv:
-        srv.generated = capture_generates(srv)
+        srv.generated = capture_generates(srv.router.pool)
         yield srv
 
 

@@ -87,10 +87,10 @@ def serve_router(urls: list[str], model_dir: str, *, api_keys: frozenset[str] = 
         thread.join(10)
 
 
-def capture_generates(server: RouterServer) -> list[tuple[list[int], list[int], list[float]]]:
-    """Record every token-in generate the router sends to the engine, streamed or not, as
-    (prompt ids, completion ids, logprobs) in the order they finish; returns the live list."""
-    pool = server.router.pool
+def capture_generates(pool: Any) -> list[tuple[list[int], list[int], list[float]]]:
+    """Record every token-in generate ``pool`` (an :class:`~agentrl.router.EnginePool`) sends to an
+    engine, streamed or not, as (prompt ids, completion ids, logprobs) in the order they finish;
+    returns the live list."""
     real_call, real_stream = pool.call, pool.stream
     got: list[tuple[list[int], list[int], list[float]]] = []
 
@@ -101,20 +101,24 @@ def capture_generates(server: RouterServer) -> list[tuple[list[int], list[int], 
         out = await real_call(engine, path, body, *a, **kw)
         if path == "/inference/v1/generate" and body.get("request_id") != PROBE_REQUEST_ID:
             ch = out["choices"][0]
-            got.append((list(body["token_ids"]), list(ch["token_ids"]), lps(ch)))
+            got.append((ids(body["token_ids"]), ids(ch["token_ids"]), lps(ch)))
         return out
 
     async def stream(engine: Any, path: str, body: dict[str, Any]) -> Any:
-        ids: list[int] = []
+        out: list[int] = []
         lp: list[float] = []
         try:
             async for event in real_stream(engine, path, body):
                 for ch in event.get("choices") or []:
-                    ids.extend(ch.get("token_ids") or [])
+                    out.extend(ch.get("token_ids") or [])
                     lp.extend(lps(ch))
                 yield event
         finally:
-            got.append((list(body["token_ids"]), ids, lp))
+            got.append((ids(body["token_ids"]), ids(out), lp))
 
-    pool.call, pool.stream = call, stream  # type: ignore[method-assign]
+    pool.call, pool.stream = call, stream
     return got
+
+
+def ids(x: Any) -> list[int]:
+    return [int(t) for t in x]
