@@ -1,6 +1,8 @@
 """Test helper: serve a real Router over HTTP on a loopback port, from a background thread.
 
 The official (synchronous) ``openai`` client then talks to it exactly as a scaffold would.
+:func:`capture_generates` records what an engine pool sends to its engines (the router's here,
+serve's in :mod:`tests.scaffold_harness`), for checks against the engine's own ids.
 """
 
 from __future__ import annotations
