@@ -54,16 +54,6 @@ def smollm2() -> str:
     return str(build_smollm2(home() / "models" / "smollm2-135m"))
 
 
-def with_defaults(src: str, dst: Path, defaults: dict[str, Any]) -> str:
-    dst.mkdir(parents=True)
-    for f in Path(src).iterdir():
-        if f.name != "generation_config.json":
-            (dst / f.name).symlink_to(f)
-    gen = json.loads((Path(src) / "generation_config.json").read_text())
-    (dst / "generation_config.json").write_text(json.dumps({**gen, "do_sample": True, **defaults}))
-    return str(dst)
-
-
 async def sample_episodes(url: str, folder: str, body: dict[str, Any], calls: int) -> tuple[list, dict, dict]:
     """``calls`` one-call episodes through the router; their samples (codec round trip), the
     recorded settings and the router's counters."""
@@ -161,6 +151,7 @@ def main() -> None:
     from transformers import AutoModelForCausalLM
 
     from agentrl.engines.vllm import EngineSpec, VLLMEngine
+    from agentrl.models import with_generation_defaults
 
     folder = smollm2()
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
@@ -170,7 +161,7 @@ def main() -> None:
     try:
         engines = [("own", folder)]
         if not args.skip_qwen:
-            engines.append(("qwen", with_defaults(folder, tmp / "smollm2-qwen-defaults", QWEN_DEFAULTS)))
+            engines.append(("qwen", with_generation_defaults(folder, tmp / "smollm2-qwen-defaults", QWEN_DEFAULTS)))
         for which, path in engines:
             spec = EngineSpec(model=path, served_name="smollm2", port=free_port(), max_model_len=1024,
                               generation_config="auto", cpu_cores="all")

@@ -15,11 +15,12 @@ when the environment has one, else it only evaluates arithmetic).
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
+from functools import partial
 from typing import Any
 
 from anthropic import AsyncAnthropic
 
-from scaffolds.openai_minimal import calculate
+from scaffolds.openai_minimal import run_python
 
 SYSTEM = "Use the python tool to compute the answer, then reply with the number."
 TOOLS = [{"name": "python", "description": "Run Python code and return what it prints.",
@@ -52,13 +53,7 @@ async def run_agent(client: AsyncAnthropic, model: str, system: str, prompt: str
 
 async def agent(ctx: Any) -> str:
     """agentrl scaffold entry point (``ScaffoldContext`` in, answer out)."""
-    async def run_python(code: str) -> str:
-        if ctx.sandbox is None:
-            return calculate(code)
-        r = await ctx.sandbox.exec(["python3", "-c", code], timeout=10)
-        return ((r.stdout + r.stderr).strip() or "(no output)")[-2000:]
-
     base = ctx.base_url.removesuffix("/").removesuffix("/v1")
     async with AsyncAnthropic(base_url=base, api_key=ctx.api_key, max_retries=0) as client:
-        return await run_agent(client, ctx.model, ctx.system or SYSTEM, ctx.prompt, run_python,
+        return await run_agent(client, ctx.model, ctx.system or SYSTEM, ctx.prompt, partial(run_python, ctx),
                                max_tokens=ctx.max_tokens, temperature=ctx.temperature)

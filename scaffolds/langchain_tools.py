@@ -15,7 +15,7 @@ from langchain_core.messages import AIMessage, BaseMessage, HumanMessage, System
 from langchain_core.tools import tool
 from langchain_openai import ChatOpenAI
 
-from scaffolds.openai_minimal import SYSTEM, calculate
+from scaffolds.openai_minimal import SYSTEM, run_python
 
 
 async def agent(ctx: Any, *, max_turns: int = 8) -> str:
@@ -27,10 +27,7 @@ async def agent(ctx: Any, *, max_turns: int = 8) -> str:
         Args:
             code: Python source; use print() to show results.
         """
-        if ctx.sandbox is None:
-            return calculate(code)
-        r = await ctx.sandbox.exec(["python3", "-c", code], timeout=10)
-        return ((r.stdout + r.stderr).strip() or "(no output)")[-2000:]
+        return await run_python(ctx, code)
 
     llm = ChatOpenAI(model=ctx.model, base_url=ctx.base_url, api_key=ctx.api_key, temperature=ctx.temperature,
                      max_tokens=ctx.max_tokens, max_retries=0)

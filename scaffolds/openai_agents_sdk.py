@@ -30,7 +30,7 @@ from agents import (
 from agents.exceptions import MaxTurnsExceeded
 from openai import AsyncOpenAI
 
-from scaffolds.openai_minimal import calculate
+from scaffolds.openai_minimal import run_python
 
 set_tracing_disabled(True)
 
@@ -43,10 +43,7 @@ def _python_tool(ctx: Any) -> Any:
         Args:
             code: Python source; use print() to show results.
         """
-        if ctx.sandbox is None:
-            return calculate(code)
-        r = await ctx.sandbox.exec(["python3", "-c", code], timeout=10)
-        return ((r.stdout + r.stderr).strip() or "(no output)")[-2000:]
+        return await run_python(ctx, code)
 
     return python
 

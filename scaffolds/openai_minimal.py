@@ -19,6 +19,7 @@ import operator
 import os
 import re
 from collections.abc import Awaitable, Callable
+from functools import partial
 from typing import Any
 
 from openai import AsyncOpenAI
@@ -54,16 +55,19 @@ async def run_agent(client: AsyncOpenAI, model: str, messages: list[dict[str, An
 
 async def agent(ctx: Any) -> str:
     """agentrl scaffold entry point (``ScaffoldContext`` in, answer out)."""
-    async def run_python(code: str) -> str:
-        if ctx.sandbox is None:
-            return calculate(code)
-        r = await ctx.sandbox.exec(["python3", "-c", code], timeout=10)
-        return ((r.stdout + r.stderr).strip() or "(no output)")[-2000:]
-
     messages = ctx.messages or [{"role": "system", "content": SYSTEM}, {"role": "user", "content": ctx.prompt}]
     async with AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key) as client:
-        return await run_agent(client, ctx.model, messages, run_python, max_tokens=ctx.max_tokens,
+        return await run_agent(client, ctx.model, messages, partial(run_python, ctx), max_tokens=ctx.max_tokens,
                                temperature=ctx.temperature)
+
+
+async def run_python(ctx: Any, code: str) -> str:
+    """The python tool in an episode: the code runs in the episode's sandbox (the last 2,000
+    characters of what it prints), or, when the environment has none, only arithmetic is evaluated."""
+    if ctx.sandbox is None:
+        return calculate(code)
+    r = await ctx.sandbox.exec(["python3", "-c", code], timeout=10)
+    return ((r.stdout + r.stderr).strip() or "(no output)")[-2000:]
 
 
 _OPS: dict[type, Callable[..., Any]] = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
@@ -94,11 +98,11 @@ def calculate(code: str) -> str:
 async def _main() -> None:
     messages = json.loads(os.environ.get("AGENTRL_MESSAGES") or "[]") or [
         {"role": "system", "content": SYSTEM}, {"role": "user", "content": os.environ["AGENTRL_PROMPT"]}]
-    async def run_python(code: str) -> str:
+    async def arithmetic(code: str) -> str:  # a program has no sandbox: it runs no code on the host
         return calculate(code)
 
     async with AsyncOpenAI() as client:  # OPENAI_BASE_URL and OPENAI_API_KEY from the environment
-        answer = await run_agent(client, os.environ.get("OPENAI_MODEL", "default"), messages, run_python,
+        answer = await run_agent(client, os.environ.get("OPENAI_MODEL", "default"), messages, arithmetic,
                                  max_tokens=int(os.environ.get("AGENTRL_MAX_TOKENS", "128")),
                                  temperature=float(os.environ.get("AGENTRL_TEMPERATURE", "1.0")))
     print(answer)

@@ -25,7 +25,7 @@ from typing import Any
 import yaml
 from smolagents import OpenAIServerModel, ToolCallingAgent, tool
 
-from scaffolds.openai_minimal import calculate
+from scaffolds.openai_minimal import run_python
 
 SYSTEM_PROMPT = """You solve tasks with tools: call one tool per step; when you know the answer, call final_answer.
 Tools:
@@ -51,10 +51,7 @@ def _python_tool(ctx: Any, loop: asyncio.AbstractEventLoop) -> Any:
         Args:
             code: Python source; use print() to show results.
         """
-        if ctx.sandbox is None:
-            return calculate(code)
-        r = asyncio.run_coroutine_threadsafe(ctx.sandbox.exec(["python3", "-c", code], timeout=10), loop).result(40)
-        return ((r.stdout + r.stderr).strip() or "(no output)")[-2000:]
+        return asyncio.run_coroutine_threadsafe(run_python(ctx, code), loop).result(40)
 
     return python
 

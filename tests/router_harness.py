@@ -1,6 +1,8 @@
 """Test helper: serve a real Router over HTTP on a loopback port, from a background thread.
 
 The official (synchronous) ``openai`` client then talks to it exactly as a scaffold would.
+:func:`capture_generates` records what an engine pool sends to its engines (the router's here,
+serve's in :mod:`tests.scaffold_harness`), for checks against the engine's own ids.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ from typing import Any
 
 from agentrl.router.sampling import PROBE_REQUEST_ID
 from tests.conftest import free_port
+
+ADMIN, KEY = "admin-secret", "client-key"  # the admin token and a client key of conftest's http_router
 
 
 class RouterServer:
@@ -29,6 +33,18 @@ class RouterServer:
     def run(self, coro: Any, timeout: float = 120) -> Any:
         """Run a coroutine on the router's loop (e.g. to inspect or change the pool)."""
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def open_session(self, session_id: str, admin_token: str) -> str:
+        """Open a session over the admin API; returns its base URL (``.../sessions/<id>``, without ``/v1``)."""
+        import requests
+
+        requests.post(self.url + "/admin/sessions", json={"session_id": session_id},
+                      headers={"Authorization": f"Bearer {admin_token}"}).raise_for_status()
+        return f"{self.url}/sessions/{session_id}"
+
+    def records(self, session_id: str) -> list[dict[str, Any]]:
+        """The session's records so far, as dicts."""
+        return [r.to_dict() for r in self.router.sessions[session_id].records]
 
 
 @contextmanager
@@ -73,10 +89,10 @@ def serve_router(urls: list[str], model_dir: str, *, api_keys: frozenset[str] = 
         thread.join(10)
 
 
-def capture_generates(server: RouterServer) -> list[tuple[list[int], list[int], list[float]]]:
-    """Record every token-in generate the router sends to the engine, streamed or not, as
-    (prompt ids, completion ids, logprobs) in the order they finish; returns the live list."""
-    pool = server.router.pool
+def capture_generates(pool: Any) -> list[tuple[list[int], list[int], list[float]]]:
+    """Record every token-in generate ``pool`` (an :class:`~agentrl.router.EnginePool`) sends to an
+    engine, streamed or not, as (prompt ids, completion ids, logprobs) in the order they finish;
+    returns the live list."""
     real_call, real_stream = pool.call, pool.stream
     got: list[tuple[list[int], list[int], list[float]]] = []
 
@@ -87,20 +103,24 @@ def capture_generates(server: RouterServer) -> list[tuple[list[int], list[int], 
         out = await real_call(engine, path, body, *a, **kw)
         if path == "/inference/v1/generate" and body.get("request_id") != PROBE_REQUEST_ID:
             ch = out["choices"][0]
-            got.append((list(body["token_ids"]), list(ch["token_ids"]), lps(ch)))
+            got.append((ids(body["token_ids"]), ids(ch["token_ids"]), lps(ch)))
         return out
 
     async def stream(engine: Any, path: str, body: dict[str, Any]) -> Any:
-        ids: list[int] = []
+        out: list[int] = []
         lp: list[float] = []
         try:
             async for event in real_stream(engine, path, body):
                 for ch in event.get("choices") or []:
-                    ids.extend(ch.get("token_ids") or [])
+                    out.extend(ch.get("token_ids") or [])
                     lp.extend(lps(ch))
                 yield event
         finally:
-            got.append((list(body["token_ids"]), ids, lp))
+            got.append((ids(body["token_ids"]), ids(out), lp))
 
-    pool.call, pool.stream = call, stream  # type: ignore[method-assign]
+    pool.call, pool.stream = call, stream
     return got
+
+
+def ids(x: Any) -> list[int]:
+    return [int(t) for t in x]

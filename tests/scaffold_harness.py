@@ -17,8 +17,8 @@ from typing import Any
 
 import pytest
 
-from agentrl.router.sampling import PROBE_REQUEST_ID
 from tests.conftest import free_port
+from tests.router_harness import capture_generates, ids
 
 
 @dataclass
@@ -31,14 +31,6 @@ class GroupRun:
     instance_id: str | None
     containers_left: list[str] = field(default_factory=list)
     routes: set[str] = field(default_factory=set)  # the router routes the calls came in on (chat, responses, ...)
-
-
-def ids(x: Any) -> list[int]:
-    return [int(t) for t in x]
-
-
-def _logprobs(choice: dict[str, Any]) -> list[float]:
-    return [c["logprob"] for c in ((choice.get("logprobs") or {}).get("content") or [])]
 
 
 async def _run(engine_url: str, run_dir: Path, *, env: str, group_size: int, scaffold: dict[str, str],
@@ -68,32 +60,14 @@ async def _run(engine_url: str, run_dir: Path, *, env: str, group_size: int, sca
     try:
         await serve.start()
         # start() returns before the orchestrator's first step: wrap the seams it will use.
-        real_put, real_call, real_stream = serve.buffer.put, serve.pool.call, serve.pool.stream
+        real_put = serve.buffer.put
 
         async def put(batch: list[Any]) -> int:
             samples.extend(batch)
             return await real_put(batch)
 
-        async def call(engine: Any, path: str, body: dict[str, Any], *a: Any, **kw: Any) -> dict[str, Any]:
-            out = await real_call(engine, path, body, *a, **kw)
-            if path == "/inference/v1/generate" and body.get("request_id") != PROBE_REQUEST_ID:
-                ch = out["choices"][0]
-                generated.append((ids(body["token_ids"]), ids(ch["token_ids"]), _logprobs(ch)))
-            return out
-
-        async def stream(engine: Any, path: str, body: dict[str, Any]) -> Any:
-            got: list[int] = []
-            lps: list[float] = []
-            try:
-                async for event in real_stream(engine, path, body):
-                    for ch in event.get("choices") or []:
-                        got.extend(ch.get("token_ids") or [])
-                        lps.extend(_logprobs(ch))
-                    yield event
-            finally:
-                generated.append((ids(body["token_ids"]), ids(got), lps))
-
-        serve.buffer.put, serve.pool.call, serve.pool.stream = put, call, stream  # type: ignore[method-assign]
+        serve.buffer.put = put  # type: ignore[method-assign]
+        generated = capture_generates(serve.pool)
         await asyncio.wait_for(serve.rollout_finished(), timeout=600)
         counters = dict(serve.router.counters)
         routes = {dict(key).get("route", "") for key in serve.router.metrics.request_seconds._series}

@@ -18,6 +18,7 @@ from aiohttp import web
 
 from agentrl import config as C
 from agentrl.cli import main, parser
+from tests.conftest import after_help
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -54,10 +55,8 @@ def test_agentrl_help_lists_every_command() -> None:
 
 def test_agentrl_help_imports_nothing_heavy() -> None:
     # the cheap stand-in for "answers in well under a second": no torch, vLLM, matplotlib, transformers
-    code = ("import sys\nfrom agentrl.cli import main\ntry:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
-            "heavy = [m for m in ('torch', 'vllm', 'matplotlib', 'transformers', 'ray', 'aiohttp') if m in sys.modules]\n"
-            "print('HEAVY', heavy)")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    out = after_help("heavy = [m for m in ('torch', 'vllm', 'matplotlib', 'transformers', 'ray', 'aiohttp') "
+                     "if m in sys.modules]\nprint('HEAVY', heavy)")
     assert "HEAVY []" in out.stdout, out.stdout + out.stderr
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -13,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from agentrl.engines.reaper import stop_process
 from tests.conftest import free_port
 
 pytestmark = [pytest.mark.vllm, pytest.mark.docker, pytest.mark.slow]
@@ -121,12 +121,7 @@ def test_serve_and_learn_processes_train_on_exact_tokens_and_leave_nothing_behin
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=10) as r:
             assert r.status == 200
     finally:
-        serve.send_signal(signal.SIGTERM)
-        try:
-            serve.wait(90)
-        except subprocess.TimeoutExpired:
-            serve.kill()
-            serve.wait(10)
+        stop_process(serve, 90, kill_wait_s=10)
         serve_log.close()
     out = (tmp_path / "serve.out").read_text(errors="replace")
     assert serve.returncode == 0, out[-3000:]

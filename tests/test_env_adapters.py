@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import subprocess
-import sys
 import time
 import uuid
 from pathlib import Path
@@ -21,6 +19,7 @@ import agentrl
 from agentrl.env import UnknownEnvironmentError, adapters, lookup, make
 from agentrl.env.cli import list_envs
 from agentrl.rollout.episode import EpisodeLimits, run_episode
+from tests.conftest import after_help
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -73,10 +72,9 @@ def test_an_unknown_name_says_which_ecosystems_are_installed_and_how_to_add_one(
 
 
 def test_the_adapters_import_no_ecosystem_until_one_is_used() -> None:
-    code = ("import sys\nfrom agentrl.cli import main\ntry:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
-            "import agentrl.env, agentrl.env.adapters as a\na.installed()\n"
-            "print('LOADED', [m for m in ('reasoning_gym', 'textarena', 'openenv', 'verifiers', 'gradio') if m in sys.modules])")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    out = after_help("import agentrl.env, agentrl.env.adapters as a\na.installed()\n"
+                     "print('LOADED', [m for m in ('reasoning_gym', 'textarena', 'openenv', 'verifiers', 'gradio') "
+                     "if m in sys.modules])")
     assert "LOADED []" in out.stdout, out.stdout + out.stderr
 
 

@@ -11,15 +11,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.conftest import free_port
+from tests.conftest import agentrl_run
 from tests.scaffold_harness import GroupRun, check_exact_samples, run_group
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -76,13 +73,9 @@ def test_textarena_self_play_gives_each_seat_its_own_exact_sample_and_reward(vll
 
 
 def test_agentrl_run_trains_three_steps_on_a_reasoning_gym_dataset(tmp_path: Path, tiny_tools_model: str) -> None:
-    env = {k: v for k, v in os.environ.items() if k != "AGENTRL_ADMIN_TOKEN"}
-    cmd = [sys.executable, "-m", "agentrl.cli", "run", f"--serve.run_dir={tmp_path / 'run'}",
-           f"--serve.router.port={free_port()}", f"--serve.engine.base_port={free_port()}",
-           "--serve.model=tiny-tools", "--serve.env.name=reasoning_gym:basic_arithmetic", "--serve.env.group_size=2",
-           "--serve.env.max_turns=1", "--serve.env.max_tokens=24", "--serve.buffer.batch_size=4", "--learn.steps=3",
-           "--eval.tasks=4"]
-    out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
+    out = agentrl_run(tmp_path / "run", "--serve.env.name=reasoning_gym:basic_arithmetic", "--serve.env.group_size=2",
+                      "--serve.env.max_turns=1", "--serve.env.max_tokens=24", "--serve.buffer.batch_size=4",
+                      "--learn.steps=3", "--eval.tasks=4")
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     lines = out.stdout.splitlines()
     for k in (1, 2, 3):

@@ -27,18 +27,7 @@ from agentrl.learner.losses import (
     ppo_clip_loss,
     truncated_is,
 )
-
-e = math.exp
-F64 = torch.float64
-
-
-def t(x: object, grad: bool = False) -> torch.Tensor:
-    return torch.tensor(x, dtype=F64, requires_grad=grad)
-
-
-def close(actual: torch.Tensor | float, expected: object, tol: float = 1e-9) -> None:
-    torch.testing.assert_close(torch.as_tensor(actual, dtype=F64), t(expected), rtol=tol, atol=tol)
-
+from tests.hand_computed import close, e, t
 
 # --- group advantages ------------------------------------------------------------------------
 

@@ -16,37 +16,24 @@ import pytest
 import requests
 
 from tests.protocol_checks import assert_exact, assert_stitched, reply_of
-from tests.router_harness import capture_generates, serve_router
+from tests.router_harness import ADMIN, KEY
 
 pytestmark = pytest.mark.vllm
 
-ADMIN, KEY = "admin-secret", "client-key"
 TOOLS = [{"name": "python", "description": "Run Python code.",
           "input_schema": {"type": "object", "properties": {"code": {"type": "string"}}, "required": ["code"]}}]
 ASK = [{"role": "user", "content": "What is 12*7?"}]  # greedy, the tiny-tools model answers with a python call
 GREEDY = {"temperature": 0}
 
 
-@pytest.fixture(scope="module")
-def server(vllm_engine, tiny_tools_model):
-    with serve_router([vllm_engine.url], tiny_tools_model, api_keys=frozenset({KEY}), admin_token=ADMIN) as srv:
-        srv.generated = capture_generates(srv)
-        yield srv
-
-
-def _session(server, sid: str) -> anthropic.Anthropic:
-    requests.post(server.url + "/admin/sessions", json={"session_id": sid},
-                  headers={"Authorization": f"Bearer {ADMIN}"}).raise_for_status()
+def _session(srv, sid: str) -> anthropic.Anthropic:
     # the SDK appends /v1/messages to its base URL: the session's base URL without /v1
-    return anthropic.Anthropic(base_url=f"{server.url}/sessions/{sid}", api_key="unused", max_retries=0, timeout=120)
+    return anthropic.Anthropic(base_url=srv.open_session(sid, ADMIN), api_key="unused", max_retries=0,
+                               timeout=120)
 
 
-def _records(server, sid: str) -> list[dict]:
-    return [r.to_dict() for r in server.router.sessions[sid].records]
-
-
-def test_a_plain_message_is_the_engines_tokens_and_renders_as_vllms_own(server, vllm_engine, tiny_tools_model):
-    c = _session(server, "m-plain")
+def test_a_plain_message_is_the_engines_tokens_and_renders_as_vllms_own(http_router, vllm_engine, tiny_tools_model):
+    c = _session(http_router, "m-plain")
     m = c.messages.create(model="tiny-tools", max_tokens=16, system="Be brief.",
                           messages=[{"role": "user", "content": "tell me a story"}], extra_body=GREEDY)
     own = requests.post(vllm_engine.url + "/v1/messages", timeout=120, json={
@@ -55,8 +42,8 @@ def test_a_plain_message_is_the_engines_tokens_and_renders_as_vllms_own(server, 
     assert m.usage.input_tokens == own["usage"]["input_tokens"]  # the same prompt as vLLM's Messages server
     assert [b.model_dump(exclude_none=True) for b in m.content] == own["content"]
     assert m.stop_reason == own["stop_reason"]
-    (rec,) = _records(server, "m-plain")
-    assert_exact([rec], server.generated)
+    (rec,) = http_router.records("m-plain")
+    assert_exact([rec], http_router.generated)
     assert reply_of(tiny_tools_model, rec["completions"][0]["token_ids"], tools=False)[0] == m.content[0].text
     assert m.usage.output_tokens == len(rec["completions"][0]["token_ids"])
     assert c.messages.count_tokens(model="tiny-tools", system="Be brief.",
@@ -64,8 +51,8 @@ def test_a_plain_message_is_the_engines_tokens_and_renders_as_vllms_own(server, 
         == m.usage.input_tokens
 
 
-def test_a_streamed_message_is_the_unstreamed_one(server):
-    c = _session(server, "m-stream")
+def test_a_streamed_message_is_the_unstreamed_one(http_router):
+    c = _session(http_router, "m-stream")
     kw = {"model": "tiny-tools", "max_tokens": 10, "messages": ASK, "tools": TOOLS, "extra_body": GREEDY}
     whole = c.messages.create(**kw)
     with c.messages.stream(**kw) as s:
@@ -81,14 +68,14 @@ def test_a_streamed_message_is_the_unstreamed_one(server):
         called = s.get_final_message()
     assert called.stop_reason == "tool_use" and [b.type for b in called.content] == ["tool_use"]
     assert "input_json" in kinds and called.content[0].input.get("code")
-    recs = _records(server, "m-stream")
+    recs = http_router.records("m-stream")
     assert recs[0]["prompt_ids"] == recs[1]["prompt_ids"]
     assert recs[0]["completions"][0]["token_ids"] == recs[1]["completions"][0]["token_ids"]
-    assert_exact(recs, server.generated)
+    assert_exact(recs, http_router.generated)
 
 
-def test_a_tool_use_and_tool_result_round_trip_is_one_sample(server, tiny_tools_model):
-    c = _session(server, "m-tools")
+def test_a_tool_use_and_tool_result_round_trip_is_one_sample(http_router, tiny_tools_model):
+    c = _session(http_router, "m-tools")
     first = c.messages.create(model="tiny-tools", max_tokens=80, messages=ASK, tools=TOOLS, extra_body=GREEDY)
     assert first.stop_reason == "tool_use"
     (use,) = [b for b in first.content if b.type == "tool_use"]
@@ -101,10 +88,10 @@ def test_a_tool_use_and_tool_result_round_trip_is_one_sample(server, tiny_tools_
             {"role": "assistant", "content": second.content},
             {"role": "user", "content": "thanks, and 2+2?"}]) as s:
         third = s.get_final_message()
-    recs = _records(server, "m-tools")
-    assert_exact(recs, server.generated)
+    recs = http_router.records("m-tools")
+    assert_exact(recs, http_router.generated)
     assert_stitched(recs)
-    assert len(server.router.sessions["m-tools"].samples()) == 1
+    assert len(http_router.router.sessions["m-tools"].samples()) == 1
     content, calls = reply_of(tiny_tools_model, recs[0]["completions"][0]["token_ids"], tools=True)
     assert calls == [{"name": use.name, "arguments": use.input}] and content is None
     for rec, msg in zip(recs[1:], (second, third), strict=True):
@@ -112,11 +99,11 @@ def test_a_tool_use_and_tool_result_round_trip_is_one_sample(server, tiny_tools_
         assert (reply_of(tiny_tools_model, rec["completions"][0]["token_ids"], tools=True)[0] or "") == text
 
 
-def test_x_api_key_authenticates_and_a_wrong_key_is_an_anthropic_401(server):
-    ok = anthropic.Anthropic(base_url=server.url, api_key=KEY, max_retries=0)
+def test_x_api_key_authenticates_and_a_wrong_key_is_an_anthropic_401(http_router):
+    ok = anthropic.Anthropic(base_url=http_router.url, api_key=KEY, max_retries=0)
     assert ok.messages.create(model="tiny-tools", max_tokens=2, messages=[{"role": "user", "content": "hi"}]).id
     with pytest.raises(anthropic.AuthenticationError) as e:
-        anthropic.Anthropic(base_url=server.url, api_key="wrong", max_retries=0).messages.create(
+        anthropic.Anthropic(base_url=http_router.url, api_key="wrong", max_retries=0).messages.create(
             model="tiny-tools", max_tokens=2, messages=[{"role": "user", "content": "hi"}])
     assert e.value.body["type"] == "error" and e.value.body["error"]["type"] == "authentication_error"
 
@@ -148,21 +135,21 @@ BIG = "x " * 3000
     ({"model": "tiny-tools", "max_tokens": 5, "thinking": {"type": "enabled", "budget_tokens": 1024},
       "messages": [{"role": "user", "content": "hi"}]}, 400, "invalid_request_error"),
 ])
-def test_bad_requests_get_a_4xx_in_anthropics_shape_and_serve_keeps_serving(server, body, status, kind):
+def test_bad_requests_get_a_4xx_in_anthropics_shape_and_serve_keeps_serving(http_router, body, status, kind):
     data = body if isinstance(body, str) else json.dumps(body)
-    r = requests.post(server.url + "/v1/messages", data=data, timeout=60,
+    r = requests.post(http_router.url + "/v1/messages", data=data, timeout=60,
                       headers={"x-api-key": KEY, "Content-Type": "application/json"})
     assert r.status_code == status, r.text
     err = r.json()
     assert err["type"] == "error" and err["error"]["type"] == kind and err["error"]["message"]
     assert set(err) == {"type", "error"}
-    ok = requests.post(server.url + "/v1/messages", headers={"x-api-key": KEY}, timeout=60,
+    ok = requests.post(http_router.url + "/v1/messages", headers={"x-api-key": KEY}, timeout=60,
                        json={"model": "tiny-tools", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]})
     assert ok.status_code == 200 and ok.json()["type"] == "message"
 
 
-def test_the_sdk_raises_its_own_error_types(server):
-    c = anthropic.Anthropic(base_url=server.url, api_key=KEY, max_retries=0)
+def test_the_sdk_raises_its_own_error_types(http_router):
+    c = anthropic.Anthropic(base_url=http_router.url, api_key=KEY, max_retries=0)
     with pytest.raises(anthropic.BadRequestError, match="context length"):
         c.messages.create(model="tiny-tools", max_tokens=5, messages=[{"role": "user", "content": BIG}])
     with pytest.raises(anthropic.NotFoundError):

@@ -35,9 +35,8 @@ def server(engine_url, tiny_tools_model):
 
 
 def _session(server, sid: str) -> openai.OpenAI:
-    requests.post(server.url + "/admin/sessions", json={"session_id": sid},
-                  headers={"Authorization": f"Bearer {ADMIN}"}).raise_for_status()
-    return openai.OpenAI(base_url=f"{server.url}/sessions/{sid}/v1", api_key="unused", timeout=120, max_retries=0)
+    return openai.OpenAI(base_url=server.open_session(sid, ADMIN) + "/v1", api_key="unused", timeout=120,
+                         max_retries=0)
 
 
 def _client(server) -> openai.OpenAI:

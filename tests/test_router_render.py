@@ -196,6 +196,16 @@ def test_the_local_derender_matches_the_engine_on_real_generations(engine_url, c
 
 
 @pytest.mark.vllm
+def _answer(messages: list[dict[str, Any]], msg: dict[str, Any], turn: int) -> None:
+    """Continue the conversation after the reply ``msg``: the reply, then a result ("42") for each of
+    its tool calls, or, when it called none, the user's next question."""
+    messages.append({k: v for k, v in msg.items() if k in ("role", "content", "tool_calls") and v})
+    for call in msg.get("tool_calls") or []:
+        messages.append({"role": "tool", "tool_call_id": call["id"], "content": "42"})
+    if not msg.get("tool_calls"):
+        messages.append({"role": "user", "content": f"and turn {turn}?"})
+
+
 def test_local_and_engine_render_give_the_same_completion_and_session_samples(engine_url, tiny_tools_model):
     from agentrl.models import eos_token_ids
     from agentrl.router import EnginePool, Router
@@ -212,12 +222,7 @@ def test_local_and_engine_render_give_the_same_completion_and_session_samples(en
                 out = await router.chat({"messages": messages, "tools": TOOLS, "max_tokens": 32, "seed": 100 + turn,
                                          "temperature": 1.0}, session_id="s")
                 outs.append(out)
-                msg = out["choices"][0]["message"]
-                messages.append({k: v for k, v in msg.items() if k in ("role", "content", "tool_calls") and v})
-                for call in msg.get("tool_calls") or []:
-                    messages.append({"role": "tool", "tool_call_id": call["id"], "content": "42"})
-                if not msg.get("tool_calls"):
-                    messages.append({"role": "user", "content": f"and turn {turn}?"})
+                _answer(messages, out["choices"][0]["message"], turn)
         finally:
             await pool.close()
         return router, outs
@@ -313,12 +318,7 @@ def test_a_five_turn_session_renders_each_turn_once_and_gives_the_two_render_pro
                         "seed": 300 + turn}
                 bodies.append(body)
                 out = await router.chat(body, session_id="s5")
-                msg = out["choices"][0]["message"]
-                messages.append({k: v for k, v in msg.items() if k in ("role", "content", "tool_calls") and v})
-                for call_ in msg.get("tool_calls") or []:
-                    messages.append({"role": "tool", "tool_call_id": call_["id"], "content": "42"})
-                if not msg.get("tool_calls"):
-                    messages.append({"role": "user", "content": f"and turn {turn}?"})
+                _answer(messages, out["choices"][0]["message"], turn)
         finally:
             await pool.close()
         return router, bodies, renders

@@ -16,35 +16,22 @@ import pytest
 import requests
 
 from tests.protocol_checks import assert_exact, assert_stitched, reply_of
-from tests.router_harness import capture_generates, serve_router
+from tests.router_harness import ADMIN, KEY
 
 pytestmark = pytest.mark.vllm
 
-ADMIN, KEY = "admin-secret", "client-key"
 TOOLS = [{"type": "function", "name": "python", "description": "Run Python code.",
           "parameters": {"type": "object", "properties": {"code": {"type": "string"}}, "required": ["code"]}}]
 ASK = "What is 12*7?"  # greedy, the tiny-tools model answers with a python call
 
 
-@pytest.fixture(scope="module")
-def server(vllm_engine, tiny_tools_model):
-    with serve_router([vllm_engine.url], tiny_tools_model, api_keys=frozenset({KEY}), admin_token=ADMIN) as srv:
-        srv.generated = capture_generates(srv)
-        yield srv
+def _session(srv, sid: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=srv.open_session(sid, ADMIN) + "/v1", api_key="unused", timeout=120,
+                         max_retries=0)
 
 
-def _session(server, sid: str) -> openai.OpenAI:
-    requests.post(server.url + "/admin/sessions", json={"session_id": sid},
-                  headers={"Authorization": f"Bearer {ADMIN}"}).raise_for_status()
-    return openai.OpenAI(base_url=f"{server.url}/sessions/{sid}/v1", api_key="unused", timeout=120, max_retries=0)
-
-
-def _records(server, sid: str) -> list[dict]:
-    return [r.to_dict() for r in server.router.sessions[sid].records]
-
-
-def test_a_plain_response_is_the_engines_tokens_and_renders_as_vllms_own(server, vllm_engine, tiny_tools_model):
-    c = _session(server, "r-plain")
+def test_a_plain_response_is_the_engines_tokens_and_renders_as_vllms_own(http_router, vllm_engine, tiny_tools_model):
+    c = _session(http_router, "r-plain")
     body = {"model": "tiny-tools", "instructions": "Be brief.", "input": "tell me a story", "max_output_tokens": 12,
             "temperature": 0}
     r = c.responses.create(**body)
@@ -52,23 +39,23 @@ def test_a_plain_response_is_the_engines_tokens_and_renders_as_vllms_own(server,
     assert r.usage.input_tokens == own["usage"]["input_tokens"]  # the same prompt as vLLM's Responses server
     assert r.output_text == "".join(p["text"] for o in own["output"] if o["type"] == "message" for p in o["content"])
     assert r.status == own["status"]
-    (rec,) = _records(server, "r-plain")
-    assert_exact([rec], server.generated)
+    (rec,) = http_router.records("r-plain")
+    assert_exact([rec], http_router.generated)
     assert reply_of(tiny_tools_model, rec["completions"][0]["token_ids"], tools=False)[0] == r.output_text
     assert r.usage.output_tokens == len(rec["completions"][0]["token_ids"])
 
 
-def test_a_reply_cut_by_max_output_tokens_is_incomplete(server, tiny_tools_model):
-    c = _session(server, "r-cut")
+def test_a_reply_cut_by_max_output_tokens_is_incomplete(http_router, tiny_tools_model):
+    c = _session(http_router, "r-cut")
     r = c.responses.create(model="tiny-tools", input=ASK, tools=TOOLS, max_output_tokens=10, temperature=0)
     assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
     assert r.usage.output_tokens == 10
-    (rec,) = _records(server, "r-cut")  # a call cut off is the text it is, never broken arguments
+    (rec,) = http_router.records("r-cut")  # a call cut off is the text it is, never broken arguments
     assert reply_of(tiny_tools_model, rec["completions"][0]["token_ids"], tools=True) == (r.output_text, [])
 
 
-def test_a_streamed_response_is_the_unstreamed_one(server, tiny_tools_model):
-    c = _session(server, "r-stream")
+def test_a_streamed_response_is_the_unstreamed_one(http_router, tiny_tools_model):
+    c = _session(http_router, "r-stream")
     body = {"model": "tiny-tools", "input": ASK, "tools": TOOLS, "max_output_tokens": 10, "temperature": 0,
             "include": ["message.output_text.logprobs"]}
     whole = c.responses.create(**body)
@@ -83,9 +70,9 @@ def test_a_streamed_response_is_the_unstreamed_one(server, tiny_tools_model):
     assert [x.logprob for x in final.output[0].content[0].logprobs] == pytest.approx(
         [x.logprob for x in whole.output[0].content[0].logprobs], abs=1e-4)
     assert len(whole.output[0].content[0].logprobs) == 10
-    a, b = _records(server, "r-stream")
+    a, b = http_router.records("r-stream")
     assert a["prompt_ids"] == b["prompt_ids"] and a["completions"][0]["token_ids"] == b["completions"][0]["token_ids"]
-    assert_exact([a, b], server.generated)
+    assert_exact([a, b], http_router.generated)
     with c.responses.stream(model="tiny-tools", input=ASK, tools=TOOLS, max_output_tokens=80, temperature=0) as s:
         kinds = [e.type for e in s]
         called = s.get_final_response()
@@ -93,8 +80,8 @@ def test_a_streamed_response_is_the_unstreamed_one(server, tiny_tools_model):
     assert [o.type for o in called.output] == ["function_call"] and json.loads(called.output[0].arguments)
 
 
-def test_function_calls_both_ways_become_one_sample(server, tiny_tools_model):
-    c = _session(server, "r-tools")
+def test_function_calls_both_ways_become_one_sample(http_router, tiny_tools_model):
+    c = _session(http_router, "r-tools")
     first = c.responses.create(model="tiny-tools", input=ASK, tools=TOOLS, max_output_tokens=80, temperature=0)
     (call,) = [o for o in first.output if o.type == "function_call"]
     assert call.name == "python" and "code" in json.loads(call.arguments)
@@ -103,18 +90,18 @@ def test_function_calls_both_ways_become_one_sample(server, tiny_tools_model):
     second = c.responses.create(model="tiny-tools", tools=TOOLS, max_output_tokens=24, temperature=0,
                                 input=history + [{"type": "function_call_output", "call_id": call.call_id,
                                                   "output": "84"}])
-    recs = _records(server, "r-tools")
-    assert_exact(recs, server.generated)
+    recs = http_router.records("r-tools")
+    assert_exact(recs, http_router.generated)
     assert_stitched(recs)
     content, calls = reply_of(tiny_tools_model, recs[0]["completions"][0]["token_ids"], tools=True)
     assert calls == [{"name": call.name, "arguments": json.loads(call.arguments)}] and content is None
     assert reply_of(tiny_tools_model, recs[1]["completions"][0]["token_ids"], tools=True)[0] == second.output_text
-    (sample,) = server.router.sessions["r-tools"].samples()
+    (sample,) = http_router.router.sessions["r-tools"].samples()
     assert sample.token_ids.tolist() == recs[1]["prompt_ids"] + recs[1]["completions"][0]["token_ids"]
 
 
-def test_a_previous_response_id_chain_is_one_sample_token_for_token(server, tiny_tools_model):
-    c = _session(server, "r-chain")
+def test_a_previous_response_id_chain_is_one_sample_token_for_token(http_router, tiny_tools_model):
+    c = _session(http_router, "r-chain")
     r1 = c.responses.create(model="tiny-tools", instructions="Use the tool.", input=ASK, tools=TOOLS,
                             max_output_tokens=80, temperature=0)
     (call,) = [o for o in r1.output if o.type == "function_call"]
@@ -125,18 +112,18 @@ def test_a_previous_response_id_chain_is_one_sample_token_for_token(server, tiny
                             tools=TOOLS, max_output_tokens=16, temperature=0, input="and 2+2?") as s:
         r3 = s.get_final_response()
     assert r2.previous_response_id == r1.id and r3.previous_response_id == r2.id
-    recs = _records(server, "r-chain")
+    recs = http_router.records("r-chain")
     assert len(recs) == 3
-    assert_exact(recs, server.generated)
+    assert_exact(recs, http_router.generated)
     assert_stitched(recs)
-    assert len(server.router.sessions["r-chain"].samples()) == 1
+    assert len(http_router.router.sessions["r-chain"].samples()) == 1
     for rec, resp in zip(recs[1:], (r2, r3), strict=True):
         assert reply_of(tiny_tools_model, rec["completions"][0]["token_ids"], tools=True)[0] == (resp.output_text or None)
     assert c.responses.retrieve(r2.id).output_text == r2.output_text
 
 
-def test_stored_responses_are_scoped_and_store_false_keeps_none(server):
-    a, b = _session(server, "r-alice"), _session(server, "r-bob")
+def test_stored_responses_are_scoped_and_store_false_keeps_none(http_router):
+    a, b = _session(http_router, "r-alice"), _session(http_router, "r-bob")
     kept = a.responses.create(model="tiny-tools", input="hi", max_output_tokens=4, temperature=0)
     gone = a.responses.create(model="tiny-tools", input="hi", max_output_tokens=4, temperature=0, store=False)
     with pytest.raises(openai.BadRequestError, match="not found"):
@@ -171,25 +158,25 @@ BIG = "x " * 3000
     ({"model": "tiny-tools", "input": "hi", "previous_response_id": "resp_unknown"}, 400, "previous_response_id"),
     ({"model": "tiny-tools", "input": "hi", "background": True}, 400, "background"),
 ])
-def test_bad_requests_get_a_4xx_in_the_openai_shape_and_serve_keeps_serving(server, body, status, param):
+def test_bad_requests_get_a_4xx_in_the_openai_shape_and_serve_keeps_serving(http_router, body, status, param):
     data = body if isinstance(body, str) else json.dumps(body)
-    r = requests.post(server.url + "/v1/responses", data=data, timeout=60,
+    r = requests.post(http_router.url + "/v1/responses", data=data, timeout=60,
                       headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
     assert r.status_code == status, r.text
     err = r.json()["error"]
     assert set(err) >= {"message", "type", "param", "code"} and err["message"]
     assert err["param"] == param
-    ok = requests.post(server.url + "/v1/responses", json={"model": "tiny-tools", "input": "hi", "max_output_tokens": 2},
+    ok = requests.post(http_router.url + "/v1/responses", json={"model": "tiny-tools", "input": "hi", "max_output_tokens": 2},
                        headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
     assert ok.status_code == 200
 
 
-def test_the_sdk_raises_its_own_error_types(server):
-    c = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0)
+def test_the_sdk_raises_its_own_error_types(http_router):
+    c = openai.OpenAI(base_url=http_router.url + "/v1", api_key=KEY, max_retries=0)
     with pytest.raises(openai.BadRequestError, match="context length"):
         c.responses.create(model="tiny-tools", input=BIG)
     with pytest.raises(openai.NotFoundError):
         c.responses.create(model="gpt-9", input="hi")
     with pytest.raises(openai.AuthenticationError):
-        openai.OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0).responses.create(
+        openai.OpenAI(base_url=http_router.url + "/v1", api_key="wrong", max_retries=0).responses.create(
             model="tiny-tools", input="hi")

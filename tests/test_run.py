@@ -3,24 +3,17 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 
-from tests.conftest import free_port
+from tests.conftest import agentrl_run
 
 pytestmark = [pytest.mark.vllm, pytest.mark.docker, pytest.mark.slow]
 
 
 def test_agentrl_run_trains_three_steps_and_prints_each(tmp_path, tiny_tools_model):
-    env = {k: v for k, v in os.environ.items() if k != "AGENTRL_ADMIN_TOKEN"}  # as a newcomer runs it
-    cmd = [sys.executable, "-m", "agentrl.cli", "run", f"--serve.run_dir={tmp_path / 'run'}",
-           f"--serve.router.port={free_port()}", f"--serve.engine.base_port={free_port()}",
-           "--serve.model=tiny-tools", "--serve.env.group_size=2", "--serve.buffer.batch_size=4", "--learn.steps=3",
-           "--eval.tasks=6"]
-    out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
+    out = agentrl_run(tmp_path / "run", "--serve.env.group_size=2", "--serve.buffer.batch_size=4", "--learn.steps=3",
+                      "--eval.tasks=6")
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     lines = out.stdout.splitlines()
     for k in (1, 2, 3):

@@ -13,9 +13,7 @@ shows the plain log-softmax the learner used to compute is far off, so the check
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -24,6 +22,7 @@ import requests
 
 from agentrl.buffer.behaviour import NEUTRAL
 from agentrl.buffer.codec import decode_sample, encode_sample
+from agentrl.models import with_generation_defaults
 from tests.conftest import start_vllm
 
 pytestmark = pytest.mark.vllm
@@ -33,20 +32,10 @@ DEFAULTS = {"temperature": 0.7, "top_k": 20, "top_p": 0.8, "repetition_penalty":
 ASK = [{"role": "user", "content": "Compute 6*7 with the python tool."}]
 
 
-def model_with_defaults(src: str, dst: Path) -> str:
-    """A copy of ``src`` (its files linked) whose generation_config.json sets non-neutral sampling."""
-    dst.mkdir()
-    for f in Path(src).iterdir():
-        if f.name != "generation_config.json":
-            (dst / f.name).symlink_to(f)
-    gen = json.loads((Path(src) / "generation_config.json").read_text())
-    (dst / "generation_config.json").write_text(json.dumps({**gen, "do_sample": True, **DEFAULTS}))
-    return str(dst)
-
-
 @pytest.fixture(scope="module")
 def folder(tiny_tools_model: str, tmp_path_factory: pytest.TempPathFactory) -> str:
-    return model_with_defaults(tiny_tools_model, tmp_path_factory.mktemp("model") / "tiny-defaults")
+    return with_generation_defaults(tiny_tools_model, tmp_path_factory.mktemp("model") / "tiny-defaults",
+                                    DEFAULTS)
 
 
 @pytest.fixture(scope="module")
@@ -180,9 +169,8 @@ def test_a_scaffolds_own_temperature_and_top_p_are_honoured_and_recorded(engine,
     from tests.router_harness import serve_router
 
     with serve_router([engine.url], folder, admin_token="adm") as srv:
-        requests.post(srv.url + "/admin/sessions", json={"session_id": "sc"},
-                      headers={"Authorization": "Bearer adm"}).raise_for_status()
-        client = openai.OpenAI(base_url=f"{srv.url}/sessions/sc/v1", api_key="unused", timeout=120, max_retries=0)
+        client = openai.OpenAI(base_url=srv.open_session("sc", "adm") + "/v1", api_key="unused", timeout=120,
+                               max_retries=0)
         whole = client.chat.completions.create(model="tiny-tools", messages=ASK, temperature=0.5, top_p=0.95,
                                                max_tokens=40, extra_body={"ignore_eos": True})
         chunks = list(client.chat.completions.create(model="tiny-tools", messages=ASK, temperature=1.2, top_p=0.7,

@@ -36,6 +36,15 @@ def _decodes_to_what_was_sent(run, model_dir: str) -> None:
                              for c in msg.get("tool_calls") or []]
 
 
+def _exact_run(engine_url: str, model_dir: str, tmp_path, **group: Any):
+    """A group of episodes through serve (``run_group``'s settings), every call checked exact and
+    decoding to the reply the client was sent."""
+    run = run_group(engine_url, tmp_path / "run", **group)
+    check_exact_samples(run)
+    _decodes_to_what_was_sent(run, model_dir)
+    return run
+
+
 def _one_sample_per_episode(run) -> None:
     for ep in run.episodes:
         recs = run.records[ep["episode_id"]]
@@ -56,11 +65,10 @@ def test_an_agent_that_appends_to_its_conversation_trains_on_one_exact_sample(vl
                                                                             agent, route):
     # Greedy: the tiny-tools model opens each arithmetic task with a python call, so every episode
     # has a tool round trip (a continued call)
-    run = run_group(vllm_engine.url, tmp_path / "run", env="arithmetic", scaffold={"agent": agent}, temperature=0.0)
+    run = _exact_run(vllm_engine.url, tiny_tools_model, tmp_path, env="arithmetic", scaffold={"agent": agent},
+                     temperature=0.0)
     assert {e["info"]["scaffold"] for e in run.episodes} == {agent}
     assert run.routes == {route}  # the framework's own protocol, end to end
-    check_exact_samples(run)
-    _decodes_to_what_was_sent(run, tiny_tools_model)
     _one_sample_per_episode(run)
     assert all(len(recs) >= 2 for recs in run.records.values())
     for ep in run.episodes:
@@ -71,11 +79,9 @@ def test_an_agent_that_appends_to_its_conversation_trains_on_one_exact_sample(vl
 
 
 def test_smolagents_calls_are_exact_and_its_rebuilt_prompts_are_new_samples(vllm_engine, tiny_tools_model, tmp_path):
-    run = run_group(vllm_engine.url, tmp_path / "run", env="arithmetic", temperature=0.0,
-                    scaffold={"agent": "scaffolds.smolagents_agent:agent"})
+    run = _exact_run(vllm_engine.url, tiny_tools_model, tmp_path, env="arithmetic", temperature=0.0,
+                     scaffold={"agent": "scaffolds.smolagents_agent:agent"})
     assert run.routes == {"chat"}
-    check_exact_samples(run)
-    _decodes_to_what_was_sent(run, tiny_tools_model)
     for ep in run.episodes:
         recs = run.records.get(ep["episode_id"], [])
         assert ep["error"] is None and len(recs) >= 2
@@ -99,10 +105,8 @@ async def scripted_mini_swe_agent(ctx: Any) -> str:
 
 
 def test_mini_swe_agent_fixes_a_shipped_swe_task_with_a_scripted_reply(vllm_engine, tiny_tools_model, tmp_path):
-    run = run_group(vllm_engine.url, tmp_path / "run", env="swe", max_turns=6, max_tokens=400,
-                    scaffold={"agent": "tests.test_scaffolds_frameworks:scripted_mini_swe_agent"})
-    check_exact_samples(run)
-    _decodes_to_what_was_sent(run, tiny_tools_model)
+    run = _exact_run(vllm_engine.url, tiny_tools_model, tmp_path, env="swe", max_turns=6, max_tokens=400,
+                     scaffold={"agent": "tests.test_scaffolds_frameworks:scripted_mini_swe_agent"})
     for ep in run.episodes:
         assert ep["error"] is None and ep["terminated"]
         assert len(run.records[ep["episode_id"]]) == 1  # one scripted step: fix, test, submit
@@ -110,10 +114,8 @@ def test_mini_swe_agent_fixes_a_shipped_swe_task_with_a_scripted_reply(vllm_engi
 
 
 def test_mini_swe_agent_unscripted_ends_at_a_limit_cleanly_and_is_data(vllm_engine, tiny_tools_model, tmp_path):
-    run = run_group(vllm_engine.url, tmp_path / "run", env="swe", max_turns=6, max_tokens=64,
-                    scaffold={"agent": "scaffolds.mini_swe_agent:agent"})
-    check_exact_samples(run)
-    _decodes_to_what_was_sent(run, tiny_tools_model)
+    run = _exact_run(vllm_engine.url, tiny_tools_model, tmp_path, env="swe", max_turns=6, max_tokens=64,
+                     scaffold={"agent": "scaffolds.mini_swe_agent:agent"})
     for ep in run.episodes:
         assert ep["error"] is None, ep["error"]
         assert ep["terminated"] or ep["truncation"] in ("max_turns", "max_tokens")

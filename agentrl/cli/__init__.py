@@ -177,6 +177,8 @@ def _no_settings(command: str, extra: list[str]) -> None:
 
 
 def cmd_status(args: argparse.Namespace, extra: list[str]) -> int:
+    """Ask a running serve for its status. The admin token is read from --admin-token-file,
+    $AGENTRL_ADMIN_TOKEN, or RUN_DIR/admin_token (never a command-line value)."""
     _no_settings("status", extra)
     from agentrl.cli.status import StatusError, main
 
@@ -190,6 +192,10 @@ def cmd_status(args: argparse.Namespace, extra: list[str]) -> int:
 
 
 def cmd_eval(args: argparse.Namespace, extra: list[str]) -> int:
+    """Run an environment's held-out tasks through the built-in agent loop against an
+    OpenAI-compatible endpoint (serve's router at URL/v1, vLLM, or any OpenAI API). Success: the
+    environment ended the episode with reward above --success-reward. The API key comes from
+    --api-key-file, $AGENTRL_API_KEY or $OPENAI_API_KEY (never a command-line value)."""
     _no_settings("eval", extra)
     _setup_logging(args.verbose)
     env_config = {}
@@ -216,6 +222,8 @@ def cmd_eval(args: argparse.Namespace, extra: list[str]) -> int:
 
 
 def cmd_plot(args: argparse.Namespace, extra: list[str]) -> int:
+    """Read learner.jsonl, episodes.jsonl and serve_metrics.jsonl and write PNG charts (reward,
+    staleness, importance weights, throughput, learner idle time, sandbox latency)."""
     _no_settings("plot", extra)
     _setup_logging(args.verbose)
     from agentrl.plot import plot_run
@@ -230,6 +238,10 @@ def cmd_plot(args: argparse.Namespace, extra: list[str]) -> int:
 
 
 def cmd_view(args: argparse.Namespace, extra: list[str]) -> int:
+    """Serve the web view of a run directory (live or finished) on its own: the charts, the episode
+    browser and each episode's tokens with loss mask, versions and logprobs. serve shows the same
+    view at its URL/view/. Opened with the run's view token (RUN_DIR/view_token, made if missing)
+    or its admin token: the command prints the file to read it from, never the token."""
     _no_settings("view", extra)
     _setup_logging(args.verbose)
     import asyncio
@@ -311,8 +323,7 @@ def parser() -> argparse.ArgumentParser:
     et.set_defaults(fn=cmd_envs)
 
     st = sub.add_parser("status", help="engines, versions, episodes in flight, buffer, sandboxes, throughput",
-                        description="Ask a running serve for its status. The admin token is read from "
-                        "--admin-token-file, $AGENTRL_ADMIN_TOKEN, or RUN_DIR/admin_token (never a command-line value).")
+                        description=cmd_status.__doc__)
     st.add_argument("--serve", default="http://127.0.0.1:8000", help="serve's URL (default: %(default)s)")
     st.add_argument("--admin-token-file", help="file holding serve's admin token")
     st.add_argument("--run-dir", default="runs/latest", help="serve's run directory, for its admin_token file")
@@ -322,11 +333,7 @@ def parser() -> argparse.ArgumentParser:
     st.set_defaults(fn=cmd_status)
 
     ev = sub.add_parser("eval", help="success rate and reward on held-out tasks, with 95%% confidence intervals",
-                        description="Run an environment's held-out tasks through the built-in agent loop against "
-                        "an OpenAI-compatible endpoint (serve's router at URL/v1, vLLM, or any OpenAI API). "
-                        "Success: the environment ended the episode with reward above --success-reward. "
-                        "The API key comes from --api-key-file, $AGENTRL_API_KEY or $OPENAI_API_KEY "
-                        "(never a command-line value).")
+                        description=cmd_eval.__doc__)
     ev.add_argument("--env", required=True, help="a registered environment (agentrl envs list)")
     with_import(ev)
     ev.add_argument("--endpoint", required=True, help="OpenAI base URL ending in /v1, e.g. http://127.0.0.1:8000/v1")
@@ -346,19 +353,13 @@ def parser() -> argparse.ArgumentParser:
     ev.add_argument("--out", help="JSON result file (default: runs/eval/ENV-SPLIT-TIME.json)")
     ev.set_defaults(fn=cmd_eval)
 
-    pp = sub.add_parser("plot", help="PNG charts of a run directory's logs",
-                        description="Read learner.jsonl, episodes.jsonl and serve_metrics.jsonl and write PNG "
-                        "charts (reward, staleness, importance weights, throughput, learner idle time, sandbox latency).")
+    pp = sub.add_parser("plot", help="PNG charts of a run directory's logs", description=cmd_plot.__doc__)
     pp.add_argument("run_dir", help="a run directory, e.g. runs/latest")
     pp.add_argument("--out", help="where to write the PNGs (default: RUN_DIR/plots)")
     pp.set_defaults(fn=cmd_plot)
 
     vp = sub.add_parser("view", help="a web view of a run directory: live charts, episodes, tokens",
-                        description="Serve the web view of a run directory (live or finished) on its own: the "
-                        "charts, the episode browser and each episode's tokens with loss mask, versions and "
-                        "logprobs. serve shows the same view at its URL/view/. Opened with the run's view token "
-                        "(RUN_DIR/view_token, made if missing) or its admin token: the command prints the file "
-                        "to read it from, never the token.")
+                        description=cmd_view.__doc__)
     vp.add_argument("run_dir", help="a run directory, e.g. runs/latest")
     vp.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
     vp.add_argument("--port", type=int, default=8800, help="port (default: %(default)s; 0: a free one)")

@@ -18,7 +18,6 @@ import dataclasses
 import json
 import logging
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -26,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from agentrl.config import RunConfig, ServeConfig, to_toml
+from agentrl.engines.reaper import stop_process
 
 log = logging.getLogger(__name__)
 _progress = logging.getLogger("agentrl.progress")
@@ -123,11 +123,7 @@ def run(cfg: RunConfig) -> int:
         if cfg.eval.tasks:
             after = held_out_eval(cfg, learn_cfg.serve, "after", run_dir)
     finally:
-        serve.send_signal(signal.SIGTERM)
-        try:
-            serve.wait(60)
-        except subprocess.TimeoutExpired:
-            serve.kill()
+        stop_process(serve, 60)
     summary = {"steps": len(history), "final_version": history[-1]["version"] if history else 0,
                "reward_by_step": [round(h["reward_mean"], 4) for h in history],
                "wall_minutes": round((time.monotonic() - t0) / 60, 2), "run_dir": str(run_dir)}

@@ -4,6 +4,7 @@
 The reaper asks the kernel for SIGTERM when its parent dies (PR_SET_PDEATHSIG), so an engine
 never outlives the serve process that launched it, even after ``kill -9`` of serve. On SIGTERM or
 SIGINT it forwards SIGTERM to the group, waits a grace period, then SIGKILLs the group.
+:func:`stop_process` is the launching side's stop (SIGTERM, a wait, SIGKILL).
 """
 
 from __future__ import annotations
@@ -24,6 +25,18 @@ def _die_with_parent(sig: int = signal.SIGTERM) -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, sig)
     except OSError:
         pass
+
+
+def stop_process(proc: subprocess.Popen, timeout_s: float, kill_wait_s: float = 5.0) -> None:
+    """Stop a child we started: SIGTERM, up to ``timeout_s`` for it to exit, then SIGKILL (and up to
+    ``kill_wait_s`` to reap it). A reaper child passes the SIGTERM on to its whole group."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(kill_wait_s)
 
 
 def main(argv: list[str]) -> int:

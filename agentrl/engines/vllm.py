@@ -15,7 +15,6 @@ import asyncio
 import atexit
 import logging
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -26,6 +25,7 @@ from typing import Any
 import aiohttp
 
 from agentrl.engines.config import EngineOptions
+from agentrl.engines.reaper import stop_process
 
 log = logging.getLogger(__name__)
 
@@ -218,21 +218,11 @@ class VLLMEngine:
         proc = self.proc
         if proc is None:
             return
-        _stop(proc, timeout_s)
+        stop_process(proc, timeout_s)  # the reaper takes the engine's whole group down
         _LIVE.discard(proc)
-
-
-def _stop(proc: subprocess.Popen, timeout_s: float) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)  # the reaper takes the engine's whole group down
-        try:
-            proc.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
 
 
 @atexit.register
 def _stop_all() -> None:
     for proc in list(_LIVE):
-        _stop(proc, 20.0)
+        stop_process(proc, 20.0)

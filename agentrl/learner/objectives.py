@@ -45,6 +45,24 @@ def _clip_stats(high: Tensor, low: Tensor, m: Tensor, ratio: Tensor, rows: Tenso
     }
 
 
+def _clipped_surrogate(ratio: Tensor, a: Tensor, m: Tensor, clip_low: float, clip_high: float,
+                       is_weights: Tensor | None, agg: Agg, denominator: float | Tensor | None,
+                       norm_tokens: float) -> tuple[Tensor, Tensor, Tensor]:
+    """PPO's clipped term, aggregated: per token ``-w * min(r * A, clip(r, 1 - clip_low, 1 + clip_high) * A)``.
+    Also the tokens the clip took from the gradient (detached): A > 0 above the range, A < 0 below it."""
+    unclipped = ratio * a
+    clipped = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high) * a
+    per_token = -torch.minimum(unclipped, clipped)
+    if is_weights is not None:
+        per_token = per_token * is_weights.detach()
+    loss = aggregate(per_token, m, agg, denominator, norm_tokens)
+    with torch.no_grad():
+        r = ratio.detach()
+        high = (a > 0) & (r > 1.0 + clip_high)
+        low = (a < 0) & (r < 1.0 - clip_low)
+    return loss, high, low
+
+
 def policy_gradient_loss(
     logp: Tensor,
     advantages: Tensor,
@@ -89,18 +107,8 @@ def ppo_clip_loss(
     log_r = logp - logp_prox.detach()
     log_r = torch.where(m, log_r, torch.zeros_like(log_r))
     ratio = torch.exp(log_r)
-    unclipped = ratio * a
-    clipped = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high) * a
-    per_token = -torch.minimum(unclipped, clipped)
-    if is_weights is not None:
-        per_token = per_token * is_weights.detach()
-    loss = aggregate(per_token, m, agg, denominator, norm_tokens)
-    with torch.no_grad():
-        high = (a > 0) & (ratio > 1.0 + clip_high)
-        low = (a < 0) & (ratio < 1.0 - clip_low)
-        r = ratio.detach()
-        stats = _clip_stats(high, low, m, r, m)
-    return loss, stats
+    loss, high, low = _clipped_surrogate(ratio, a, m, clip_low, clip_high, is_weights, agg, denominator, norm_tokens)
+    return loss, _clip_stats(high, low, m, ratio.detach(), m)
 
 
 def decoupled_ppo_loss(
@@ -177,18 +185,8 @@ def gspo_loss(
     # value s_i at every token, gradient s_i * grad log pi(y_t) through the token's own logprob
     token_grad = torch.where(m, logp - logp.detach(), torch.zeros_like(logp))
     s = torch.exp(log_s.unsqueeze(-1) + token_grad)
-    unclipped = s * a
-    clipped = torch.clamp(s, 1.0 - clip_low, 1.0 + clip_high) * a
-    per_token = -torch.minimum(unclipped, clipped)
-    if is_weights is not None:
-        per_token = per_token * is_weights.detach()
-    loss = aggregate(per_token, m, agg, denominator, norm_tokens)
-    with torch.no_grad():
-        r = s.detach()
-        high = (a > 0) & (r > 1.0 + clip_high)
-        low = (a < 0) & (r < 1.0 - clip_low)
-        stats = _clip_stats(high, low, m, torch.exp(log_s), m.any(-1))
-    return loss, stats
+    loss, high, low = _clipped_surrogate(s, a, m, clip_low, clip_high, is_weights, agg, denominator, norm_tokens)
+    return loss, _clip_stats(high, low, m, torch.exp(log_s), m.any(-1))
 
 
 def cispo_loss(

@@ -148,3 +148,17 @@ def eos_token_ids(model_dir: str) -> set[int]:
             v = json.loads(p.read_text()).get("eos_token_id")
             ids.update(v if isinstance(v, list) else [v] if v is not None else [])
     return ids
+
+
+def with_generation_defaults(src: str, dst: Path, defaults: dict[str, Any]) -> str:
+    """A copy of the model folder ``src`` at ``dst`` (its files linked) whose generation_config.json
+    turns sampling on with ``defaults`` (temperature, top_k, ...), as many released models ship."""
+    import json
+
+    dst.mkdir(parents=True)
+    for f in Path(src).iterdir():
+        if f.name != "generation_config.json":
+            (dst / f.name).symlink_to(f)
+    gen = json.loads((Path(src) / "generation_config.json").read_text())
+    (dst / "generation_config.json").write_text(json.dumps({**gen, "do_sample": True, **defaults}))
+    return str(dst)

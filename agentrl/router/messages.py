@@ -26,14 +26,11 @@ from __future__ import annotations
 
 import itertools
 import json
-import logging
 import secrets
 from collections.abc import AsyncIterator
 from typing import Any
 
 from agentrl.router.errors import InvalidRequest, RouterError
-
-log = logging.getLogger(__name__)
 
 # The SDK's request fields that change nothing the router renders or samples are accepted
 # (cache_control, metadata, ...); temperature / top_p / top_k are not in the 2.x SDK's signature
@@ -342,12 +339,10 @@ class MessageEvents:
             "id": new_id(), "type": "message", "role": "assistant", "model": self.model, "content": [],
             "stop_reason": None, "stop_sequence": None, "usage": _usage(prompt, 0)}}
         try:
-            async for chunk in self.stream.events():
-                for ch in chunk.get("choices") or []:
-                    for ev in self._choice(ch):
-                        yield ev
+            async for ch in self.stream.choice_chunks():
+                for ev in self._choice(ch):
+                    yield ev
         except RouterError as e:
-            log.warning("a streamed message failed after it started: %s", e.message)
             yield error_body(e)
             return
         if self.index < 0:  # an empty reply is one empty text block, as unstreamed
@@ -356,9 +351,8 @@ class MessageEvents:
         for ev in self._stop():
             yield ev
         reason, seq = stop_reason(self.finish, self.matched, bool(self.calls))
-        completion = sum(len(c.ids) for c in self.stream.choices.values())
         yield {"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": seq},
-               "usage": {"output_tokens": completion}}
+               "usage": {"output_tokens": self.stream.completion_tokens()}}
         yield {"type": "message_stop"}
 
     def _choice(self, ch: dict[str, Any]) -> list[dict[str, Any]]:

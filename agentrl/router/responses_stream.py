@@ -15,7 +15,6 @@ by ``response.failed``.
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -30,8 +29,6 @@ from agentrl.router.responses import (
     response_object,
     usage,
 )
-
-log = logging.getLogger(__name__)
 
 
 class ResponsesEvents:
@@ -65,12 +62,10 @@ class ResponsesEvents:
         yield self._event("response.created", response=self._snapshot("in_progress"))
         yield self._event("response.in_progress", response=self._snapshot("in_progress"))
         try:
-            async for chunk in self.stream.events():
-                for ch in chunk.get("choices") or []:
-                    for ev in self._choice(ch):
-                        yield ev
+            async for ch in self.stream.choice_chunks():
+                for ev in self._choice(ch):
+                    yield ev
         except RouterError as e:
-            log.warning("a streamed response failed after it started: %s", e.message)
             yield self._event("error", code=e.code or e.type, message=e.message, param=e.param)
             failed = self._snapshot("failed")
             failed["error"] = {"code": "server_error", "message": e.message}
@@ -80,8 +75,7 @@ class ResponsesEvents:
             yield ev
         status = "incomplete" if self.finish == "length" else "completed"
         prompt = len(self.stream.prep.prompt_ids)
-        completion = sum(len(c.ids) for c in self.stream.choices.values())
-        self.response = self._snapshot(status, usage(prompt, completion))
+        self.response = self._snapshot(status, usage(prompt, self.stream.completion_tokens()))
         yield self._event(f"response.{status}", response=self.response)
 
     def _choice(self, ch: dict[str, Any]) -> list[dict[str, Any]]:

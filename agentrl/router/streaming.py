@@ -30,6 +30,7 @@ from typing import Any
 
 from agentrl.router.chat_parity import skips_special, tool_finish_reason
 from agentrl.router.core import Prepared, Router
+from agentrl.router.errors import RouterError
 from agentrl.router.pool import Engine
 from agentrl.router.stream_derender import EngineChoiceStream, LocalChoiceStream
 
@@ -123,11 +124,27 @@ class Stream:
                 event = await anext(self._gen, None)
             self.finished = True
             if include_usage:
-                completion = sum(len(c.ids) for c in self.choices.values())
+                completion = self.completion_tokens()
                 yield self._wrap(None, usage={"prompt_tokens": len(prep.prompt_ids), "completion_tokens": completion,
                                               "total_tokens": len(prep.prompt_ids) + completion})
         finally:
             await self.close()
+
+    async def choice_chunks(self) -> AsyncIterator[dict[str, Any]]:
+        """The choices of :meth:`events`' chunks one by one, for the routes that translate the chat
+        stream into their own protocol's events (Responses, Messages). A failure after the stream
+        started is logged here and raised, for the caller to send as its protocol's error event."""
+        try:
+            async for chunk in self.events():
+                for ch in chunk.get("choices") or []:
+                    yield ch
+        except RouterError as e:
+            log.warning("a stream translated for its client failed after it started: %s", e.message)
+            raise
+
+    def completion_tokens(self) -> int:
+        """The tokens generated so far, over every choice."""
+        return sum(len(c.ids) for c in self.choices.values())
 
     def _wrap(self, choice: dict[str, Any] | None, usage: dict[str, Any] | None = None) -> dict[str, Any]:
         obj = "chat.completion.chunk" if self.prep.kind == "chat" else "text_completion"

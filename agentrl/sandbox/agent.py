@@ -151,14 +151,18 @@ def _kill_tree(root, strays=False):
         live = [pid for pid in tree if table[pid][1] != b"Z"]
         if not live:
             break
-        for pid in live:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except OSError:
-                pass
+        _sigkill(live)
         _reap_orphans()
         time.sleep(0.001)
     _reap_orphans()
+
+
+def _sigkill(pids):
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:  # gone already
+            pass
 
 
 def _kill_group(pgid):
@@ -486,11 +490,7 @@ def op_reset(req):
         others = _other_pids(protected)
         if not others:
             break
-        for pid in others:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except OSError:
-                pass
+        _sigkill(others)
         for pid in others:  # reap our own children (every orphan is ours: we are pid 1)
             try:
                 os.waitpid(pid, os.WNOHANG)

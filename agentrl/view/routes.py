@@ -7,6 +7,9 @@ Pages (HTML; each needs the view's cookie, or ``?token=`` once, see :mod:`agentr
   kind, truncation; pages of at most ``MAX_PAGE`` rows);
 - ``GET /view/episode/<id>``: one episode's calls, tool outputs and tokens.
 
+Each page is ``static/page.html`` (the head and the nav, the same on every page) around the page's
+own ``<main>`` in ``static/<page>.html``, put together once when the routes are mounted.
+
 API (JSON; the cookie or ``Authorization: Bearer <token>``): ``/view/api/run``,
 ``/view/api/series?rev=L,S,E``, ``/view/api/episodes?...``, ``/view/api/episode/<id>``,
 ``/view/api/episode/<id>/sample/<k>?offset=&limit=``. Static files: ``/view/static/<name>``
@@ -60,12 +63,22 @@ SECURITY_HEADERS = {
     "Cache-Control": "no-store",
 }
 STATIC_TYPES = {".html": "text/html", ".js": "text/javascript", ".css": "text/css"}
+# each page: its static file (the <main> part) and the scripts it loads after common.js
+PAGES = {"run": ("charts.js", "run.js"), "episodes": ("episodes.js",), "episode": ("episode.js",)}
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 def _static_files() -> dict[str, bytes]:
     root = resources.files("agentrl.view") / "static"
     return {p.name: p.read_bytes() for p in root.iterdir() if p.name.endswith(tuple(STATIC_TYPES))}
+
+
+def _page_html(static: dict[str, bytes], name: str, scripts: tuple[str, ...]) -> bytes:
+    """One page: ``page.html`` (the head, and the header with the nav every page shares) around
+    the page's own ``<main>`` from ``<name>.html``."""
+    tags = "\n".join(f'<script src="{PREFIX}/static/{s}" defer></script>' for s in scripts)
+    return (static["page.html"].decode().replace("{{name}}", name).replace("{{scripts}}", tags)
+            .replace("{{main}}\n", static[f"{name}.html"].decode()).encode())
 
 
 class ViewState:
@@ -204,6 +217,8 @@ def add_view_routes(app: web.Application, state: ViewState) -> None:
         return _secured(web.Response(text=body, status=401, content_type="text/html"))
 
     def page(name: str) -> Handler:
+        body = _page_html(state.static, name, PAGES[name])
+
         async def handler(request: web.Request) -> web.StreamResponse:
             if "token" in request.query:  # the link with the token: exchange it for the cookie, once
                 if not state.auth.token_ok(request.query["token"]):
@@ -213,7 +228,7 @@ def add_view_routes(app: web.Application, state: ViewState) -> None:
                 return resp
             if not state.auth.authorized(request):
                 return login(str(request.rel_url), "This view needs the run's view token or serve's admin token.")
-            return _secured(web.Response(body=state.static[name], content_type="text/html"))
+            return _secured(web.Response(body=body, content_type="text/html"))
         return handler
 
     async def post_login(request: web.Request) -> web.StreamResponse:
@@ -285,9 +300,9 @@ def add_view_routes(app: web.Application, state: ViewState) -> None:
 
     r = app.router
     r.add_get(PREFIX, to_front)
-    r.add_get(PREFIX + "/", page("run.html"))
-    r.add_get(PREFIX + "/episodes", page("episodes.html"))
-    r.add_get(PREFIX + "/episode/{episode_id}", page("episode.html"))
+    r.add_get(PREFIX + "/", page("run"))
+    r.add_get(PREFIX + "/episodes", page("episodes"))
+    r.add_get(PREFIX + "/episode/{episode_id}", page("episode"))
     r.add_post(PREFIX + "/login", post_login)
     r.add_get(PREFIX + "/static/{name}", static)
     r.add_get(PREFIX + "/api/run", api(run_info))

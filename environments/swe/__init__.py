@@ -23,24 +23,28 @@ REPO = "/work/repo"
 SYSTEM = (f"You are a software engineer. The repository is in {REPO}, a git repository. Use the bash tool to "
           "inspect and fix the code so that its tests pass; do not change the tests. Say done when finished.")
 _GIT = "git -c user.name=agentrl -c user.email=agentrl@localhost"
+
+
+def _task(task_id: str, issue: str, module: str, source: str, function: str, checks: list[str],
+          fix: str) -> dict[str, Any]:
+    """A built-in task: ``module`` with the bug and a unittest of ``function`` asserting each of
+    ``checks`` (``"add(2, 3), 5"``: the two are equal)."""
+    test = (f"import unittest\n\nfrom {module} import {function}\n\n\n"
+            f"class Test{function.capitalize()}(unittest.TestCase):\n    def test_{function}(self):\n"
+            + "".join(f"        self.assertEqual({c})\n" for c in checks))
+    return {"id": task_id, "issue": issue,
+            "files": {"tests/__init__.py": "", f"{module}.py": source, f"tests/test_{module}.py": test}, "fix": fix}
+
+
 TASKS = [
-    {"id": "calc-add", "issue": "add(2, 3) returns -1 instead of 5.",
-     "files": {"tests/__init__.py": "", "calc.py": "def add(a, b):\n    return a - b\n",
-               "tests/test_calc.py": "import unittest\n\nfrom calc import add\n\n\nclass TestAdd(unittest.TestCase):\n"
-                                     "    def test_add(self):\n        self.assertEqual(add(2, 3), 5)\n"
-                                     "        self.assertEqual(add(-1, 1), 0)\n"},
-     "fix": "sed -i 's/a - b/a + b/' calc.py"},
-    {"id": "shout-upper", "issue": "shout('hi') should return 'HI!' but returns 'hi!'.",
-     "files": {"tests/__init__.py": "", "text.py": "def shout(s):\n    return s.lower() + '!'\n",
-               "tests/test_text.py": "import unittest\n\nfrom text import shout\n\n\nclass TestShout(unittest.TestCase):\n"
-                                     "    def test_shout(self):\n        self.assertEqual(shout('hi'), 'HI!')\n"},
-     "fix": "sed -i 's/s.lower()/s.upper()/' text.py"},
-    {"id": "mean-divisor", "issue": "mean([2, 4]) returns 6.0 instead of 3.0.",
-     "files": {"tests/__init__.py": "", "stats.py": "def mean(xs):\n    return sum(xs) / (len(xs) - 1)\n",
-               "tests/test_stats.py": "import unittest\n\nfrom stats import mean\n\n\nclass TestMean(unittest.TestCase):\n"
-                                      "    def test_mean(self):\n        self.assertEqual(mean([2, 4]), 3.0)\n"
-                                      "        self.assertEqual(mean([5]), 5.0)\n"},
-     "fix": "sed -i 's/(len(xs) - 1)/len(xs)/' stats.py"},
+    _task("calc-add", "add(2, 3) returns -1 instead of 5.", "calc", "def add(a, b):\n    return a - b\n", "add",
+          ["add(2, 3), 5", "add(-1, 1), 0"], "sed -i 's/a - b/a + b/' calc.py"),
+    _task("shout-upper", "shout('hi') should return 'HI!' but returns 'hi!'.", "text",
+          "def shout(s):\n    return s.lower() + '!'\n", "shout", ["shout('hi'), 'HI!'"],
+          "sed -i 's/s.lower()/s.upper()/' text.py"),
+    _task("mean-divisor", "mean([2, 4]) returns 6.0 instead of 3.0.", "stats",
+          "def mean(xs):\n    return sum(xs) / (len(xs) - 1)\n", "mean", ["mean([2, 4]), 3.0", "mean([5]), 5.0"],
+          "sed -i 's/(len(xs) - 1)/len(xs)/' stats.py"),
 ]
 TEST = "python3 -m unittest discover -s tests -t . -q"
 
