@@ -3,7 +3,9 @@
 ``python -m agentrl.engines.reaper -- CMD...`` starts CMD in a new process group and waits.
 The reaper asks the kernel for SIGTERM when its parent dies (PR_SET_PDEATHSIG), so an engine
 never outlives the serve process that launched it, even after ``kill -9`` of serve. On SIGTERM or
-SIGINT it forwards SIGTERM to the group, waits a grace period, then SIGKILLs the group.
+SIGINT it forwards SIGTERM to the group, waits a grace period, then SIGKILLs the group. Its exit
+code is the child's, or 128 + N when a signal N killed the child (as a shell reports it), so whoever
+launched it can tell a ``kill -9`` (137) from an error exit.
 """
 
 from __future__ import annotations
@@ -61,7 +63,7 @@ def main(argv: list[str]) -> int:
             os.killpg(child.pid, signal.SIGKILL)  # the engine died: leave none of its children
         except ProcessLookupError:
             pass
-    return code
+    return code if code >= 0 else 128 - code
 
 
 if __name__ == "__main__":

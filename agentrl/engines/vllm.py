@@ -144,7 +144,12 @@ class VLLMEngine:
         return self.proc.pid if self.proc else None
 
     def launch(self) -> None:
-        """Spawn the process (from the calling thread: keep it the main thread, see reaper)."""
+        """Spawn the process (from the calling thread: keep it the main thread, see reaper). Called
+        again after the process exited, it relaunches the engine with the same spec (same port)."""
+        if self.proc is not None:
+            if self.proc.poll() is None:
+                raise RuntimeError(f"engine on port {self.spec.port} is still running (pid {self.proc.pid})")
+            _LIVE.discard(self.proc)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         logf = open(self.log_path, "ab")  # noqa: SIM115 - the child owns it
         self._log_start = logf.tell()  # an earlier run's lines are not this start-up's
