@@ -38,7 +38,7 @@ class FakeProc:
 
 
 class FakeEngine:
-    """Stands in for VLLMEngine: ``kill()`` ends its process; ``start`` fails ``fail_starts`` times,
+    """Stands in for VLLMEngine: ``die()`` ends its process (as a kill -9 would); ``start`` fails ``fail_starts`` times,
     and otherwise lets the pool re-admit it (as the pool's health check does after on_rejoin)."""
 
     def __init__(self, member: Any, fail_starts: int = 0) -> None:
@@ -49,33 +49,34 @@ class FakeEngine:
         self.fail_starts = fail_starts
         self.launches: list[float] = []  # monotonic times of each relaunch
         self.stops = 0
-        self.healthy = True  # what /health answers while the process runs
+        self.healthy = True  # whether /health answers (200) while the process runs
+        self.health_status: int | None = None  # a status /health answers instead (503: engine core dead)
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.returncode is None
 
-    def kill(self, code: int = 137) -> None:
+    def die(self, code: int = 137) -> None:
         assert self.proc is not None
         self.proc.returncode = code
 
     def launch(self) -> None:
         assert not self.alive(), "relaunched while its old process lives"
         self.proc = FakeProc()
-        self.healthy = True
+        self.healthy, self.health_status = True, None
         self.launches.append(time.monotonic())
 
     async def start(self, timeout_s: float) -> None:
         await asyncio.sleep(0.01)
         if self.fail_starts:
             self.fail_starts -= 1
-            self.kill(1)
+            self.die(1)
             raise EngineStartError("engine on port 18599 exited with code 1")
         self.member.healthy = True
 
-    def stop(self) -> None:
+    def kill(self) -> None:  # VLLMEngine.kill: the whole process group, at once
         self.stops += 1
         if self.alive():
-            self.kill(143)
+            self.die(137)
 
 
 class StubPool:
@@ -89,8 +90,9 @@ class StubPool:
         member.healthy = False
         self.downs.append((member.name, why))
 
-    async def answers(self, member: Any) -> bool:
-        return self.fakes[self.engines.index(member)].healthy
+    async def health(self, member: Any) -> int | None:
+        fake = self.fakes[self.engines.index(member)]
+        return fake.health_status if fake.health_status is not None else (200 if fake.healthy else None)
 
 
 def supervised(n: int = 1, fail_starts: int = 0, **policy: Any) -> tuple[Supervisor, StubPool, list[FakeEngine]]:
@@ -128,7 +130,7 @@ def test_a_dead_engine_is_taken_out_at_once_relaunched_after_its_back_off_and_re
         try:
             await asyncio.sleep(0.05)
             killed = time.monotonic()
-            engine.kill(137)
+            engine.die(137)
             await until(lambda: not pool.engines[0].healthy)
             assert time.monotonic() - killed < 1.0  # out of the pool well before the relaunch
             assert sup.status()[0]["state"] == "restarting"
@@ -148,7 +150,7 @@ def test_relaunches_in_a_row_are_bounded_and_then_the_engine_is_failed() -> None
     async def go() -> None:
         sup, pool, (engine,) = supervised(fail_starts=99, max_restarts=3, backoff_s=0.05)
         try:
-            engine.kill(137)
+            engine.die(137)
             await asyncio.wait_for(sup.wait_all_failed(), 20)
             st = sup.status()[0]
             assert st["state"] == "failed" and st["restarts"] == 3
@@ -168,11 +170,11 @@ def test_one_failed_engine_of_two_leaves_serve_serving_and_zero_restarts_means_n
     async def go() -> None:
         sup, pool, (a, b) = supervised(n=2, max_restarts=0)
         try:
-            a.kill(1)
+            a.die(1)
             await until(lambda: sup.status()[0]["state"] == "failed")
             assert a.launches == [] and sup.status()[1]["state"] == "up" and pool.engines[1].healthy
             assert not sup._all_failed.is_set()
-            b.kill(1)
+            b.die(1)
             await asyncio.wait_for(sup.wait_all_failed(), 20)
         finally:
             await sup.stop()
@@ -184,12 +186,12 @@ def test_an_engine_that_stays_up_starts_a_new_row_of_relaunches() -> None:
     async def go() -> None:
         sup, pool, (engine,) = supervised(max_restarts=1, stable_s=0.3)
         try:
-            engine.kill(137)
+            engine.die(137)
             await until(lambda: sup.status()[0]["restarts"] == 1 and sup.status()[0]["state"] == "up")
             await until(lambda: sup.watches[0].streak == 0)  # up for stable_s
-            engine.kill(137)
+            engine.die(137)
             await until(lambda: sup.status()[0]["restarts"] == 2 and sup.status()[0]["state"] == "up")
-            engine.kill(137)  # again at once: the row is full (max_restarts = 1)
+            engine.die(137)  # again at once: the row is full (max_restarts = 1)
             await asyncio.wait_for(sup.wait_all_failed(), 20)
             assert sup.status()[0]["restarts"] == 2
         finally:
@@ -214,10 +216,25 @@ def test_a_running_engine_whose_health_keeps_failing_is_killed_and_relaunched() 
     asyncio.run(go())
 
 
+def test_an_engine_whose_health_answers_503_is_relaunched_at_once() -> None:
+    async def go() -> None:
+        sup, pool, (engine,) = supervised(unhealthy_s=3600.0)
+        try:
+            await asyncio.sleep(0.05)
+            engine.health_status = 503  # vLLM: its engine core died, the API server still answers
+            await until(lambda: not pool.engines[0].healthy, timeout_s=2.0)
+            await until(lambda: sup.status()[0]["restarts"] == 1 and sup.status()[0]["state"] == "up")
+            assert engine.stops == 1 and "engine core is dead" in sup.status()[0]["last_death"]
+        finally:
+            await sup.stop()
+
+    asyncio.run(go())
+
+
 def test_nothing_is_relaunched_once_supervision_stops() -> None:
     async def go() -> None:
         sup, pool, (engine,) = supervised(backoff_s=0.2)
-        engine.kill(137)
+        engine.die(137)
         await until(lambda: sup.status()[0]["state"] == "restarting")
         await sup.stop()  # serve shuts down during the back-off
         await asyncio.sleep(0.4)
@@ -344,10 +361,10 @@ def _gone(proc: Any, timeout_s: float = 30.0) -> bool:
     return False
 
 
-def _recover(serve: ServeProcess, restarts: int) -> tuple[float, list[str]]:
-    """Seconds from now until the engine is back in the pool with ``restarts`` relaunches, and the
-    states the status showed on the way."""
-    t0, states = time.monotonic(), []
+def _recover(serve: ServeProcess, restarts: int, t0: float) -> tuple[float, list[str]]:
+    """Seconds from ``t0`` (the kill) until the engine is back in the pool with ``restarts``
+    relaunches, and the states the status showed on the way."""
+    states: list[str] = []
     while True:
         assert time.monotonic() - t0 < RECOVERY_DEADLINE_S, f"not back after {RECOVERY_DEADLINE_S} s: {states[-5:]}"
         assert serve.proc.poll() is None, serve.out.read_text()[-3000:]
@@ -394,7 +411,7 @@ def test_a_kill_9_of_the_engines_api_server_is_relaunched_and_serves_the_current
     assert serve.status()["engines"][0]["version"] == 1
     procs = serve.engine_processes()
     procs["api"].send_signal(signal.SIGKILL)
-    recovery_s, states = _recover(serve, restarts=1)
+    recovery_s, states = _recover(serve, restarts=1, t0=time.monotonic())
     print(f"\nengine back {recovery_s:.1f} s after kill -9 of its API server", file=sys.stderr)
     assert "restarting" in states  # out of the pool, and said so, while it was down
     assert all(_gone(p) for p in procs["all"]), "a process of the killed engine is left"
@@ -414,7 +431,7 @@ def test_a_kill_9_of_the_engines_api_server_is_relaunched_and_serves_the_current
 
 
 @pytest.mark.vllm
-def test_a_kill_9_of_the_engine_core_alone_ends_the_api_server_and_the_engine_is_relaunched(
+def test_a_kill_9_of_the_engine_core_alone_is_seen_and_the_engine_is_relaunched(
         serve_process: ServeProcess, tiny_tools_model: str) -> None:
     serve = serve_process
     if serve.status()["version"] < 1:  # run alone: the first test did not publish
@@ -422,11 +439,15 @@ def test_a_kill_9_of_the_engine_core_alone_ends_the_api_server_and_the_engine_is
     restarts = serve.status()["engines"][0]["restarts"]
     procs = serve.engine_processes()
     procs["core"].send_signal(signal.SIGKILL)
-    # vLLM 0.32: /health answers 503 at once; the API server's watchdog ends it within about 5 s
+    t0 = time.monotonic()
+    # vLLM 0.32 keeps its API server up answering /health with 503, and its watchdog ends the
+    # server about 5 s later; serve acts on the 503 (or on the exit, whichever it sees first).
     assert _gone(procs["api"], 60), "the API server stayed up after its engine core died"
-    recovery_s, states = _recover(serve, restarts=restarts + 1)
-    print(f"\nengine back {recovery_s:.1f} s after its API server exited (engine core killed)", file=sys.stderr)
+    recovery_s, states = _recover(serve, restarts=restarts + 1, t0=t0)
+    print(f"\nengine back {recovery_s:.1f} s after kill -9 of its engine core", file=sys.stderr)
     assert "restarting" in states
     assert all(_gone(p) for p in procs["all"])
+    log = serve.out.read_text()
+    assert "died: its engine core is dead (/health answers 503)" in log or "died: its process exited" in log
     record = serve.chat("after-core")
     assert set(record["completions"][0]["versions"]) == {1}

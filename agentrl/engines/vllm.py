@@ -226,6 +226,20 @@ class VLLMEngine:
         _stop(proc, timeout_s)
         _LIVE.discard(proc)
 
+    def kill(self, timeout_s: float = 10.0) -> None:
+        """Kill the engine's whole process group at once, no grace (an engine that is being replaced:
+        e.g. its engine core died, and vLLM's own shutdown could take the reaper's whole grace)."""
+        proc = self.proc
+        if proc is None:
+            return
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGUSR1)  # the reaper SIGKILLs the group, then exits
+            try:
+                proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                _stop(proc, 30.0)
+        _LIVE.discard(proc)
+
 
 def _stop(proc: subprocess.Popen, timeout_s: float) -> None:
     if proc.poll() is None:

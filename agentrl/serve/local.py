@@ -7,10 +7,10 @@ reaper's parent-death signal follows the thread that spawned it, so a relaunch f
 thread would die with that thread.
 
 Supervision (:class:`Supervisor`), once the engines are up and in the pool: a watcher per engine
-sees its process exit (``kill -9`` of vLLM's API server; or of its engine core, after which vLLM
-0.32's API server exits by itself within about 5 s) or its ``/health`` fail for
-``engine.unhealthy_restart_s`` while the process runs (a wedged or dead engine core under a server
-that stays up). Then it
+sees its process exit (``kill -9`` of vLLM's API server), its ``/health`` answer 503 (vLLM 0.32's
+answer once its engine core died: within about a second of a ``kill -9`` of the engine core; the
+API server would exit by itself about 5 s later) or its ``/health`` fail for
+``engine.unhealthy_restart_s`` while the process runs (a server that stopped answering). Then it
 
 1. logs the death and takes the engine out of the pool at once (calls go to the other engines or
    fail as with none; affinities to it are dropped);
@@ -45,7 +45,8 @@ log = logging.getLogger(__name__)
 STABLE_S = 600.0  # an engine up this long after a relaunch starts a new row of relaunches
 MAX_BACKOFF_S = 300.0
 POLL_S = 0.5  # how often a watcher looks at its process
-PROBE_S = 2.0  # how often it probes /health (only with engine.unhealthy_restart_s)
+PROBE_S = 1.0  # how often it probes /health
+DEAD_STATUS = 503  # vLLM's /health once its engine core is dead (EngineDeadError), never for a passing moment
 
 
 class EngineFailed(EngineStartError):
@@ -95,9 +96,9 @@ def exit_reason(code: int | None) -> str:
 class Supervisor:
     """Watches ``engines`` (each the process behind ``pool.engines[i]``) and relaunches dead ones.
 
-    ``engines`` need ``alive()``, ``launch()``, ``await start(timeout_s)``, ``stop()``, ``proc``,
+    ``engines`` need ``alive()``, ``launch()``, ``await start(timeout_s)``, ``kill()``, ``proc``,
     ``spec.port`` and ``url`` (:class:`~agentrl.engines.vllm.VLLMEngine`); ``pool`` needs
-    ``engines``, ``mark_down``, ``answers`` and ``version`` (:class:`~agentrl.router.pool.EnginePool`).
+    ``engines``, ``mark_down``, ``health`` and ``version`` (:class:`~agentrl.router.pool.EnginePool`).
     """
 
     def __init__(self, engines: list[Any], pool: Any, policy: RestartPolicy) -> None:
@@ -135,11 +136,14 @@ class Supervisor:
             why = ""
             if not engine.alive():
                 why = exit_reason(engine.proc.returncode if engine.proc is not None else None)
-            elif self.policy.unhealthy_s and now >= next_probe:
+            elif now >= next_probe:
                 next_probe = now + PROBE_S
-                if await self.pool.answers(member):
+                status = await self.pool.health(member)
+                if status == 200:
                     last_ok = now
-                elif now - last_ok >= self.policy.unhealthy_s:
+                elif status == DEAD_STATUS:  # its engine core is dead: no need to wait for the server to exit
+                    why = f"its engine core is dead (/health answers {status})"
+                elif self.policy.unhealthy_s and now - last_ok >= self.policy.unhealthy_s:
                     why = f"its /health has failed for {now - last_ok:.0f} s while its process runs"
             if not why or self._stopping:
                 continue
@@ -158,8 +162,8 @@ class Supervisor:
                   getattr(engine, "log_path", "its log"), _tail(engine))
         self.pool.mark_down(member, f"engine process: {why}")
         while not self._stopping:
-            if engine.alive():  # a process that answers no more, or a relaunch that never rejoined
-                await asyncio.to_thread(engine.stop)  # its whole process group, before a new one starts
+            if engine.alive():  # a dead engine core, a server that answers no more, a relaunch that never rejoined
+                await asyncio.to_thread(engine.kill)  # its whole process group, before a new one starts
             if 0 <= policy.max_restarts <= watch.streak:
                 watch.state = "failed"
                 log.error("engine %d (port %d) FAILED: %d relaunch(es) in a row did not keep it up (last: %s); "
