@@ -449,5 +449,6 @@ def test_a_kill_9_of_the_engine_core_alone_is_seen_and_the_engine_is_relaunched(
     assert all(_gone(p) for p in procs["all"])
     log = serve.out.read_text()
     assert "died: its engine core is dead (/health answers 503)" in log or "died: its process exited" in log
+    print("\n".join(line[:200] for line in log.splitlines() if " agentrl.serve.local: " in line), file=sys.stderr)
     record = serve.chat("after-core")
     assert set(record["completions"][0]["versions"]) == {1}

@@ -244,9 +244,11 @@ class LocalEngines:
             await self.supervisor.wait_all_failed()
 
     def status(self) -> list[dict[str, Any]]:
-        """Per engine: its supervision state and restarts, and the process id."""
+        """Per engine: its supervision state and restarts, the process id, and while it restarts its
+        start-up phase."""
         watches = self.supervisor.status() if self.supervisor is not None else [{} for _ in self.engines]
-        return [{"pid": e.pid, **w} for e, w in zip(self.engines, watches, strict=True)]
+        return [{"pid": e.pid, **w, **({"phase": e.phase} if w.get("state") == "restarting" else {})}
+                for e, w in zip(self.engines, watches, strict=True)]
 
     async def stop(self) -> None:
         if self.supervisor is not None:  # no relaunch from here on
