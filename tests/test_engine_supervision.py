@@ -243,6 +243,28 @@ def test_nothing_is_relaunched_once_supervision_stops() -> None:
     asyncio.run(go())
 
 
+def test_serve_exits_with_an_error_once_every_engine_it_launched_has_failed(tmp_path: Path) -> None:
+    from agentrl.config import ServeConfig
+    from agentrl.serve import Serve
+    from agentrl.serve.local import EngineFailed
+
+    async def go() -> None:
+        sup, pool, (engine,) = supervised(max_restarts=1, fail_starts=99)
+        serve = Serve(ServeConfig(run_dir=str(tmp_path)))
+        serve.local = SimpleNamespace(wait_all_failed=sup.wait_all_failed)
+        try:
+            waiting = asyncio.create_task(serve.wait())
+            await asyncio.sleep(0.1)
+            assert not waiting.done()  # serving: an engine that is up keeps serve up
+            engine.die(137)
+            with pytest.raises(EngineFailed, match="every engine serve launched has died"):
+                await asyncio.wait_for(waiting, 20)
+        finally:
+            await sup.stop()
+
+    asyncio.run(go())
+
+
 def test_the_restart_fields_are_checked() -> None:
     from agentrl import config as C
 

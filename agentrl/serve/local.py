@@ -183,8 +183,9 @@ class Supervisor:
                 engine.launch()  # on the loop's (main) thread: the reaper dies with serve
                 await engine.start(policy.start_timeout_s)
                 await self._rejoined(member, policy.start_timeout_s)
-            except (EngineStartError, TimeoutError) as e:
-                watch.last_death = f"relaunch {watch.streak} failed: {str(e).splitlines()[0]}"
+            except Exception as e:  # EngineStartError, TimeoutError, or the launch itself (e.g. no fork)
+                first = (str(e).splitlines() or [type(e).__name__])[0]
+                watch.last_death = f"relaunch {watch.streak} failed: {first}"
                 log.error("engine %d (port %d): %s", i, engine.spec.port, watch.last_death)
                 continue
             watch.state = "up"
