@@ -316,6 +316,7 @@ class ServeProcess:
         env = dict(os.environ, AGENTRL_ADMIN_TOKEN=ADMIN, PYTHONUNBUFFERED="1")
         self.proc = subprocess.Popen(cmd, stdout=open(self.out, "wb"), stderr=subprocess.STDOUT, env=env)  # noqa: SIM115
         self.seen: set[int] = set()  # every process serve ever had under it (none may outlive it)
+        self.reference: dict[str, Any] = {}  # version 1's greedy call record
 
     def request(self, method: str, path: str, body: Any = None, timeout_s: float = 60.0) -> tuple[int, Any]:
         import requests
@@ -360,9 +361,10 @@ class ServeProcess:
         self.seen |= {p.pid for p in psutil.Process(self.proc.pid).children(recursive=True)}
 
     def chat(self, session: str) -> dict[str, Any]:
+        """One greedy call in a new session; its call record (token ids, logprobs, versions)."""
         code, body = self.request("POST", f"/sessions/{session}/v1/chat/completions", {
-            "model": "tiny-tools", "max_tokens": 8, "messages": [{"role": "user", "content": "Say something."}]},
-            timeout_s=120)
+            "model": "tiny-tools", "max_tokens": 12, "temperature": 0.0,
+            "messages": [{"role": "user", "content": "Say something about numbers."}]}, timeout_s=120)
         assert code == 200, body
         code, records = self.request("GET", f"/sessions/{session}/records")
         assert code == 200, records
@@ -415,20 +417,47 @@ def serve_process(tmp_path_factory: pytest.TempPathFactory, tiny_tools_model: st
         assert not left, f"processes outlived serve: {left}"
 
 
-def _publish_version_1(serve: ServeProcess, model_dir: str) -> None:
-    """The model's own weights as version 1: every engine reloads them and stamps its tokens 1."""
+def _publish_version_1(serve: ServeProcess, model_dir: str) -> dict[str, Any]:
+    """Publish perturbed weights as version 1 (so an engine that came back with its base weights
+    would answer differently); the greedy call record of version 1, to compare with later."""
+    import torch
+    from safetensors.torch import load_file, save
+
     from agentrl.weights.transfer import publish
 
-    data = (Path(model_dir) / "model.safetensors").read_bytes()
-    result = asyncio.run(publish(data, 1, serve.url, ADMIN))
+    base = serve.chat("probe-base")
+    gen = torch.Generator().manual_seed(1)
+    state = load_file(str(Path(model_dir) / "model.safetensors"))
+    noisy = {k: (t.float() + torch.randn(t.shape, generator=gen) * 0.3 * (t.float().std().item() or 1.0)).contiguous()
+             for k, t in state.items()}
+    result = asyncio.run(publish(save(noisy), 1, serve.url, ADMIN))
     assert result["version"] == 1 and not result["failed"], result
+    v1 = serve.chat("probe-v1")
+    assert set(v1["completions"][0]["versions"]) == {1}
+    assert _answer(v1) != _answer(base), "the perturbed weights answer as the base ones do"
+    serve.reference = v1
+    return v1
+
+
+def _answer(record: dict[str, Any]) -> tuple[list[int], list[float]]:
+    c = record["completions"][0]
+    return c["token_ids"], [round(x, 3) for x in c["logprobs"]]
+
+
+def _same_weights_as_version_1(serve: ServeProcess, session: str) -> None:
+    """A greedy call now gets version 1's tokens and logprobs, each token stamped version 1."""
+    now = serve.chat(session)
+    assert set(now["completions"][0]["versions"]) == {1}
+    ids, lps = now["completions"][0]["token_ids"], now["completions"][0]["logprobs"]
+    ref = serve.reference["completions"][0]
+    assert ids == ref["token_ids"], "the relaunched engine does not serve version 1's weights"
+    assert max(abs(a - b) for a, b in zip(lps, ref["logprobs"], strict=True)) < 1e-3
 
 
 @pytest.mark.vllm
 def test_a_kill_9_of_the_engines_api_server_is_relaunched_and_serves_the_current_version(
         serve_process: ServeProcess, tiny_tools_model: str) -> None:
     serve = serve_process
-    serve.chat("before")
     _publish_version_1(serve, tiny_tools_model)
     assert serve.status()["engines"][0]["version"] == 1
     procs = serve.engine_processes()
@@ -439,8 +468,8 @@ def test_a_kill_9_of_the_engines_api_server_is_relaunched_and_serves_the_current
     assert all(_gone(p) for p in procs["all"]), "a process of the killed engine is left"
     e = serve.status()["engines"][0]
     assert e["version"] == 1 and "signal 9" in e["last_death"] and e["pid"] != procs["reaper"].pid
-    record = serve.chat("after")  # tokens the relaunched engine generated carry the current version
-    assert record["engine"] == "engine-0" and set(record["completions"][0]["versions"]) == {1}
+    # reloaded with the last published weights before it took traffic, and its tokens say so
+    _same_weights_as_version_1(serve, "after")
     log = serve.out.read_text()
     assert "engine 0 (port" in log and "died: its process was killed by signal 9" in log
     deadline = time.monotonic() + 30  # serve_metrics.jsonl gets the restart within its 5 s period
@@ -472,5 +501,4 @@ def test_a_kill_9_of_the_engine_core_alone_is_seen_and_the_engine_is_relaunched(
     log = serve.out.read_text()
     assert "died: its engine core is dead (/health answers 503)" in log or "died: its process exited" in log
     print("\n".join(line[:200] for line in log.splitlines() if " agentrl.serve.local: " in line), file=sys.stderr)
-    record = serve.chat("after-core")
-    assert set(record["completions"][0]["versions"]) == {1}
+    _same_weights_as_version_1(serve, "after-core")
