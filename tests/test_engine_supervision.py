@@ -265,6 +265,32 @@ def test_serve_exits_with_an_error_once_every_engine_it_launched_has_failed(tmp_
     asyncio.run(go())
 
 
+def test_serve_forever_shuts_down_and_raises_when_every_engine_has_failed(monkeypatch: pytest.MonkeyPatch) -> None:
+    from agentrl.config import ServeConfig
+    from agentrl.serve import app
+    from agentrl.serve.local import EngineFailed
+
+    closed: list[bool] = []
+
+    class FailedServe:
+        def __init__(self, cfg: Any) -> None:
+            self.phase = "serving"
+
+        async def start(self) -> None:
+            pass
+
+        async def wait(self) -> None:
+            raise EngineFailed("every engine serve launched has died and failed to come back")
+
+        async def close(self) -> None:
+            closed.append(True)
+
+    monkeypatch.setattr(app, "Serve", FailedServe)
+    with pytest.raises(EngineFailed):
+        asyncio.run(asyncio.wait_for(app.serve_forever(ServeConfig()), 20))
+    assert closed == [True]  # shut down in order first (engines stopped, containers removed)
+
+
 def test_the_restart_fields_are_checked() -> None:
     from agentrl import config as C
 
