@@ -64,3 +64,21 @@ def test_a_sigterm_to_the_reaper_takes_its_whole_group_down(tmp_path):
     reaper.send_signal(signal.SIGTERM)
     reaper.wait(30)
     assert _wait_gone(grandchild, 10), "a grandchild of the engine survived"
+
+
+def test_sigusr1_kills_the_whole_group_at_once_and_a_signal_death_exits_128_plus_n(tmp_path):
+    # the child ignores SIGTERM: a graceful stop would wait out the grace; SIGUSR1 does not wait
+    script = (f"trap '' TERM; echo $$ > {tmp_path}/child.pid; sleep 600 & echo $! > {tmp_path}/grandchild.pid; "
+              "wait")
+    reaper = subprocess.Popen([sys.executable, "-m", "agentrl.engines.reaper", "--", "sh", "-c", script],
+                              env=dict(os.environ, AGENTRL_REAPER_GRACE_S="60"))
+    deadline = time.monotonic() + 30
+    while not (tmp_path / "grandchild.pid").exists() or not (tmp_path / "grandchild.pid").read_text().strip():
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    grandchild = int((tmp_path / "grandchild.pid").read_text())
+    t0 = time.monotonic()
+    reaper.send_signal(signal.SIGUSR1)
+    assert reaper.wait(10) == 128 + signal.SIGKILL
+    assert time.monotonic() - t0 < 5
+    assert _wait_gone(grandchild, 10), "a grandchild of the engine survived"

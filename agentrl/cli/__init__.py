@@ -74,12 +74,16 @@ def cmd_serve(args: argparse.Namespace, extra: list[str]) -> int:
     import asyncio
 
     from agentrl.serve.app import serve_forever
+    from agentrl.serve.local import EngineFailed
 
     try:
         asyncio.run(serve_forever(cfg))
     except KeyboardInterrupt:  # a second Ctrl-C while shutting down
         print(f"agentrl serve: interrupted; kept {cfg.run_dir}", file=sys.stderr, flush=True)
         return 130
+    except EngineFailed as e:  # its engines died and could not be relaunched: nothing left to serve
+        print(f"agentrl serve: {e}", file=sys.stderr, flush=True)
+        return 1
     return 0
 
 

@@ -128,11 +128,13 @@ def format_status(url: str, status: dict[str, Any], before: dict[str, Any] | Non
     lines.append("")
     lines.append(f"engines: {healthy}/{len(engines)} healthy")
     if engines:
-        rows = [[e.get("name", "?"), e.get("url", "?"), _n(e.get("healthy")), _n(e.get("version")),
+        supervised = any("state" in e for e in engines)  # engines serve launched: relaunched when they die
+        rows = [[e.get("name", "?"), e.get("url", "?"), _n(e.get("healthy")),
+                 *([str(e.get("state", "-")), _n(e.get("restarts"))] if supervised else []), _n(e.get("version")),
                  _n(e.get("outstanding")), _n(e.get("served")), _n(e.get("failures")),
                  (e.get("last_error") or "")[:60]] for e in engines]
-        lines += ["  " + r for r in table(["name", "url", "healthy", "version", "in flight", "served",
-                                           "failures", "last error"], rows)]
+        lines += ["  " + r for r in table(["name", "url", "healthy", *(["state", "restarts"] if supervised else []),
+                                           "version", "in flight", "served", "failures", "last error"], rows)]
     lines.append("")
 
     ro = status.get("rollout") or {}

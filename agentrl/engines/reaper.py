@@ -3,7 +3,10 @@
 ``python -m agentrl.engines.reaper -- CMD...`` starts CMD in a new process group and waits.
 The reaper asks the kernel for SIGTERM when its parent dies (PR_SET_PDEATHSIG), so an engine
 never outlives the serve process that launched it, even after ``kill -9`` of serve. On SIGTERM or
-SIGINT it forwards SIGTERM to the group, waits a grace period, then SIGKILLs the group.
+SIGINT it forwards SIGTERM to the group, waits a grace period, then SIGKILLs the group; on SIGUSR1
+it SIGKILLs the group at once (an engine being replaced has nothing left to finish). Its exit
+code is the child's, or 128 + N when a signal N killed the child (as a shell reports it), so whoever
+launched it can tell a ``kill -9`` (137) from an error exit.
 :func:`stop_process` is the launching side's stop (SIGTERM, a wait, SIGKILL).
 """
 
@@ -66,15 +69,24 @@ def main(argv: list[str]) -> int:
         except ProcessLookupError:
             pass
 
+    def kill_now(signum: int, _frame: object) -> None:
+        nonlocal stopping
+        stopping = True
+        try:
+            os.killpg(child.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
+    signal.signal(signal.SIGUSR1, kill_now)
     code = child.wait()
     if not stopping:
         try:
             os.killpg(child.pid, signal.SIGKILL)  # the engine died: leave none of its children
         except ProcessLookupError:
             pass
-    return code
+    return code if code >= 0 else 128 - code
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ import asyncio
 import atexit
 import logging
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -144,7 +145,12 @@ class VLLMEngine:
         return self.proc.pid if self.proc else None
 
     def launch(self) -> None:
-        """Spawn the process (from the calling thread: keep it the main thread, see reaper)."""
+        """Spawn the process (from the calling thread: keep it the main thread, see reaper). Called
+        again after the process exited, it relaunches the engine with the same spec (same port)."""
+        if self.proc is not None:
+            if self.proc.poll() is None:
+                raise RuntimeError(f"engine on port {self.spec.port} is still running (pid {self.proc.pid})")
+            _LIVE.discard(self.proc)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         logf = open(self.log_path, "ab")  # noqa: SIM115 - the child owns it
         self._log_start = logf.tell()  # an earlier run's lines are not this start-up's
@@ -219,6 +225,20 @@ class VLLMEngine:
         if proc is None:
             return
         stop_process(proc, timeout_s)  # the reaper takes the engine's whole group down
+        _LIVE.discard(proc)
+
+    def kill(self, timeout_s: float = 10.0) -> None:
+        """Kill the engine's whole process group at once, no grace (an engine that is being replaced:
+        e.g. its engine core died, and vLLM's own shutdown could take the reaper's whole grace)."""
+        proc = self.proc
+        if proc is None:
+            return
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGUSR1)  # the reaper SIGKILLs the group, then exits
+            try:
+                proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                stop_process(proc, 30.0)
         _LIVE.discard(proc)
 
 

@@ -242,12 +242,17 @@ class EnginePool:
 
     async def answers(self, engine: Engine) -> bool:
         """Whether ``engine`` answers ``GET /health`` with 200 now (within 5 s)."""
+        return await self.health(engine) == 200
+
+    async def health(self, engine: Engine) -> int | None:
+        """The status ``engine`` answers ``GET /health`` with (within 5 s); None when it does not
+        answer. vLLM answers 503 once its engine core is dead, never for a passing moment."""
         assert self._http is not None
         try:
             async with self._http.get(engine.url + "/health", timeout=aiohttp.ClientTimeout(total=5)) as r:
-                return r.status == 200
+                return r.status
         except (TimeoutError, aiohttp.ClientError):
-            return False
+            return None
 
     def status(self) -> list[dict[str, Any]]:
         return [e.status() for e in self.engines]

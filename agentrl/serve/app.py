@@ -130,6 +130,8 @@ class Serve:
         await self.pool.start()
         self.updater = EngineUpdater(self.pool)  # brings engines to a version; rejoins through pool.on_rejoin
         await self.updater.start()  # stamps the engines with the pool's version
+        if self.local is not None:  # a dead engine is relaunched and rejoins at the current version
+            self.local.supervise(self.pool, build.restart_policy(cfg))
         self.router = build.build_router(cfg, self.pool, self.model_path, self.run_dir)
         self.buffer = build.build_buffer(cfg, self.run_dir)
         from agentrl.weights import WeightReceiver
@@ -235,9 +237,13 @@ class Serve:
 
     def status(self) -> dict[str, Any]:
         rollout = self.cluster or self.orchestrator
+        engines = self.pool.status()
+        if self.local is not None:  # supervision: state (up / restarting / failed), restarts, pid
+            for entry, local in zip(engines, self.local.status(), strict=True):
+                entry.update(local)
         return {
             "uptime_s": time.time() - self.started, "version": self.pool.version,
-            "engines": self.pool.status(), "router": dict(self.router.counters),
+            "engines": engines, "router": dict(self.router.counters),
             "rollout": rollout.status() if rollout is not None else {},
             "buffer": self.buffer.stats(),
             "sandbox": self.sandbox_pool.stats() if self.sandbox_pool else None,
@@ -268,12 +274,35 @@ class Serve:
         await self._rollout_task
 
     async def wait(self) -> None:
-        """Until the rollout finishes (max_episodes), then forever: serve keeps serving."""
-        await self.rollout_finished()
-        while True:
-            await asyncio.sleep(3600)
+        """Until the rollout finishes (max_episodes), then forever: serve keeps serving. Raises
+        :class:`~agentrl.serve.local.EngineFailed` when every engine serve launched has failed for
+        good (died, and its relaunches too): with nothing left to serve, serve exits."""
+        async def serving() -> None:
+            await self.rollout_finished()
+            while True:
+                await asyncio.sleep(3600)
+
+        if self.local is None:
+            await serving()
+            return
+        tasks = [asyncio.create_task(serving()), asyncio.create_task(self.local.wait_all_failed())]
+        try:
+            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+            if tasks[0] in done:
+                tasks[0].result()  # the rollout failed: its own error
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        from agentrl.serve.local import EngineFailed
+
+        raise EngineFailed("every engine serve launched has died and failed to come back "
+                           f"(engine.max_restarts = {self.cfg.engine.max_restarts}); see the engine logs in "
+                           f"{self.run_dir / 'logs'}")
 
     async def close(self) -> None:
+        if self.local is not None and self.local.supervisor is not None:  # no relaunch while shutting down
+            await self.local.supervisor.stop()
         if self._starting is not None:
             await self._starting.cleanup()
         for t in (self._rollout_task, self._metrics_task):
@@ -313,8 +342,13 @@ async def serve_forever(cfg: ServeConfig) -> None:
         starting.result()  # a start-up failure is raised here
         waiter = asyncio.create_task(serve.wait())
         await asyncio.wait([waiter, stopper], return_when=asyncio.FIRST_COMPLETED)
+        from agentrl.serve.local import EngineFailed
+
+        failed = waiter.done() and not waiter.cancelled() and isinstance(waiter.exception(), EngineFailed)
         waiter.cancel()
         log.info("shutting down")
+        if failed:
+            raise waiter.exception()  # after the shutdown below: serve exits with the error
     finally:
         stopper.cancel()
         await serve.close()

@@ -52,6 +52,15 @@ def engine_specs(cfg: ServeConfig, model_path: str, api_key: str = "") -> list[E
             for i in range(cfg.engine.count)]
 
 
+def restart_policy(cfg: ServeConfig) -> Any:
+    """How serve relaunches an engine it launched that died (the ``engine`` section's restart fields)."""
+    from agentrl.serve.local import RestartPolicy
+
+    e = cfg.engine
+    return RestartPolicy(max_restarts=e.max_restarts, backoff_s=e.restart_backoff_s, unhealthy_s=e.unhealthy_restart_s,
+                         start_timeout_s=e.start_timeout_s)
+
+
 def build_pool(cfg: ServeConfig, urls: list[str], api_key: str = "") -> EnginePool:
     """The engine pool; ``api_key``: the key of the engines serve launched (none for ``engine.urls``)."""
     from agentrl.router import EnginePool
