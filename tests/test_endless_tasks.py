@@ -15,12 +15,11 @@ import subprocess
 import sys
 import textwrap
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import free_port
+from tests.conftest import free_port, http_get
 
 pytestmark = [pytest.mark.vllm]
 
@@ -40,17 +39,6 @@ ENDLESS = textwrap.dedent('''
         async def reward(self, task, answer):
             return float(task["answer"] in answer)
 ''')
-
-
-def _get(url: str, token: str = "") -> tuple[int, dict]:
-    req = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"} if token else {})
-    try:
-        with urllib.request.urlopen(req, timeout=30) as r:
-            return r.status, json.loads(r.read() or b"{}")
-    except urllib.error.HTTPError as e:
-        return e.code, {}
-    except OSError:  # not listening yet (refused, or reset while the listener comes up)
-        return 0, {}
 
 
 def test_an_endless_task_generator_serves_episodes_and_serve_stays_responsive(tmp_path: Path, vllm_engine) -> None:
@@ -86,12 +74,12 @@ max_staleness = 1
             while len(episodes) < 8 and serve.poll() is None and time.monotonic() < deadline:
                 if (run_dir / "admin_token").exists():
                     token = (run_dir / "admin_token").read_text().strip()
-                    answers.append((_get(f"{base}/health")[0], _get(f"{base}/admin/status", token)[0]))
+                    answers.append((http_get(f"{base}/health")[0], http_get(f"{base}/admin/status", token)[0]))
                 path = run_dir / "episodes.jsonl"
                 episodes = [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
                 time.sleep(0.5)
-            status_code = _get(f"{base}/admin/status", token)[0]
-            health_code = _get(f"{base}/health")[0]
+            status_code = http_get(f"{base}/admin/status", token)[0]
+            health_code = http_get(f"{base}/health")[0]
         finally:
             serve.send_signal(signal.SIGTERM)
             code = serve.wait(timeout=120)

@@ -16,20 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import free_port, start_vllm
+from tests.conftest import free_port, http_get, start_vllm
 
 pytestmark = [pytest.mark.vllm]
-
-
-def _get(url: str, token: str = "") -> tuple[int, dict]:
-    req = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"} if token else {})
-    try:
-        with urllib.request.urlopen(req, timeout=30) as r:
-            return r.status, json.loads(r.read() or b"{}")
-    except urllib.error.HTTPError as e:
-        return e.code, {}
-    except OSError:  # not listening yet
-        return 0, {}
 
 
 class Serve:
@@ -44,7 +33,7 @@ class Serve:
 
     def wait_serving(self, timeout_s: float = 300) -> None:
         deadline = time.monotonic() + timeout_s
-        while _get(f"{self.base}/health")[0] != 200:
+        while http_get(f"{self.base}/health")[0] != 200:
             assert self.proc.poll() is None and time.monotonic() < deadline, self.out.read_text()[-3000:]
             time.sleep(0.5)
 
@@ -79,14 +68,14 @@ port = {port}
             first.wait_serving()
             token = (run_dir / "admin_token").read_text().strip()
             asyncio.run(publish(serialize_state_dict(state), 1, first.base, token))
-            assert _get(f"{first.base}/admin/status", token)[1]["version"] == 1
+            assert http_get(f"{first.base}/admin/status", token)[1]["version"] == 1
         finally:
             assert first.stop() == 0, (tmp_path / "serve1.out").read_text()[-3000:]
 
         second = Serve(config, tmp_path / "serve2.out", port)
         try:
             second.wait_serving()
-            code, status = _get(f"{second.base}/admin/status", token)
+            code, status = http_get(f"{second.base}/admin/status", token)
             body = json.dumps({"model": "tiny-tools", "max_tokens": 4,
                                "messages": [{"role": "user", "content": "What is 2 + 2?"}]}).encode()
             req = urllib.request.Request(f"{second.base}/v1/chat/completions", data=body,
