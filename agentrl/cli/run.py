@@ -103,7 +103,8 @@ def run(cfg: RunConfig) -> int:
     run_dir.mkdir(parents=True, exist_ok=True)
     # Settle the admin token before either side starts: serve reads its file, the learner gets it.
     token = settle_admin_token(cfg.serve.admin_token, cfg.serve.admin_token_file, run_dir)
-    cmd = serve_command(cfg.serve, run_dir)
+    # a fresh run (no learn.resume) starts from the model's weights, whatever the directory holds
+    cmd = serve_command(dataclasses.replace(cfg.serve, restore=cfg.learn.resume), run_dir)
     # the learner on this machine: serve's address and run directory filled in (it asks serve for
     # the batch size and staleness bound, which the buffer section says once)
     learn_cfg = dataclasses.replace(cfg.learn, serve=f"http://{cfg.serve.router.host}:{cfg.serve.router.port}",

@@ -138,7 +138,7 @@ class Serve:
 
         self.weights = WeightReceiver(self.run_dir / "weights", self.updater, max_bytes=weights_cap(self.model_path))
         latest = self.weights.latest_loaded()
-        if latest is not None and latest[0] > self.pool.version:  # a restart: carry on where the run was
+        if cfg.restore and latest is not None and latest[0] > self.pool.version:  # a restart: carry on
             self._phase(f"restoring policy version {latest[0]} from {latest[1]}")
             await self.weights.restore(*latest)
         await self._serve_http()

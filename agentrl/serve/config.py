@@ -49,6 +49,11 @@ class ServeConfig:
     admin_token: str = ""  # control routes; config file only (never --admin_token=); empty: see admin_token_file
     admin_token_file: str = ""  # file holding the token; empty: $AGENTRL_ADMIN_TOKEN(_FILE), run_dir/admin_token, generated
     max_episodes: int = 0  # stop generating after this many episodes (0: no limit)
+    restore: bool = True
+    """On a run directory an earlier serve used, reload the newest weights its engines had loaded
+    (``weights/v<N>``) and carry on at that version before serving: a restarted serve comes back
+    where the run was. ``agentrl run`` sets it from ``learn.resume`` (a fresh run starts from the
+    model's own weights)."""
     endpoint_only: bool = False
     """Serve the OpenAI endpoints, sessions and buffer for external clients with no agent loops of its
     own (``agentrl serve --endpoint-only``); the environment is then not played here."""
