@@ -85,6 +85,7 @@ class Buffer:
         self._leases: dict[str, Lease] = {}
         self._closed = Bounded(cfg.remember_ids)
         self._terminal = Bounded(cfg.remember_ids)  # sample id -> "consumed" | "dropped:<reason>"
+        self._group_episodes = Bounded(cfg.remember_ids)  # group id -> the episode ids it has sent
         self._acked = Bounded(cfg.remember_ids)
         self._produced = 0
         self._consumed = 0
@@ -295,6 +296,11 @@ class Buffer:
 
     def _store(self, e: Entry) -> None:
         self._entries[e.sample_id] = e
+        episodes = self._group_episodes.get(e.group_id)
+        if episodes is None:
+            self._group_episodes.add(e.group_id, [e.episode_id])
+        elif e.episode_id not in episodes:
+            episodes.append(e.episode_id)
         self._produced += 1
         self._live_bytes += len(e.payload) + HEADER_BYTES
         if 0 <= e.min_version < self._version_floor:
@@ -528,7 +534,7 @@ class Buffer:
         return {"produced": self._produced - len(self._entries), "consumed": self._consumed,
                 "dropped": dict(self._dropped), "staleness": {str(k): v for k, v in self._staleness.items()},
                 "closed": list(self._closed), "terminal": list(self._terminal.items()),
-                "acked": list(self._acked)}
+                "acked": list(self._acked), "group_episodes": list(self._group_episodes.items())}
 
     def _load_state(self, d: dict[str, Any]) -> None:
         self._produced += d["produced"]
@@ -541,6 +547,8 @@ class Buffer:
             self._terminal.add(i, s)
         for b in d["acked"]:
             self._acked.add(b)
+        for g, episodes in d.get("group_episodes", []):  # logs compacted before it was kept: none
+            self._group_episodes.add(g, list(episodes))
 
     def _maybe_compact(self) -> None:
         # Not while a put is between writing its records and admitting them: the rewrite would
@@ -557,6 +565,15 @@ class Buffer:
         log.info("buffer: compacted log from %d to %d bytes", size, self._log.size)
 
     # ------------------------------------------------------------------ observation
+
+    async def group_progress(self, group_id: str) -> int:
+        """How many of a group's episodes the buffer took (pending, served, consumed or dropped), or
+        the group size once the group is closed (served, past its deadline, dropped): what a
+        resumed rollout need not play again. Known for the last ``remember_ids`` groups, across
+        restarts."""
+        if group_id in self._closed:
+            return self.cfg.group_size
+        return len(self._group_episodes.get(group_id) or ())
 
     def stats(self) -> dict[str, Any]:
         pending = len(self._entries)

@@ -9,7 +9,10 @@ scaffold: the orchestrator does not know which); finished episodes go to a
 directory.
 
 Tasks are drawn lazily from the environment's train split and the split is read again when it
-runs out, so a task source may be huge or endless and memory stays bounded. Episodes that failed
+runs out, so a task source may be huge or endless and memory stays bounded. With a
+:class:`~agentrl.rollout.frontier.TaskFrontier` (serve's run directory) a restart carries on
+where the last run stopped: no task skipped, none played twice, and each group that was in flight
+finished with only the episodes the buffer does not have. Episodes that failed
 at an infrastructure boundary (model, transport, sandbox: :data:`agentrl.errors.INFRASTRUCTURE`)
 make it back off before starting more, whoever played them.
 
@@ -22,6 +25,7 @@ weights (``policy_version``), and only then start the next batch.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import logging
 import time
@@ -33,6 +37,7 @@ from typing import Any
 from agentrl.env import make
 from agentrl.errors import INFRASTRUCTURE
 from agentrl.rollout.episode import EpisodeResult
+from agentrl.rollout.frontier import TaskFrontier
 from agentrl.rollout.protocols import BufferSink, EpisodeProducer
 
 log = logging.getLogger(__name__)
@@ -55,7 +60,8 @@ class Orchestrator:
                  env_config: dict[str, Any] | None = None, group_size: int, max_concurrency: int,
                  run_dir: Path | None = None, max_episodes: int = 0, sync: bool = False, batch_size: int = 0,
                  policy_version: Callable[[], int] | None = None,
-                 episode_log: Callable[[dict[str, Any]], Any] | None = None) -> None:
+                 episode_log: Callable[[dict[str, Any]], Any] | None = None,
+                 frontier: TaskFrontier | None = None) -> None:
         """``episode_log``: also given each finished episode's summary line (a rollout worker on
         another machine sends them to serve's ``episodes.jsonl``). ``policy_version``: the version
         the engines serve (the sync baseline waits for it to move)."""
@@ -75,6 +81,9 @@ class Orchestrator:
         self._tasks: set[asyncio.Task] = set()
         self._started = 0
         self._infra_failures = 0  # consecutive episodes that failed at an infrastructure boundary
+        self.frontier = frontier  # needs a sink with group_progress (serve's own buffer)
+        self._cursor = 0  # index in the task stream of the next task drawn
+        self.resumed = {"groups": 0, "episodes": 0}
 
     @property
     def started(self) -> int:
@@ -87,6 +96,10 @@ class Orchestrator:
 
     async def run(self) -> None:
         tasks = task_stream(self.env_name, self.env_config)
+        if self.frontier is not None:
+            self._cursor = self.frontier.cursor
+            tasks = itertools.islice(tasks, self._cursor, None)  # what earlier runs drew is not drawn again
+            await self._resume_open_groups()
         try:
             if self.sync:
                 await self._run_sync(tasks)
@@ -99,7 +112,7 @@ class Orchestrator:
                 if self._infra_failures:
                     # No engine (or every call failing): back off instead of churning out failed episodes.
                     await asyncio.sleep(min(10.0, 0.1 * 2 ** min(self._infra_failures, 7)))
-                self._start_group(next(tasks))
+                self._start_group(self._draw(tasks))
                 await asyncio.sleep(0)  # let the new episodes (and HTTP handlers) run
             if self._tasks:
                 await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -115,7 +128,7 @@ class Orchestrator:
         while not self.max_episodes or self._started < self.max_episodes:
             version = self.policy_version()
             # the barrier: the slowest episode decides
-            await asyncio.gather(*(self._start_group(next(tasks)) for _ in range(groups)))
+            await asyncio.gather(*(self._start_group(self._draw(tasks)) for _ in range(groups)))
             t0 = time.monotonic()
             while self.policy_version() <= version:  # the learner trains, then the engines reload
                 await asyncio.sleep(0.02)
@@ -123,21 +136,46 @@ class Orchestrator:
                     log.info("sync rollout: waiting for the learner to publish version %d", version + 1)
                     t0 = time.monotonic()
 
-    def _start_group(self, task: dict[str, Any]) -> asyncio.Task:
-        group_id = f"{task.get('id', 'task')}-{uuid.uuid4().hex[:8]}"
+    def _draw(self, tasks: Iterator[dict[str, Any]]) -> tuple[int, dict[str, Any]]:
+        index, self._cursor = self._cursor, self._cursor + 1
+        return index, next(tasks)
+
+    async def _resume_open_groups(self) -> None:
+        """Start again the groups an earlier run left open, each with the episodes the buffer lacks."""
+        for group_id, (index, task) in list(self.frontier.open.items()):
+            missing = self.group_size - await self.sink.group_progress(group_id)
+            if missing <= 0:
+                self.frontier.finish(group_id)
+                continue
+            self.resumed["groups"] += 1
+            self.resumed["episodes"] += missing
+            log.info("resuming group %s (task %d): %d of %d episode(s) to play", group_id, index, missing,
+                     self.group_size)
+            self._start_group((index, task), group_id, missing)
+
+    def _start_group(self, drawn: tuple[int, dict[str, Any]], group_id: str | None = None,
+                     members: int | None = None) -> asyncio.Task:
+        index, task = drawn
+        members = self.group_size if members is None else members
+        if group_id is None:
+            group_id = f"{task.get('id', 'task')}-{uuid.uuid4().hex[:8]}"
+            if self.frontier is not None:
+                self.frontier.start(group_id, index, task)
         # Count the group as in flight before it runs: admission must see it at once.
-        self.in_flight += self.group_size
-        self._started += self.group_size
-        t = asyncio.create_task(self._group(task, group_id), name=f"group-{group_id}")
+        self.in_flight += members
+        self._started += members
+        t = asyncio.create_task(self._group(task, group_id, members), name=f"group-{group_id}")
         self._tasks.add(t)
         t.add_done_callback(self._tasks.discard)
         return t
 
-    async def _group(self, task: dict[str, Any], group_id: str) -> None:
+    async def _group(self, task: dict[str, Any], group_id: str, members: int) -> None:
         try:
-            await asyncio.gather(*(self._episode(task, group_id) for _ in range(self.group_size)))
+            await asyncio.gather(*(self._episode(task, group_id) for _ in range(members)))
+            if self.frontier is not None:  # only once all its episodes are in the buffer
+                self.frontier.finish(group_id)
         finally:
-            self.in_flight -= self.group_size
+            self.in_flight -= members
 
     async def _episode(self, task: dict[str, Any], group_id: str) -> None:
         ep = await self.producer(task, group_id)
@@ -166,5 +204,8 @@ class Orchestrator:
             self._episode_log(line)
 
     def status(self) -> dict[str, Any]:
-        return {"in_flight": self.in_flight, **self.counters, "failed_by_kind": dict(self.failed_by_kind),
-                "backing_off": self.backing_off}
+        out = {"in_flight": self.in_flight, **self.counters, "failed_by_kind": dict(self.failed_by_kind),
+               "backing_off": self.backing_off}
+        if self.frontier is not None:
+            out["frontier"] = {"cursor": self._cursor, "open_groups": len(self.frontier.open), "resumed": dict(self.resumed)}
+        return out

@@ -140,11 +140,17 @@ def build_producer(cfg: ServeConfig, client: ChatClient, sandbox_pool: Any, *, s
 def build_orchestrator(cfg: ServeConfig, producer: EpisodeProducer, sink: BufferSink, *, run_dir: Path | None = None,
                        max_episodes: int | None = None, max_concurrency: int | None = None,
                        policy_version: Any = None, episode_log: Any = None) -> Orchestrator:
+    from agentrl.rollout.frontier import TaskFrontier
     from agentrl.rollout.orchestrator import Orchestrator
 
     e = cfg.env
+    # serve's own rollout keeps a task frontier beside its buffer (a restart skips and repeats
+    # nothing); rollout workers on other machines share serve's buffer over HTTP and keep none
+    frontier = None
+    if run_dir is not None and hasattr(sink, "group_progress"):
+        frontier = TaskFrontier(run_dir / "rollout_frontier.jsonl", fresh=not cfg.restore)
     return Orchestrator(producer, sink, env_name=e.name, env_config=dict(e.config), group_size=e.group_size,
                         max_concurrency=e.max_concurrency if max_concurrency is None else max_concurrency,
                         run_dir=run_dir, max_episodes=cfg.max_episodes if max_episodes is None else max_episodes,
                         sync=e.mode == "sync", batch_size=cfg.buffer.batch_size, policy_version=policy_version,
-                        episode_log=episode_log)
+                        episode_log=episode_log, frontier=frontier)
