@@ -136,6 +136,9 @@ def test_the_frontier_file_survives_a_torn_line_and_a_fresh_run_forgets_it(tmp_p
     again = TaskFrontier(path)
     assert again.cursor == 2 and list(again.open) == ["g1"] and again.open["g1"] == (1, {"id": "t1"})
     again.close()
+    other = TaskFrontier(path, stream="another environment")  # not this stream's: not resumed
+    assert other.cursor == 0 and not other.open
+    other.close()
     fresh = TaskFrontier(path, fresh=True)
     assert fresh.cursor == 0 and not fresh.open
     fresh.close()

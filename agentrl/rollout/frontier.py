@@ -28,9 +28,12 @@ log = logging.getLogger(__name__)
 class TaskFrontier:
     """Cursor and open groups, durable in ``path``."""
 
-    def __init__(self, path: Path, fresh: bool = False) -> None:
-        """``fresh``: forget what an earlier run of the directory left (a run that does not resume)."""
+    def __init__(self, path: Path, fresh: bool = False, stream: str = "") -> None:
+        """``fresh``: forget what an earlier run of the directory left (a run that does not resume).
+        ``stream`` names the task stream (environment and its config): a file written for another
+        one is not resumed."""
         self.path = path
+        self.stream = stream
         self.cursor = 0  # tasks drawn from the stream so far, by every run of this directory
         self.open: dict[str, tuple[int, dict[str, Any]]] = {}  # group id -> (task index, task)
         if path.exists() and not fresh:
@@ -47,6 +50,10 @@ class TaskFrontier:
                 torn += 1
                 continue
             if "cursor" in rec:
+                if rec.get("stream", "") != self.stream:
+                    log.warning("task frontier %s was kept for another task stream (%r, not %r): starting "
+                                "the stream afresh", self.path, rec.get("stream", ""), self.stream)
+                    return
                 self.cursor = max(self.cursor, int(rec["cursor"]))
             if "start" in rec:
                 self.open[rec["start"]] = (int(rec["index"]), rec["task"])
@@ -61,7 +68,7 @@ class TaskFrontier:
     def _rewrite(self) -> None:
         tmp = self.path.with_name(self.path.name + ".tmp")
         with open(tmp, "w", encoding="utf-8") as f:
-            f.write(json.dumps({"cursor": self.cursor}) + "\n")
+            f.write(json.dumps({"cursor": self.cursor, "stream": self.stream}) + "\n")
             for gid, (index, task) in self.open.items():
                 f.write(json.dumps({"start": gid, "index": index, "task": task}) + "\n")
             f.flush()

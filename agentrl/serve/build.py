@@ -10,6 +10,7 @@ buffer's path and group size, the sandbox image of the environment, the served m
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import secrets
 from pathlib import Path
@@ -148,7 +149,8 @@ def build_orchestrator(cfg: ServeConfig, producer: EpisodeProducer, sink: Buffer
     # nothing); rollout workers on other machines share serve's buffer over HTTP and keep none
     frontier = None
     if run_dir is not None and hasattr(sink, "group_progress"):
-        frontier = TaskFrontier(run_dir / "rollout_frontier.jsonl", fresh=not cfg.restore)
+        stream = json.dumps({"env": e.name, "config": e.config}, sort_keys=True, default=str)
+        frontier = TaskFrontier(run_dir / "rollout_frontier.jsonl", fresh=not cfg.restore, stream=stream)
     return Orchestrator(producer, sink, env_name=e.name, env_config=dict(e.config), group_size=e.group_size,
                         max_concurrency=e.max_concurrency if max_concurrency is None else max_concurrency,
                         run_dir=run_dir, max_episodes=cfg.max_episodes if max_episodes is None else max_episodes,
