@@ -185,3 +185,32 @@ def test_the_router_package_never_imports_the_weights_package() -> None:
             names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
                 [node.module or ""] if isinstance(node, ast.ImportFrom) else []
             assert not [n for n in names if n.startswith("agentrl.weights")], (path.name, names)
+
+
+def test_a_publish_serve_never_answered_is_ridden_out_and_a_refused_one_raises() -> None:
+    from agentrl.learner.source import ServeSource
+
+    class Transport:
+        def __init__(self, error: WeightTransferError) -> None:
+            self.error = error
+
+        async def publish(self, state: dict, version: int) -> dict:
+            raise self.error
+
+    source = ServeSource.__new__(ServeSource)  # only its transport matters here
+    source.transport = Transport(WeightTransferError("connection refused", None, unreachable=True))
+    got = asyncio.run(source.publish({}, 8))  # serve restarting: the learner trains on
+    assert got["unreachable"] and "connection refused" in got["error"]
+    source.transport = Transport(WeightTransferError("413 too large", 413))
+    with pytest.raises(WeightTransferError, match="413"):
+        asyncio.run(source.publish({}, 9))
+
+
+def test_a_publish_to_a_serve_that_is_not_listening_is_marked_unreachable() -> None:
+    from agentrl.weights.transfer import publish
+    from tests.conftest import free_port
+
+    with pytest.raises(WeightTransferError) as err:
+        asyncio.run(publish(b"weights", 1, f"http://127.0.0.1:{free_port()}", "token", attempts=1, timeout_s=10))
+    assert err.value.unreachable and err.value.status is None
+

@@ -113,7 +113,7 @@ class ServeSource:
         return None if batch is None else (batch.batch_id, batch.samples)
 
     async def publish(self, state: dict[str, Any], version: int) -> dict[str, Any]:
-        from agentrl.weights import EnginesFailed
+        from agentrl.weights import EnginesFailed, WeightTransferError
 
         try:
             return await self.transport.publish(state, version)
@@ -122,6 +122,13 @@ class ServeSource:
             # next version is a fresh attempt. Training goes on; the failure is in the metrics.
             log.error("version %d was not loaded by any engine: %s", version, e)
             return {"error": str(e)}
+        except WeightTransferError as e:
+            if not e.unreachable:
+                raise  # serve answered and refused, or the transport cannot work: sending again would not help
+            # serve did not answer (restarting?): the learner rides it out; its next pull waits for
+            # serve and publishes again if serve then serves an older version
+            log.warning("serve did not take version %d (%s); it gets the weights again once it answers", version, e)
+            return {"error": str(e), "unreachable": True}
 
     async def ack(self, batch_id: str) -> bool:
         return await self.client.ack(batch_id)

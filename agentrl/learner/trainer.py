@@ -268,6 +268,8 @@ class Learner:
                 if stats["updated"]:
                     self.version += 1
                     sync = await publish(self.version)
+                    if sync.get("unreachable"):
+                        self._check_serve = True  # the next pull waits for serve and compares versions
                 else:
                     self.guards["steps_not_applied"] += 1
                     self.guards[f"not_applied_{stats['skipped']}"] += 1

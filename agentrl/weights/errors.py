@@ -28,9 +28,10 @@ class WeightSyncError(AgentrlError, RuntimeError):
 class WeightTransferError(WeightSyncError):
     """The learner's weights did not complete their way to serve (transport, checksum or engine failure)."""
 
-    def __init__(self, message: str, status: int | None = None) -> None:
+    def __init__(self, message: str, status: int | None = None, unreachable: bool = False) -> None:
         super().__init__(message)
         self.status = status
+        self.unreachable = unreachable  # serve never answered (down or restarting): worth waiting for
 
 
 class EnginesFailed(WeightTransferError):

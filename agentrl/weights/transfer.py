@@ -402,4 +402,5 @@ async def publish(data: bytes, version: int, serve_url: str, admin_token: str, *
                 log.warning("weight publish attempt %d failed: %s", attempt + 1, e)
                 await asyncio.sleep(1.0 * (attempt + 1))
     raise WeightTransferError(f"could not publish version {version}: {last_error}",
-                              getattr(last_error, "status", None))
+                              getattr(last_error, "status", None),
+                              unreachable=isinstance(last_error, TransportError) and last_error.status is None)
