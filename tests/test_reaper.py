@@ -82,3 +82,22 @@ def test_sigusr1_kills_the_whole_group_at_once_and_a_signal_death_exits_128_plus
     assert reaper.wait(10) == 128 + signal.SIGKILL
     assert time.monotonic() - t0 < 5
     assert _wait_gone(grandchild, 10), "a grandchild of the engine survived"
+
+
+def test_what_a_reaper_killed_with_kill_9_leaves_is_ended_from_its_noted_group(tmp_path):
+    from agentrl.engines.reaper import child_group, kill_group
+
+    script = f"sleep 600 & echo $! > {tmp_path}/grandchild.pid; exec sleep 600"
+    reaper = subprocess.Popen([sys.executable, "-m", "agentrl.engines.reaper", "--", "sh", "-c", script])
+    deadline = time.monotonic() + 30
+    while not (tmp_path / "grandchild.pid").exists() or not (tmp_path / "grandchild.pid").read_text().strip():
+        assert time.monotonic() < deadline, "the reaper did not start its child"
+        time.sleep(0.05)
+    group = child_group(reaper.pid)
+    grandchild = int((tmp_path / "grandchild.pid").read_text())
+    assert group is not None and os.getpgid(grandchild) == group
+    reaper.send_signal(signal.SIGKILL)  # the reaper cannot pass anything on
+    reaper.wait()
+    assert _alive(grandchild)  # another session: it outlives the reaper
+    assert kill_group(group)
+    assert _wait_gone(grandchild, 10)

@@ -7,7 +7,9 @@ SIGINT it forwards SIGTERM to the group, waits a grace period, then SIGKILLs the
 it SIGKILLs the group at once (an engine being replaced has nothing left to finish). Its exit
 code is the child's, or 128 + N when a signal N killed the child (as a shell reports it), so whoever
 launched it can tell a ``kill -9`` (137) from an error exit.
-:func:`stop_process` is the launching side's stop (SIGTERM, a wait, SIGKILL).
+:func:`stop_process` is the launching side's stop (SIGTERM, a wait, SIGKILL). A reaper killed
+with ``kill -9`` cannot pass anything on, so the launching side notes the group with
+:func:`child_group` while the reaper runs and ends what is left with :func:`kill_group`.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 PR_SET_PDEATHSIG = 1
 GRACE_S = float(os.environ.get("AGENTRL_REAPER_GRACE_S", "15"))
@@ -40,6 +43,28 @@ def stop_process(proc: subprocess.Popen, timeout_s: float, kill_wait_s: float = 
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(kill_wait_s)
+
+
+def child_group(reaper_pid: int) -> int | None:
+    """The process group a running reaper leads its command in (the command's pid: it starts a
+    new session), read from /proc; None when it has none (yet)."""
+    try:
+        children = Path(f"/proc/{reaper_pid}/task/{reaper_pid}/children").read_text().split()
+    except OSError:
+        return None
+    return int(children[0]) if children else None
+
+
+def kill_group(pgid: int | None) -> bool:
+    """SIGKILL what is left of a command's process group, e.g. after its reaper itself was killed
+    with ``kill -9`` (the group then outlives it: it is another session). True if any was left."""
+    if pgid is None:
+        return False
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        return False
+    return True
 
 
 def main(argv: list[str]) -> int:

@@ -26,7 +26,7 @@ from typing import Any
 import aiohttp
 
 from agentrl.engines.config import EngineOptions
-from agentrl.engines.reaper import stop_process
+from agentrl.engines.reaper import child_group, kill_group, stop_process
 
 log = logging.getLogger(__name__)
 
@@ -134,6 +134,7 @@ class VLLMEngine:
         self.spec = spec
         self.log_path = Path(log_dir) / f"engine-{spec.port}.log"
         self.proc: subprocess.Popen | None = None
+        self.group: int | None = None  # the engine's process group under its reaper, once it answers
         self.phase, self.phase_since = "not started", time.monotonic()
 
     @property
@@ -151,6 +152,7 @@ class VLLMEngine:
             if self.proc.poll() is None:
                 raise RuntimeError(f"engine on port {self.spec.port} is still running (pid {self.proc.pid})")
             _LIVE.discard(self.proc)
+            self._end_group()  # a reaper killed with -9 leaves its engine running (and on its port)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         logf = open(self.log_path, "ab")  # noqa: SIM115 - the child owns it
         self._log_start = logf.tell()  # an earlier run's lines are not this start-up's
@@ -182,6 +184,7 @@ class VLLMEngine:
                 try:
                     async with http.get(f"{self.url}/health", timeout=aiohttp.ClientTimeout(total=2)) as r:
                         if r.status == 200:
+                            self.group = child_group(self.proc.pid)
                             self.phase, self.phase_since = "ready", time.monotonic()
                             if progress:
                                 _progress.info("engine %d: ready (%.0f s)", self.spec.port, time.monotonic() - t0)
@@ -226,6 +229,7 @@ class VLLMEngine:
             return
         stop_process(proc, timeout_s)  # the reaper takes the engine's whole group down
         _LIVE.discard(proc)
+        self._end_group()
 
     def kill(self, timeout_s: float = 10.0) -> None:
         """Kill the engine's whole process group at once, no grace (an engine that is being replaced:
@@ -240,6 +244,16 @@ class VLLMEngine:
             except subprocess.TimeoutExpired:
                 stop_process(proc, 30.0)
         _LIVE.discard(proc)
+        self._end_group()
+
+    def _end_group(self) -> None:
+        """Kill what is left of the engine's group once its reaper is gone (only a reaper killed
+        with ``kill -9`` leaves anything)."""
+        if self.group is not None and self.proc is not None and self.proc.poll() is not None:
+            if kill_group(self.group):
+                log.warning("engine on port %d: its reaper was killed; ended its process group %d",
+                            self.spec.port, self.group)
+            self.group = None
 
 
 @atexit.register
