@@ -403,4 +403,4 @@ async def publish(data: bytes, version: int, serve_url: str, admin_token: str, *
                 await asyncio.sleep(1.0 * (attempt + 1))
     raise WeightTransferError(f"could not publish version {version}: {last_error}",
                               getattr(last_error, "status", None),
-                              unreachable=isinstance(last_error, TransportError) and last_error.status is None)
+                              unreachable=isinstance(last_error, TransportError) and last_error.retryable)
