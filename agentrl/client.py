@@ -35,6 +35,22 @@ class Answer:
         return json.loads(self.body) if self.body else None
 
 
+def get_json(url: str, token: str = "", timeout_s: float = 30.0) -> tuple[int, dict[str, Any]]:
+    """One blocking GET of a JSON route, for scripts and tests that poll serve: (status, body);
+    status 0 while nothing listens there (refused, or reset while the listener comes up)."""
+    import urllib.error
+    import urllib.request
+
+    req = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"} if token else {})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout_s) as r:
+            return r.status, json.loads(r.read() or b"{}")
+    except urllib.error.HTTPError as e:
+        return e.code, {}
+    except OSError:
+        return 0, {}
+
+
 def error_message(body: bytes) -> str:
     """serve's error message from its one error shape (or the raw text)."""
     try:

@@ -31,11 +31,9 @@ import json
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import time
-import urllib.request
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -43,22 +41,9 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from common import free_port  # noqa: E402 - the benchmarks' folder is on sys.path
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def get(url: str, token: str = "") -> tuple[int, dict]:
-    req = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"} if token else {})
-    try:
-        with urllib.request.urlopen(req, timeout=10) as r:
-            return r.status, json.loads(r.read() or b"{}")
-    except urllib.error.HTTPError as e:
-        return e.code, {}
-    except OSError:
-        return 0, {}
+from agentrl.client import get_json  # noqa: E402
 
 
 class Run:
@@ -107,7 +92,7 @@ class Run:
         return None
 
     def engine_restarts(self) -> int:
-        engines = get(f"{self.url}/admin/status", self.token())[1].get("engines") or [{}]
+        engines = get_json(f"{self.url}/admin/status", self.token())[1].get("engines") or [{}]
         return int(engines[0].get("restarts", 0)) if engines[0].get("state", "up") == "up" else -1
 
     def wait_step_after(self, steps: int, timeout_s: float) -> bool:

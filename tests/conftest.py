@@ -59,23 +59,6 @@ def agentrl_run(run_dir: Path, *settings: str) -> subprocess.CompletedProcess[st
     return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
 
 
-def http_get(url: str, token: str = "") -> tuple[int, dict]:
-    """GET a JSON route: (status, body); status 0 while nothing listens there (refused, or reset
-    while the listener comes up)."""
-    import json
-    import urllib.error
-    import urllib.request
-
-    req = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"} if token else {})
-    try:
-        with urllib.request.urlopen(req, timeout=30) as r:
-            return r.status, json.loads(r.read() or b"{}")
-    except urllib.error.HTTPError as e:
-        return e.code, {}
-    except OSError:
-        return 0, {}
-
-
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -19,7 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import free_port, http_get
+from agentrl.client import get_json
+from tests.conftest import free_port
 
 pytestmark = [pytest.mark.vllm]
 
@@ -74,12 +75,12 @@ max_staleness = 1
             while len(episodes) < 8 and serve.poll() is None and time.monotonic() < deadline:
                 if (run_dir / "admin_token").exists():
                     token = (run_dir / "admin_token").read_text().strip()
-                    answers.append((http_get(f"{base}/health")[0], http_get(f"{base}/admin/status", token)[0]))
+                    answers.append((get_json(f"{base}/health")[0], get_json(f"{base}/admin/status", token)[0]))
                 path = run_dir / "episodes.jsonl"
                 episodes = [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
                 time.sleep(0.5)
-            status_code = http_get(f"{base}/admin/status", token)[0]
-            health_code = http_get(f"{base}/health")[0]
+            status_code = get_json(f"{base}/admin/status", token)[0]
+            health_code = get_json(f"{base}/health")[0]
         finally:
             serve.send_signal(signal.SIGTERM)
             code = serve.wait(timeout=120)

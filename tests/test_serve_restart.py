@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import free_port, http_get, start_vllm
+from agentrl.client import get_json
+from tests.conftest import free_port, start_vllm
 
 pytestmark = [pytest.mark.vllm]
 
@@ -33,7 +34,7 @@ class Serve:
 
     def wait_serving(self, timeout_s: float = 300) -> None:
         deadline = time.monotonic() + timeout_s
-        while http_get(f"{self.base}/health")[0] != 200:
+        while get_json(f"{self.base}/health")[0] != 200:
             assert self.proc.poll() is None and time.monotonic() < deadline, self.out.read_text()[-3000:]
             time.sleep(0.5)
 
@@ -68,14 +69,14 @@ port = {port}
             first.wait_serving()
             token = (run_dir / "admin_token").read_text().strip()
             asyncio.run(publish(serialize_state_dict(state), 1, first.base, token))
-            assert http_get(f"{first.base}/admin/status", token)[1]["version"] == 1
+            assert get_json(f"{first.base}/admin/status", token)[1]["version"] == 1
         finally:
             assert first.stop() == 0, (tmp_path / "serve1.out").read_text()[-3000:]
 
         second = Serve(config, tmp_path / "serve2.out", port)
         try:
             second.wait_serving()
-            code, status = http_get(f"{second.base}/admin/status", token)
+            code, status = get_json(f"{second.base}/admin/status", token)
             body = json.dumps({"model": "tiny-tools", "max_tokens": 4,
                                "messages": [{"role": "user", "content": "What is 2 + 2?"}]}).encode()
             req = urllib.request.Request(f"{second.base}/v1/chat/completions", data=body,
