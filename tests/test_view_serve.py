@@ -111,7 +111,12 @@ def test_serves_view_shows_a_real_episodes_tokens_with_the_trainers_mask_and_ver
                 page.screenshot(path=str(Path(shots) / "serve_view_run.png"), full_page=True)
 
             # the episode with the most turns, preferring one whose tool output came back to the model
-            ep = max(episodes, key=lambda e: (e["info"].get("tool_calls", 0) > 0 and e["turns"] > 1, e["turns"]))
+            # (a tool call in the last turn, or cut by a limit, is never answered in a later call)
+            def sent_back(e: dict[str, Any]) -> bool:
+                records = _lines(run_dir / "sessions" / f"{e['episode_id']}.jsonl")
+                return any(m.get("role") == "tool" for r in records for m in r.get("messages", []))
+
+            ep = max(episodes, key=lambda e: (sent_back(e), e["turns"]))
             mine = [s for s in st.samples if s.episode_id == ep["episode_id"]]
             assert mine
             page.goto(f"{base}/view/episode/{ep['episode_id']}")
@@ -128,7 +133,7 @@ def test_serves_view_shows_a_real_episodes_tokens_with_the_trainers_mask_and_ver
             assert page.locator(".call").count() == ep["turns"]
             if ep["info"].get("tool_calls", 0):
                 assert page.locator(".toolcall").count() >= 1
-            if ep["info"].get("tool_calls", 0) and ep["turns"] > 1:
+            if sent_back(ep):
                 assert page.locator(".msg.tool").count() >= 1  # the sandbox's output, sent back to the model
             page.locator(".tok.t").first.hover()
             assert "logprob" in page.inner_text("#tooltip")
