@@ -27,6 +27,15 @@ def _wait_gone(pid: int, timeout_s: float) -> bool:
     return False
 
 
+def _read_pid(path, timeout_s: float = 30.0) -> int:
+    """The pid a started command writes to ``path``, once it is there."""
+    deadline = time.monotonic() + timeout_s
+    while not path.exists() or not path.read_text().strip():
+        assert time.monotonic() < deadline, "the reaper did not start its child"
+        time.sleep(0.05)
+    return int(path.read_text())
+
+
 def _spawn_owner(tmp_path) -> tuple[subprocess.Popen, int]:
     """A stand-in for serve: launches `sleep` through the reaper, prints the grandchild's pid."""
     script = textwrap.dedent(f"""
@@ -36,12 +45,7 @@ def _spawn_owner(tmp_path) -> tuple[subprocess.Popen, int]:
         time.sleep(600)
     """)
     owner = subprocess.Popen([sys.executable, "-c", script], env=dict(os.environ, AGENTRL_REAPER_GRACE_S="2"))
-    pid_file = tmp_path / "child.pid"
-    deadline = time.monotonic() + 30
-    while not pid_file.exists() or not pid_file.read_text().strip():
-        assert time.monotonic() < deadline, "the reaper did not start its child"
-        time.sleep(0.05)
-    return owner, int(pid_file.read_text())
+    return owner, _read_pid(tmp_path / "child.pid")
 
 
 def test_a_kill_9_of_the_owner_takes_the_engine_down(tmp_path):
@@ -56,11 +60,7 @@ def test_a_sigterm_to_the_reaper_takes_its_whole_group_down(tmp_path):
     script = f"echo $$ > {tmp_path}/child.pid; sleep 600 & echo $! > {tmp_path}/grandchild.pid; wait"
     reaper = subprocess.Popen([sys.executable, "-m", "agentrl.engines.reaper", "--", "sh", "-c", script],
                               env=dict(os.environ, AGENTRL_REAPER_GRACE_S="2"))
-    deadline = time.monotonic() + 30
-    while not (tmp_path / "grandchild.pid").exists() or not (tmp_path / "grandchild.pid").read_text().strip():
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
-    grandchild = int((tmp_path / "grandchild.pid").read_text())
+    grandchild = _read_pid(tmp_path / "grandchild.pid")
     reaper.send_signal(signal.SIGTERM)
     reaper.wait(30)
     assert _wait_gone(grandchild, 10), "a grandchild of the engine survived"
@@ -72,11 +72,7 @@ def test_sigusr1_kills_the_whole_group_at_once_and_a_signal_death_exits_128_plus
               "wait")
     reaper = subprocess.Popen([sys.executable, "-m", "agentrl.engines.reaper", "--", "sh", "-c", script],
                               env=dict(os.environ, AGENTRL_REAPER_GRACE_S="60"))
-    deadline = time.monotonic() + 30
-    while not (tmp_path / "grandchild.pid").exists() or not (tmp_path / "grandchild.pid").read_text().strip():
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
-    grandchild = int((tmp_path / "grandchild.pid").read_text())
+    grandchild = _read_pid(tmp_path / "grandchild.pid")
     t0 = time.monotonic()
     reaper.send_signal(signal.SIGUSR1)
     assert reaper.wait(10) == 128 + signal.SIGKILL
@@ -89,12 +85,8 @@ def test_what_a_reaper_killed_with_kill_9_leaves_is_ended_from_its_noted_group(t
 
     script = f"sleep 600 & echo $! > {tmp_path}/grandchild.pid; exec sleep 600"
     reaper = subprocess.Popen([sys.executable, "-m", "agentrl.engines.reaper", "--", "sh", "-c", script])
-    deadline = time.monotonic() + 30
-    while not (tmp_path / "grandchild.pid").exists() or not (tmp_path / "grandchild.pid").read_text().strip():
-        assert time.monotonic() < deadline, "the reaper did not start its child"
-        time.sleep(0.05)
+    grandchild = _read_pid(tmp_path / "grandchild.pid")
     group = child_group(reaper.pid)
-    grandchild = int((tmp_path / "grandchild.pid").read_text())
     assert group is not None and os.getpgid(grandchild) == group
     reaper.send_signal(signal.SIGKILL)  # the reaper cannot pass anything on
     reaper.wait()
