@@ -17,7 +17,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _one_step(model_path: str, export_dir: str = "") -> dict:
+def _one_step(model_path: str, export_dir: str = "", routed: bool = False) -> dict:
     import torch
 
     from agentrl.config import LearnConfig
@@ -30,8 +30,14 @@ def _one_step(model_path: str, export_dir: str = "") -> dict:
     torch.manual_seed(0)
     cfg = LearnConfig(micro_batch_tokens=64, lr=1e-3, grad_clip=0.0)
     state = build_state(cfg, load_model(model_path, ctx), ctx)
-    stats = train_step(state, make_samples(10, seed=3), cfg, version=1)
-    second = train_step(state, make_samples(10, seed=4), cfg, version=2)
+    if routed:  # an MoE model's samples, each with its recorded experts (tests.test_moe_routing)
+        from tests.test_moe_routing import _routed_samples
+
+        first_batch, second_batch = _routed_samples(10, seed=3), _routed_samples(10, seed=4)
+    else:
+        first_batch, second_batch = make_samples(10, seed=3), make_samples(10, seed=4)
+    stats = train_step(state, first_batch, cfg, version=1)
+    second = train_step(state, second_batch, cfg, version=2)
     # The two gathers the weight transports use (host memory for HTTP; the learner's device, one
     # parameter at a time, for NCCL) give rank 0 the same full weights.
     host = full_state_dict(state.model, ctx)
@@ -43,7 +49,8 @@ def _one_step(model_path: str, export_dir: str = "") -> dict:
     ctx.close()
     return {"loss": stats["loss"], "grad_norm": stats["grad_norm"], "rows": stats["packed_rows"],
             "loss2": second["loss"], "is_mean": stats["is/mean"], "world": ctx.world,
-            "gathered_alike": gathered_alike}
+            "gathered_alike": gathered_alike, "routing_replayed_tokens": stats.get("routing_replayed_tokens"),
+            "routing_disagreement": stats.get("routing_disagreement")}
 
 
 @pytest.mark.slow
@@ -72,7 +79,27 @@ def test_two_fsdp_processes_match_one_process_on_the_same_batch(tiny_model, tmp_
     assert moved > 0  # the trained weights, not the starting ones
 
 
+@pytest.mark.slow
+def test_two_fsdp_processes_replay_an_moe_models_recorded_routing_like_one_process(tmp_path):
+    from agentrl.models import resolve_model
+
+    moe = resolve_model("tiny-moe")
+    single = _one_step(moe, routed=True)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           str(Path(__file__)), moe, "", "routed"]
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, cwd=ROOT)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    sharded = json.loads([x for x in out.stdout.splitlines() if x.startswith("{")][-1])
+    assert sharded["world"] == 2 and single["rows"] > 2
+    # each rank replays the rows it trains; the counts add up to the one process's
+    assert sharded["routing_replayed_tokens"] == single["routing_replayed_tokens"] > 0
+    assert sharded["routing_disagreement"] == pytest.approx(single["routing_disagreement"])
+    for key in ("loss", "grad_norm", "loss2"):
+        assert abs(sharded[key] - single[key]) <= 1e-4 * abs(single[key]), (key, sharded, single)
+
+
 if __name__ == "__main__":
-    result = _one_step(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else "")
+    result = _one_step(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else "", routed=sys.argv[3:] == ["routed"])
     if int(os.environ.get("RANK", "0")) == 0:
         print(json.dumps(result), flush=True)

@@ -24,6 +24,12 @@ Kept counts are long runs too (0 on prompts, top_k on most tokens of a top-k cal
 costs 36 bytes and a truncated token about ``w * top_k`` bytes (top_k 20 on a 49k vocabulary:
 40 bytes a token); a sample without truncation pays a few dozen bytes in all.
 
+A sample with a routing (an MoE model's recorded experts, [n, layers L, k]) is a format-4 record:
+magic "ARS4", the format-3 header followed by three more u32 (L, k, expert-id width rw: 1 for
+uint8 ids, 2 for int16), the format-3 body (its behaviour section only when the kept-id width is
+not 0), then the ids, C order, and a pad to 4. A top-2 routing over 24 MoE layers costs 48 bytes a
+token (uint8 up to 255 experts; 255 or -1 marks a position the engine did not record).
+
 The per-token fields are numpy arrays (``Sample`` guarantees int32/float32): their bytes are
 written as they are (on a little-endian machine, without conversion), and the mask and version
 runs come from one comparison each. Decoding gives writable arrays (one copy out of the record,
@@ -35,8 +41,9 @@ Invariants: ``decode_sample(encode_sample(s))`` equals ``s`` field by field, exc
 round-trip through float32 (rounded to nearest, as a C ``(float)`` cast; a finite value beyond
 float32 becomes +-inf) and a loss mask of bools or floats comes back as 0/1 ints (both done by
 ``Sample`` itself). Records of format 1 (a JSON header; logs written before format 2) and format 2
-(samples without a behaviour, and every record written before format 3) are still read; a sample
-without a behaviour is still written as format 2. Decoding rejects what it does not know with
+(samples without a behaviour, and every record written before format 3) and format 3 are still
+read; a sample without a behaviour or routing is still written as format 2, one with a behaviour
+and no routing as format 3. Decoding rejects what it does not know with
 :class:`CodecError` instead of guessing.
 """
 
@@ -55,17 +62,21 @@ import numpy as np
 from agentrl.buffer.behaviour import PARAMS, Behaviour
 from agentrl.buffer.sample import Sample
 
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4
 BATCH_MAGIC = b"ARB1"
 RECORD_MAGIC = b"ARS2"
 BEHAVIOUR_MAGIC = b"ARS3"  # a format-2 record with a behaviour section
+ROUTING_MAGIC = b"ARS4"  # a format-3 record (its behaviour section optional) with a routing section
 _U32 = struct.Struct("<I")
 _BATCH_HEAD = struct.Struct("<4sI")
 _HEAD = struct.Struct("<4sIIIidB3xIIIII")
 _HEAD3 = struct.Struct("<4sIIIidB3xIIIIIIIII")
+_HEAD4 = struct.Struct("<4sIIIidB3xIIIIIIIIIIII")
 _I32 = np.dtype("<i4")
 _F32 = np.dtype("<f4")
 _U16 = np.dtype("<u2")
+_I16 = np.dtype("<i2")
+_HEADS = {RECORD_MAGIC: (2, _HEAD), BEHAVIOUR_MAGIC: (3, _HEAD3), ROUTING_MAGIC: (4, _HEAD4)}
 _NP = len(PARAMS)
 
 
@@ -169,25 +180,34 @@ def encode_with_prefix(sample: Sample, prefix: bytes = b"") -> tuple[bytes, dict
                           sample.env.encode())
     km, kv = len(mv), len(vv)
     strings = sid + eid + gid + env + rb
-    b = sample.behaviour
+    b, r = sample.behaviour, sample.routing
     tail: tuple[bytes, ...] = ()
-    if b is None:
-        head = _HEAD.pack(RECORD_MAGIC, n, km, kv, min_version, float(sample.reward), bool(sample.truncated),
-                          len(sid), len(eid), len(gid), len(env), len(rb))
-    else:
+    bfields = (0, 0, 0, 0)  # calls, kept-count runs, kept ids, kept-id width: no behaviour section
+    if b is not None:
         cv, cl = _runs(b.kept_counts)
         nk = b.kept_ids.shape[0]
         wide = bool(nk) and (int(b.kept_ids.max()) > 0xFFFF or int(b.kept_ids.min()) < 0)
         ids = _le(b.kept_ids, _I32) if wide else b.kept_ids.astype(_U16)
-        head = _HEAD3.pack(BEHAVIOUR_MAGIC, n, km, kv, min_version, float(sample.reward), bool(sample.truncated),
-                           len(sid), len(eid), len(gid), len(env), len(rb), b.calls, len(cv), nk, 4 if wide else 2)
+        bfields = (b.calls, len(cv), nk, 4 if wide else 2)
         body = ids.tobytes()
         tail = (_le(b.starts, _I32).tobytes(), _le(b.lengths, _I32).tobytes(), _le(b.params, _F32).tobytes(),
                 _pack_ints(cv + cl), body, b"\0" * (-len(body) % 4))
-    pad = b" " * (-len(strings) % 4)  # keeps the arrays 4-byte aligned (the fixed headers are 52 and 68 bytes)
+    fixed = (n, km, kv, min_version, float(sample.reward), bool(sample.truncated),
+             len(sid), len(eid), len(gid), len(env), len(rb))
+    if r is not None:
+        rw = r.dtype.itemsize
+        head = _HEAD4.pack(ROUTING_MAGIC, *fixed, *bfields, r.shape[1], r.shape[2], rw)
+        routed = (r if rw == 1 else _le(r, _I16)).tobytes()
+        tail = (*tail, routed, b"\0" * (-len(routed) % 4))
+        version = 4
+    elif b is not None:
+        head, version = _HEAD3.pack(BEHAVIOUR_MAGIC, *fixed, *bfields), 3
+    else:
+        head, version = _HEAD.pack(RECORD_MAGIC, *fixed), 2
+    pad = b" " * (-len(strings) % 4)  # keeps the arrays 4-byte aligned (the fixed headers are 52, 68 and 80 bytes)
     record = b"".join((prefix, head, strings, pad, _le(sample.token_ids, _I32).tobytes(),
                        _le(sample.logprobs, _F32).tobytes(), _pack_ints(mv + ml + vv + vl), *tail))
-    meta = {"v": 2 if b is None else FORMAT_VERSION, "n": n, "km": km, "kv": kv, "min_version": min_version,
+    meta = {"v": version, "n": n, "km": km, "kv": kv, "min_version": min_version,
             "sample_id": sample.sample_id, "episode_id": sample.episode_id, "group_id": sample.group_id,
             "env": sample.env, "reward": float(sample.reward), "truncated": bool(sample.truncated),
             "error": sample.error, "error_kind": sample.error_kind, "info": sample.info, "timings": sample.timings}
@@ -197,12 +217,12 @@ def encode_with_prefix(sample: Sample, prefix: bytes = b"") -> tuple[bytes, dict
 def _parse(record: bytes | memoryview) -> tuple[dict[str, Any], int]:
     """The header of a record of either format, and the offset of its arrays."""
     magic = bytes(record[:4])
-    if magic in (RECORD_MAGIC, BEHAVIOUR_MAGIC):
-        three = magic == BEHAVIOUR_MAGIC
+    if magic in _HEADS:
+        version, st = _HEADS[magic]
         try:
             (_, n, km, kv, min_version, reward, truncated, lsid, leid, lgid, lenv,
-             lrare, *extra) = (_HEAD3 if three else _HEAD).unpack_from(record, 0)
-            off = (_HEAD3 if three else _HEAD).size
+             lrare, *extra) = st.unpack_from(record, 0)
+            off = st.size
             raw = bytes(record[off : off + lsid + leid + lgid + lenv + lrare])
             strings = raw[: lsid + leid + lgid + lenv].decode()
             rare = json.loads(raw[lsid + leid + lgid + lenv :]) if lrare else {}
@@ -211,15 +231,17 @@ def _parse(record: bytes | memoryview) -> tuple[dict[str, Any], int]:
         if len(raw) != lsid + leid + lgid + lenv + lrare or not isinstance(rare, dict):
             raise CodecError("unreadable sample header: truncated or malformed")
         a, b, c = lsid, lsid + leid, lsid + leid + lgid
-        head = {"v": 3 if three else 2, "n": n, "km": km, "kv": kv, "min_version": min_version,
+        head = {"v": version, "n": n, "km": km, "kv": kv, "min_version": min_version,
                 "sample_id": strings[:a], "episode_id": strings[a:b], "group_id": strings[b:c],
                 "env": strings[c:], "reward": reward, "truncated": bool(truncated),
                 "error": rare.get("error"), "error_kind": rare.get("error_kind"), "info": rare.get("info", {}),
-                "timings": rare.get("timings", {})}
-        if three:
-            head.update(zip(("calls", "kk", "nk", "w"), extra, strict=True))
-            if head["w"] not in (2, 4):
-                raise CodecError(f"sample {head['sample_id']}: kept ids of {head['w']} bytes")
+                "timings": rare.get("timings", {}), "calls": 0, "kk": 0, "nk": 0, "w": 0,
+                "layers": 0, "k": 0, "rw": 0}
+        head.update(zip(("calls", "kk", "nk", "w", "layers", "k", "rw"), extra, strict=False))
+        if head["w"] not in ((2, 4) if version == 3 else (0, 2, 4)) or (head["w"] == 0 and head["calls"] + head["kk"]):
+            raise CodecError(f"sample {head['sample_id']}: kept ids of {head['w']} bytes")
+        if version == 4 and head["rw"] not in (1, 2):
+            raise CodecError(f"sample {head['sample_id']}: expert ids of {head['rw']} bytes")
         if len(strings) != len(raw) - lrare:  # non-ASCII ids: slice by bytes, not characters
             sb = raw[: lsid + leid + lgid + lenv]
             head.update(sample_id=sb[:a].decode(), episode_id=sb[a:b].decode(), group_id=sb[b:c].decode(),
@@ -249,8 +271,10 @@ def decode_sample(record: bytes | memoryview) -> Sample:
     head, off = _parse(record)
     n, km, kv = head["n"], head["km"], head["kv"]
     end = off + 8 * n + 8 * km + 8 * kv
-    calls, kk, nk, w = (head["calls"], head["kk"], head["nk"], head["w"]) if head["v"] == 3 else (0, 0, 0, 0)
-    size = end + ((8 + 4 * _NP) * calls + 8 * kk + w * nk + (-(w * nk) % 4) if head["v"] == 3 else 0)
+    calls, kk, nk, w = head.get("calls", 0), head.get("kk", 0), head.get("nk", 0), head.get("w", 0)
+    behaviour_end = end + ((8 + 4 * _NP) * calls + 8 * kk + w * nk + (-(w * nk) % 4) if w else 0)
+    routed = n * head.get("layers", 0) * head.get("k", 0) * head.get("rw", 0)
+    size = behaviour_end + routed + (-routed % 4)
     if len(record) != size:
         raise CodecError(f"sample {head.get('sample_id')}: record is {len(record)} bytes, expected {size}")
     arr = np.frombuffer(record, dtype=np.uint8, offset=off)
@@ -259,7 +283,12 @@ def decode_sample(record: bytes | memoryview) -> Sample:
     lengths = ints[km : 2 * km].tolist(), ints[2 * km + kv :].tolist()  # few: cheaper in Python than numpy
     if sum(lengths[0]) != n or sum(lengths[1]) != n or min((*lengths[0], *lengths[1], 0)) < 0:
         raise CodecError(f"sample {head['sample_id']}: run lengths do not add up to {n} tokens")
-    behaviour = _decode_behaviour(record, end, n, calls, kk, nk, w, head["sample_id"]) if head["v"] == 3 else None
+    behaviour = _decode_behaviour(record, end, n, calls, kk, nk, w, head["sample_id"]) if w else None
+    routing = None
+    if head["v"] == 4:
+        ids = np.frombuffer(record, dtype=_I16 if head["rw"] == 2 else np.uint8, count=routed // head["rw"],
+                            offset=behaviour_end)
+        routing = ids.reshape(n, head["layers"], head["k"]).astype(np.int16 if head["rw"] == 2 else np.uint8)
     return Sample(
         token_ids=arr[: 4 * n].view(_I32).astype(np.int32),  # astype copies: writable, native order
         loss_mask=np.repeat(mv, ml).astype(np.int32),
@@ -276,6 +305,7 @@ def decode_sample(record: bytes | memoryview) -> Sample:
         info=head["info"],
         timings=head["timings"],
         behaviour=behaviour,
+        routing=routing,
     )
 
 

@@ -41,6 +41,7 @@ from collections import Counter, OrderedDict
 from dataclasses import replace
 from typing import Any
 
+from agentrl.aio import to_the_end
 from agentrl.buffer.codec import (
     Batch,
     CodecError,
@@ -109,7 +110,13 @@ class Buffer:
         """Store samples durably; returns how many were new (known sample ids are ignored).
 
         Put all samples of one episode in one call: group completeness is judged after each call.
+        A put is never left half done: cancelled, it still finishes (its log write may already be
+        under way in a thread) before the cancellation reaches the caller, so what the log holds the
+        buffer serves.
         """
+        return await to_the_end(self._put(samples))
+
+    async def _put(self, samples: list[Sample]) -> int:
         async with self._put_lock:
             fresh: list[Sample] = []
             seen: set[str] = set()

@@ -11,7 +11,8 @@ Invariants: all per-token fields have the same length; ``loss_mask[i] == 1`` exa
 engine generated, and only those tokens carry a behaviour logprob and a policy version
 (``versions[i] == -1`` and ``logprobs[i] == 0.0`` elsewhere). Token ids are the engine's own,
 never re-tokenised text. Two samples are equal when every field is (arrays by value). ``behaviour``
-(:mod:`agentrl.buffer.behaviour`), when present, covers exactly the sample's tokens.
+(:mod:`agentrl.buffer.behaviour`) and ``routing`` (an MoE model's recorded experts), when present,
+cover exactly the sample's tokens.
 """
 
 from __future__ import annotations
@@ -27,6 +28,13 @@ from agentrl.buffer.behaviour import Behaviour
 
 _I32 = np.iinfo(np.int32)
 _INT32, _FLOAT32 = np.dtype(np.int32), np.dtype(np.float32)
+ROUTING_DTYPES = {np.dtype(np.uint8): 255, np.dtype(np.int16): -1}  # routing dtype -> its "not recorded" id
+
+
+def routing_array(tokens: int, layers: int, k: int, wide: bool) -> np.ndarray:
+    """An all-"not recorded" routing array: uint8 ids (up to 255 experts) or int16 (``wide``)."""
+    dtype = np.dtype(np.int16 if wide else np.uint8)
+    return np.full((tokens, layers, k), ROUTING_DTYPES[dtype], dtype=dtype)
 
 
 def int32_array(xs: Any, what: str) -> np.ndarray:
@@ -74,6 +82,9 @@ class Sample:
     info: dict[str, Any] = field(default_factory=dict)
     timings: dict[str, float] = field(default_factory=dict)
     behaviour: Behaviour | None = None  # how each generated token's distribution was formed (None: T=1, full vocabulary)
+    routing: np.ndarray | None = None
+    """MoE models: the experts the engine routed each token through, [tokens, moe layers, k] of
+    uint8 (255: not recorded) or int16 (-1: not recorded); None for a dense model."""
 
     def __post_init__(self) -> None:
         t, m, lp, v = self.token_ids, self.loss_mask, self.logprobs, self.versions
@@ -90,6 +101,12 @@ class Sample:
                 f"sample {self.sample_id}: per-token fields must be 1-D of one length "
                 f"(tokens {t.shape}, mask {m.shape}, logprobs {lp.shape}, versions {v.shape})"
             )
+        r = self.routing
+        if r is not None and not (type(r) is np.ndarray and r.ndim == 3 and r.shape[0] == t.shape[0]
+                                  and r.dtype in ROUTING_DTYPES):
+            raise ValueError(f"sample {self.sample_id}: routing must be a [tokens, layers, k] uint8 or int16 array "
+                             f"over its {t.shape[0]} tokens, not {getattr(r, 'dtype', type(r))} "
+                             f"{getattr(r, 'shape', '')}")
         if self.behaviour is not None and self.behaviour.kept_counts.shape != t.shape:
             raise ValueError(f"sample {self.sample_id}: behaviour covers {self.behaviour.kept_counts.shape[0]} "
                              f"tokens of {t.shape[0]}")
@@ -99,8 +116,8 @@ class Sample:
             return NotImplemented
         for f in fields(self):
             a, b = getattr(self, f.name), getattr(other, f.name)
-            if isinstance(a, np.ndarray):
-                if not np.array_equal(a, b, equal_nan=f.name == "logprobs"):
+            if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+                if a is None or b is None or not np.array_equal(a, b, equal_nan=f.name == "logprobs"):
                     return False
             elif a != b:
                 return False
@@ -123,5 +140,7 @@ class Sample:
         d = {f.name: copy.deepcopy(getattr(self, f.name)) for f in fields(self) if f.name != "behaviour"}
         for k in ("token_ids", "loss_mask", "logprobs", "versions"):
             d[k] = d[k].tolist()
+        if d["routing"] is not None:
+            d["routing"] = d["routing"].tolist()
         d["behaviour"] = self.behaviour.to_dict() if self.behaviour is not None else None
         return d

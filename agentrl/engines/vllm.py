@@ -16,6 +16,7 @@ import atexit
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -76,6 +77,34 @@ class _LogWatch:
 
 class EngineStartError(RuntimeError):
     """The engine process exited or did not become healthy in time."""
+
+
+def port_taken(host: str, port: int) -> bool:
+    """Whether something listens on ``host:port`` already (a socket only in TIME_WAIT does not count)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return True
+    return False
+
+
+async def wait_ports_free(specs: list[EngineSpec], timeout_s: float) -> None:
+    """Until no process listens on any of ``specs``' ports. After ``kill -9`` of serve its engines
+    are still shutting down (their reapers give them a grace period): an engine launched on a port
+    one of them still holds fails to bind, and its health check would be answered by the old one."""
+    deadline, told = time.monotonic() + timeout_s, False
+    while taken := [s.port for s in specs if port_taken(s.host, s.port)]:
+        if time.monotonic() > deadline:
+            raise EngineStartError(f"engine port(s) {taken} still held by another process after {timeout_s:.0f} s "
+                                   f"(`ss -ltnp` names it); stop it, or set engine.base_port to free ports")
+        if not told:
+            _progress.info("engine port(s) %s still held by another process (an earlier engine shutting "
+                           "down?); waiting up to %.0f s", taken, timeout_s)
+            told = True
+        await asyncio.sleep(0.5)
 
 
 @dataclass(kw_only=True)
@@ -250,7 +279,8 @@ class VLLMEngine:
         """Kill what is left of the engine's group once its reaper is gone (only a reaper killed
         with ``kill -9`` leaves anything)."""
         if self.group is not None and self.proc is not None and self.proc.poll() is not None:
-            if kill_group(self.group):
+            # a reaper's own exits are codes >= 0; killed by a signal, it could not end the group
+            if self.proc.returncode < 0 and kill_group(self.group):
                 log.warning("engine on port %d: its reaper was killed; ended its process group %d",
                             self.spec.port, self.group)
             self.group = None

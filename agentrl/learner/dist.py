@@ -206,6 +206,18 @@ def full_state_dict(model: torch.nn.Module, ctx: Dist, *, on_device: bool = Fals
     return {k: v for k, v in sd.items() if k not in skip} if ctx.is_main else {}
 
 
+def checkpoint_layout(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``state`` (the model's module names) in the layout of its checkpoint files, which is what an
+    engine loads: the same for most models; a transformers MoE model holds its experts fused
+    ([experts, ...] tensors) and saves them one by one (``experts.0.gate_proj.weight``, ...), as
+    ``save_pretrained`` does. Empty stays empty (ranks other than 0)."""
+    if not state:
+        return state
+    from transformers.core_model_loading import revert_weight_conversion
+
+    return revert_weight_conversion(model, dict(state))
+
+
 def grad_norm_and_clip(model: torch.nn.Module, max_norm: float) -> float:
     """Global L2 norm of the gradients (over all shards), clipped to ``max_norm`` when positive."""
     params = [p for p in model.parameters() if p.grad is not None]

@@ -15,6 +15,9 @@ Invariants:
   logprobs are of the distribution the engine sampled and equal to each sample's own replay
   whatever it is packed with; a sample without a behaviour, or with neutral sampling, gets plain
   ``log_softmax`` (what ``token_logprobs`` computes), bit for bit.
+- ``routing_replayed`` routes each packed token of an MoE model through the experts its sample
+  recorded (:mod:`agentrl.learner.routing`); tokens without a record, and samples without a
+  routing, are routed by the learner. Routing is per token, so packing does not change it.
 - Packing is a pure function of the token counts: every rank computes the same rows.
 - Logprobs are a log-softmax over fp32 logits (``.float()`` is a no-op for the fp32 logits the
   learner's model produces; under bf16 FSDP its LM head computes in fp32, ``dist.load_model``).
@@ -22,13 +25,17 @@ Invariants:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor
 
+from agentrl.buffer.sample import ROUTING_DTYPES
 from agentrl.learner.replay import RowReplay, replayed_logprobs
+from agentrl.learner.routing import ReplayStats, replay_routing
 
 
 def token_logprobs(model: Any, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
@@ -122,3 +129,38 @@ def packed_logprobs(model: Any, samples: Sequence[Any], device: torch.device | s
         row = replayed_logprobs(logits[0, :-1].float(), ids[0, 1:], plan)
     index, valid = unpack_index([len(s.token_ids) for s in samples], device)
     return torch.where(valid, row[index], torch.zeros((), dtype=row.dtype, device=row.device))
+
+
+def packed_routing(samples: Sequence[Any], device: torch.device | str = "cpu") -> Tensor | None:
+    """The recorded experts of ``samples`` packed into one row, [1, N, moe layers, k] (long; -1 where
+    the learner routes the token itself), or None when no sample has a routing."""
+    shapes = {s.routing.shape[1:] for s in samples if s.routing is not None}
+    if not shapes:
+        return None
+    if len(shapes) > 1:
+        raise ValueError(f"samples recorded routings of different shapes (layers, k): {sorted(shapes)}")
+    (shape,) = shapes
+    row = np.full((sum(len(s.token_ids) for s in samples), *shape), -1, dtype=np.int64)
+    at = 0
+    for s in samples:
+        n = len(s.token_ids)
+        if s.routing is not None:
+            r = s.routing.astype(np.int64)
+            r[s.routing == ROUTING_DTYPES[s.routing.dtype]] = -1  # not recorded
+            row[at : at + n] = r
+        at += n
+    return torch.from_numpy(row).unsqueeze(0).to(device)
+
+
+@contextlib.contextmanager
+def routing_replayed(model: Any, samples: Sequence[Any], device: torch.device | str = "cpu",
+                     stats: ReplayStats | None = None) -> Iterator[None]:
+    """Within the block, a forward pass over ``samples`` packed into one row (and its backward,
+    which recomputes it under activation checkpointing) routes each token through its recorded
+    experts; nothing changes for samples without a routing."""
+    experts = packed_routing(samples, device)
+    if experts is None:
+        yield
+        return
+    with replay_routing(model, experts, stats):
+        yield

@@ -44,7 +44,8 @@ import torch
 from agentrl.learner.batch import Prepared, prepare
 from agentrl.learner.config import LearnConfig
 from agentrl.learner.dist import Dist, grad_norm_and_clip
-from agentrl.learner.packing import pack, packed_logprobs, pad_batch
+from agentrl.learner.packing import pack, packed_logprobs, pad_batch, routing_replayed
+from agentrl.learner.routing import ReplayStats
 
 log = logging.getLogger(__name__)
 
@@ -142,7 +143,9 @@ def _old_logprobs(state: TrainState, prep: Prepared, plan: list[list[list[int]]]
                 if i >= len(mine):
                     _dummy_pass(state, backward=False)
                     continue
-                out[(m, mine[i])] = packed_logprobs(state.model, [prep.samples[j] for j in rows[mine[i]]], ctx.device)
+                mb = [prep.samples[j] for j in rows[mine[i]]]
+                with routing_replayed(state.model, mb, ctx.device):
+                    out[(m, mine[i])] = packed_logprobs(state.model, mb, ctx.device)
     return out
 
 
@@ -158,6 +161,8 @@ def _update(state: TrainState, cfg: LearnConfig, prep: Prepared, rows: list[list
     mine = list(range(ctx.rank, len(rows), ctx.world))
     state.optimizer.zero_grad(set_to_none=True)
     loss_sum, tokens, sequences, bad_ids = 0.0, 0.0, 0.0, []
+    routed = [0, 0, 0]  # MoE routing replay: tokens with a recorded routing, those the learner's own differed
+    # from, and tokens of routed samples without a record (prefix-cache hits, the last sampled token)
     row_stats: list[tuple[float, dict[str, float]]] = []
     for i in range(math.ceil(len(rows) / ctx.world)):
         if i >= len(mine):
@@ -166,16 +171,21 @@ def _update(state: TrainState, cfg: LearnConfig, prep: Prepared, rows: list[list
         idx = rows[mine[i]]
         mb = [prep.samples[j] for j in idx]
         t = pad_batch(mb, state.pad_id, masks=[prep.masks[j] for j in idx])
-        logp = packed_logprobs(model, mb, ctx.device)
-        behaviour = t["behaviour"].to(ctx.device)
-        logp_old = old.get(mine[i])
-        if approx:  # pi_prox at the step's start version, interpolated from this update's logprobs
-            logp_old = approx_proximal_logp(behaviour, logp.detach(), t["versions"].to(ctx.device),
-                                            current_version=version + progress, proximal_version=version)
-        loss, st = compute_loss(**loss_cfg.arguments(), logp=logp, logp_old=logp_old, logp_behaviour=behaviour,
-                                advantages=prep.advantages[idx].to(ctx.device), mask=t["mask"].to(ctx.device),
-                                denominator=1.0)
-        (loss * ctx.world).backward()
+        row_routing = ReplayStats()
+        with routing_replayed(model, mb, ctx.device, row_routing):  # held through backward: a recompute replays too
+            logp = packed_logprobs(model, mb, ctx.device)
+            routed[0] += row_routing.tokens  # read now: a recompute in backward counts again
+            routed[1] += row_routing.tokens_differed
+            routed[2] += sum(len(s.token_ids) for s in mb if s.routing is not None) - row_routing.tokens
+            behaviour = t["behaviour"].to(ctx.device)
+            logp_old = old.get(mine[i])
+            if approx:  # pi_prox at the step's start version, interpolated from this update's logprobs
+                logp_old = approx_proximal_logp(behaviour, logp.detach(), t["versions"].to(ctx.device),
+                                                current_version=version + progress, proximal_version=version)
+            loss, st = compute_loss(**loss_cfg.arguments(), logp=logp, logp_old=logp_old, logp_behaviour=behaviour,
+                                    advantages=prep.advantages[idx].to(ctx.device), mask=t["mask"].to(ctx.device),
+                                    denominator=1.0)
+            (loss * ctx.world).backward()
         value = float(loss.detach())
         if not math.isfinite(value):
             bad_ids += _offending(mb, logp, t)
@@ -184,13 +194,14 @@ def _update(state: TrainState, cfg: LearnConfig, prep: Prepared, rows: list[list
         sequences += float(st.pop("loss/sequences"))
         st.pop("loss/loss")
         row_stats.append((float(t["mask"].sum()) / weight_of, {k: float(v) for k, v in st.items()}))
-    loss_sum, tokens, sequences = ctx.all_reduce_sum([loss_sum, tokens, sequences])
+    loss_sum, tokens, sequences, replayed, differed, own = ctx.all_reduce_sum([loss_sum, tokens, sequences, *routed])
     parts = ctx.all_gather_object((row_stats, bad_ids))
     stats = _merge_stats([p[0] for p in parts])
     bad_ids = [i for p in parts for i in p[1]]
     denominator = _denominator(loss_cfg.agg, tokens, sequences, norm_tokens)
     result: dict[str, Any] = {"stats": stats, "tokens": tokens, "sequences": sequences, "applied": False,
-                              "grad_norm": 0.0, "loss": 0.0, "skipped": None, "offending": bad_ids}
+                              "grad_norm": 0.0, "loss": 0.0, "skipped": None, "offending": bad_ids,
+                              "routing": (replayed, differed, own)}
     if bad_ids or not math.isfinite(loss_sum):
         result["skipped"] = "non_finite_loss"
     elif denominator <= 0:
@@ -267,6 +278,12 @@ def train_step(state: TrainState, samples: Sequence[Any], cfg: LearnConfig, vers
         "tokens_per_s": sum(counted) / max(1e-9, seconds), "step_s": seconds, **stats,
         "loss/tokens": done[0]["tokens"] if done else 0.0, "loss/sequences": done[0]["sequences"] if done else 0.0,
     }
+    once = done[:len(plan)]  # the first epoch's updates: every sample once
+    replayed = sum(u["routing"][0] for u in once)
+    if replayed:  # an MoE model trained through the engines' recorded experts
+        out["routing_replayed_tokens"] = replayed
+        out["routing_own_tokens"] = sum(u["routing"][2] for u in once)  # no record: the learner routed them
+        out["routing_disagreement"] = sum(u["routing"][1] for u in once) / replayed  # tokens whose own routing differed
     if offending:
         out["offending_sample_ids"] = offending
     return out

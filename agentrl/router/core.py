@@ -44,6 +44,7 @@ from agentrl.router.chat_parity import (
     tool_finish_reason,
 )
 from agentrl.router.errors import EngineError, InvalidRequest, NotFound, RouterError
+from agentrl.router.experts import ExpertCapture
 from agentrl.router.metrics import RouterMetrics
 from agentrl.router.pool import Engine, EnginePool, parse_version
 from agentrl.router.render import EngineRenderer, LocalRenderer, Renderer, cap_to_room
@@ -133,7 +134,9 @@ class Router:
             "continued": 0, "splits": 0, "retries": 0, "streams": 0, "streams_aborted": 0,
             "local_renders": 0, "engine_renders": 0, "local_derenders": 0, "engine_derenders": 0,
             "seeds_ignored": 0, "kept_captured": 0, "kept_bounded": 0, "kept_incomplete": 0,
+            "routing_captured": 0, "routing_missing": 0,
         }
+        self.experts: ExpertCapture | None = None  # an MoE model's routed-expert capture (capture_experts)
         self.engine_renderer = EngineRenderer(pool, max_model_len=max_model_len, counters=self.counters)
         self.local: LocalRenderer | None = LocalRenderer.load(
             model_dir, max_model_len=max_model_len, fallback=self.engine_renderer,
@@ -148,6 +151,20 @@ class Router:
         self.max_request_bytes = 6 * self.max_prompt_chars + (1 << 20)
         if sessions_dir is not None:
             sessions_dir.mkdir(parents=True, exist_ok=True)
+
+    async def capture_experts(self) -> None:
+        """Record the routed experts of every recorded call (an MoE model on engines with
+        :mod:`agentrl.engines.routing`): bound on each engine now, and on each engine that rejoins."""
+        if self.experts is None:
+            self.experts = ExpertCapture(self.pool, self.counters)
+        await self.experts.bind_all()
+
+    async def routings(self, prep: Prepared, n: int) -> list[dict[str, Any] | None]:
+        """The routed experts of a recorded call's ``n`` choices (all None when none are captured)."""
+        request_id = prep.gen_req.get("request_id")
+        if self.experts is None or prep.session is None or not request_id:
+            return [None] * n
+        return await self.experts.fetch(prep.engine, request_id, n)
 
     # -- sessions ---------------------------------------------------------------------------------
     def open_session(self, session_id: str | None = None, limits: SessionLimits | None = None,
@@ -388,6 +405,8 @@ class Router:
         prep.sampling = applied(sp)
         if prep.session is None:
             return
+        if self.experts is not None:  # its routing is fetched by this id once it is done
+            prep.gen_req["request_id"] = f"{prep.gen_req.get('request_id') or 'agentrl'}-{uuid.uuid4().hex[:12]}"
         if not neutral(prep.sampling):
             await self._check_processed(prep.engine, prep.prompt_ids, prep.gen_req.get("model"))
         if truncates(prep.sampling):
@@ -434,7 +453,9 @@ class Router:
                 "generate_responses": [shown], "prompt_token_ids": [prep.prompt_ids],
                 "prompt_tokens": [len(prep.prompt_ids)], "completion_request": prep.body})
         comps = []
-        for ch, oc, (_, blank), ks in zip(gen["choices"], out["choices"], stripped, kept, strict=True):
+        routings = await self.routings(prep, len(gen["choices"]))
+        for ch, oc, (_, blank), ks, routing in zip(gen["choices"], out["choices"], stripped, kept, routings,
+                                                   strict=True):
             if blank:
                 blank_text(oc)
             ids = ch.get("token_ids") or []
@@ -442,7 +463,7 @@ class Router:
             lps = [c["logprob"] for c in entries]
             message = oc.get("message") if chat else {"role": "assistant", "content": oc.get("text")}
             comps.append(self.completion_entry(engine, ids, lps, ch.get("weight_versions"),
-                                               ch.get("finish_reason"), ch.get("stop_reason"), message, ks))
+                                               ch.get("finish_reason"), ch.get("stop_reason"), message, ks, routing))
             if chat:
                 oc["finish_reason"] = tool_finish_reason(prep.body, message, oc.get("finish_reason"))
             if own_logprobs:
@@ -480,14 +501,15 @@ class Router:
 
     def completion_entry(self, engine: Engine, ids: list[int], lps: list[float],
                          weight_versions: list[dict[str, Any]] | None, finish_reason: str | None,
-                         stop_reason: Any, message: dict[str, Any], kept: list[list[int]] | None = None) -> Completion:
-        """One choice as captured: exact ids, behaviour logprobs, per-token versions, kept sets."""
+                         stop_reason: Any, message: dict[str, Any], kept: list[list[int]] | None = None,
+                         routing: dict[str, Any] | None = None) -> Completion:
+        """One choice as captured: exact ids, behaviour logprobs, per-token versions, kept sets, routed experts."""
         if len(lps) != len(ids) or (kept is not None and len(kept) != len(ids)):
             raise EngineError(f"engine {engine.name} returned {len(lps)} logprobs "
                               f"({'-' if kept is None else len(kept)} kept sets) for {len(ids)} tokens")
         if finish_reason == "stop" and stop_reason is None and ids:
             self.eos_token_ids.add(ids[-1])
-        return Completion(ids, lps, token_versions(weight_versions, len(ids)), finish_reason, message, kept)
+        return Completion(ids, lps, token_versions(weight_versions, len(ids)), finish_reason, message, kept, routing)
 
     def record(self, prep: Prepared, comps: list[Completion]) -> CallRecord | None:
         """Count the call's tokens and, in a session, write its record (as the call completes)."""

@@ -81,6 +81,9 @@ class EnginePool:
         # traffic: True lets it in; False or an error keeps it out until a later check. The weight
         # updater installs one that loads the current version; None: the engine rejoins as it is.
         self.on_rejoin: Callable[[Engine], Awaitable[bool]] | None = None
+        # Awaited after ``on_rejoin`` let a returning engine in, before it takes traffic (the router's
+        # expert capture binds itself there: a relaunched engine starts without it).
+        self.on_ready: list[Callable[[Engine], Awaitable[None]]] = []
 
     async def start(self) -> None:
         # Keep-alive connections, unbounded in number (a router at 1,024 concurrent calls keeps as
@@ -213,13 +216,14 @@ class EnginePool:
         engine.failed_checks = 0
         if engine.healthy:
             return
-        if self.on_rejoin is not None:
-            try:
-                if not await self.on_rejoin(engine):
-                    return
-            except Exception as e:  # the hook logs its own failures; this is the backstop
-                log.warning("%s answered but could not rejoin: %s", engine.name, e)
+        try:
+            if self.on_rejoin is not None and not await self.on_rejoin(engine):
                 return
+            for ready in self.on_ready:
+                await ready(engine)
+        except Exception as e:  # the hooks log their own failures; this is the backstop
+            log.warning("%s answered but could not rejoin: %s", engine.name, e)
+            return
         engine.healthy = True
         log.info("%s (%s) is back in the pool at version %d", engine.name, engine.url, self.version)
 

@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from agentrl.buffer.behaviour import Behaviour
-from agentrl.buffer.sample import Sample
+from agentrl.buffer.sample import Sample, routing_array
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +82,10 @@ class Completion:
     finish_reason: str | None
     message: dict[str, Any]  # the assistant message returned to the client
     kept: list[list[int]] | None = None  # per token, the ids it was drawn from (truncated calls only)
+    routing: dict[str, Any] | None = None
+    """MoE engines: the experts the engine routed this choice's computed positions through (prompt
+    and generated tokens), as the engine hands them over (:func:`agentrl.engines.routing.decode_experts`
+    reads it); None when not captured."""
 
 
 @dataclass
@@ -193,6 +197,7 @@ class Session:
                 versions = np.full(n, -1, dtype=np.int32)
                 chain: list[int] = []
                 calls: list[tuple[int, int, dict[str, float], list[list[int]] | None]] = []
+                routings: list[dict[str, Any] | None] = []
                 rec, c = leaf, ci
                 while True:
                     chain.append(rec.index)
@@ -205,6 +210,7 @@ class Session:
                     logprobs[start : start + k] = cc.logprobs
                     versions[start : start + k] = cc.versions
                     calls.append((start, k, rec.sampling, cc.kept))
+                    routings.append(cc.routing)
                     if rec.parent is None:
                         break
                     rec, c = by_index[rec.parent], rec.choice
@@ -212,8 +218,26 @@ class Session:
                 out.append(Sample(tokens, mask, logprobs, versions, episode_id=self.session_id,
                                   group_id=str(self.meta.get("group_id", "")), env=str(self.meta.get("env", "")),
                                   reward=0.0, info={"calls": chain[::-1], "finish_reason": comp.finish_reason},
-                                  behaviour=behaviour))
+                                  behaviour=behaviour, routing=chain_routing(n, routings[::-1])))
         return out
+
+
+def chain_routing(n: int, routings: list[dict[str, Any] | None]) -> np.ndarray | None:
+    """A sample's routing over its ``n`` tokens from its chain of calls' captures, first call first:
+    a position computed by several calls keeps the latest one's experts (the ones the latest
+    sampled tokens were conditioned on; an earlier call's tokens may have seen another routing of a
+    position its engine computed again, after a weight update). None when no call captured any."""
+    from agentrl.engines.routing import decode_experts
+
+    captured = [decode_experts(r) for r in routings if r is not None]
+    if not captured:
+        return None
+    _, first = captured[0]
+    out = routing_array(n, first.shape[1], first.shape[2], wide=any(e.dtype != np.uint8 for _, e in captured))
+    for positions, experts in captured:
+        keep = positions < n  # the last sampled token is never computed; positions beyond the sample are not its own
+        out[positions[keep]] = experts[keep]
+    return out
 
 
 def continuation_tail(base_ids: list[int], full_ids: list[int], eos_ids: set[int]) -> list[int] | None:

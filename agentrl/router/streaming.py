@@ -160,7 +160,7 @@ class Stream:
             return
         self._closed = True
         try:
-            self._record()
+            await self._record()
         finally:
             if not self.finished:
                 self.router.counters["streams_aborted"] += 1
@@ -217,9 +217,10 @@ class Stream:
         choice["token_ids"], c.unsent = c.unsent, []
         return self._wrap(choice)
 
-    def _record(self) -> None:
+    async def _record(self) -> None:
         prep, router = self.prep, self.router
         comps = []
+        routings = await router.routings(prep, max(self.choices, default=-1) + 1)
         for i in sorted(self.choices):
             c = self.choices[i]
             lps = c.logprobs[:len(c.ids)] if len(c.logprobs) >= len(c.ids) else c.logprobs
@@ -227,7 +228,8 @@ class Stream:
             kept = c.kept[:len(ids)] if prep.capture is not None else None
             message = c.message() if prep.kind == "chat" else {"role": "assistant", "content": "".join(c.content)}
             comps.append(router.completion_entry(prep.engine, ids, lps, c.weight_versions,
-                                                 c.finish_reason or "abort", c.stop_reason, message, kept))
+                                                 c.finish_reason or "abort", c.stop_reason, message, kept,
+                                                 routings[i]))
         rec = router.record(prep, comps)
         self.record_index = rec.index if rec else None
 

