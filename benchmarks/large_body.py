@@ -138,7 +138,9 @@ def main() -> None:
             out[f"big_statuses_{name}"] = sorted(set(statuses))
             out[f"big_requests_{name}"] = len(statuses)
     out["load_avg"] = round(os.getloadavg()[0], 2)
-    print(json.dumps(out), flush=True)
+    sys.stderr.flush()  # the router child's exit lines (nanobind) end without a newline
+    sys.stdout.write("\n" + json.dumps(out) + "\n")  # on a line of its own whatever a child printed
+    sys.stdout.flush()
 
 
 if __name__ == "__main__":

@@ -31,10 +31,11 @@ def _records(run_dir: Path) -> list[dict]:
     return out
 
 
-def _containers(instance_prefix: str = "") -> list[str]:
-    out = subprocess.run(["docker", "ps", "-aq", "--filter", "label=agentrl.instance"],
-                         capture_output=True, text=True, check=True).stdout.split()
-    return out
+def _containers(serve_pid: int) -> list[str]:
+    """Sandbox containers of the serve process ``serve_pid`` (every container carries its owner's pid,
+    so another agentrl run sharing the Docker engine is not counted)."""
+    return subprocess.run(["docker", "ps", "-aq", "--filter", f"label=agentrl.pid={serve_pid}"],
+                          capture_output=True, text=True, check=True).stdout.split()
 
 
 def test_serve_and_learn_processes_train_on_exact_tokens_and_leave_nothing_behind(tmp_path, tiny_tools_model):
@@ -47,7 +48,6 @@ def test_serve_and_learn_processes_train_on_exact_tokens_and_leave_nothing_behin
 
     run_dir = tmp_path / "run"
     port, engine_port = free_port(), free_port()
-    containers_before = set(_containers())
     env = dict(os.environ, AGENTRL_ADMIN_TOKEN="test-admin-token", PYTHONUNBUFFERED="1")
     serve_cmd = [sys.executable, "-m", "agentrl.cli", "serve", f"--run_dir={run_dir}", f"--router.port={port}",
                  f"--engine.base_port={engine_port}", "--env.group_size=2", "--buffer.batch_size=4",
@@ -129,4 +129,4 @@ def test_serve_and_learn_processes_train_on_exact_tokens_and_leave_nothing_behin
     time.sleep(1)
     ps = subprocess.run(["pgrep", "-f", f"--port {engine_port}"], capture_output=True, text=True).stdout.split()
     assert ps == [], f"engine processes left behind: {ps}"
-    assert set(_containers()) - containers_before == set()
+    assert _containers(serve.pid) == []

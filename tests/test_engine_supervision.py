@@ -291,6 +291,45 @@ def test_serve_forever_shuts_down_and_raises_when_every_engine_has_failed(monkey
     assert closed == [True]  # shut down in order first (engines stopped, containers removed)
 
 
+def test_serve_waits_for_an_engine_port_an_earlier_engine_still_holds_then_launches() -> None:
+    """After ``kill -9`` of serve its engines shut down for a while (their reapers' grace): a serve
+    started again on the run waits for the ports instead of launching an engine that cannot bind."""
+    from agentrl.engines.config import EngineConfig
+    from agentrl.engines.vllm import port_taken, wait_ports_free
+
+    held = socket.create_server(("127.0.0.1", 0))
+    port = held.getsockname()[1]
+    spec = EngineConfig(base_port=port).spec(0, model="m", served_name="m", host="127.0.0.1")
+    assert port_taken("127.0.0.1", port)
+    with pytest.raises(EngineStartError, match=f"{port}.*still held"):
+        asyncio.run(wait_ports_free([spec], timeout_s=0.6))
+
+    async def release_then_wait() -> None:
+        asyncio.get_running_loop().call_later(0.5, held.close)
+        await wait_ports_free([spec], timeout_s=30)
+
+    asyncio.run(release_then_wait())
+    assert held.fileno() == -1  # it returned only once the holder let go
+    assert not port_taken("127.0.0.1", port)
+
+
+def test_serve_waits_for_its_router_port_while_another_process_holds_it_then_listens() -> None:
+    from agentrl.web import listen_when_free
+
+    held = socket.create_server(("127.0.0.1", 0))
+    port = held.getsockname()[1]
+    with pytest.raises(OSError, match=f"port {port} on 127.0.0.1 is in use after"):
+        asyncio.run(listen_when_free("127.0.0.1", port, timeout_s=0.6))
+
+    async def release_then_listen() -> socket.socket:
+        asyncio.get_running_loop().call_later(0.5, held.close)
+        return await listen_when_free("127.0.0.1", port, timeout_s=30)
+
+    sock = asyncio.run(release_then_listen())
+    assert held.fileno() == -1 and sock.getsockname()[1] == port
+    sock.close()
+
+
 def test_the_restart_fields_are_checked() -> None:
     from agentrl import config as C
 

@@ -29,3 +29,45 @@ def test_agentrl_run_trains_three_steps_and_prints_each(tmp_path, tiny_tools_mod
     assert [e["task_id"] for e in before["episodes"]] == [e["task_id"] for e in after["episodes"]]
     assert any(line.startswith("success on held-out tasks: ") for line in lines)
     assert list((tmp_path / "run" / "plots").glob("*.png"))
+
+
+def test_agentrl_run_starts_a_killed_serve_again_and_trains_to_the_end(tmp_path, tiny_tools_model):
+    """kill -9 of the serve child mid-run: agentrl run starts serve again on the run directory (at
+    the learner's version), the learner rides out the outage, and the run finishes every step."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from tests.chaos_harness import running_pids
+    from tests.conftest import free_port
+
+    run_dir = tmp_path / "run"
+    env = {k: v for k, v in os.environ.items() if k != "AGENTRL_ADMIN_TOKEN"}
+    cmd = [sys.executable, "-m", "agentrl.cli", "run", f"--serve.run_dir={run_dir}", f"--serve.router.port={free_port()}",
+           f"--serve.engine.base_port={free_port()}", "--serve.model=tiny-tools", "--serve.env.group_size=2",
+           "--serve.buffer.batch_size=4", "--learn.steps=4", "--eval.tasks=0"]
+    with open(tmp_path / "run.out", "wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+    try:
+        deadline = time.monotonic() + 600
+        loaded = run_dir / "weights" / "v1" / "loaded.json"  # the engine serves the first published version
+        while not loaded.exists():
+            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "run.out").read_text()[-3000:]
+            time.sleep(0.5)
+        serve = running_pids(f"agentrl.cli serve --config {run_dir}/serve.toml")  # serve, not its reaper
+        assert len(serve) == 1, serve
+        os.kill(serve[0], signal.SIGKILL)
+        proc.wait(900)
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(120)
+    text = (tmp_path / "run.out").read_text()
+    assert proc.returncode == 0, text[-3000:]
+    assert "serve exited with code 137; starting it again" in text  # 128 + 9, as its reaper reports a kill -9
+    summary = json.loads(text.strip().splitlines()[-1])
+    assert summary["steps"] == 4 and summary["final_version"] == 4 and summary["serve_restarts"] == 1
+    # the second serve came back at a published version, not the base weights
+    assert "restored policy version" in (run_dir / "serve.log").read_text()

@@ -75,6 +75,23 @@ def test_a_command_runs_as_nobody_in_work_and_returns_a_structured_result(backen
     run(body())
 
 
+@needs_bwrap
+def test_bubblewrap_sandboxes_start_under_the_private_umask_serve_runs_with() -> None:
+    """serve makes its files private (umask 077), so the cgroup folders it creates are 0700 unless
+    it opens them up: the unprivileged user bwrap runs as could then not reach the OOM counter it
+    binds into the box, and every sandbox failed to start (serve exited when Docker was absent)."""
+    async def body() -> None:
+        async with SandboxPool(config("bubblewrap"), f"t-{uuid.uuid4().hex[:8]}") as pool:
+            async with pool.acquire() as sb:
+                assert (await sb.exec("echo ok")).stdout == "ok\n"
+
+    old = os.umask(0o077)
+    try:
+        run(body())
+    finally:
+        os.umask(old)
+
+
 def test_files_round_trip_and_writes_outside_work_are_refused(backend: str) -> None:
     async def body() -> None:
         async with SandboxPool(config(backend), f"t-{uuid.uuid4().hex[:8]}") as pool:

@@ -7,12 +7,17 @@ last (they serve the final version), so the run ends by printing success before 
 
 The child is started with the serve section written to ``run_dir/serve.toml``; it is stopped
 (SIGTERM, then SIGKILL) when the learner finishes or fails, and dies with us if we are killed.
+A serve that dies while the learner runs (a crash, ``kill -9``, the OOM killer) is started again
+on the run directory by :class:`ServeChild`, restoring the buffer, the last published weights and
+the groups in flight (``serve.restore``); the learner rides out the outage. ``restarts`` bounds
+that (default 3 in a row, each after a doubling wait); past it the run stops with an error.
 The admin token never appears on the child's command line: it is settled first and written to
 ``run_dir/admin_token`` (mode 0600), which ``serve.toml`` (also 0600) names as ``admin_token_file``.
 """
 
 from __future__ import annotations
 
+import _thread
 import asyncio
 import dataclasses
 import json
@@ -20,12 +25,13 @@ import logging
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
 
 from agentrl.config import RunConfig, ServeConfig, to_toml
-from agentrl.engines.reaper import stop_process
+from agentrl.engines.reaper import child_group, kill_group, stop_process
 
 log = logging.getLogger(__name__)
 _progress = logging.getLogger("agentrl.progress")
@@ -43,7 +49,108 @@ def serve_command(serve_cfg: ServeConfig, run_dir: Path) -> list[str]:
             sys.executable, "-m", "agentrl.cli", "serve", "--config", str(path)]
 
 
-def wait_for_serve(url: str, serve: subprocess.Popen, timeout_s: float) -> None:
+class ServeChild:
+    """serve as ``agentrl run``'s child process, started again when it dies before :meth:`stop`.
+
+    A watcher thread polls the child; after an exit it waits ``backoff_s`` (doubling for each next
+    relaunch in a row, at most 5 minutes; a serve that stays up 10 minutes starts a new row) and
+    starts serve again with ``restore = true``, so the new serve comes back at the learner's
+    version. After ``restarts`` relaunches in a row (-1: no limit) it gives up: ``failed`` says why
+    and the main thread is interrupted, so the learner stops instead of waiting for a serve that
+    will not come back."""
+
+    STABLE_S = 600.0
+
+    def __init__(self, cfg: ServeConfig, run_dir: Path, restarts: int, backoff_s: float = 2.0) -> None:
+        self.cfg, self.run_dir, self.restarts, self.backoff_s = cfg, run_dir, restarts, backoff_s
+        self.proc: subprocess.Popen | None = None
+        self.relaunched = 0  # in all, for the summary
+        self.failed = ""
+        self._group: int | None = None  # serve's process group under its reaper, once seen
+        self._stopping = threading.Event()
+        self._watcher: threading.Thread | None = None
+        self._log_start = 0
+
+    def start(self) -> subprocess.Popen:
+        cmd = serve_command(self.cfg, self.run_dir)
+        with open(self.run_dir / "serve.log", "ab") as logf:
+            self._log_start = logf.tell()  # this launch's lines begin here
+            self._group = None  # an earlier launch's group is gone (its id may be another's by now)
+            self.proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        return self.proc
+
+    def supervise(self) -> None:
+        """Start watching the child (call once serve has come up the first time)."""
+        self._watcher = threading.Thread(target=self._watch, name="serve-watch", daemon=True)
+        self._watcher.start()
+
+    def _watch(self) -> None:
+        in_row, started = 0, time.monotonic()
+        while not self._stopping.wait(0.5):
+            assert self.proc is not None
+            code = self.proc.poll()
+            if code is None:
+                self._group = self._group or child_group(self.proc.pid)
+                continue
+            self._end_group()
+            if time.monotonic() - started > self.STABLE_S:
+                in_row = 0
+            if self.restarts != -1 and in_row >= self.restarts:
+                self.failed = (f"serve exited with code {code} and was relaunched {in_row} times in a row "
+                               f"(restarts = {self.restarts}); see {self.run_dir / 'serve.log'}, which ends:\n"
+                               f"{self.log_tail()}")
+                log.error("agentrl run: %s; stopping", self.failed)
+                _thread.interrupt_main()
+                return
+            log.warning("serve exited with code %s; its last lines in %s:\n%s", code, self.run_dir / "serve.log",
+                        self.log_tail())
+            wait = min(300.0, self.backoff_s * 2 ** in_row)
+            _progress.info("serve exited with code %s; starting it again on %s in %.0f s (relaunch %d%s)", code,
+                           self.run_dir, wait, in_row + 1, "" if self.restarts == -1 else f" of {self.restarts}")
+            if self._stopping.wait(wait):
+                return
+            self.cfg = dataclasses.replace(self.cfg, restore=True)  # back at the learner's version
+            in_row, started = in_row + 1, time.monotonic()
+            self.relaunched += 1
+            self.start()
+
+    def log_tail(self, n: int = 25) -> str:
+        """The last ``n`` lines serve's latest launch wrote to serve.log."""
+        try:
+            with open(self.run_dir / "serve.log", "rb") as f:
+                f.seek(self._log_start)
+                lines = f.read().decode(errors="replace").splitlines()
+        except OSError:
+            return ""
+        return "\n".join(lines[-n:])
+
+    def poll(self) -> int | None:
+        """None while serve runs or is being started again; its exit code once it is down for good."""
+        code = self.proc.poll() if self.proc is not None else None
+        supervised = self._watcher is not None and self._watcher.is_alive()
+        return None if code is None or supervised else code
+
+    @property
+    def returncode(self) -> int | None:
+        return self.proc.returncode if self.proc is not None else None
+
+    def stop(self, timeout_s: float = 60) -> None:
+        self._stopping.set()
+        if self._watcher is not None:
+            self._watcher.join()
+        if self.proc is not None:
+            stop_process(self.proc, timeout_s)
+            self._end_group()
+
+    def _end_group(self) -> None:
+        """What is left of serve's process group once its reaper is gone. Only a reaper killed by a
+        signal (``kill -9``: its own exits are codes >= 0) leaves anything: serve itself, on its port."""
+        if self.proc is not None and (self.proc.returncode or 0) < 0 and kill_group(self._group):
+            log.warning("serve's reaper was killed; ended serve's process group %s", self._group)
+        self._group = None
+
+
+def wait_for_serve(url: str, serve: subprocess.Popen | ServeChild, timeout_s: float) -> None:
     """Wait until serve's router answers ``/health`` (its engines are up); fail if serve exits."""
     from agentrl.client import ServeClient
     from agentrl.errors import TransportError
@@ -104,28 +211,34 @@ def run(cfg: RunConfig) -> int:
     # Settle the admin token before either side starts: serve reads its file, the learner gets it.
     token = settle_admin_token(cfg.serve.admin_token, cfg.serve.admin_token_file, run_dir)
     # a fresh run (no learn.resume) starts from the model's weights, whatever the directory holds
-    cmd = serve_command(dataclasses.replace(cfg.serve, restore=cfg.learn.resume), run_dir)
+    serve_child = ServeChild(dataclasses.replace(cfg.serve, restore=cfg.learn.resume), run_dir, cfg.restarts)
     # the learner on this machine: serve's address and run directory filled in (it asks serve for
     # the batch size and staleness bound, which the buffer section says once)
     learn_cfg = dataclasses.replace(cfg.learn, serve=f"http://{cfg.serve.router.host}:{cfg.serve.router.port}",
                                     run_dir=cfg.serve.run_dir, admin_token=cfg.learn.admin_token or token)
     log.info("starting serve (log: %s)", run_dir / "serve.log")
-    with open(run_dir / "serve.log", "ab") as logf:
-        serve = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    serve_child.start()
     t0 = time.monotonic()
     before = after = None
     try:
-        wait_for_serve(learn_cfg.serve, serve, cfg.serve.engine.start_timeout_s + 120)
+        wait_for_serve(learn_cfg.serve, serve_child, cfg.serve.engine.start_timeout_s + 120)
+        serve_child.supervise()
         _progress.info("watch the run: %s/view/ (open it once with ?token= and the token in %s)", learn_cfg.serve,
                        run_dir / "view_token")
         if cfg.eval.tasks:
             before = held_out_eval(cfg, learn_cfg.serve, "before", run_dir)
         history = learn(learn_cfg)
         if cfg.eval.tasks:
+            wait_for_serve(learn_cfg.serve, serve_child, cfg.serve.engine.start_timeout_s + 120)
             after = held_out_eval(cfg, learn_cfg.serve, "after", run_dir)
+    except KeyboardInterrupt:
+        if serve_child.failed:
+            raise SystemExit(f"agentrl run: {serve_child.failed}") from None
+        raise
     finally:
-        stop_process(serve, 60)
+        serve_child.stop()
     summary = {"steps": len(history), "final_version": history[-1]["version"] if history else 0,
+               "serve_restarts": serve_child.relaunched,
                "reward_by_step": [round(h["reward_mean"], 4) for h in history],
                "wall_minutes": round((time.monotonic() - t0) / 60, 2), "run_dir": str(run_dir)}
     if before is not None and after is not None:

@@ -47,8 +47,11 @@ class RunConfig:
     serve: ServeConfig = field(default_factory=ServeConfig)
     learn: LearnConfig = field(default_factory=LearnConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    restarts: int = 3  # relaunches in a row of a serve child that died while the learner runs (-1: no limit, 0: none)
 
     def check(self) -> None:
+        if self.restarts < -1:
+            raise ConfigError("restarts must be -1 (no limit) or more")
         self.serve.check()
         self.learn.check()
         if self.eval.tasks < 0 or self.eval.concurrency < 1:

@@ -132,16 +132,20 @@ class Learner:
                 raise SystemExit(f"no batch from {cfg.serve} within {cfg.batch_timeout_s:.0f} s")
 
     async def _ack(self, source: Any, batch_id: str) -> bool:
-        """``source.ack``, tried again (it is idempotent) while serve does not answer, up to
-        ``batch_timeout_s``: a learner rides out a serve outage instead of dying with a trained batch."""
+        """``source.ack``, ridden out while serve does not answer (it is idempotent)."""
+        return bool(await self._ride_out(f"ack of batch {batch_id}", lambda: source.ack(batch_id)))
+
+    async def _ride_out(self, what: str, call: Any) -> Any:
+        """``await call()``, tried again while serve does not answer, up to ``batch_timeout_s``: a
+        learner rides out a serve outage (a restart) instead of dying. Only for idempotent calls."""
         deadline = time.monotonic() + self.cfg.batch_timeout_s
         while True:
             try:
-                return bool(await source.ack(batch_id))
+                return await call()
             except TransportError as e:
                 if not e.retryable or time.monotonic() > deadline:
                     raise
-                log.warning("ack of batch %s got no answer (%s); trying again", batch_id, e)
+                log.warning("%s got no answer (%s); trying again", what, e)
                 await asyncio.sleep(RETRY_S)
 
     # ------------------------------------------------------------------ the loop
@@ -150,7 +154,7 @@ class Learner:
         import torch
 
         from agentrl.learner.checkpoint import export_hf, latest_checkpoint, load_checkpoint, save_checkpoint
-        from agentrl.learner.dist import full_state_dict, init_dist, load_model
+        from agentrl.learner.dist import checkpoint_layout, full_state_dict, init_dist, load_model
         from agentrl.learner.step import build_state, train_step
 
         cfg = self.cfg
@@ -196,6 +200,7 @@ class Learner:
                 if not publishes:
                     return {}
                 full = await asyncio.to_thread(full_state_dict, model, ctx, on_device=weights_device != "cpu")
+                full = checkpoint_layout(model, full)  # the names the engines load (MoE experts one by one)
                 sync = await source.publish(full, version) if source is not None else {}
                 del full
                 return sync
@@ -215,7 +220,7 @@ class Learner:
                     if not acked:  # the buffer forgot it: its samples come back, and are in these weights
                         self._remember(resumed.batch_samples)
             if source is not None:
-                released = await source.release()
+                released = await self._ride_out("release of a previous learner's leases", source.release)
                 if released:
                     log.info("released %d leased batch(es) of a previous learner", released)
 

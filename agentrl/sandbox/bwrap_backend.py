@@ -56,7 +56,7 @@ class Cgroups:
     def usable(self) -> bool:
         try:
             for base in self.bases:
-                (base / self.owner).mkdir(parents=True, exist_ok=True)
+                _mkdir_open(base, base / self.owner)
             if self.v2:
                 with contextlib.suppress(OSError):
                     (self.bases[0] / "cgroup.subtree_control").write_text("+memory +pids +cpu")
@@ -71,8 +71,8 @@ class Cgroups:
         """Make the cgroups; returns (their cgroup.procs files, the file counting OOM kills)."""
         mem = str(cfg.memory_mb * 2**20)
         dirs = self.dirs(sid)
-        for d in dirs:
-            d.mkdir(parents=True, exist_ok=True)
+        for base, d in zip(self.bases, dirs, strict=True):
+            _mkdir_open(base, d)
         if self.v2:
             (d,) = dirs
             if self.owner and (d.parent / "cgroup.subtree_control").exists():
@@ -129,6 +129,15 @@ def _user_ids(user: str) -> tuple[int, int]:
         return int(uid or 65534), int(gid or uid or 65534)
     except ValueError:
         raise SandboxError(f"sandbox.user={user!r}: bubblewrap needs numeric uid:gid, e.g. 65534:65534") from None
+
+
+def _mkdir_open(base: Path, d: Path) -> None:
+    """``d`` (``base`` or a folder under it) made with its parents, and each folder from ``base``
+    down set to 0755 whatever the umask (serve's is 077, and a base made by an older run may be
+    0700): bwrap runs as an unprivileged user, which must reach the OOM counter bound into the box."""
+    d.mkdir(parents=True, exist_ok=True)
+    for folder in (d, *(base / up for up in d.relative_to(base).parents)):
+        folder.chmod(0o755)
 
 
 def _write(path: Path, value: str, optional: bool = False) -> None:

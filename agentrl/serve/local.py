@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from agentrl.engines.vllm import EngineSpec, EngineStartError, VLLMEngine
+from agentrl.engines.vllm import EngineSpec, EngineStartError, VLLMEngine, wait_ports_free
 
 log = logging.getLogger(__name__)
 
@@ -222,6 +222,10 @@ class LocalEngines:
     @property
     def urls(self) -> list[str]:
         return [e.url for e in self.engines]
+
+    async def wait_ports_free(self, timeout_s: float = 120.0) -> None:
+        """Until the engines' ports are free (see :func:`agentrl.engines.vllm.wait_ports_free`)."""
+        await wait_ports_free([e.spec for e in self.engines], timeout_s)
 
     def launch(self) -> None:
         for engine in self.engines:
