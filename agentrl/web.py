@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hmac
 import logging
+import socket
 from typing import Any
 
 from aiohttp import web
@@ -70,3 +71,66 @@ async def error_middleware(request: web.Request, handler: Any) -> web.StreamResp
     except Exception:
         log.exception("unhandled error on %s %s", request.method, request.path)
         return error_response("internal server error", 500, type="server_error")
+
+
+async def listen_when_free(host: str, port: int, timeout_s: float = 60.0) -> socket.socket:
+    """:func:`listen`, waiting up to ``timeout_s`` while the port is in use (a serve killed just now
+    may leave a process holding it for a moment); then an OSError that names the port."""
+    import asyncio
+    import errno
+    import time
+
+    deadline, told = time.monotonic() + timeout_s, False
+    while True:
+        try:
+            return listen(host, port)
+        except OSError as e:
+            if e.errno != errno.EADDRINUSE:
+                raise
+            if time.monotonic() > deadline:
+                raise OSError(e.errno, f"port {port} on {host} is in use after {timeout_s:.0f} s (another serve? "
+                                       "`ss -ltnp` names it); set router.port to a free port") from e
+            if not told:
+                log.warning("port %d on %s is in use; waiting up to %.0f s for it", port, host, timeout_s)
+                told = True
+        await asyncio.sleep(0.5)
+
+
+@web.middleware
+async def close_after_response(request: web.Request, handler: Any) -> web.StreamResponse:
+    """For an app about to hand its port over (serve's start-up page): each answer says
+    ``Connection: close``, so no client keeps a connection to it across the handover."""
+    response = await handler(request)
+    response.force_close()
+    return response
+
+
+async def hand_over(listener: socket.socket, old: web.AppRunner, new: web.AppRunner, drain_s: float = 10.0) -> None:
+    """Move ``listener`` from the routes of ``old`` to those of ``new`` with no client refused or
+    reset: ``new`` accepts on it first, then ``old`` stops accepting and answers the connections it
+    already holds (a client may have connected and not yet sent its request) before it shuts down;
+    a connection still open after ``drain_s`` (a client that sends nothing) is closed then."""
+    import asyncio
+    import time
+
+    await web.SockSite(new, listener.dup()).start()
+    for site in list(old.sites):
+        await site.stop()
+    await asyncio.sleep(0)  # a connection accepted just before the stop gets its handler
+    deadline = time.monotonic() + drain_s
+    while old.server is not None and old.server.connections and time.monotonic() < deadline:
+        await asyncio.sleep(0.02)
+    if old.server is not None and old.server.connections:
+        log.warning("closing %d idle connection(s) of the start-up page after %.0f s", len(old.server.connections),
+                    drain_s)
+    await old.cleanup()
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """A bound, listening TCP socket for ``host:port``, to hand to ``web.SockSite``. serve keeps one
+    socket from its start-up status page to its real routes (``dup`` for each site), so the port never
+    closes between them and no client is refused or reset in the handover."""
+    family, _, _, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+    sock = socket.create_server(addr[:2], family=family, backlog=1024)
+    sock.setblocking(False)
+    return sock

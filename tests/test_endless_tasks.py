@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -42,14 +43,19 @@ ENDLESS = textwrap.dedent('''
 ''')
 
 
-def test_an_endless_task_generator_serves_episodes_and_serve_stays_responsive(tmp_path: Path, vllm_engine) -> None:
+def endless_serve_config(tmp_path: Path, engine_url: str, port: int, *, top: str = "",
+                         sections: str = "") -> tuple[Path, Path]:
+    """The endless echo environment in ``tmp_path`` and a serve config that plays it on the engine
+    at ``engine_url``: (config file, run directory). ``top``: more top-level settings;
+    ``sections``: more TOML sections (tests/test_scoring_vllm.py adds its scoring)."""
     (tmp_path / "endless.py").write_text(ENDLESS)
-    run_dir, port = tmp_path / "run", free_port()
+    run_dir = tmp_path / "run"
     config = tmp_path / "serve.toml"
     config.write_text(f"""model = "tiny-tools"
 run_dir = "{run_dir}"
+{top}
 [engine]
-urls = ["{vllm_engine.url}"]
+urls = ["{engine_url}"]
 [router]
 port = {port}
 [env]
@@ -62,9 +68,28 @@ max_tokens = 8
 [buffer]
 batch_size = 8
 max_staleness = 1
-""")
+{sections}""")
+    return config, run_dir
+
+
+def test_an_endless_task_generator_serves_episodes_and_serve_stays_responsive(tmp_path: Path, vllm_engine) -> None:
+    port = free_port()
+    config, run_dir = endless_serve_config(tmp_path, vllm_engine.url, port)
     env = {k: v for k, v in os.environ.items() if k != "AGENTRL_ADMIN_TOKEN"}
     base = f"http://127.0.0.1:{port}"
+    # One thread polls /health back to back from the moment serve first answers, so the start-up
+    # page's handover of the port to the real routes is crossed by polls, not missed between them.
+    stop, health_codes = threading.Event(), []
+
+    def poll_health() -> None:
+        while not stop.is_set():
+            code = get_json(f"{base}/health")[0]
+            if code or health_codes:
+                health_codes.append(code)
+            time.sleep(0.005)
+
+    poller = threading.Thread(target=poll_health, daemon=True)
+    poller.start()
     with open(tmp_path / "serve.out", "wb") as out:
         serve = subprocess.Popen([sys.executable, "-m", "agentrl.cli", "serve", "--config", str(config)],
                                  stdout=out, stderr=subprocess.STDOUT, env=env)
@@ -82,6 +107,8 @@ max_staleness = 1
             status_code = get_json(f"{base}/admin/status", token)[0]
             health_code = get_json(f"{base}/health")[0]
         finally:
+            stop.set()
+            poller.join(60)
             serve.send_signal(signal.SIGTERM)
             code = serve.wait(timeout=120)
     log = (tmp_path / "serve.out").read_text()[-3000:]
@@ -92,6 +119,7 @@ max_staleness = 1
     # once serve listens, it answers every poll: 503 from /health only while the engines start
     listening = answers[next(i for i, a in enumerate(answers) if a[0]):]
     assert listening and all(h in (200, 503) and s == 200 for h, s in listening), answers
+    assert 200 in health_codes and all(c in (200, 503) for c in health_codes), health_codes
     # One task per group, drawn when the group starts. Nobody trains here, so admission control
     # stops new groups once (max_staleness + 1) x batch_size = 16 samples are buffered or in flight:
     # 8 groups, and the episodes in flight (max_concurrency 4) are 2 more.

@@ -17,6 +17,7 @@ import gc
 import json
 import logging
 import signal
+import socket
 import time
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,7 @@ from aiohttp import web
 
 from agentrl.credentials import find_api_keys, settle_admin_token
 from agentrl.serve.config import ServeConfig, redacted
+from agentrl.web import listen_when_free
 
 log = logging.getLogger(__name__)
 _progress = logging.getLogger("agentrl.progress")
@@ -74,6 +76,7 @@ class Serve:
         self._rollout_task: asyncio.Task | None = None
         self._metrics_task: asyncio.Task | None = None
         self._starting: web.AppRunner | None = None  # the start-up status app, until the real one runs
+        self._listener: socket.socket | None = None  # the router's port, one socket for both apps
         self.phase = "starting"
         self.started = time.time()
 
@@ -87,7 +90,7 @@ class Serve:
         return self.local.engines if self.local is not None else []
 
     async def start(self) -> None:
-        from agentrl.models import resolve_model
+        from agentrl.models import is_moe, resolve_model
         from agentrl.serve import build
         from agentrl.weights import EngineUpdater
 
@@ -122,6 +125,7 @@ class Serve:
             from agentrl.serve.local import LocalEngines
 
             self.local = LocalEngines(build.engine_specs(cfg, self.model_path, self.engine_key), self.run_dir / "logs")
+            await self.local.wait_ports_free()  # an engine of a serve killed just now may still hold one
             self.local.launch()  # from this (main) thread: the reaper dies with us
             self._phase(f"starting {cfg.engine.count} engine(s)")
             urls = await self.local.start(cfg.engine.start_timeout_s)
@@ -133,6 +137,8 @@ class Serve:
         if self.local is not None:  # a dead engine is relaunched and rejoins at the current version
             self.local.supervise(self.pool, build.restart_policy(cfg))
         self.router = build.build_router(cfg, self.pool, self.model_path, self.run_dir)
+        if is_moe(self.model_path):  # the learner replays the experts the engines routed each token through
+            await self.router.capture_experts()
         self.buffer = build.build_buffer(cfg, self.run_dir)
         from agentrl.weights import WeightReceiver
 
@@ -171,7 +177,7 @@ class Serve:
 
     async def _serve_startup_status(self) -> None:
         """Answer on the router's port while the engines start: /health (503, the phase), /admin/status."""
-        from agentrl.web import ADMIN_TOKEN, error_middleware, require_admin
+        from agentrl.web import ADMIN_TOKEN, close_after_response, error_middleware, require_admin
 
         async def health(request: web.Request) -> web.Response:
             return web.json_response(self.startup_status(), status=503)
@@ -185,7 +191,8 @@ class Serve:
                                                 "param": None, "code": "starting"}}, status=503,
                                      headers={"Retry-After": "2"})
 
-        app = web.Application(middlewares=[error_middleware])
+        # nobody keeps a connection to this page across its handover to the real routes
+        app = web.Application(middlewares=[close_after_response, error_middleware])
         app[ADMIN_TOKEN] = self.admin_token
         app.router.add_get("/health", health)
         app.router.add_get("/admin/status", status)
@@ -195,13 +202,14 @@ class Serve:
         app.router.add_route("*", "/{tail:.*}", not_yet)
         self._starting = web.AppRunner(app, access_log=None)
         await self._starting.setup()
-        await web.TCPSite(self._starting, self.cfg.router.host, self.cfg.router.port).start()
+        self._listener = await listen_when_free(self.cfg.router.host, self.cfg.router.port)
+        await web.SockSite(self._starting, self._listener.dup()).start()
 
     async def _serve_http(self) -> None:
         from agentrl.buffer import add_buffer_routes
         from agentrl.rollout.remote import episode_log_route
         from agentrl.router.server import make_app
-        from agentrl.web import require_admin
+        from agentrl.web import hand_over, require_admin
 
         app = make_app(self.router, admin_token=self.admin_token, api_keys=self.api_keys,
                        client_max_size=self.cfg.router.max_body_mb << 20)
@@ -216,10 +224,12 @@ class Serve:
         mount_view(app, self.view)  # read-only pages under /view
         self._runner = web.AppRunner(app, access_log=None)
         await self._runner.setup()
-        if self._starting is not None:  # the port passes from the start-up status to the real routes
-            await self._starting.cleanup()
-            self._starting = None
-        await web.TCPSite(self._runner, self.cfg.router.host, self.cfg.router.port).start()
+        assert self._listener is not None and self._starting is not None, \
+            "the start-up status page opens the router's port first"
+        # The real routes accept on the same listening socket before the start-up page lets go of it,
+        # and the page answers what it accepted: a client in the handover is answered, never refused.
+        await hand_over(self._listener, self._starting, self._runner)
+        self._starting = None
         log.info("serving on %s (OpenAI base URL %s/v1; admin token in %s)", self.url, self.url,
                  self.run_dir / "admin_token")
         log.info("run view at %s/view/ (open it with ?token= and the token in %s or %s)", self.url,
@@ -311,6 +321,8 @@ class Serve:
                 await asyncio.gather(t, return_exceptions=True)
         if self._runner is not None:
             await self._runner.cleanup()
+        if self._listener is not None:
+            self._listener.close()
         if self.sandbox_pool is not None:
             await self.sandbox_pool.close()
         if self.pool is not None:
