@@ -86,13 +86,19 @@ def moving_average(values: list[float], window: int) -> list[float]:
     return out
 
 
-def _num(row: dict[str, Any], key: str) -> float | None:
-    """``row[key]`` as a float; dotted keys reach into nested dicts (``sandbox.exec_p50_ms``)."""
+def _get(row: dict[str, Any], key: str) -> Any:
+    """``row[key]``, dotted keys reaching into nested dicts; None where a part is missing."""
     node: Any = row
     for part in key.split("."):
-        if not isinstance(node, dict) or part not in node:
+        if not isinstance(node, dict):
             return None
-        node = node[part]
+        node = node.get(part)
+    return node
+
+
+def _num(row: dict[str, Any], key: str) -> float | None:
+    """``row[key]`` as a float; dotted keys reach into nested dicts (``sandbox.exec_p50_ms``)."""
+    node = _get(row, key)
     if isinstance(node, bool) or not isinstance(node, int | float):
         return None
     return float(node)
@@ -101,6 +107,14 @@ def _num(row: dict[str, Any], key: str) -> float | None:
 def _steps(rows: list[dict[str, Any]]) -> list[float]:
     """The learner step of each row (its position where a row lacks one)."""
     return [r.get("step", i + 1) for i, r in enumerate(rows)]
+
+
+def _have(rows: list[Any], axes: list[Any], what: str) -> bool:
+    """Whether there are rows to chart; if not, every axis says it has no ``what``."""
+    if not rows:
+        for ax in axes:
+            _no_data(ax, what)
+    return bool(rows)
 
 
 def _series(rows: list[dict[str, Any]], key: str, xs: list[float]) -> tuple[list[float], list[float]]:
@@ -182,12 +196,9 @@ def chart_reward(logs: RunLogs, axes: list[Any]) -> bool:
 
 def chart_staleness(logs: RunLogs, axes: list[Any]) -> bool:
     ax1, ax2 = axes
-    rows = logs.learner
-    if not rows:
-        _no_data(ax1, "learner steps")
-        _no_data(ax2, "learner steps")
+    rows, steps = logs.learner, _steps(logs.learner)
+    if not _have(rows, axes, "learner steps"):
         return False
-    steps = _steps(rows)
     for key, color, label in (("staleness_mean", PALETTE[0], "mean"), ("staleness_max", PALETTE[1], "max")):
         x, y = _series(rows, key, steps)
         if x:
@@ -221,9 +232,7 @@ def chart_importance(logs: RunLogs, axes: list[Any]) -> bool:
     ax1, ax2, ax3 = axes
     rows = logs.learner
     keys = sorted({k for r in rows for k in r if k.startswith(("is/", "mismatch/")) or k.startswith("is_")})
-    if not keys:
-        for ax in axes:
-            _no_data(ax, "importance-weight statistics")
+    if not _have(keys, axes, "importance-weight statistics"):
         return False
     steps = _steps(rows)
     weight_keys = [k for k in keys if not k.startswith("mismatch/") and "frac" not in k]
@@ -291,12 +300,9 @@ def chart_throughput(logs: RunLogs, axes: list[Any]) -> bool:
 
 def chart_learner_time(logs: RunLogs, axes: list[Any]) -> bool:
     ax1, ax2 = axes
-    rows = logs.learner
-    if not rows:
-        _no_data(ax1, "learner steps")
-        _no_data(ax2, "learner steps")
+    rows, steps = logs.learner, _steps(logs.learner)
+    if not _have(rows, axes, "learner steps"):
         return False
-    steps = _steps(rows)
     x, y = _series(rows, "idle_fraction", steps)
     if x:
         ax1.plot(x, y, "o-", ms=3, color=PALETTE[1], label="idle fraction (waiting for batches)")
@@ -373,6 +379,48 @@ def chart_serve(logs: RunLogs, axes: list[Any]) -> bool:
     return True
 
 
+def chart_scoring(logs: RunLogs, axes: list[Any]) -> bool:
+    """The scoring stage (docs/scoring.md): each reward component per episode, and per scorer its
+    mean latency and its failures over time. Nothing to draw in a run without the stage."""
+    ax1, ax2 = axes
+    scored = [(i, r["info"]["rewards"]) for i, r in enumerate(logs.episodes, start=1)
+              if isinstance(r.get("info"), dict) and isinstance(r["info"].get("rewards"), dict)]
+    rows = [r for r in logs.serve if isinstance(_get(r, "rollout.scoring"), dict)]
+    if not scored and not rows:
+        return False
+    names = sorted({k for _, rewards in scored for k in rewards})
+    for j, name in enumerate(names):
+        pts = [(i, float(v)) for i, rewards in scored if isinstance(v := rewards.get(name), int | float)]
+        if pts:
+            window = max(5, len(pts) // 20)
+            ax1.plot([p[0] for p in pts], moving_average([p[1] for p in pts], window), color=PALETTE[j % len(PALETTE)],
+                     lw=2, label=f"{name} (moving average, {window})")
+    if not scored:
+        _no_data(ax1, "scored episodes")
+    _style(ax1, "Reward components", "episode (finish order)", "reward")
+    _legend(ax1)
+    xs = logs.minutes(rows)
+    scorers = sorted({n for r in rows for n in (_get(r, "rollout.scoring.scorers") or {})})
+    for j, name in enumerate(scorers):
+        key = f"rollout.scoring.scorers.{name}"
+        pts = [(x, secs / calls) for x, r in zip(xs, rows, strict=True)
+               if (calls := _num(r, key + ".calls")) and (secs := _num(r, key + ".seconds")) is not None]
+        if pts:
+            ax2.plot([p[0] for p in pts], [p[1] for p in pts], "-", color=PALETTE[j % len(PALETTE)],
+                     label=f"{name}: mean seconds per call (since start)")
+    x, y = _series(rows, "rollout.scoring.failed", xs)
+    if x and max(y) > 0:
+        ax2b = ax2.twinx()
+        ax2b.plot(x, y, ":", color="#444", label="episodes failed in scoring (total)")
+        ax2b.set_ylabel("failed episodes")
+        ax2b.legend(fontsize=8, frameon=False, loc="lower right")
+    if not rows:
+        _no_data(ax2, "serve metrics")
+    _style(ax2, "Scorers", "minutes since start", "seconds")
+    _legend(ax2)
+    return True
+
+
 Chart = Callable[[RunLogs, list[Any]], bool]
 # name -> (draw function, number of panels)
 CHARTS: dict[str, tuple[Chart, int]] = {
@@ -383,6 +431,7 @@ CHARTS: dict[str, tuple[Chart, int]] = {
     "learner_time": (chart_learner_time, 2),
     "sandbox": (chart_sandbox, 2),
     "serve": (chart_serve, 2),
+    "scoring": (chart_scoring, 2),
 }
 
 

@@ -35,8 +35,12 @@ from typing import Any
 from common import free_port  # benchmarks/common.py
 
 
-def run_mode(mode: str, args: argparse.Namespace, out: Path) -> Path:
-    run_dir = out / mode
+def run_mode(mode: str, args: argparse.Namespace, out: Path, *, name: str = "",
+             extra: tuple[str, ...] = ()) -> Path:
+    """One ``agentrl run`` of ``mode`` in ``out/<name or mode>``, with ``extra`` options appended
+    (benchmarks/scoring_pace.py runs the async mode with and without a judge)."""
+    name = name or mode
+    run_dir = out / name
     if run_dir.exists():
         import shutil
 
@@ -51,17 +55,17 @@ def run_mode(mode: str, args: argparse.Namespace, out: Path) -> Path:
            f"--serve.env.group_size={args.group}", f"--serve.env.max_turns={args.max_keys + 1}",
            f"--serve.env.max_tokens={args.max_tokens}", f"--serve.env.max_concurrency={args.concurrency}",
            f"--serve.buffer.batch_size={args.batch}", f"--serve.buffer.max_staleness={args.max_staleness}",
-           f"--learn.steps={args.steps}", f"--learn.lr={args.lr}", "--eval.tasks=0"]
-    print(f"[{mode}] {' '.join(cmd[3:])}", file=sys.stderr, flush=True)
+           f"--learn.steps={args.steps}", f"--learn.lr={args.lr}", "--eval.tasks=0", *extra]
+    print(f"[{name}] {' '.join(cmd[3:])}", file=sys.stderr, flush=True)
     t0 = time.monotonic()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
     assert proc.stdout is not None
     for line in proc.stdout:  # progress: the learner prints a line per step
         if line.startswith("step ") or "ERROR" in line or "Traceback" in line:
-            print(f"[{mode} {time.monotonic() - t0:6.0f}s] {line.rstrip()}", file=sys.stderr, flush=True)
+            print(f"[{name} {time.monotonic() - t0:6.0f}s] {line.rstrip()}", file=sys.stderr, flush=True)
     if proc.wait() != 0:
-        raise SystemExit(f"{mode} run failed (exit {proc.returncode}); see {run_dir}/serve.log")
+        raise SystemExit(f"{name} run failed (exit {proc.returncode}); see {run_dir}/serve.log")
     return run_dir
 
 
@@ -148,8 +152,8 @@ def chart(out: Path, runs: dict[str, Path]) -> Path:
     return path
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def workload_options(p: argparse.ArgumentParser) -> None:
+    """The workload's options (shared with benchmarks/scoring_pace.py)."""
     p.add_argument("--steps", type=int, default=10, help="learner steps per run")
     p.add_argument("--warmup", type=int, default=1, help="learner steps left out of the figures")
     p.add_argument("--batch", type=int, default=32, help="samples per learner batch")
@@ -162,6 +166,11 @@ def main() -> None:
     p.add_argument("--max-keys", type=int, default=8, help="most tool turns in an episode")
     p.add_argument("--model", default="tiny-tools")
     p.add_argument("--lr", type=float, default=1e-4)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    workload_options(p)
     p.add_argument("--modes", default="sync,async")
     p.add_argument("--out", default="runs/async_vs_sync")
     args = p.parse_args()

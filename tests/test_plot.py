@@ -84,6 +84,25 @@ def test_plot_writes_a_non_empty_png_per_chart_for_a_recorded_run(tmp_path: Path
         assert data.startswith(PNG_MAGIC) and len(data) > 10_000, p
 
 
+def test_a_run_with_a_scoring_stage_gets_its_chart(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    write_recorded_run(run)
+    for name, key in (("episodes.jsonl", None), ("serve_metrics.jsonl", "rollout")):
+        rows = [json.loads(x) for x in (run / name).read_text().splitlines()]
+        for i, r in enumerate(rows, start=1):
+            if key is None:
+                r["info"]["rewards"] = {"env": r["reward"], "judge": (i % 11) / 10}
+            else:
+                r[key]["scoring"] = {"scored": 4 * i, "failed": i // 9, "timeouts": 0, "waiting": 1, "scoring": 2,
+                                     "outage": 0, "scorers": {"judge": {"calls": 4 * i, "failures": i // 9,
+                                                                        "seconds": 8.1 * i, "reward_sum": 2.0 * i}}}
+        (run / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
+    paths = {p.name: p for p in plot_run(run)}
+    assert "scoring.png" in paths
+    data = paths["scoring.png"].read_bytes()
+    assert data.startswith(PNG_MAGIC) and len(data) > 10_000
+
+
 def test_plot_skips_charts_whose_logs_are_missing(tmp_path: Path) -> None:
     run = tmp_path / "run"
     write_recorded_run(run, with_sandbox=False)

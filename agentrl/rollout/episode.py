@@ -62,12 +62,13 @@ class EpisodeResult:
     splits: int = 0
     info: dict[str, Any] = field(default_factory=dict)
     sample_rewards: dict[int, float] = field(default_factory=dict)  # leaf call index -> its sample's reward
+    answer: str = ""  # the episode's final reply (what a judge of the scoring stage grades)
     started: float = 0.0
     seconds: float = 0.0
     samples: list[Sample] = field(default_factory=list)
 
     def summary(self) -> dict[str, Any]:
-        d = {k: v for k, v in vars(self).items() if k != "samples"}
+        d = {k: v for k, v in vars(self).items() if k not in ("samples", "answer")}
         d["num_samples"] = len(self.samples)
         return d
 
@@ -89,6 +90,19 @@ def error_kind(e: BaseException) -> ErrorKind:
     return "environment"
 
 
+def record_failure(ep: EpisodeResult, e: Exception) -> None:
+    """Record the exception an episode ended on, as its error kind and message. The environment's
+    and the model's failures are the expected ones; anything else (sandbox infrastructure, transport,
+    the unforeseen) is also logged."""
+    if isinstance(e, EnvironmentFailure):
+        ep.fail("environment", f"EnvironmentError: {e}")
+    elif isinstance(e, EngineError):
+        ep.fail("model", f"ModelError: {e.message}")
+    else:
+        ep.fail(error_kind(e), f"{type(e).__name__}: {e}")
+        log.warning("episode %s failed: %s", ep.episode_id, ep.error)
+
+
 def _clean(message: dict[str, Any]) -> dict[str, Any]:
     out = {k: message[k] for k in _MESSAGE_KEYS if message.get(k) is not None}
     out.setdefault("content", "")
@@ -108,13 +122,8 @@ async def run_episode(client: ChatClient, env_name: str, task: dict[str, Any], *
             await _episode_body(client, env_name, task, env_config or {}, sandbox_pool, limits, ep)
     except TimeoutError:
         ep.truncated, ep.truncation = True, "timeout"
-    except EnvironmentFailure as e:
-        ep.fail("environment", f"EnvironmentError: {e}")
-    except EngineError as e:
-        ep.fail("model", f"ModelError: {e.message}")
-    except Exception as e:  # sandbox infrastructure, transport and anything unforeseen: recorded, counted
-        ep.fail(error_kind(e), f"{type(e).__name__}: {e}")
-        log.warning("episode %s failed: %s", ep.episode_id, ep.error)
+    except Exception as e:
+        record_failure(ep, e)
     finally:
         ep.seconds = time.monotonic() - t0
         await finish_samples(client, ep)
@@ -135,6 +144,7 @@ async def finish_samples(client: ChatClient, ep: EpisodeResult,
                 ep.fail("transport", f"TransportError: could not close the session: {e}")
     if summary is not None:
         ep.splits = summary.splits
+        ep.answer = ep.answer or summary.last_reply  # a scaffold's own answer, else the last reply
         ep.samples = _samples(summary, ep)
     if not ep.samples:
         ep.samples = [Sample([], [], [], [], episode_id=ep.episode_id, group_id=ep.group_id, env=ep.env,

@@ -32,13 +32,17 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from agentrl.aio import to_the_end
 from agentrl.env import make
 from agentrl.errors import INFRASTRUCTURE
 from agentrl.rollout.episode import EpisodeResult
 from agentrl.rollout.frontier import TaskFrontier
 from agentrl.rollout.protocols import BufferSink, EpisodeProducer
+
+if TYPE_CHECKING:
+    from agentrl.scoring.stage import ScoringStage
 
 log = logging.getLogger(__name__)
 
@@ -61,10 +65,13 @@ class Orchestrator:
                  run_dir: Path | None = None, max_episodes: int = 0, sync: bool = False, batch_size: int = 0,
                  policy_version: Callable[[], int] | None = None,
                  episode_log: Callable[[dict[str, Any]], Any] | None = None,
-                 frontier: TaskFrontier | None = None) -> None:
+                 frontier: TaskFrontier | None = None, scoring: ScoringStage | None = None) -> None:
         """``episode_log``: also given each finished episode's summary line (a rollout worker on
         another machine sends them to serve's ``episodes.jsonl``). ``policy_version``: the version
-        the engines serve (the sync baseline waits for it to move)."""
+        the engines serve (the sync baseline waits for it to move). ``scoring``: a
+        :class:`~agentrl.scoring.stage.ScoringStage` each finished episode goes through before the
+        buffer, outside ``max_concurrency`` (an episode being scored holds no agent-loop slot, but
+        counts against the buffer's room until its samples are in)."""
         self.producer, self.sink = producer, sink
         self.env_name, self.env_config = env_name, dict(env_config or {})
         self.group_size = group_size
@@ -72,7 +79,9 @@ class Orchestrator:
         self.max_episodes = max_episodes
         self.sync, self.batch_size = sync, batch_size
         self.policy_version = policy_version
-        self.in_flight = 0
+        self.in_flight = 0  # episodes whose agent loop is running (max_concurrency bounds them)
+        self.scoring = scoring
+        self.being_scored = 0  # episodes done playing, not yet in the buffer
         self.counters: dict[str, float] = {"episodes": 0, "failed": 0, "truncated": 0, "samples": 0,
                                            "reward_sum": 0.0, "tool_calls": 0}
         self.failed_by_kind: dict[str, int] = {}
@@ -92,7 +101,12 @@ class Orchestrator:
 
     @property
     def backing_off(self) -> bool:
-        return self._infra_failures > 0
+        return self._failures_in_a_row > 0
+
+    @property
+    def _failures_in_a_row(self) -> int:
+        """Episodes in a row lost to an outage: an engine, the transport, a sandbox, or a scorer's endpoint."""
+        return self._infra_failures + (self.scoring.outage if self.scoring is not None else 0)
 
     async def run(self) -> None:
         tasks = task_stream(self.env_name, self.env_config)
@@ -105,13 +119,14 @@ class Orchestrator:
                 await self._run_sync(tasks)
                 return
             while not self.max_episodes or self._started < self.max_episodes:
-                room = await self.sink.wait_for_room(self.in_flight + self.group_size - 1, timeout_s=5.0)
+                room = await self.sink.wait_for_room(self.in_flight + self.being_scored + self.group_size - 1,
+                                                     timeout_s=5.0)
                 if room <= 0 or self.in_flight + self.group_size > max(self.max_concurrency, self.group_size):
                     await asyncio.sleep(0.05)
                     continue
-                if self._infra_failures:
-                    # No engine (or every call failing): back off instead of churning out failed episodes.
-                    await asyncio.sleep(min(10.0, 0.1 * 2 ** min(self._infra_failures, 7)))
+                if failures := self._failures_in_a_row:
+                    # No engine, no judge (every call failing): back off instead of churning out failed episodes.
+                    await asyncio.sleep(min(10.0, 0.1 * 2 ** min(failures, 7)))
                 self._start_group(self._draw(tasks))
                 await asyncio.sleep(0)  # let the new episodes (and HTTP handlers) run
             if self._tasks:
@@ -120,6 +135,8 @@ class Orchestrator:
             for t in list(self._tasks):
                 t.cancel()
             await asyncio.gather(*self._tasks, return_exceptions=True)
+            if self.scoring is not None:
+                await self.scoring.close()  # its judge's connections, wherever this runs (serve, a Ray worker)
 
     async def _run_sync(self, tasks: Iterator[dict[str, Any]]) -> None:
         if self.policy_version is None:
@@ -170,15 +187,37 @@ class Orchestrator:
         return t
 
     async def _group(self, task: dict[str, Any], group_id: str, members: int) -> None:
+        playing = [members]  # the group's episodes still counted in flight (each takes itself off)
         try:
-            await asyncio.gather(*(self._episode(task, group_id) for _ in range(members)))
+            # return_exceptions: a cancelled group waits for every episode (each finishes delivering
+            # what it has), instead of ending at the first one that is done
+            for outcome in await asyncio.gather(*(self._episode(task, group_id, playing, members)
+                                                  for _ in range(members)),
+                                                return_exceptions=True):
+                if isinstance(outcome, BaseException):
+                    raise outcome
             if self.frontier is not None:  # only once all its episodes are in the buffer
                 self.frontier.finish(group_id)
         finally:
-            self.in_flight -= members
+            self.in_flight -= playing[0]  # episodes cancelled before they began
 
-    async def _episode(self, task: dict[str, Any], group_id: str) -> None:
-        ep = await self.producer(task, group_id)
+    async def _episode(self, task: dict[str, Any], group_id: str, playing: list[int], members: int) -> None:
+        try:
+            ep = await self.producer(task, group_id)
+        finally:  # its agent loop is done: the slot is free, whatever scoring takes
+            self.in_flight -= 1
+            playing[0] -= 1
+        if self.scoring is not None:
+            self.being_scored += 1
+            try:
+                await self.scoring(task, ep, members)  # a group judge waits for the group's members
+            finally:
+                self.being_scored -= 1
+        # Once its samples go to the sink, the episode is logged with them: a stop that cancels the
+        # put lets both finish first, so the episode log and the buffer agree.
+        await to_the_end(self._deliver(ep))
+
+    async def _deliver(self, ep: EpisodeResult) -> None:
         await self.sink.put(ep.samples)
         self._account(ep)
 
@@ -206,6 +245,8 @@ class Orchestrator:
     def status(self) -> dict[str, Any]:
         out = {"in_flight": self.in_flight, **self.counters, "failed_by_kind": dict(self.failed_by_kind),
                "backing_off": self.backing_off}
+        if self.scoring is not None:
+            out["scoring"] = self.scoring.status()
         if self.frontier is not None:
             out["frontier"] = {"cursor": self._cursor, "open_groups": len(self.frontier.open), "resumed": dict(self.resumed)}
         return out

@@ -46,7 +46,7 @@ from typing import Any
 
 from agentrl.errors import EnvironmentFailure, ScaffoldError
 from agentrl.rollout.config import EpisodeLimits
-from agentrl.rollout.episode import EpisodeResult, episode_env, error_kind, finish_samples
+from agentrl.rollout.episode import EpisodeResult, episode_env, finish_samples, record_failure
 from agentrl.rollout.protocols import ChatClient
 from agentrl.router.core import SessionLimits
 from agentrl.router.sessions import SessionSummary
@@ -211,12 +211,10 @@ async def run_scaffold_episode(client: ChatClient, env_name: str, task: dict[str
                 answer = answer if answer is not None else (summary.last_reply if summary else "")
                 ep.info["answer"] = answer[-2000:]
                 ep.reward = await _score(env, task, answer)
+                ep.answer = answer
                 ep.terminated = True
-    except EnvironmentFailure as e:
-        ep.fail("environment", f"EnvironmentError: {e}")
-    except Exception as e:  # sandbox infrastructure, transport and anything unforeseen: recorded, counted
-        ep.fail(error_kind(e), f"{type(e).__name__}: {e}")
-        log.warning("scaffold episode %s failed: %s", ep.episode_id, ep.error)
+    except Exception as e:
+        record_failure(ep, e)
     finally:
         ep.seconds = time.monotonic() - t0
         summary = await finish_samples(client, ep, summary)

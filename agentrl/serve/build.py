@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from agentrl.rollout.orchestrator import Orchestrator
     from agentrl.rollout.protocols import BufferSink, ChatClient, EpisodeProducer
     from agentrl.router import EnginePool, Router
+    from agentrl.scoring.stage import ScoringStage
 
 
 def import_user_code(cfg: ServeConfig) -> None:
@@ -155,4 +156,14 @@ def build_orchestrator(cfg: ServeConfig, producer: EpisodeProducer, sink: Buffer
                         max_concurrency=e.max_concurrency if max_concurrency is None else max_concurrency,
                         run_dir=run_dir, max_episodes=cfg.max_episodes if max_episodes is None else max_episodes,
                         sync=e.mode == "sync", batch_size=cfg.buffer.batch_size, policy_version=policy_version,
-                        episode_log=episode_log, frontier=frontier)
+                        episode_log=episode_log, frontier=frontier, scoring=build_scoring(cfg))
+
+
+def build_scoring(cfg: ServeConfig) -> ScoringStage | None:
+    """The scoring stage ``serve.scoring`` describes, or None when it names no scorer (the
+    environment's reward alone, inline, as without the stage)."""
+    if not cfg.scoring.enabled:
+        return None
+    from agentrl.scoring.stage import ScoringStage
+
+    return ScoringStage(cfg.scoring, group_size=cfg.env.group_size)

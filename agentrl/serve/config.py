@@ -4,7 +4,8 @@ engine -> :class:`~agentrl.engines.config.EngineConfig`, router ->
 :class:`~agentrl.router.config.RouterConfig`, env -> :class:`~agentrl.rollout.config.RolloutConfig`
 (an :class:`~agentrl.rollout.config.EpisodeLimits`), scaffold -> a tagged union
 (:data:`~agentrl.rollout.config.Scaffold`), sandbox -> :class:`~agentrl.sandbox.types.SandboxConfig`,
-buffer -> :class:`~agentrl.buffer.config.BufferConfig`, ray -> :class:`RayConfig`. The builder
+buffer -> :class:`~agentrl.buffer.config.BufferConfig`, scoring ->
+:class:`~agentrl.scoring.config.ScoringConfig`, ray -> :class:`RayConfig`. The builder
 (:mod:`agentrl.serve.build`) hands each section to its component as it is; the few fields a
 section cannot know (the buffer's group size and path, the sandbox image) are filled in there and
 refused as settings. Only light modules are imported here.
@@ -22,6 +23,7 @@ from agentrl.errors import ConfigError
 from agentrl.rollout.config import LoopScaffold, RolloutConfig, Scaffold
 from agentrl.router.config import RouterConfig
 from agentrl.sandbox.types import SandboxConfig
+from agentrl.scoring.config import ScoringConfig
 
 
 @dataclass
@@ -63,6 +65,7 @@ class ServeConfig:
     scaffold: Scaffold = field(default_factory=LoopScaffold)
     sandbox: SandboxConfig = field(default_factory=SandboxConfig)
     buffer: BufferConfig = field(default_factory=BufferConfig)
+    scoring: ScoringConfig = field(default_factory=ScoringConfig)
     ray: RayConfig = field(default_factory=RayConfig)
 
     def without_secrets(self) -> ServeConfig:
@@ -78,6 +81,7 @@ class ServeConfig:
         if self.env.max_tokens >= self.engine.max_model_len:
             raise ConfigError("env.max_tokens must be smaller than engine.max_model_len")
         self.check_sampling()
+        self.scoring.check()
         if getattr(self.scaffold, "agent", None) == "" or getattr(self.scaffold, "command", None) == "":
             raise ConfigError(f"scaffold.kind = {self.scaffold.kind!r} needs its scaffold.{self.scaffold.kind}")
 

@@ -1,0 +1,9 @@
+"""The scoring stage: an episode's scorers run between its end and the buffer (docs/scoring.md)."""
+
+from agentrl._lazy import lazy
+
+__getattr__, __dir__, __all__ = lazy(__name__, {
+    "agentrl.scoring.config": ["JudgeConfig", "ScoringConfig"],
+    "agentrl.scoring.registry": ["get_scorer", "scorer"],
+    "agentrl.scoring.stage": ["Judge", "ScoringStage"],
+})

@@ -1,0 +1,83 @@
+"""``serve.scoring``: the scoring stage between an episode's end and the buffer (docs/scoring.md)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from agentrl.errors import ConfigError
+
+DEFAULT_RUBRIC = (
+    "You grade an assistant's final answer to a task. Reply with one integer from 0 (wrong or no "
+    "answer) to {scale} (fully correct), and nothing else.\n\nTask:\n{task}\n\nFinal answer:\n{answer}")
+
+GROUP_RUBRIC = (
+    "You grade several answers to the same task against each other. For each answer write one line "
+    "'N: G', N the answer's number and G an integer from 0 (worst) to {scale} (best), and nothing else.\n\n"
+    "Task:\n{task}\n\n{answers}")
+
+
+@dataclass
+class JudgeConfig:
+    """An LLM judge: any OpenAI-compatible chat endpoint grades each episode's final answer."""
+
+    url: str = ""  # the endpoint's base URL, e.g. http://127.0.0.1:8001/v1; empty: no judge
+    model: str = ""  # the model name to ask for at that endpoint
+    api_key_env: str = ""  # environment variable that holds the endpoint's key (empty: none sent)
+    rubric: str = DEFAULT_RUBRIC
+    """The grading prompt of pointwise mode; ``{task}`` (the task's prompt or question) and ``{answer}``
+    (the episode's final reply) are filled in, and ``{scale}``. The judge's reply must be an integer
+    from 0 to ``scale``."""
+    mode: Literal["pointwise", "group"] = "pointwise"
+    """pointwise: each episode graded alone. group: a group's episodes graded together, relative to
+    each other (RULER-style), in one call once the whole group has finished."""
+    group_rubric: str = GROUP_RUBRIC
+    """The grading prompt of group mode; ``{task}`` and ``{answers}`` (each final reply, numbered from
+    1) are filled in, and ``{scale}``. The reply must hold one line ``N: G`` per answer."""
+    scale: int = 10  # the judge's top grade; its grade / scale is the judge's reward, in [0, 1]
+    weight: float = 1.0  # the judge's weight in the episode's reward
+    max_tokens: int = 8  # the judge's reply length (a grade is a few tokens)
+    temperature: float = 0.0  # the judge's sampling temperature (0: the same grade for the same episode)
+    choices_only: bool = False
+    """A vLLM endpoint: constrain the judge's reply to the grades ``0`` .. ``scale`` (vLLM's
+    ``structured_outputs`` choice), so a small judge always answers one. Other endpoints may refuse it."""
+
+
+@dataclass
+class ScoringConfig:
+    """Scores each finished episode before its samples go to the buffer, off the agent loops'
+    concurrency: the episode's reward becomes ``env_weight * (the environment's reward) + the
+    weighted scorers``, each component kept by name in the samples' ``info["rewards"]``. A scorer
+    that fails (times out, raises, or whose endpoint stays down) fails the episode with the error
+    kind ``scoring``: its samples are not trained, never scored 0."""
+
+    env_weight: float = 1.0  # the environment's own reward in the sum (0: scorers only)
+    judge: JudgeConfig = field(default_factory=JudgeConfig)
+    scorers: dict[str, float] = field(default_factory=dict)
+    """Scorers registered with ``@agentrl.scorer("name")`` (in ``env.import`` files), name -> weight."""
+    concurrency: int = 16  # episodes scored at once; more wait for a slot (the agent loops do not)
+    timeout_s: float = 60.0  # the most one scorer may take on one episode, its retries included
+    retries: int = 3  # further tries of a judge call that failed in transport (no answer, 5xx, 429)
+    group_wait_s: float = 1800.0
+    """Group mode: how long a finished episode waits for the rest of its group (holding no scoring
+    slot); past it the members present are graded together."""
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.judge.url or self.scorers)
+
+    def check(self) -> None:
+        if self.concurrency < 1:
+            raise ConfigError("scoring.concurrency must be at least 1")
+        if self.timeout_s <= 0:
+            raise ConfigError("scoring.timeout_s must be positive")
+        if self.retries < 0:
+            raise ConfigError("scoring.retries must be at least 0")
+        if self.judge.url and not self.judge.model:
+            raise ConfigError("scoring.judge.url is set: name the judge's model in scoring.judge.model")
+        if self.judge.mode not in ("pointwise", "group"):
+            raise ConfigError(f"scoring.judge.mode must be 'pointwise' or 'group', not {self.judge.mode!r}")
+        if self.group_wait_s <= 0:
+            raise ConfigError("scoring.group_wait_s must be positive")
+        if self.judge.scale < 1:
+            raise ConfigError("scoring.judge.scale must be at least 1")

@@ -1,0 +1,35 @@
+"""Scorers registered by name, like environments: ``@agentrl.scorer("name")`` on an async callable
+``(task, episode) -> float`` (the episode is an :class:`agentrl.rollout.episode.EpisodeResult`:
+its ``answer``, ``reward``, ``info`` and token-level ``samples``). Imports nothing heavy."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+Scorer = Callable[[dict[str, Any], Any], Awaitable[float]]
+
+_SCORERS: dict[str, Scorer] = {}
+
+
+def scorer(name: str) -> Callable[[Scorer], Scorer]:
+    """Register ``fn`` as the scorer ``name`` (``serve.scoring.scorers`` names it with a weight)."""
+    if not name or not isinstance(name, str):
+        raise ValueError("a scorer needs a non-empty name")
+
+    def register(fn: Scorer) -> Scorer:
+        if not callable(fn):
+            raise TypeError(f"scorer {name!r} must be an async callable (task, episode) -> float")
+        _SCORERS[name] = fn
+        return fn
+
+    return register
+
+
+def get_scorer(name: str) -> Scorer:
+    try:
+        return _SCORERS[name]
+    except KeyError:
+        known = ", ".join(sorted(_SCORERS)) or "none registered"
+        raise KeyError(f"no scorer named {name!r} (registered: {known}; register one with "
+                       f"@agentrl.scorer({name!r}) in a file serve.env.import names)") from None

