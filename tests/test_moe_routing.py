@@ -286,3 +286,63 @@ def test_the_router_records_each_calls_experts_and_the_learners_weights_reach_th
     sampled = torch.from_numpy(after.loss_mask[1:] != 0)
     stale = _replayed_logprobs(model, after)[sampled]
     assert (stale - torch.from_numpy(after.logprobs[1:])[sampled]).abs().mean() > 1e-2
+
+
+@pytest.mark.vllm
+def test_tokens_an_update_caught_in_flight_are_the_new_weights_through_the_experts_the_engine_rerouted(
+        moe_engine: Any, moe_model: str, tmp_path: Any) -> None:
+    """Eight long generations with one long shared system prompt, a weight update once all are well
+    under way: the engine re-prefills each context under the new weights (more than one step's
+    token budget, so over several steps), and the capture keeps the last routing of each position. Every token stamped with the new version,
+    the first after the switch included, is the new policy's through the captured experts."""
+    import asyncio
+
+    from agentrl.learner.dist import checkpoint_layout, tied_names
+    from agentrl.models import eos_token_ids
+    from agentrl.router import EnginePool, Router
+    from agentrl.weights import EngineUpdater
+    from agentrl.weights.transfer import serialize_state_dict
+    from tests.test_weight_sync_vllm import _generated_tokens
+
+    learner = _hf(moe_model)
+    with torch.no_grad():
+        gen = torch.Generator().manual_seed(1)
+        for p in learner.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * 0.3 * (p.std() if p.numel() > 1 else 1.0))
+    folder = tmp_path / "v1"
+    folder.mkdir()
+    state = {k: v for k, v in learner.state_dict().items() if k not in tied_names(learner)}
+    (folder / "model.safetensors").write_bytes(serialize_state_dict(checkpoint_layout(learner, state)))
+    n, max_tokens = 8, 600  # each context about 1,000 tokens at the switch, far from its end
+    system = " ".join(f"Rule {i}: count the tools, then the numbers, and say both." for i in range(20))
+    body = {"max_tokens": max_tokens, "temperature": 1.0, "ignore_eos": True,  # no seed: see test_weight_sync_vllm
+            "messages": [{"role": "system", "content": system},
+                         {"role": "user", "content": "Tell me a long story about numbers and tools."}]}
+
+    async def go() -> list[Any]:
+        pool = EnginePool([moe_engine.url])
+        router = Router(pool, model_name="tiny-moe", eos_token_ids=eos_token_ids(moe_model), max_model_len=2048,
+                        model_dir=moe_model)
+        await pool.start()
+        updater = EngineUpdater(pool)
+        await updater.start()
+        await router.capture_experts()
+        try:
+            before = await _generated_tokens(moe_engine.url)
+            calls = [asyncio.create_task(router.chat(body, session_id=f"cross-{i}")) for i in range(n)]
+            while await _generated_tokens(moe_engine.url) < before + n * 100:  # all well under way
+                await asyncio.sleep(0.05)
+            await updater.update_weights(str(folder), 1)
+            await asyncio.gather(*calls)
+            return [router.sessions[f"cross-{i}"].samples()[0] for i in range(n)]
+        finally:
+            try:
+                await updater.update_weights(moe_model, 2)  # the module's engine gets its weights back
+            finally:
+                await pool.close()
+
+    for s in asyncio.run(go()):
+        new = torch.from_numpy(s.versions[1:] == 1)  # logprob positions of the tokens the new weights sampled
+        assert new.any() and (s.versions[s.loss_mask != 0] == 0).any(), s.versions.tolist()
+        diff = (_replayed_logprobs(learner, s) - torch.from_numpy(s.logprobs[1:]))[new].abs()
+        assert diff.max() < 1e-3, (diff[:4].tolist(), float(diff.max()))  # diff[0]: the first after the switch

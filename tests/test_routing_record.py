@@ -83,24 +83,32 @@ def entry(positions: list[int], experts: np.ndarray) -> dict:
             "experts": base64.b64encode(np.ascontiguousarray(experts).tobytes()).decode()}
 
 
-def test_a_two_call_session_gives_one_sample_whose_routing_is_each_positions_latest_capture(tmp_path):
+E1 = np.arange(5 * 2 * 2, dtype=np.uint8).reshape(5, 2, 2) % 7  # call 1 computed positions 0..4
+E2 = np.full((5, 2, 2), 3, dtype=np.uint8)  # call 2 found 0..2 in the prefix cache, computed 3..7
+
+
+def _two_calls(tmp_path, second_version: int):
     from agentrl.router.sessions import CallRecord, Completion, Session
 
-    e1 = np.arange(5 * 2 * 2, dtype=np.uint8).reshape(5, 2, 2) % 7  # call 1 computed positions 0..4
-    e2 = np.full((5, 2, 2), 3, dtype=np.uint8)  # call 2 found 0..2 in the prefix cache, computed 3..7
     first = CallRecord("s", 0, None, 0, [1, 2, 3], [Completion([4, 5, 6], [-0.1] * 3, [0] * 3, "stop",
                                                               {"role": "assistant", "content": "a"},
-                                                              routing=entry([0, 1, 2, 3, 4], e1))], "engine-0")
-    second = CallRecord("s", 1, 0, 0, [1, 2, 3, 4, 5, 6, 7, 8], [Completion([9, 10], [-0.2] * 2, [1] * 2, "stop",
-                                                                           {"role": "assistant", "content": "b"},
-                                                                           routing=entry([3, 4, 5, 6, 7], e2))],
+                                                              routing=entry([0, 1, 2, 3, 4], E1))], "engine-0")
+    second = CallRecord("s", 1, 0, 0, [1, 2, 3, 4, 5, 6, 7, 8],
+                        [Completion([9, 10], [-0.2] * 2, [second_version] * 2, "stop",
+                                    {"role": "assistant", "content": "b"}, routing=entry([3, 4, 5, 6, 7], E2))],
                         "engine-0")
     session = Session("s", log_path=tmp_path / "s.jsonl")
     session.record(first)
     session.record(second)
-    (s,) = session.samples()
+    return session
+
+
+def test_a_two_call_session_gives_one_sample_whose_routing_is_each_positions_latest_capture(tmp_path):
+    from agentrl.router.sessions import CallRecord, Session
+
+    (s,) = _two_calls(tmp_path, second_version=0).samples()
     assert s.routing.shape == (10, 2, 2) and s.routing.dtype == np.uint8
-    assert (s.routing[:3] == e1[:3]).all() and (s.routing[3:8] == 3).all()
+    assert (s.routing[:3] == E1[:3]).all() and (s.routing[3:8] == 3).all()
     assert (s.routing[8:] == 255).all()  # the last generated tokens were never fed through the model
     # the records keep it as JSON: a session read back from its log gives the same sample
     back = [CallRecord.from_dict(json.loads(x)) for x in (tmp_path / "s.jsonl").read_text().splitlines()]
@@ -108,8 +116,34 @@ def test_a_two_call_session_gives_one_sample_whose_routing_is_each_positions_lat
     assert (again.routing == s.routing).all() and (again.token_ids == s.token_ids).all()
 
 
+def test_positions_a_call_took_from_the_cache_after_an_update_are_not_an_earlier_versions_experts(tmp_path):
+    """An update between the calls emptied the prefix cache: what the second call found there was
+    computed since, under the new weights, so the first call's experts do not stand for it."""
+    (s,) = _two_calls(tmp_path, second_version=1).samples()
+    assert (s.routing[:3] == 255).all()  # unrecorded: the learner routes them itself
+    assert (s.routing[3:8] == 3).all() and (s.routing[8:] == 255).all()
+
+
 def test_a_session_without_captures_has_no_routing():
     from agentrl.router.sessions import CallRecord, Completion, Session
 
     rec = CallRecord("s", 0, None, 0, [1, 2], [Completion([3], [-0.1], [0], "stop", {"role": "assistant"})], "e")
     assert Session("s", records=[rec]).samples()[0].routing is None
+
+
+def test_a_request_computed_again_keeps_only_the_experts_of_its_new_computation():
+    """The engine-side record: chunked prefill and decode steps add up; a pass that starts at a
+    position already held (the request lost its KV to a preemption or an update's cache reset, and
+    took positions 0..3 from the prefix cache another request filled) drops what came before."""
+    import torch
+
+    from agentrl.engines.routing import _Record
+
+    rec = _Record()
+    for positions, expert in ((range(0, 6), 1), (range(6, 10), 1), (range(10, 11), 1), (range(11, 12), 1)):
+        rec.add(torch.tensor(list(positions)), torch.full((len(positions), 2, 2), expert, dtype=torch.uint8))
+    assert [int(p) for ps, _ in rec.chunks for p in ps] == list(range(12))
+    rec.add(torch.tensor(list(range(4, 12))), torch.full((8, 2, 2), 2, dtype=torch.uint8))  # re-prefill from 4
+    rec.add(torch.tensor([12]), torch.full((1, 2, 2), 2, dtype=torch.uint8))
+    assert [int(p) for ps, _ in rec.chunks for p in ps] == list(range(4, 13))
+    assert all((e == 2).all() for _, e in rec.chunks)

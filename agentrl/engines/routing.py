@@ -10,9 +10,11 @@ hands them over (through ``/collective_rpc``) and forgets them.
 
 The rows of one forward pass are split by request with the runner's own layout of that pass
 (``input_batch.req_ids``, ``query_start_loc``) and placed by the runner's ``positions``, so chunked
-prefill, batching and recomputation after a preemption all land on the right position. Prompt
-tokens whose KV came from the prefix cache are not computed again and so have no record: their
-positions are missing from the answer (the learner routes those itself).
+prefill and batching land on the right position. Prompt tokens whose KV came from the prefix cache
+are not computed again and so have no record: their positions are missing from the answer (the
+router takes them from the earlier call of the session that computed them, when it ran under the
+same weights, else the learner routes them itself). A request computed again from the start (a
+preemption, or the prefix-cache reset of a weight update) keeps only what it computed since.
 
 Memory is bounded: at most :data:`MAX_REQUESTS` requests are held; the oldest are dropped first.
 """
@@ -32,12 +34,27 @@ NOT_RECORDED_U8 = 255  # in a uint8 routing array, a position without a record (
 
 
 class _Record:
-    """One request's captured routing: per forward pass, its positions and [n, layers, k] expert ids."""
+    """One request's captured routing: per forward pass, its positions and [n, layers, k] expert ids,
+    since the request was last computed from the start (see :meth:`add`)."""
 
-    __slots__ = ("chunks",)
+    __slots__ = ("chunks", "top")
 
     def __init__(self) -> None:
         self.chunks: list[tuple[Any, Any]] = []
+        self.top = -1  # the highest position held
+
+    def add(self, positions: Any, experts: Any) -> None:
+        """One pass's rows. A pass that starts at or below a position already held is a
+        recomputation (a preemption, or the prefix-cache reset after a weight update): the request
+        lost its KV and is computed again from ``positions[0]``, taking what comes before from the
+        prefix cache, which another request may have filled since, under other weights. What it
+        held from before describes KV the engine no longer uses, so it is dropped: those positions
+        go unrecorded (the learner routes them itself) rather than recorded with stale experts."""
+        if int(positions[0]) <= self.top:
+            self.chunks.clear()
+            self.top = -1
+        self.chunks.append((positions, experts))
+        self.top = max(self.top, int(positions[-1]))
 
 
 class RoutedExpertsCapture:
@@ -94,7 +111,7 @@ class RoutedExpertsCapture:
                 rec = store[req_id] = _Record()
                 while len(store) > MAX_REQUESTS:
                     store.popitem(last=False)
-            rec.chunks.append((positions[a:b].clone(), rows[a:b]))
+            rec.add(positions[a:b].clone(), rows[a:b])
 
     def agentrl_routed_experts(self, request_id: str, keep: bool = False) -> list[dict[str, Any]]:
         """The routing captured for the requests of the API request ``request_id`` (see

@@ -198,6 +198,7 @@ class Session:
                 chain: list[int] = []
                 calls: list[tuple[int, int, dict[str, float], list[list[int]] | None]] = []
                 routings: list[dict[str, Any] | None] = []
+                last_versions: list[int | None] = []
                 rec, c = leaf, ci
                 while True:
                     chain.append(rec.index)
@@ -211,6 +212,7 @@ class Session:
                     versions[start : start + k] = cc.versions
                     calls.append((start, k, rec.sampling, cc.kept))
                     routings.append(cc.routing)
+                    last_versions.append(max(cc.versions) if cc.versions else None)
                     if rec.parent is None:
                         break
                     rec, c = by_index[rec.parent], rec.choice
@@ -218,18 +220,31 @@ class Session:
                 out.append(Sample(tokens, mask, logprobs, versions, episode_id=self.session_id,
                                   group_id=str(self.meta.get("group_id", "")), env=str(self.meta.get("env", "")),
                                   reward=0.0, info={"calls": chain[::-1], "finish_reason": comp.finish_reason},
-                                  behaviour=behaviour, routing=chain_routing(n, routings[::-1])))
+                                  behaviour=behaviour, routing=chain_routing(n, routings[::-1], last_versions[::-1])))
         return out
 
 
-def chain_routing(n: int, routings: list[dict[str, Any] | None]) -> np.ndarray | None:
+def chain_routing(n: int, routings: list[dict[str, Any] | None],
+                  versions: list[int | None] | None = None) -> np.ndarray | None:
     """A sample's routing over its ``n`` tokens from its chain of calls' captures, first call first:
     a position computed by several calls keeps the latest one's experts (the ones the latest
     sampled tokens were conditioned on; an earlier call's tokens may have seen another routing of a
-    position its engine computed again, after a weight update). None when no call captured any."""
+    position its engine computed again, after a weight update). None when no call captured any.
+
+    ``versions``: per call, the policy version of its last token (None: unknown). The last call
+    took the positions it did not compute from the prefix cache, which a weight update empties: an
+    earlier call's experts stand for them only when it ran its last tokens under the same version
+    as the last call. Another call filled the cache since, under other weights, otherwise, and
+    such a position stays unrecorded (the learner routes it itself). Without ``versions`` every
+    earlier capture counts."""
     from agentrl.engines.routing import decode_experts
 
-    captured = [decode_experts(r) for r in routings if r is not None]
+    if not any(r is not None for r in routings):
+        return None
+    last = versions[-1] if versions else None
+    captured = [decode_experts(r) for i, r in enumerate(routings)
+                if r is not None and (versions is None or i == len(routings) - 1
+                                      or (last is not None and versions[i] == last))]
     if not captured:
         return None
     _, first = captured[0]
