@@ -3,8 +3,18 @@
 Importing this package is cheap: torch, vLLM and transformers load only where they are used.
 """
 
-from agentrl.env import Environment, Reset, StepResult, ToolEnv, environment, make, registered, tool
+from agentrl.env import (
+    Environment,
+    Reset,
+    StepResult,
+    TaskListEnv,
+    ToolEnv,
+    environment,
+    make,
+    registered,
+    tool,
+)
 from agentrl.scoring.registry import scorer
 
 __version__ = "0.1.0"
-__all__ = ["Environment", "Reset", "StepResult", "ToolEnv", "environment", "make", "registered", "scorer", "tool"]
+__all__ = ["Environment", "Reset", "StepResult", "TaskListEnv", "ToolEnv", "environment", "make", "registered", "scorer", "tool"]

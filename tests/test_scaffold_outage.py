@@ -59,7 +59,8 @@ async def _play(agent: Any, episodes: int) -> tuple[Orchestrator, Sink]:
     await web.TCPSite(runner, "127.0.0.1", port).start()
     sink = Sink()
     try:
-        loop = ScaffoldLoop(router, agent, f"http://127.0.0.1:{port}", "guess_number", {}, EpisodeLimits(max_turns=2))
+        loop = ScaffoldLoop(router, "guess_number", {}, EpisodeLimits(max_turns=2), scaffold=agent,
+                            base_url=f"http://127.0.0.1:{port}")
         orch = Orchestrator(loop, sink, env_name="guess_number", group_size=episodes, max_concurrency=episodes,
                             max_episodes=episodes)
         await asyncio.wait_for(orch.run(), 120)

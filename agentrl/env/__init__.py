@@ -4,7 +4,7 @@ Importing this package stays cheap: gymnasium loads only with ``agentrl.env.gym`
 ``datasets`` only when a dataset source is read.
 """
 
-from agentrl.env.base import Environment, Message, Reset, StepResult, ToolEnv
+from agentrl.env.base import Environment, Message, Reset, StepResult, TaskListEnv, ToolEnv
 from agentrl.env.registry import (
     DuplicateEnvironmentError,
     UnknownEnvironmentError,
@@ -20,7 +20,7 @@ from agentrl.env.tasks import TaskSource, load_tasks
 from agentrl.env.tools import ToolCallError, parse_tool_calls, tool, tool_schema
 
 __all__ = [
-    "DuplicateEnvironmentError", "Environment", "Message", "Reset", "StepResult", "TaskSource", "ToolCallError",
-    "ToolEnv", "UnknownEnvironmentError", "UserCodeError", "environment", "import_user_code", "load_tasks", "lookup",
-    "make", "parse_tool_calls", "registered", "tool", "tool_schema", "unregister",
+    "DuplicateEnvironmentError", "Environment", "Message", "Reset", "StepResult", "TaskListEnv", "TaskSource",
+    "ToolCallError", "ToolEnv", "UnknownEnvironmentError", "UserCodeError", "environment", "import_user_code",
+    "load_tasks", "lookup", "make", "parse_tool_calls", "registered", "tool", "tool_schema", "unregister",
 ]

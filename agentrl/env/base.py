@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
+from agentrl.env.tasks import load_tasks
 from agentrl.env.tools import ToolCallError, call_tool, parse_arguments, parse_tool_calls, tool_schema
 
 if TYPE_CHECKING:
@@ -231,6 +232,25 @@ class ToolEnv(Environment):
                 log.debug("tool %s raised", name, exc_info=True)
                 result = f"Error: tool {name} failed: {type(e).__name__}: {e}"
         return {"role": "tool", "tool_call_id": call.get("id", ""), "content": result}
+
+
+class TaskListEnv(ToolEnv):
+    """A :class:`ToolEnv` over one list of tasks for every split: the class's ``TASKS``, or what a
+    config gives as ``tasks`` instead (anything :func:`~agentrl.env.tasks.load_tasks` reads: a
+    list of dicts, a ``.jsonl`` path, ``"hf:NAME"``). ``timeout_s`` bounds each sandboxed command;
+    the class attribute is the default a config's ``timeout_s`` replaces."""
+
+    TASKS: Any = ()
+    timeout_s: float = 10.0
+
+    def __init__(self, tasks: Any = None, timeout_s: float | None = None) -> None:
+        super().__init__()
+        self.source = load_tasks(self.TASKS if tasks is None else tasks)
+        if timeout_s is not None:
+            self.timeout_s = timeout_s
+
+    def tasks(self, split: str = "train") -> Iterable[dict[str, Any]]:
+        return iter(self.source)
 
 
 @functools.cache

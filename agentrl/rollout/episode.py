@@ -333,14 +333,24 @@ def _samples(summary: SessionSummary, ep: EpisodeResult) -> list[Sample]:
 
 
 @dataclass
-class BuiltinLoop:
-    """The orchestrator's producer for the built-in agent loop: ``await loop(task, group_id)``."""
+class EpisodeLoop:
+    """What the orchestrator's producers share: the model's client, the environment (name and
+    config), the episode's limits and the sandbox pool. ``await loop(task, group_id)`` plays one
+    episode and always returns its result (a failure is recorded on it, never raised)."""
 
     client: ChatClient
     env_name: str
     env_config: dict[str, Any]
     limits: EpisodeLimits
     sandbox_pool: Any = None
+
+    async def __call__(self, task: dict[str, Any], group_id: str) -> EpisodeResult:
+        raise NotImplementedError
+
+
+@dataclass
+class BuiltinLoop(EpisodeLoop):
+    """The orchestrator's producer for the built-in agent loop."""
 
     async def __call__(self, task: dict[str, Any], group_id: str) -> EpisodeResult:
         return await run_episode(self.client, self.env_name, task, group_id=group_id, env_config=self.env_config,

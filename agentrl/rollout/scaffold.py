@@ -46,7 +46,7 @@ from typing import Any
 
 from agentrl.errors import EnvironmentFailure, ScaffoldError
 from agentrl.rollout.config import EpisodeLimits
-from agentrl.rollout.episode import EpisodeResult, episode_env, finish_samples, record_failure
+from agentrl.rollout.episode import EpisodeLoop, EpisodeResult, episode_env, finish_samples, record_failure
 from agentrl.rollout.protocols import ChatClient
 from agentrl.router.core import SessionLimits
 from agentrl.router.sessions import SessionSummary
@@ -269,16 +269,11 @@ async def _score(env: Any, task: dict[str, Any], answer: str) -> float:
 
 
 @dataclass
-class ScaffoldLoop:
-    """The orchestrator's producer for an external scaffold: ``await loop(task, group_id)``."""
+class ScaffoldLoop(EpisodeLoop):
+    """The orchestrator's producer for an external scaffold."""
 
-    client: ChatClient
-    scaffold: Scaffold
-    base_url: str  # the router's address as the scaffold reaches it, e.g. http://127.0.0.1:8000
-    env_name: str
-    env_config: dict[str, Any]
-    limits: EpisodeLimits
-    sandbox_pool: Any = None
+    scaffold: Scaffold = field(kw_only=True)
+    base_url: str = field(kw_only=True)  # the router's address as the scaffold reaches it, e.g. http://127.0.0.1:8000
 
     async def __call__(self, task: dict[str, Any], group_id: str) -> EpisodeResult:
         return await run_scaffold_episode(self.client, self.env_name, task, group_id=group_id, scaffold=self.scaffold,

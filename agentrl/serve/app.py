@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import inspect
 import json
 import logging
 import signal
@@ -319,20 +320,12 @@ class Serve:
             if t is not None:
                 t.cancel()
                 await asyncio.gather(t, return_exceptions=True)
-        if self._runner is not None:
-            await self._runner.cleanup()
-        if self._listener is not None:
-            self._listener.close()
-        if self.sandbox_pool is not None:
-            await self.sandbox_pool.close()
-        if self.pool is not None:
-            await self.pool.close()
-        if self.buffer is not None:
-            self.buffer.close()
-        if self.local is not None:
-            await self.local.stop()
-        if self.cluster is not None:
-            await self.cluster.close()
+        # then each part that was started, in this order, by its own closing method (sync or async)
+        parts = ((self._runner, "cleanup"), (self._listener, "close"), (self.sandbox_pool, "close"),
+                 (self.pool, "close"), (self.buffer, "close"), (self.local, "stop"), (self.cluster, "close"))
+        for part, method in parts:
+            if part is not None and inspect.isawaitable(done := getattr(part, method)()):
+                await done
 
 
 async def serve_forever(cfg: ServeConfig) -> None:

@@ -135,8 +135,8 @@ def build_producer(cfg: ServeConfig, client: ChatClient, sandbox_pool: Any, *, s
     scaffold = scaffold if scaffold is not None else load_scaffold_of(cfg)
     if scaffold is None:
         return BuiltinLoop(client, e.name, dict(e.config), e.limits(), sandbox_pool)
-    return ScaffoldLoop(client, scaffold, router_url or scaffold_url(cfg), e.name, dict(e.config), e.limits(),
-                        sandbox_pool)
+    return ScaffoldLoop(client, e.name, dict(e.config), e.limits(), sandbox_pool, scaffold=scaffold,
+                        base_url=router_url or scaffold_url(cfg))
 
 
 def build_orchestrator(cfg: ServeConfig, producer: EpisodeProducer, sink: BufferSink, *, run_dir: Path | None = None,

@@ -14,7 +14,6 @@ import re
 from typing import Any
 
 import agentrl
-from agentrl.env.tasks import load_tasks
 
 SYSTEM = ("Write the Python function the user asks for. You may test code with the run_python tool. "
           "Reply with the final function in a ```python block.")
@@ -54,18 +53,11 @@ def extract_code(answer: str) -> str:
 
 
 @agentrl.environment("coding")
-class CodingEnv(agentrl.ToolEnv):
+class CodingEnv(agentrl.TaskListEnv):
     system_prompt = SYSTEM
     sandbox_image = "agentrl/base:bookworm"
     max_turns = 4
-
-    def __init__(self, tasks: Any = None, timeout_s: float = 10.0) -> None:
-        super().__init__()
-        self.source = load_tasks(tasks) if tasks is not None else load_tasks(TASKS)
-        self.timeout_s = timeout_s
-
-    def tasks(self, split: str = "train"):
-        return iter(self.source)  # one small list serves both splits
+    TASKS = TASKS
 
     def prompt(self, task: dict[str, Any]) -> str:
         return f"Write a Python function: {task['spec']}."

@@ -12,7 +12,6 @@ from __future__ import annotations
 from typing import Any
 
 import agentrl
-from agentrl.env.tasks import load_tasks
 
 SYSTEM = "You are in a Linux shell in /work. Use the bash tool to do the task, then say done."
 TASKS = [
@@ -32,18 +31,11 @@ TASKS = [
 
 
 @agentrl.environment("shell")
-class ShellEnv(agentrl.ToolEnv):
+class ShellEnv(agentrl.TaskListEnv):
     system_prompt = SYSTEM
     sandbox_image = "agentrl/base:bookworm"
     max_turns = 8
-
-    def __init__(self, tasks: Any = None, timeout_s: float = 10.0) -> None:
-        super().__init__()
-        self.source = load_tasks(tasks) if tasks is not None else load_tasks(TASKS)
-        self.timeout_s = timeout_s
-
-    def tasks(self, split: str = "train"):
-        return iter(self.source)
+    TASKS = TASKS
 
     async def reset(self, task: dict[str, Any]) -> agentrl.Reset:
         assert self.sandbox is not None, "the shell environment needs a sandbox"

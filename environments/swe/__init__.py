@@ -17,7 +17,6 @@ import shlex
 from typing import Any
 
 import agentrl
-from agentrl.env.tasks import load_tasks
 
 REPO = "/work/repo"
 SYSTEM = (f"You are a software engineer. The repository is in {REPO}, a git repository. Use the bash tool to "
@@ -50,18 +49,12 @@ TEST = "python3 -m unittest discover -s tests -t . -q"
 
 
 @agentrl.environment("swe")
-class SweEnv(agentrl.ToolEnv):
+class SweEnv(agentrl.TaskListEnv):
     system_prompt = SYSTEM
     sandbox_image = "agentrl/swe:latest"
     max_turns = 8
-
-    def __init__(self, tasks: Any = None, timeout_s: float = 30.0) -> None:
-        super().__init__()
-        self.source = load_tasks(tasks) if tasks is not None else load_tasks(TASKS)
-        self.timeout_s = timeout_s
-
-    def tasks(self, split: str = "train"):
-        return iter(self.source)
+    TASKS = TASKS
+    timeout_s = 30.0
 
     def prompt(self, task: dict[str, Any]) -> str:
         return f"Fix this issue in the repository in {REPO}: {task['issue']}"
