@@ -222,27 +222,34 @@ def _replayed_logprobs(model: Any, sample: Any) -> torch.Tensor:
         return packed_logprobs(model, [sample])[0]
 
 
+def _next_policy(moe_model: str, folder: Any, seed: int) -> tuple[Any, Any]:
+    """The learner's next policy (every weight moved, fused experts included) and ``folder`` holding
+    it as the learner publishes it (its checkpoint layout, tied weights left out)."""
+    from agentrl.learner.dist import checkpoint_layout, tied_names
+    from agentrl.weights.transfer import serialize_state_dict
+
+    learner = _hf(moe_model)
+    with torch.no_grad():
+        gen = torch.Generator().manual_seed(seed)
+        for p in learner.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * 0.3 * (p.std() if p.numel() > 1 else 1.0))
+    folder.mkdir()
+    state = {k: v for k, v in learner.state_dict().items() if k not in tied_names(learner)}
+    (folder / "model.safetensors").write_bytes(serialize_state_dict(checkpoint_layout(learner, state)))
+    return learner, folder
+
+
 @pytest.mark.vllm
 def test_the_router_records_each_calls_experts_and_the_learners_weights_reach_the_moe_engine(
         moe_engine: Any, moe_model: str, tmp_path: Any) -> None:
     import asyncio
 
-    from agentrl.learner.dist import checkpoint_layout, tied_names
     from agentrl.models import eos_token_ids
     from agentrl.router import EnginePool, Router
     from agentrl.weights import EngineUpdater
-    from agentrl.weights.transfer import serialize_state_dict
 
     model = _hf(moe_model)
-    learner = _hf(moe_model)
-    with torch.no_grad():  # the learner's next policy: every weight moved (fused experts included)
-        gen = torch.Generator().manual_seed(0)
-        for p in learner.parameters():
-            p.add_(torch.randn(p.shape, generator=gen) * 0.3 * (p.std() if p.numel() > 1 else 1.0))
-    folder = tmp_path / "v1"
-    folder.mkdir()
-    state = {k: v for k, v in learner.state_dict().items() if k not in tied_names(learner)}  # as the learner publishes
-    (folder / "model.safetensors").write_bytes(serialize_state_dict(checkpoint_layout(learner, state)))
+    learner, folder = _next_policy(moe_model, tmp_path / "v1", seed=0)
     question = [{"role": "user", "content": "Count to ten and tell me about it."}]
     body = {"max_tokens": 40, "temperature": 1.0, "ignore_eos": True}
 
@@ -297,22 +304,12 @@ def test_tokens_an_update_caught_in_flight_are_the_new_weights_through_the_exper
     the first after the switch included, is the new policy's through the captured experts."""
     import asyncio
 
-    from agentrl.learner.dist import checkpoint_layout, tied_names
     from agentrl.models import eos_token_ids
     from agentrl.router import EnginePool, Router
     from agentrl.weights import EngineUpdater
-    from agentrl.weights.transfer import serialize_state_dict
     from tests.test_weight_sync_vllm import _generated_tokens
 
-    learner = _hf(moe_model)
-    with torch.no_grad():
-        gen = torch.Generator().manual_seed(1)
-        for p in learner.parameters():
-            p.add_(torch.randn(p.shape, generator=gen) * 0.3 * (p.std() if p.numel() > 1 else 1.0))
-    folder = tmp_path / "v1"
-    folder.mkdir()
-    state = {k: v for k, v in learner.state_dict().items() if k not in tied_names(learner)}
-    (folder / "model.safetensors").write_bytes(serialize_state_dict(checkpoint_layout(learner, state)))
+    learner, folder = _next_policy(moe_model, tmp_path / "v1", seed=1)
     n, max_tokens = 8, 600  # each context about 1,000 tokens at the switch, far from its end
     system = " ".join(f"Rule {i}: count the tools, then the numbers, and say both." for i in range(20))
     body = {"max_tokens": max_tokens, "temperature": 1.0, "ignore_eos": True,  # no seed: see test_weight_sync_vllm
