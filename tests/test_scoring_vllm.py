@@ -86,3 +86,52 @@ def test_a_group_judge_on_vllm_is_held_to_one_grade_line_per_answer(vllm_engine)
 
     for n, grades in enumerate(asyncio.run(main())):
         assert len(grades) == 2 + n % 2 and all(0.0 <= g <= 1.0 for g in grades), grades
+
+
+def test_a_vllm_teacher_gives_its_models_own_logprobs_of_the_students_tokens(vllm_engine,
+                                                                            tiny_tools_model: str) -> None:
+    """The teacher (the engine's tiny-tools model, on its completions route) scores a two-turn
+    sample's generated positions: each logprob is what that model itself gives the token there
+    (transformers, fp32), and the prompt and tool-output positions stay unscored."""
+    import asyncio
+
+    import numpy as np
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from agentrl.buffer.sample import Sample
+    from agentrl.learner.trainer import token_logprobs
+    from agentrl.scoring.config import TeacherConfig
+    from agentrl.scoring.teacher import Teacher
+
+    tok = AutoTokenizer.from_pretrained(tiny_tools_model)
+    parts = [("Add the numbers and say which tools you used: 12, 7, 30.", 0), (" I used the python tool.", 1),
+             (" Output: 49", 0), (" The sum is 49, from 12 + 7 + 30, computed once.", 1)]
+    ids, mask = [], []
+    for text, generated in parts:
+        piece = tok(text, add_special_tokens=False)["input_ids"]
+        ids += piece
+        mask += [generated] * len(piece)
+    sample = Sample(ids, mask, [-1.0 if m else 0.0 for m in mask], [0 if m else -1 for m in mask],
+                    episode_id="e", group_id="g", env="t", reward=0.0)
+
+    class Episode:
+        samples = [sample]
+
+    async def main() -> float:
+        teacher = Teacher(TeacherConfig(url=f"{vllm_engine.url}/v1", model="tiny-tools"), timeout_s=120, retries=1)
+        try:
+            return await teacher({}, Episode())
+        finally:
+            await teacher.close()
+
+    kl = asyncio.run(main())
+    model = AutoModelForCausalLM.from_pretrained(tiny_tools_model, dtype=torch.float32).eval()
+    x = torch.tensor([ids])
+    with torch.no_grad():
+        own = token_logprobs(model, x, torch.ones_like(x))[0].numpy()  # position t predicts token t + 1
+    generated = np.asarray(mask[1:]) == 1
+    got = sample.teacher_logprobs[1:]
+    assert np.isnan(got[~generated]).all() and np.isfinite(got[generated]).all()
+    assert np.abs(got[generated] - own[generated]).max() < 1e-3
+    assert kl == pytest.approx(float(np.mean(-1.0 - got[generated])), rel=1e-5)

@@ -85,6 +85,10 @@ class Sample:
     routing: np.ndarray | None = None
     """MoE models: the experts the engine routed each token through, [tokens, moe layers, k] of
     uint8 (255: not recorded) or int16 (-1: not recorded); None for a dense model."""
+    teacher_logprobs: np.ndarray | None = None
+    """On-policy distillation: a teacher's log p(token_t | tokens_<t) of each token it scored
+    (float32, NaN where it did not: the prompt, and a sample a teacher never saw is None).
+    ``info["teacher"]`` says which teacher and version scored it (agentrl.scoring.teacher)."""
 
     def __post_init__(self) -> None:
         t, m, lp, v = self.token_ids, self.loss_mask, self.logprobs, self.versions
@@ -107,6 +111,11 @@ class Sample:
             raise ValueError(f"sample {self.sample_id}: routing must be a [tokens, layers, k] uint8 or int16 array "
                              f"over its {t.shape[0]} tokens, not {getattr(r, 'dtype', type(r))} "
                              f"{getattr(r, 'shape', '')}")
+        if self.teacher_logprobs is not None:
+            self.teacher_logprobs = tl = float32_array(self.teacher_logprobs)
+            if tl.shape != t.shape:
+                raise ValueError(f"sample {self.sample_id}: teacher logprobs must be 1-D over its {t.shape[0]} "
+                                 f"tokens, not {tl.shape}")
         if self.behaviour is not None and self.behaviour.kept_counts.shape != t.shape:
             raise ValueError(f"sample {self.sample_id}: behaviour covers {self.behaviour.kept_counts.shape[0]} "
                              f"tokens of {t.shape[0]}")
@@ -117,7 +126,7 @@ class Sample:
         for f in fields(self):
             a, b = getattr(self, f.name), getattr(other, f.name)
             if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
-                if a is None or b is None or not np.array_equal(a, b, equal_nan=f.name == "logprobs"):
+                if a is None or b is None or not np.array_equal(a, b, equal_nan=f.name in ("logprobs", "teacher_logprobs")):
                     return False
             elif a != b:
                 return False
@@ -140,7 +149,8 @@ class Sample:
         d = {f.name: copy.deepcopy(getattr(self, f.name)) for f in fields(self) if f.name != "behaviour"}
         for k in ("token_ids", "loss_mask", "logprobs", "versions"):
             d[k] = d[k].tolist()
-        if d["routing"] is not None:
-            d["routing"] = d["routing"].tolist()
+        for k in ("routing", "teacher_logprobs"):
+            if d[k] is not None:
+                d[k] = d[k].tolist()
         d["behaviour"] = self.behaviour.to_dict() if self.behaviour is not None else None
         return d

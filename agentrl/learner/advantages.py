@@ -115,3 +115,20 @@ def episode_advantages(
             first[k] = group_ids[i]
     adv = group_advantages(per_episode, first, normalize_std=normalize_std, eps=eps)
     return adv[episode].to(out_dtype)
+
+
+def distilled_advantages(advantages: Tensor, teacher: Tensor, behaviour: Tensor, coef: float,
+                         with_reward: bool = True) -> Tensor:
+    """Per-token advantages for on-policy distillation: ``[B]`` episode advantages (or nothing, when
+    not ``with_reward``) plus ``coef * (log pi_teacher - log mu)`` on each token a teacher scored.
+
+    ``teacher``, ``behaviour``: [B, T] the teacher's and the sampling policy's logprobs of the
+    sampled tokens (NaN in ``teacher`` where no teacher scored). ``log mu - log pi_teacher`` is the
+    sampled token's one-sample estimate of the reverse KL ``KL(pi || pi_teacher)`` (the student's
+    own tokens, as in on-policy distillation), so its negative, used as the token's advantage in the
+    policy gradient, moves the student towards the teacher where the student sampled. Tokens no
+    teacher scored keep their reward advantage (0 without ``with_reward``). Returns [B, T]."""
+    scored = torch.isfinite(teacher)
+    gap = torch.where(scored, teacher - behaviour, torch.zeros_like(teacher))
+    base = advantages.to(teacher.dtype).unsqueeze(-1).expand_as(teacher) if with_reward else torch.zeros_like(teacher)
+    return base + coef * gap

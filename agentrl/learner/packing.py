@@ -26,6 +26,7 @@ Invariants:
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -58,6 +59,7 @@ def pad_batch(samples: Sequence[Any], pad_id: int, masks: Sequence[Any] | None =
     mask = torch.zeros((b, width), dtype=torch.float32)
     behaviour = torch.zeros((b, width), dtype=torch.float32)
     versions = torch.full((b, width), -1, dtype=torch.long)
+    teacher = torch.full((b, width), math.nan, dtype=torch.float32)  # NaN: no teacher scored the token
     for i, s in enumerate(samples):
         n = len(s.token_ids)
         ids[i, :n] = torch.as_tensor(s.token_ids, dtype=torch.long)
@@ -65,9 +67,11 @@ def pad_batch(samples: Sequence[Any], pad_id: int, masks: Sequence[Any] | None =
         mask[i, :n] = torch.as_tensor(s.loss_mask if masks is None else masks[i], dtype=torch.float32)
         behaviour[i, :n] = torch.as_tensor(s.logprobs, dtype=torch.float32)
         versions[i, :n] = torch.as_tensor(s.versions, dtype=torch.long)
+        if getattr(s, "teacher_logprobs", None) is not None:
+            teacher[i, :n] = torch.as_tensor(s.teacher_logprobs, dtype=torch.float32)
     # position t of the [B, T-1] logprob tensor predicts token t+1
     return {"input_ids": ids, "attention_mask": attn, "mask": mask[:, 1:], "behaviour": behaviour[:, 1:],
-            "versions": versions[:, 1:]}
+            "versions": versions[:, 1:], "teacher": teacher[:, 1:]}
 
 
 def pack(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:

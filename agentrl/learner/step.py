@@ -41,6 +41,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from agentrl.learner.advantages import distilled_advantages
 from agentrl.learner.batch import Prepared, prepare
 from agentrl.learner.config import LearnConfig
 from agentrl.learner.dist import Dist, grad_norm_and_clip
@@ -182,9 +183,12 @@ def _update(state: TrainState, cfg: LearnConfig, prep: Prepared, rows: list[list
             if approx:  # pi_prox at the step's start version, interpolated from this update's logprobs
                 logp_old = approx_proximal_logp(behaviour, logp.detach(), t["versions"].to(ctx.device),
                                                 current_version=version + progress, proximal_version=version)
+            advantages = prep.advantages[idx].to(ctx.device)
+            if loss_cfg.distill_coef:  # per token: the teacher's term where a teacher scored
+                advantages = distilled_advantages(advantages, t["teacher"].to(ctx.device), behaviour,
+                                                  loss_cfg.distill_coef, loss_cfg.distill_reward)
             loss, st = compute_loss(**loss_cfg.arguments(), logp=logp, logp_old=logp_old, logp_behaviour=behaviour,
-                                    advantages=prep.advantages[idx].to(ctx.device), mask=t["mask"].to(ctx.device),
-                                    denominator=1.0)
+                                    advantages=advantages, mask=t["mask"].to(ctx.device), denominator=1.0)
             (loss * ctx.world).backward()
         value = float(loss.detach())
         if not math.isfinite(value):
@@ -284,9 +288,25 @@ def train_step(state: TrainState, samples: Sequence[Any], cfg: LearnConfig, vers
         out["routing_replayed_tokens"] = replayed
         out["routing_own_tokens"] = sum(u["routing"][2] for u in once)  # no record: the learner routed them
         out["routing_disagreement"] = sum(u["routing"][1] for u in once) / replayed  # tokens whose own routing differed
+    out.update(teacher_stats(prep.samples, prep.masks))
     if offending:
         out["offending_sample_ids"] = offending
     return out
+
+
+def teacher_stats(samples: Sequence[Any], masks: Sequence[np.ndarray]) -> dict[str, float]:
+    """On-policy distillation's progress over the trained tokens a teacher scored: ``teacher_kl``,
+    the mean of ``log mu - log pi_teacher`` (the reverse KL from the policy that sampled to the
+    teacher, estimated on the sampled tokens), and ``teacher_tokens``. Empty when no teacher scored."""
+    gaps = []
+    for s, m in zip(samples, masks, strict=True):
+        if s.teacher_logprobs is not None:
+            keep = (m != 0) & np.isfinite(s.teacher_logprobs)
+            gaps.append(s.logprobs[keep] - s.teacher_logprobs[keep])
+    if not gaps:
+        return {}
+    gap = np.concatenate(gaps)
+    return {"teacher_kl": float(gap.mean()) if gap.size else 0.0, "teacher_tokens": int(gap.size)}
 
 
 def _average(parts: list[dict[str, float]]) -> dict[str, float]:

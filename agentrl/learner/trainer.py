@@ -313,7 +313,8 @@ class Learner:
                        "checkpoint_s": now - t_ckpt, "idle_fraction": wait_total / max(1e-9, now - t_start),
                        "engine_sync": {k: v for k, v in sync.items() if k != "version"}}
                 row["wait_fraction"] = row["idle_fraction"]
-                if signals is not None and (warned := signals.observe(samples, stats["advantage_std"])):
+                distilling = cfg.loss.distill_coef > 0
+                if signals is not None and (warned := signals.observe(samples, stats["advantage_std"], distilling)):
                     row["warnings"] = warned
                     for w in warned:
                         progress.warning("WARNING: %s", w)

@@ -44,6 +44,18 @@ class JudgeConfig:
 
 
 @dataclass
+class TeacherConfig:
+    """A teacher for on-policy distillation: any vLLM endpoint serving a model with the student's
+    tokenizer scores the student's sampled tokens (``Sample.teacher_logprobs``; docs/scoring.md)."""
+
+    url: str = ""  # the endpoint's base URL, e.g. http://127.0.0.1:8002/v1; empty: no teacher
+    model: str = ""  # the model name to ask for at that endpoint
+    api_key_env: str = ""  # environment variable that holds the endpoint's key (empty: none sent)
+    name: str = ""  # recorded on each scored sample (info["teacher"]); default: the model name
+    weight: float = 0.0  # the episode's teacher KL (mean log mu - log pi_teacher) in its reward; 0: none
+
+
+@dataclass
 class ScoringConfig:
     """Scores each finished episode before its samples go to the buffer, off the agent loops'
     concurrency: the episode's reward becomes ``env_weight * (the environment's reward) + the
@@ -53,6 +65,7 @@ class ScoringConfig:
 
     env_weight: float = 1.0  # the environment's own reward in the sum (0: scorers only)
     judge: JudgeConfig = field(default_factory=JudgeConfig)
+    teacher: TeacherConfig = field(default_factory=TeacherConfig)
     scorers: dict[str, float] = field(default_factory=dict)
     """Scorers registered with ``@agentrl.scorer("name")`` (in ``env.import`` files), name -> weight."""
     concurrency: int = 16  # episodes scored at once; more wait for a slot (the agent loops do not)
@@ -64,7 +77,7 @@ class ScoringConfig:
 
     @property
     def enabled(self) -> bool:
-        return bool(self.judge.url or self.scorers)
+        return bool(self.judge.url or self.teacher.url or self.scorers)
 
     def check(self) -> None:
         if self.concurrency < 1:
@@ -75,6 +88,8 @@ class ScoringConfig:
             raise ConfigError("scoring.retries must be at least 0")
         if self.judge.url and not self.judge.model:
             raise ConfigError("scoring.judge.url is set: name the judge's model in scoring.judge.model")
+        if self.teacher.url and not self.teacher.model:
+            raise ConfigError("scoring.teacher.url is set: name the teacher's model in scoring.teacher.model")
         if self.judge.mode not in ("pointwise", "group"):
             raise ConfigError(f"scoring.judge.mode must be 'pointwise' or 'group', not {self.judge.mode!r}")
         if self.group_wait_s <= 0:

@@ -130,15 +130,23 @@ class ScoringStage:
         cfg.check()
         self.cfg, self.group_size = cfg, group_size
         self.group_judge: Judge | None = None
+        self._own: list[Any] = []  # the scorers made here, each with an HTTP client to close
         if scorers is None:
             scorers = {name: (get_scorer(name), weight) for name, weight in cfg.scorers.items()}
             if cfg.judge.url:
                 judge = Judge(cfg.judge, timeout_s=cfg.timeout_s, retries=cfg.retries)
+                self._own.append(judge)
                 if cfg.judge.mode == "group":
                     self.group_judge = judge
                     scorers["judge"] = (self._graded_in_group, cfg.judge.weight)
                 else:
                     scorers["judge"] = (judge, cfg.judge.weight)
+            if cfg.teacher.url:
+                from agentrl.scoring.teacher import Teacher
+
+                teacher = Teacher(cfg.teacher, timeout_s=cfg.timeout_s, retries=cfg.retries)
+                self._own.append(teacher)
+                scorers["teacher"] = (teacher, cfg.teacher.weight)
         self.scorers = scorers
         self._slots = asyncio.Semaphore(cfg.concurrency)
         self._groups: dict[str, _Group] = {}  # group mode: groups some of whose members are still playing
@@ -273,8 +281,5 @@ class ScoringStage:
         return {**self.counters, "outage": self.outage, "scorers": {n: dict(s) for n, s in self.per_scorer.items()}}
 
     async def close(self) -> None:
-        for fn, _ in self.scorers.values():
-            if isinstance(fn, Judge):
-                await fn.close()
-        if self.group_judge is not None:
-            await self.group_judge.close()
+        for client in self._own:  # the judge's and the teacher's HTTP clients
+            await client.close()

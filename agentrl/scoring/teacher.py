@@ -1,0 +1,75 @@
+"""Teacher logprobs for on-policy distillation: a teacher model scores the tokens the student sampled.
+
+For each sample of a finished episode the teacher is given the sample's exact token ids (prompt,
+completions and tool outputs, as the student saw them) on vLLM's completions route, with
+``prompt_logprobs: 0``: one forward pass that returns, at each position, the teacher's logprob of
+the token that is there. The logprobs of the positions the student generated (its loss mask) are
+kept on the sample (``Sample.teacher_logprobs``, NaN elsewhere) and the learner's distillation
+term uses them (``learn.loss.distill_coef``, :func:`agentrl.learner.advantages.distilled_advantages`).
+
+The teacher must share the student's tokenizer: the same ids must mean the same text. It runs as
+a scorer of the scoring stage (bounded by ``scoring.timeout_s``, transport-only retries); its
+value for the episode is the mean of ``log mu - log pi_teacher`` over the tokens it scored (the
+reverse-KL estimate), which ``scoring.teacher.weight`` (default 0) adds to the reward, so a teacher
+whose endpoint fails fails the episode (kind ``scoring``) instead of training it without its term.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any
+
+import numpy as np
+
+from agentrl.scoring.config import TeacherConfig
+
+
+class Teacher:
+    """``await teacher(task, episode)``: the teacher's logprobs put on each of the episode's samples;
+    returns the episode's mean ``log mu - log pi_teacher`` over them."""
+
+    def __init__(self, cfg: TeacherConfig, *, timeout_s: float, retries: int) -> None:
+        from agentrl.client import ServeClient
+
+        self.cfg = cfg
+        key = os.environ.get(cfg.api_key_env, "") if cfg.api_key_env else ""
+        self.client = ServeClient(cfg.url, key, timeout_s=timeout_s, retries=retries, backoff_s=0.5)
+
+    async def __call__(self, task: dict[str, Any], episode: Any) -> float:
+        gaps = []
+        for s in episode.samples:
+            mask = s.loss_mask != 0
+            mask[0] = False  # the first token has no context to be predicted from
+            if not mask.any():
+                continue
+            teacher = await self.logprobs([int(t) for t in s.token_ids])
+            teacher[~mask] = math.nan
+            s.teacher_logprobs = teacher
+            s.info["teacher"] = {"name": self.cfg.name or self.cfg.model}
+            gaps.append(s.logprobs[mask] - teacher[mask])
+        return float(np.concatenate(gaps).mean()) if gaps else 0.0
+
+    async def logprobs(self, token_ids: list[int]) -> np.ndarray:
+        """The teacher's log p(token_t | tokens_<t) at each position (NaN at 0), float32."""
+        body = {"model": self.cfg.model, "prompt": token_ids, "max_tokens": 1, "temperature": 0.0,
+                "prompt_logprobs": 0}
+        reply = await self.client.json("POST", "/completions", json=body)
+        try:
+            rows = reply["choices"][0]["prompt_logprobs"]
+        except (KeyError, IndexError, TypeError):
+            raise ValueError(f"the teacher answered no prompt logprobs: {str(reply)[:300]}") from None
+        if not isinstance(rows, list) or len(rows) != len(token_ids):
+            raise ValueError(f"the teacher gave {len(rows) if isinstance(rows, list) else rows!r} prompt logprobs "
+                             f"for {len(token_ids)} tokens")
+        out = np.full(len(token_ids), math.nan, dtype=np.float32)
+        for t in range(1, len(token_ids)):
+            entry = (rows[t] or {}).get(str(token_ids[t]))
+            if not isinstance(entry, dict) or not isinstance(entry.get("logprob"), (int, float)):
+                raise ValueError(f"the teacher's prompt logprobs hold no logprob of token {token_ids[t]} at "
+                                 f"position {t}: {str(rows[t])[:200]}")
+            out[t] = entry["logprob"]
+        return out
+
+    async def close(self) -> None:
+        await self.client.close()

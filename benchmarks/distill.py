@@ -1,0 +1,118 @@
+"""On-policy distillation on CPU: a student trained on a stronger teacher's logprobs of its own tokens.
+
+Starts a vLLM engine for the teacher, measures the teacher's own success on the held-out tasks
+(the held-out evaluation ``agentrl run`` makes of the student: the same tasks and limits), then runs ``agentrl run`` on the
+student with the teacher as a scorer (``--serve.scoring.teacher.*``: each episode's samples get the
+teacher's logprobs of their generated tokens) and the learner's distillation term
+(``--learn.loss.distill_coef``; by default the teacher's signal alone, ``distill_reward = false``).
+``agentrl run`` evaluates the student before the first step and after the last. The teacher KL is
+each learner step's ``teacher_kl`` (the mean of ``log mu - log pi_teacher`` over the tokens it
+trained). Prints one JSON line at the end with ``teacher_kl_start`` (the first step's),
+``teacher_kl_end`` (the mean of the last three), ``student_success_before``,
+``student_success_after``, ``teacher_success`` (each with its 95% Wilson interval), and
+``wall_minutes`` (the whole benchmark).
+
+    python benchmarks/distill.py [--student tiny-tools] [--teacher tiny-agent] [--env arithmetic]
+                                 [--tasks 100] [--steps 20] [--with-reward] [-- extra agentrl run overrides]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from common import free_port  # benchmarks/common.py
+
+
+def teacher_success(model: str, overrides: list[str], log_dir: Path) -> tuple[str, object, object]:
+    """The teacher's engine (left running: the caller stops it), its URL and its evaluation, with the
+    held-out evaluation ``agentrl run`` makes of the student (the same tasks, limits, temperature)."""
+    from agentrl.cli.run import held_out_eval
+    from agentrl.config import RunConfig, load
+    from agentrl.engines.vllm import EngineSpec, VLLMEngine
+    from agentrl.models import resolve_model
+
+    cfg = load(RunConfig, None, overrides)
+    engine = VLLMEngine(EngineSpec(model=resolve_model(model), served_name="teacher", port=free_port(),
+                                   max_model_len=2048), log_dir)
+    engine.launch()
+    try:
+        asyncio.run(engine.start(timeout_s=900))
+        print(f"teacher {model} serving at {engine.url}", file=sys.stderr, flush=True)
+        result = held_out_eval(cfg, engine.url, "teacher", log_dir)
+    except BaseException:
+        engine.stop()
+        raise
+    return engine.url, engine, result
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--student", default="tiny-tools", help="the student (--serve.model)")
+    p.add_argument("--teacher", default="tiny-agent", help="the teacher: a model with the student's tokenizer")
+    p.add_argument("--env", default="arithmetic")
+    p.add_argument("--tasks", type=int, default=100, help="held-out tasks evaluated (teacher, student before/after)")
+    p.add_argument("--steps", type=int, default=20, help="learner steps")
+    p.add_argument("--coef", type=float, default=1.0, help="learn.loss.distill_coef")
+    p.add_argument("--with-reward", action="store_true", help="keep the reward advantages beside the teacher's term")
+    p.add_argument("--run-dir", default="runs/distill")
+    p.add_argument("extra", nargs="*", help="more agentrl run overrides (after --)")
+    args = p.parse_args()
+    run_dir = Path(args.run_dir)
+    shutil.rmtree(run_dir, ignore_errors=True)
+    (run_dir / "teacher").mkdir(parents=True)
+    t0 = time.monotonic()
+    shared = [f"--eval.tasks={args.tasks}", f"--serve.env.name={args.env}", *args.extra]
+    url, engine, teacher = teacher_success(args.teacher, shared, run_dir / "teacher")
+    try:
+        cmd = [sys.executable, "-m", "agentrl.cli", "run", f"--serve.run_dir={run_dir / 'run'}",
+               f"--serve.router.port={free_port()}", f"--serve.engine.base_port={free_port()}", *shared,
+               f"--serve.model={args.student}", f"--learn.steps={args.steps}", f"--serve.scoring.teacher.url={url}/v1",
+               "--serve.scoring.teacher.model=teacher", f"--serve.scoring.teacher.name={args.teacher}",
+               f"--learn.loss.distill_coef={args.coef}",
+               f"--learn.loss.distill_reward={'true' if args.with_reward else 'false'}"]
+        print(" ".join(cmd[2:]), file=sys.stderr, flush=True)
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        assert proc.stdout is not None
+        last = ""
+        for line in proc.stdout:
+            line = line.rstrip()
+            if line.startswith(("step ", "eval ", "success ")) or "ERROR" in line:
+                print(f"[{time.monotonic() - t0:5.0f}s] {line}", file=sys.stderr, flush=True)
+            if line.startswith("{"):
+                last = line
+        if proc.wait() != 0 or not last:
+            raise SystemExit(f"agentrl run failed (exit {proc.returncode}); see {run_dir}/run/serve.log")
+    finally:
+        engine.stop()
+    summary = json.loads(last)
+    steps = [json.loads(x) for x in (run_dir / "run" / "learner.jsonl").read_text().splitlines() if x.strip()]
+    kls = [s["teacher_kl"] for s in steps if "teacher_kl" in s]
+    if not kls:
+        raise SystemExit("no learner step trained on teacher logprobs: see the run's serve.log (scoring)")
+    result = {
+        "benchmark": "distill", "student": args.student, "teacher": args.teacher, "env": args.env,
+        "eval_tasks": args.tasks, "learner_steps": len(steps), "distill_coef": args.coef,
+        "with_reward": args.with_reward,
+        "teacher_kl_start": round(kls[0], 4), "teacher_kl_end": round(sum(kls[-3:]) / len(kls[-3:]), 4),
+        "teacher_kl_per_step": [round(k, 4) for k in kls],
+        "student_success_before": summary["success_before"], "student_success_after": summary["success_after"],
+        "student_success_before_ci95": summary["success_before_ci95"],
+        "student_success_after_ci95": summary["success_after_ci95"],
+        "teacher_success": round(teacher.success_rate, 4),
+        "teacher_success_ci95": [round(x, 4) for x in teacher.success_ci95],
+        "wall_minutes": round((time.monotonic() - t0) / 60, 2), "load_avg": round(os.getloadavg()[0], 2),
+    }
+    print(json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,59 @@
+"""A sample's teacher logprobs (on-policy distillation): the field's invariants and its format-5
+bytes in the buffer, alone and beside a behaviour and a routing."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from agentrl.buffer.behaviour import Behaviour
+from agentrl.buffer.codec import CodecError, decode_sample, encode_sample, read_header
+from agentrl.buffer.sample import Sample, routing_array
+
+TOKENS = np.array([1, 2, 3, 4, 3, 5, 6, 3, 2, 4], dtype=np.int32)
+MASK = [0, 0, 0, 1, 1, 1, 0, 1, 1, 1]
+TEACHER = np.array([np.nan] * 3 + [-0.25, -1.5, -0.125] + [np.nan] + [-2.0, -0.5, -3.25], dtype=np.float32)
+
+
+def sample(teacher=TEACHER, behaviour=None, routing=None) -> Sample:
+    return Sample(TOKENS, MASK, [-0.5 * m for m in MASK], [0 if m else -1 for m in MASK], episode_id="e",
+                  group_id="g", env="t", reward=1.0, teacher_logprobs=teacher, behaviour=behaviour, routing=routing,
+                  info={"teacher": {"name": "tiny-agent", "version": 0}})
+
+
+def test_teacher_logprobs_cover_every_token_as_float32():
+    s = sample(TEACHER.astype(np.float64))
+    assert s.teacher_logprobs.dtype == np.float32
+    with pytest.raises(ValueError, match="teacher logprobs must be 1-D over its 10 tokens"):
+        sample(TEACHER[:-1])
+
+
+def test_a_sample_with_teacher_logprobs_round_trips_through_a_format_5_record():
+    s = sample()
+    record, meta = encode_sample(s)
+    assert record[:4] == b"ARS5" and read_header(record)["v"] == meta["v"] == 5
+    back = decode_sample(record)
+    assert back == s and back.teacher_logprobs.flags.writeable
+    assert np.isnan(back.teacher_logprobs[:3]).all() and back.info["teacher"] == {"name": "tiny-agent", "version": 0}
+    plain, _ = encode_sample(sample(None))  # 4 bytes a token and 32 header bytes beyond format 2
+    assert plain[:4] == b"ARS2" and len(record) - len(plain) == 32 + 4 * len(TOKENS)
+
+
+def test_teacher_logprobs_travel_with_a_behaviour_and_a_routing():
+    b = Behaviour.from_calls(10, [(3, 3, {"temperature": 0.7}, None), (7, 3, {"temperature": 1.5}, None)], TOKENS)
+    r = routing_array(10, 2, 2, False)
+    r[2:9] = 3
+    for s in (sample(behaviour=b), sample(routing=r), sample(behaviour=b, routing=r)):
+        back = decode_sample(encode_sample(s)[0])
+        assert back == s and back.behaviour == s.behaviour
+        assert (back.routing is None) == (s.routing is None)
+
+
+def test_a_cut_teacher_section_is_a_codec_error():
+    record, _ = encode_sample(sample())
+    with pytest.raises(CodecError, match="expected"):
+        decode_sample(record[:-4])
+    bad = bytearray(record)
+    bad[80:84] = (2).to_bytes(4, "little")  # the teacher flag
+    with pytest.raises(CodecError, match="unknown teacher section 2"):
+        decode_sample(bytes(bad))
