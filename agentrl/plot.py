@@ -421,6 +421,29 @@ def chart_scoring(logs: RunLogs, axes: list[Any]) -> bool:
     return True
 
 
+def chart_distill(logs: RunLogs, axes: list[Any]) -> bool:
+    """On-policy distillation (docs/scoring.md): each learner step's teacher KL, the mean
+    ``log mu - log pi_teacher`` over the trained tokens a teacher scored, and how many those were.
+    Nothing to draw in a run without a teacher."""
+    ax1, ax2 = axes
+    rows = [r for r in logs.learner if isinstance(r.get("teacher_kl"), int | float)]
+    if not rows:
+        return False
+    steps = [r.get("step", i + 1) for i, r in enumerate(rows)]
+    kl = [float(r["teacher_kl"]) for r in rows]
+    ax1.plot(steps, kl, "o-", color=PALETTE[0], ms=3, lw=1.5, label="teacher KL (log mu - log pi_T, mean)")
+    if len(kl) >= 5:
+        ax1.plot(steps, moving_average(kl, max(3, len(kl) // 10)), color=PALETTE[1], lw=2, label="moving average")
+    ax1.axhline(0.0, color="#999", lw=0.8)
+    _style(ax1, "Distillation: the student's distance to its teacher", "step", "nats per token")
+    _legend(ax1)
+    ax2.plot(steps, [float(r.get("teacher_tokens", 0)) for r in rows], "o-", color=PALETTE[2], ms=3, lw=1.5,
+             label="tokens a teacher scored, trained this step")
+    _style(ax2, "Teacher-scored tokens per step", "step", "tokens")
+    _legend(ax2)
+    return True
+
+
 Chart = Callable[[RunLogs, list[Any]], bool]
 # name -> (draw function, number of panels)
 CHARTS: dict[str, tuple[Chart, int]] = {
@@ -432,6 +455,7 @@ CHARTS: dict[str, tuple[Chart, int]] = {
     "sandbox": (chart_sandbox, 2),
     "serve": (chart_serve, 2),
     "scoring": (chart_scoring, 2),
+    "distill": (chart_distill, 2),
 }
 
 

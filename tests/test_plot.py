@@ -103,6 +103,19 @@ def test_a_run_with_a_scoring_stage_gets_its_chart(tmp_path: Path) -> None:
     assert data.startswith(PNG_MAGIC) and len(data) > 10_000
 
 
+def test_a_run_with_a_teacher_gets_its_distillation_chart(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    write_recorded_run(run)
+    assert "distill.png" not in {p.name for p in plot_run(run, tmp_path / "before")}  # no teacher: no chart
+    rows = [json.loads(x) for x in (run / "learner.jsonl").read_text().splitlines()]
+    for i, r in enumerate(rows):
+        r["teacher_kl"], r["teacher_tokens"] = 3.0 / (1 + i), 400 + i
+    (run / "learner.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    paths = {p.name: p for p in plot_run(run)}
+    data = paths["distill.png"].read_bytes()
+    assert data.startswith(PNG_MAGIC) and len(data) > 10_000
+
+
 def test_plot_skips_charts_whose_logs_are_missing(tmp_path: Path) -> None:
     run = tmp_path / "run"
     write_recorded_run(run, with_sandbox=False)
