@@ -1,4 +1,4 @@
-"""What the benchmarks share: a free loopback port and one percentile convention.
+"""What the benchmarks share: a free loopback port, one percentile convention, and running ``agentrl run``.
 
 Benchmarks run as scripts (``python benchmarks/x.py``), so this module is imported as ``common``
 (the script's own folder is on ``sys.path``).
@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import socket
 from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
 
 
 def free_port() -> int:
@@ -24,3 +26,29 @@ def percentile(xs: Sequence[float], q: float) -> float:
         return float("nan")
     s = sorted(xs)
     return s[min(len(s) - 1, int(q * len(s)))]
+
+
+def agentrl_run(cmd: list[str], run_dir: Path, t0: float) -> dict[str, Any]:
+    """Run ``cmd`` (an ``agentrl run`` command line), passing its progress lines (steps, evaluations,
+    errors) through to stderr with the seconds since ``t0``; its final JSON summary line. Exits
+    with the run's log named if the run fails."""
+    import json
+    import os
+    import subprocess
+    import sys
+    import time
+
+    print(" ".join(cmd[2:]), file=sys.stderr, flush=True)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    assert proc.stdout is not None
+    last = ""
+    for line in proc.stdout:
+        line = line.rstrip()
+        if line.startswith(("step ", "eval ", "success ")) or "ERROR" in line:
+            print(f"[{time.monotonic() - t0:5.0f}s] {line}", file=sys.stderr, flush=True)
+        if line.startswith("{"):
+            last = line
+    if proc.wait() != 0 or not last:
+        raise SystemExit(f"agentrl run failed (exit {proc.returncode}); see {run_dir}/serve.log")
+    return json.loads(last)

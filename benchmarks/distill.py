@@ -23,12 +23,11 @@ import asyncio
 import json
 import os
 import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-from common import free_port  # benchmarks/common.py
+from common import agentrl_run, free_port  # benchmarks/common.py
 
 
 def teacher_success(model: str, overrides: list[str], log_dir: Path) -> tuple[str, object, object]:
@@ -78,22 +77,9 @@ def main() -> None:
                "--serve.scoring.teacher.model=teacher", f"--serve.scoring.teacher.name={args.teacher}",
                f"--learn.loss.distill_coef={args.coef}",
                f"--learn.loss.distill_reward={'true' if args.with_reward else 'false'}"]
-        print(" ".join(cmd[2:]), file=sys.stderr, flush=True)
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
-        assert proc.stdout is not None
-        last = ""
-        for line in proc.stdout:
-            line = line.rstrip()
-            if line.startswith(("step ", "eval ", "success ")) or "ERROR" in line:
-                print(f"[{time.monotonic() - t0:5.0f}s] {line}", file=sys.stderr, flush=True)
-            if line.startswith("{"):
-                last = line
-        if proc.wait() != 0 or not last:
-            raise SystemExit(f"agentrl run failed (exit {proc.returncode}); see {run_dir}/run/serve.log")
+        summary = agentrl_run(cmd, run_dir / "run", t0)
     finally:
         engine.stop()
-    summary = json.loads(last)
     steps = [json.loads(x) for x in (run_dir / "run" / "learner.jsonl").read_text().splitlines() if x.strip()]
     kls = [s["teacher_kl"] for s in steps if "teacher_kl" in s]
     if not kls:

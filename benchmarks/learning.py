@@ -22,12 +22,11 @@ import argparse
 import json
 import os
 import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-from common import free_port  # benchmarks/common.py
+from common import agentrl_run, free_port  # benchmarks/common.py
 
 
 def main() -> None:
@@ -44,21 +43,7 @@ def main() -> None:
            f"--serve.router.port={free_port()}", f"--serve.engine.base_port={free_port()}",
            f"--eval.tasks={args.tasks}", *([f"--serve.env.name={args.env}"] if args.env else []),
            *([f"--serve.model={args.model}"] if args.model else []), *args.extra]
-    print(" ".join(cmd[2:]), file=sys.stderr, flush=True)
-    t0 = time.monotonic()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    assert proc.stdout is not None
-    last = ""
-    for line in proc.stdout:
-        line = line.rstrip()
-        if line.startswith(("step ", "eval ", "success ")) or "ERROR" in line:
-            print(f"[{time.monotonic() - t0:5.0f}s] {line}", file=sys.stderr, flush=True)
-        if line.startswith("{"):
-            last = line
-    if proc.wait() != 0 or not last:
-        raise SystemExit(f"agentrl run failed (exit {proc.returncode}); see {run_dir}/serve.log")
-    summary = json.loads(last)
+    summary = agentrl_run(cmd, run_dir, time.monotonic())
     config = json.loads((run_dir / "serve_config.json").read_text()) if (run_dir / "serve_config.json").exists() else {}
     result = {
         "benchmark": "learning", "model": config.get("model", "?"), "env": config.get("env", {}).get("name", "?"),

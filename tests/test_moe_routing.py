@@ -4,9 +4,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 import urllib.request
+from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -222,6 +224,30 @@ def _replayed_logprobs(model: Any, sample: Any) -> torch.Tensor:
         return packed_logprobs(model, [sample])[0]
 
 
+@contextlib.asynccontextmanager
+async def _capturing_router(url: str, moe_model: str) -> AsyncIterator[tuple[Any, Any]]:
+    """A router over the MoE engine at ``url`` with expert capture on, and a weight updater for it;
+    the engine gets the model's own weights back (as version 2) at the end."""
+    from agentrl.models import eos_token_ids
+    from agentrl.router import EnginePool, Router
+    from agentrl.weights import EngineUpdater
+
+    pool = EnginePool([url])
+    router = Router(pool, model_name="tiny-moe", eos_token_ids=eos_token_ids(moe_model), max_model_len=2048,
+                    model_dir=moe_model)
+    await pool.start()
+    updater = EngineUpdater(pool)
+    await updater.start()
+    await router.capture_experts()
+    try:
+        yield router, updater
+    finally:
+        try:
+            await updater.update_weights(moe_model, 2)  # the module's engine gets its weights back
+        finally:
+            await pool.close()
+
+
 def _next_policy(moe_model: str, folder: Any, seed: int) -> tuple[Any, Any]:
     """The learner's next policy (every weight moved, fused experts included) and ``folder`` holding
     it as the learner publishes it (its checkpoint layout, tied weights left out)."""
@@ -244,35 +270,19 @@ def test_the_router_records_each_calls_experts_and_the_learners_weights_reach_th
         moe_engine: Any, moe_model: str, tmp_path: Any) -> None:
     import asyncio
 
-    from agentrl.models import eos_token_ids
-    from agentrl.router import EnginePool, Router
-    from agentrl.weights import EngineUpdater
-
     model = _hf(moe_model)
     learner, folder = _next_policy(moe_model, tmp_path / "v1", seed=0)
     question = [{"role": "user", "content": "Count to ten and tell me about it."}]
     body = {"max_tokens": 40, "temperature": 1.0, "ignore_eos": True}
 
     async def go() -> tuple[Any, Any, dict[str, Any]]:
-        pool = EnginePool([moe_engine.url])
-        router = Router(pool, model_name="tiny-moe", eos_token_ids=eos_token_ids(moe_model), max_model_len=2048,
-                        model_dir=moe_model)
-        await pool.start()
-        updater = EngineUpdater(pool)
-        await updater.start()
-        await router.capture_experts()
-        try:
+        async with _capturing_router(moe_engine.url, moe_model) as (router, updater):
             first = await router.chat(dict(body, messages=question, seed=1), session_id="moe-a")
             follow = [*question, first["choices"][0]["message"], {"role": "user", "content": "Again, slower."}]
             await router.chat(dict(body, messages=follow, seed=2), session_id="moe-a")
             sync = await updater.update_weights(str(folder), 1)
             await router.chat(dict(body, messages=question, seed=3), session_id="moe-b")
             return router.sessions["moe-a"].samples(), router.sessions["moe-b"].samples(), sync
-        finally:
-            try:
-                await updater.update_weights(moe_model, 2)  # the module's engine gets its weights back
-            finally:
-                await pool.close()
 
     (two_turns,), (after,), sync = asyncio.run(go())
     assert sync["failed"] == []
@@ -304,9 +314,6 @@ def test_tokens_an_update_caught_in_flight_are_the_new_weights_through_the_exper
     the first after the switch included, is the new policy's through the captured experts."""
     import asyncio
 
-    from agentrl.models import eos_token_ids
-    from agentrl.router import EnginePool, Router
-    from agentrl.weights import EngineUpdater
     from tests.test_weight_sync_vllm import _generated_tokens
 
     learner, folder = _next_policy(moe_model, tmp_path / "v1", seed=1)
@@ -317,14 +324,7 @@ def test_tokens_an_update_caught_in_flight_are_the_new_weights_through_the_exper
                          {"role": "user", "content": "Tell me a long story about numbers and tools."}]}
 
     async def go() -> list[Any]:
-        pool = EnginePool([moe_engine.url])
-        router = Router(pool, model_name="tiny-moe", eos_token_ids=eos_token_ids(moe_model), max_model_len=2048,
-                        model_dir=moe_model)
-        await pool.start()
-        updater = EngineUpdater(pool)
-        await updater.start()
-        await router.capture_experts()
-        try:
+        async with _capturing_router(moe_engine.url, moe_model) as (router, updater):
             before = await _generated_tokens(moe_engine.url)
             calls = [asyncio.create_task(router.chat(body, session_id=f"cross-{i}")) for i in range(n)]
             while await _generated_tokens(moe_engine.url) < before + n * 100:  # all well under way
@@ -332,11 +332,6 @@ def test_tokens_an_update_caught_in_flight_are_the_new_weights_through_the_exper
             await updater.update_weights(str(folder), 1)
             await asyncio.gather(*calls)
             return [router.sessions[f"cross-{i}"].samples()[0] for i in range(n)]
-        finally:
-            try:
-                await updater.update_weights(moe_model, 2)  # the module's engine gets its weights back
-            finally:
-                await pool.close()
 
     for s in asyncio.run(go()):
         new = torch.from_numpy(s.versions[1:] == 1)  # logprob positions of the tokens the new weights sampled

@@ -24,17 +24,7 @@ from agentrl.rollout.episode import EpisodeResult
 from agentrl.rollout.orchestrator import Orchestrator
 from agentrl.scoring import JudgeConfig, ScoringConfig, ScoringStage
 from agentrl.serve.config import ServeConfig
-from tests.conftest import free_port
-
-TASK = {"id": "t1", "question": "What is 6 x 7?", "answer": "42"}
-
-
-def _episode(group_id: str = "g", reward: float = 1.0) -> EpisodeResult:
-    ep = EpisodeResult(episode_id=f"ep-{id(object())}", group_id=group_id, env="unit", task_id="t1",
-                       reward=reward, answer="42", terminated=True)
-    ep.samples = [Sample([1, 2, 3], [0, 1, 1], [0.0, -0.5, -0.1], [0, 0, 0], episode_id=ep.episode_id,
-                         group_id=group_id, env="unit", reward=reward)]
-    return ep
+from tests.scoring_helpers import TASK, finished_episode, stand_in_endpoint
 
 
 def _stage(scorers: dict[str, tuple[Any, float]], **cfg: Any) -> ScoringStage:
@@ -47,7 +37,7 @@ def test_a_scorer_that_hangs_is_cut_at_its_timeout_and_its_episode_dropped_and_c
         return 1.0
 
     stage = _stage({"hangs": (hangs, 1.0)}, timeout_s=0.2)
-    ep = _episode()
+    ep = finished_episode()
     asyncio.run(stage(TASK, ep))
     assert ep.error_kind == "scoring" and "hangs took longer than 0.2 s" in ep.error, ep.error
     assert all(s.error == ep.error and s.error_kind == "scoring" for s in ep.samples)
@@ -64,7 +54,7 @@ def test_scorers_that_raise_or_return_no_number_fail_the_episode_with_their_reas
         return float("nan")
 
     for fn, reason in ((raises, "RuntimeError: grader bug"), (nan, "returned nan")):
-        ep = _episode()
+        ep = finished_episode()
         asyncio.run(_stage({"s": (fn, 1.0)})(TASK, ep))
         assert ep.error_kind == "scoring" and reason in ep.error, ep.error
 
@@ -91,7 +81,7 @@ class _Producer:
         if self.calls >= 24:
             self.many.set()
         await asyncio.sleep(0)
-        return _episode(group_id)
+        return finished_episode(group_id)
 
 
 class _Sink:
@@ -134,16 +124,6 @@ def test_agent_loops_keep_playing_while_every_scoring_slot_is_held_by_a_hanging_
     assert played == 40 and stored == 40
 
 
-async def _judge_server(handler: Any) -> tuple[web.AppRunner, str]:
-    app = web.Application()
-    app.router.add_post("/v1/chat/completions", handler)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    return runner, f"http://127.0.0.1:{port}/v1"
-
-
 def test_a_judge_that_is_down_is_retried_with_back_off_and_no_zero_reward_is_injected() -> None:
     async def main() -> tuple[list[float], EpisodeResult, EpisodeResult, dict[str, Any]]:
         import time
@@ -154,12 +134,12 @@ def test_a_judge_that_is_down_is_retried_with_back_off_and_no_zero_reward_is_inj
             times.append(time.monotonic())
             return web.json_response({"error": {"message": "overloaded"}}, status=503)
 
-        runner, url = await _judge_server(unavailable)
+        runner, url = await stand_in_endpoint(unavailable)
         stage = ScoringStage(ScoringConfig(judge=JudgeConfig(url=url, model="judge"), retries=2, timeout_s=30))
-        answered_503 = _episode()
+        answered_503 = finished_episode()
         await stage(TASK, answered_503)
         await runner.cleanup()
-        refused = _episode()  # nothing listens there any more
+        refused = finished_episode()  # nothing listens there any more
         await stage(TASK, refused)
         await stage.close()
         return times, answered_503, refused, stage.status()
@@ -205,9 +185,9 @@ def test_a_judge_that_answers_is_combined_with_the_environments_reward_by_weight
             return web.json_response({"choices": [{"index": 0, "message": {"role": "assistant", "content": grade},
                                                    "finish_reason": "stop"}]})
 
-        runner, url = await _judge_server(grades)
+        runner, url = await stand_in_endpoint(grades)
         stage = ScoringStage(ScoringConfig(env_weight=0.5, judge=JudgeConfig(url=url, model="judge-m", weight=0.5)))
-        good, unparsable = _episode(), _episode()
+        good, unparsable = finished_episode(), finished_episode()
         unparsable.answer = "I am not sure"
         await stage(TASK, good)
         await stage(TASK, unparsable)
@@ -231,7 +211,7 @@ def test_a_registered_scorer_is_named_by_config_and_an_unknown_one_is_refused() 
         return len(episode.answer) / 10
 
     stage = ScoringStage(ScoringConfig(scorers={"unit-length": 2.0}, env_weight=0.0))
-    ep = _episode()
+    ep = finished_episode()
     asyncio.run(stage(TASK, ep))
     assert ep.reward == pytest.approx(2.0 * 0.2) and ep.info["rewards"] == {"env": 1.0, "unit-length": 0.2}
     with pytest.raises(KeyError, match="no scorer named 'nope'"):
@@ -260,15 +240,15 @@ def test_a_group_judge_grades_a_groups_finished_members_together_in_one_call() -
             return web.json_response({"choices": [{"index": 0, "message": {"role": "assistant", "content": reply},
                                                    "finish_reason": "stop"}]})
 
-        runner, url = await _judge_server(ranks)
+        runner, url = await stand_in_endpoint(ranks)
         stage = ScoringStage(ScoringConfig(env_weight=0.0, judge=JudgeConfig(url=url, model="j", mode="group")),
                              group_size=4)
-        group = [_episode("g1") for _ in range(4)]
+        group = [finished_episode("g1") for _ in range(4)]
         for ep, answer in zip(group, ("fourty-two", "41", "42", "43"), strict=True):
             ep.answer = answer
         group[1].fail("environment", "EnvironmentError: boom")  # not graded, but its group waits for it
         await asyncio.gather(*(stage(TASK, ep, 4) for ep in group))
-        unparsable = [_episode("g2") for _ in range(2)]
+        unparsable = [finished_episode("g2") for _ in range(2)]
         await asyncio.gather(*(stage(TASK, ep, 2) for ep in unparsable))
         await stage.close()
         await runner.cleanup()
@@ -290,10 +270,10 @@ def test_a_group_judge_grades_the_members_present_when_the_rest_never_come() -> 
             return web.json_response({"choices": [{"index": 0, "message": {"role": "assistant", "content": "1: 5\n2: 6"},
                                                    "finish_reason": "stop"}]})
 
-        runner, url = await _judge_server(ranks)
+        runner, url = await stand_in_endpoint(ranks)
         stage = ScoringStage(ScoringConfig(env_weight=0.0, group_wait_s=0.3,
                                            judge=JudgeConfig(url=url, model="j", mode="group")), group_size=3)
-        present = [_episode("g3") for _ in range(2)]
+        present = [finished_episode("g3") for _ in range(2)]
         await asyncio.gather(*(stage(TASK, ep) for ep in present))  # the third member never finishes
         await stage.close()
         await runner.cleanup()

@@ -18,7 +18,7 @@ from agentrl.errors import ConfigError
 from agentrl.scoring import ScoringConfig, ScoringStage
 from agentrl.scoring.config import TeacherConfig
 from tests.conftest import free_port
-from tests.test_scoring import TASK, _episode
+from tests.scoring_helpers import TASK, finished_episode, stand_in_endpoint
 
 
 def _logprob(token: int) -> float:
@@ -40,20 +40,15 @@ async def _teacher_server(drop: int | None = None) -> tuple[web.AppRunner, str, 
             rows[drop] = {"7": {"logprob": -1.0, "rank": 1}}
         return web.json_response({"choices": [{"text": "x", "prompt_logprobs": rows}]})
 
-    app = web.Application()
-    app.router.add_post("/v1/completions", completions)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    return runner, f"http://127.0.0.1:{port}/v1", bodies
+    runner, url = await stand_in_endpoint(completions, "/v1/completions")
+    return runner, url, bodies
 
 
 def _scored(drop: int | None = None, **cfg: Any) -> tuple[Any, list[dict[str, Any]], dict[str, Any]]:
     async def main() -> tuple[Any, list[dict[str, Any]], dict[str, Any]]:
         runner, url, bodies = await _teacher_server(drop)
         stage = ScoringStage(ScoringConfig(teacher=TeacherConfig(url=url, model="teacher-m", **cfg), timeout_s=30))
-        ep = _episode(reward=1.0)
+        ep = finished_episode(reward=1.0)
         try:
             await stage(TASK, ep)
         finally:
@@ -88,7 +83,7 @@ def test_a_teacher_that_is_down_fails_the_episode_as_an_outage() -> None:
     async def main() -> tuple[Any, ScoringStage]:
         stage = ScoringStage(ScoringConfig(teacher=TeacherConfig(url=f"http://127.0.0.1:{free_port()}/v1",
                                                                  model="t"), retries=1, timeout_s=30))
-        ep = _episode()
+        ep = finished_episode()
         await stage(TASK, ep)
         await stage.close()
         return ep, stage
