@@ -11,6 +11,7 @@ serve to bring the engine back by itself.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -18,7 +19,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -95,12 +96,19 @@ class StubPool:
         return fake.health_status if fake.health_status is not None else (200 if fake.healthy else None)
 
 
-def supervised(n: int = 1, fail_starts: int = 0, **policy: Any) -> tuple[Supervisor, StubPool, list[FakeEngine]]:
+@contextlib.asynccontextmanager
+async def supervised(n: int = 1, fail_starts: int = 0,
+                     **policy: Any) -> AsyncIterator[tuple[Supervisor, StubPool, list[FakeEngine]]]:
+    """A started supervisor over ``n`` fake engines (the first ``fail_starts`` launches of each
+    fail), stopped at the end."""
     pool = StubPool(n)
     pool.fakes = [FakeEngine(m, fail_starts) for m in pool.engines]
     sup = Supervisor(pool.fakes, pool, RestartPolicy(**{"backoff_s": 0.05, "unhealthy_s": 0.0, **policy}))
     sup.start()
-    return sup, pool, pool.fakes
+    try:
+        yield sup, pool, pool.fakes
+    finally:
+        await sup.stop()
 
 
 async def until(cond: Any, timeout_s: float = 20.0) -> None:
@@ -126,8 +134,7 @@ def test_the_back_off_doubles_for_each_relaunch_in_a_row_up_to_a_cap() -> None:
 
 def test_a_dead_engine_is_taken_out_at_once_relaunched_after_its_back_off_and_re_admitted() -> None:
     async def go() -> None:
-        sup, pool, (engine,) = supervised(backoff_s=0.2)
-        try:
+        async with supervised(backoff_s=0.2) as (sup, pool, (engine,)):
             await asyncio.sleep(0.05)
             killed = time.monotonic()
             engine.die(137)
@@ -140,16 +147,13 @@ def test_a_dead_engine_is_taken_out_at_once_relaunched_after_its_back_off_and_re
             assert pool.engines[0].healthy
             st = sup.status()[0]
             assert st["restarts"] == 1 and "signal 9" in st["last_death"] and st["last_recovery_s"] >= 0.2
-        finally:
-            await sup.stop()
 
     asyncio.run(go())
 
 
 def test_relaunches_in_a_row_are_bounded_and_then_the_engine_is_failed() -> None:
     async def go() -> None:
-        sup, pool, (engine,) = supervised(fail_starts=99, max_restarts=3, backoff_s=0.05)
-        try:
+        async with supervised(fail_starts=99, max_restarts=3, backoff_s=0.05) as (sup, pool, (engine,)):
             engine.die(137)
             await asyncio.wait_for(sup.wait_all_failed(), 20)
             st = sup.status()[0]
@@ -160,32 +164,26 @@ def test_relaunches_in_a_row_are_bounded_and_then_the_engine_is_failed() -> None
             assert len(engine.launches) == 3 and gaps[0] >= 0.1 and gaps[1] >= 0.2  # 0.05, then doubled
             await asyncio.sleep(0.3)
             assert len(engine.launches) == 3  # failed means no more relaunches
-        finally:
-            await sup.stop()
 
     asyncio.run(go())
 
 
 def test_one_failed_engine_of_two_leaves_serve_serving_and_zero_restarts_means_none() -> None:
     async def go() -> None:
-        sup, pool, (a, b) = supervised(n=2, max_restarts=0)
-        try:
+        async with supervised(n=2, max_restarts=0) as (sup, pool, (a, b)):
             a.die(1)
             await until(lambda: sup.status()[0]["state"] == "failed")
             assert a.launches == [] and sup.status()[1]["state"] == "up" and pool.engines[1].healthy
             assert not sup._all_failed.is_set()
             b.die(1)
             await asyncio.wait_for(sup.wait_all_failed(), 20)
-        finally:
-            await sup.stop()
 
     asyncio.run(go())
 
 
 def test_an_engine_that_stays_up_starts_a_new_row_of_relaunches() -> None:
     async def go() -> None:
-        sup, pool, (engine,) = supervised(max_restarts=1, stable_s=0.3)
-        try:
+        async with supervised(max_restarts=1, stable_s=0.3) as (sup, pool, (engine,)):
             engine.die(137)
             await until(lambda: sup.status()[0]["restarts"] == 1 and sup.status()[0]["state"] == "up")
             await until(lambda: sup.watches[0].streak == 0)  # up for stable_s
@@ -194,51 +192,43 @@ def test_an_engine_that_stays_up_starts_a_new_row_of_relaunches() -> None:
             engine.die(137)  # again at once: the row is full (max_restarts = 1)
             await asyncio.wait_for(sup.wait_all_failed(), 20)
             assert sup.status()[0]["restarts"] == 2
-        finally:
-            await sup.stop()
 
     asyncio.run(go())
 
 
 def test_a_running_engine_whose_health_keeps_failing_is_killed_and_relaunched() -> None:
     async def go() -> None:
-        sup, pool, (engine,) = supervised(unhealthy_s=0.3)
-        try:
+        async with supervised(unhealthy_s=0.3) as (sup, pool, (engine,)):
             await asyncio.sleep(0.1)
             assert engine.stops == 0  # healthy: left alone
             engine.healthy = False  # e.g. its engine core died and the API server stayed up
             await until(lambda: sup.status()[0]["restarts"] == 1 and sup.status()[0]["state"] == "up")
             assert engine.stops == 1 and len(engine.launches) == 1
             assert "/health has failed" in sup.status()[0]["last_death"]
-        finally:
-            await sup.stop()
 
     asyncio.run(go())
 
 
 def test_an_engine_whose_health_answers_503_is_relaunched_at_once() -> None:
     async def go() -> None:
-        sup, pool, (engine,) = supervised(unhealthy_s=3600.0)
-        try:
+        async with supervised(unhealthy_s=3600.0) as (sup, pool, (engine,)):
             await asyncio.sleep(0.05)
             engine.health_status = 503  # vLLM: its engine core died, the API server still answers
             await until(lambda: not pool.engines[0].healthy, timeout_s=2.0)
             await until(lambda: sup.status()[0]["restarts"] == 1 and sup.status()[0]["state"] == "up")
             assert engine.stops == 1 and "engine core is dead" in sup.status()[0]["last_death"]
-        finally:
-            await sup.stop()
 
     asyncio.run(go())
 
 
 def test_nothing_is_relaunched_once_supervision_stops() -> None:
     async def go() -> None:
-        sup, pool, (engine,) = supervised(backoff_s=0.2)
-        engine.die(137)
-        await until(lambda: sup.status()[0]["state"] == "restarting")
-        await sup.stop()  # serve shuts down during the back-off
-        await asyncio.sleep(0.4)
-        assert engine.launches == []
+        async with supervised(backoff_s=0.2) as (sup, pool, (engine,)):
+            engine.die(137)
+            await until(lambda: sup.status()[0]["state"] == "restarting")
+            await sup.stop()  # serve shuts down during the back-off
+            await asyncio.sleep(0.4)
+            assert engine.launches == []
 
     asyncio.run(go())
 
@@ -249,18 +239,15 @@ def test_serve_exits_with_an_error_once_every_engine_it_launched_has_failed(tmp_
     from agentrl.serve.local import EngineFailed
 
     async def go() -> None:
-        sup, pool, (engine,) = supervised(max_restarts=1, fail_starts=99)
-        serve = Serve(ServeConfig(run_dir=str(tmp_path)))
-        serve.local = SimpleNamespace(wait_all_failed=sup.wait_all_failed)
-        try:
+        async with supervised(max_restarts=1, fail_starts=99) as (sup, pool, (engine,)):
+            serve = Serve(ServeConfig(run_dir=str(tmp_path)))
+            serve.local = SimpleNamespace(wait_all_failed=sup.wait_all_failed)
             waiting = asyncio.create_task(serve.wait())
             await asyncio.sleep(0.1)
             assert not waiting.done()  # serving: an engine that is up keeps serve up
             engine.die(137)
             with pytest.raises(EngineFailed, match="every engine serve launched has died"):
                 await asyncio.wait_for(waiting, 20)
-        finally:
-            await sup.stop()
 
     asyncio.run(go())
 
