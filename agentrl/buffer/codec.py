@@ -48,8 +48,8 @@ float32 becomes +-inf) and a loss mask of bools or floats comes back as 0/1 ints
 ``Sample`` itself). Records of format 1 (a JSON header; logs written before format 2) and format 2
 (samples without a behaviour, and every record written before format 3) and format 3 are still
 read; a sample without a behaviour, routing or teacher is still written as format 2, one with a
-behaviour and neither of the others as format 3, one with a routing and no teacher as format 4. Decoding rejects what it does not know with
-:class:`CodecError` instead of guessing.
+behaviour and neither of the others as format 3, one with a routing and no teacher as format 4.
+Decoding rejects what it does not know with :class:`CodecError` instead of guessing.
 """
 
 from __future__ import annotations
