@@ -30,10 +30,11 @@ uint8 ids, 2 for int16), the format-3 body (its behaviour section only when the 
 not 0), then the ids, C order, and a pad to 4. A top-2 routing over 24 MoE layers costs 48 bytes a
 token (uint8 up to 255 experts; 255 or -1 marks a position the engine did not record).
 
-A sample with teacher logprobs (on-policy distillation) is a format-5 record: magic "ARS5", the
-format-4 header followed by one more u32 (1: a teacher section follows), the format-4 body (its
-behaviour and routing sections each present only when their width is not 0), then the teacher's
-logprobs (f32 x n, NaN where the teacher scored nothing): 4 bytes a token.
+A sample with per-token float sections is a format-5 record: magic "ARS5", the format-4 header
+followed by one more u32, a bitmask of the sections that follow (1: the teacher's logprobs, for
+on-policy distillation; 2: token rewards, a process scorer's), the format-4 body (its behaviour
+and routing sections each present only when their width is not 0), then each section in bit
+order, f32 x n (NaN where nothing was scored): 4 bytes a token each.
 
 The per-token fields are numpy arrays (``Sample`` guarantees int32/float32): their bytes are
 written as they are (on a little-endian machine, without conversion), and the mask and version
@@ -47,8 +48,9 @@ round-trip through float32 (rounded to nearest, as a C ``(float)`` cast; a finit
 float32 becomes +-inf) and a loss mask of bools or floats comes back as 0/1 ints (both done by
 ``Sample`` itself). Records of format 1 (a JSON header; logs written before format 2) and format 2
 (samples without a behaviour, and every record written before format 3) and format 3 are still
-read; a sample without a behaviour, routing or teacher is still written as format 2, one with a
-behaviour and neither of the others as format 3, one with a routing and no teacher as format 4.
+read; a sample without a behaviour, routing or float section is still written as format 2, one
+with a behaviour and none of the others as format 3, one with a routing and no float section as
+format 4.
 Decoding rejects what it does not know with :class:`CodecError` instead of guessing.
 """
 
@@ -72,7 +74,8 @@ BATCH_MAGIC = b"ARB1"
 RECORD_MAGIC = b"ARS2"
 BEHAVIOUR_MAGIC = b"ARS3"  # a format-2 record with a behaviour section
 ROUTING_MAGIC = b"ARS4"  # a format-3 record (its behaviour section optional) with a routing section
-TEACHER_MAGIC = b"ARS5"  # a format-4 record (behaviour and routing optional) with a teacher section
+FLOATS_MAGIC = b"ARS5"  # a format-4 record (behaviour and routing optional) with per-token float sections
+_FLOATS = (("teacher_logprobs", 1), ("token_rewards", 2))  # Sample field, its bit in the sections mask
 _U32 = struct.Struct("<I")
 _BATCH_HEAD = struct.Struct("<4sI")
 _HEAD = struct.Struct("<4sIIIidB3xIIIII")
@@ -84,7 +87,7 @@ _F32 = np.dtype("<f4")
 _U16 = np.dtype("<u2")
 _I16 = np.dtype("<i2")
 _HEADS = {RECORD_MAGIC: (2, _HEAD), BEHAVIOUR_MAGIC: (3, _HEAD3), ROUTING_MAGIC: (4, _HEAD4),
-          TEACHER_MAGIC: (5, _HEAD5)}
+          FLOATS_MAGIC: (5, _HEAD5)}
 _NP = len(PARAMS)
 
 
@@ -208,9 +211,10 @@ def encode_with_prefix(sample: Sample, prefix: bytes = b"") -> tuple[bytes, dict
         rfields = (r.shape[1], r.shape[2], rw)
         routed = (r if rw == 1 else _le(r, _I16)).tobytes()
         tail = (*tail, routed, b"\0" * (-len(routed) % 4))
-    if sample.teacher_logprobs is not None:
-        head, version = _HEAD5.pack(TEACHER_MAGIC, *fixed, *bfields, *rfields, 1), 5
-        tail = (*tail, _le(sample.teacher_logprobs, _F32).tobytes())
+    floats = [(bit, a) for name, bit in _FLOATS if (a := getattr(sample, name)) is not None]
+    if floats:
+        head, version = _HEAD5.pack(FLOATS_MAGIC, *fixed, *bfields, *rfields, sum(bit for bit, _ in floats)), 5
+        tail = (*tail, *(_le(a, _F32).tobytes() for _, a in floats))
     elif r is not None:
         head, version = _HEAD4.pack(ROUTING_MAGIC, *fixed, *bfields, *rfields), 4
     elif b is not None:
@@ -249,14 +253,15 @@ def _parse(record: bytes | memoryview) -> tuple[dict[str, Any], int]:
                 "env": strings[c:], "reward": reward, "truncated": bool(truncated),
                 "error": rare.get("error"), "error_kind": rare.get("error_kind"), "info": rare.get("info", {}),
                 "timings": rare.get("timings", {}), "calls": 0, "kk": 0, "nk": 0, "w": 0,
-                "layers": 0, "k": 0, "rw": 0, "teacher": 0}
-        head.update(zip(("calls", "kk", "nk", "w", "layers", "k", "rw", "teacher"), extra, strict=False))
+                "layers": 0, "k": 0, "rw": 0, "floats": 0}
+        head.update(zip(("calls", "kk", "nk", "w", "layers", "k", "rw", "floats"), extra, strict=False))
         if head["w"] not in ((2, 4) if version == 3 else (0, 2, 4)) or (head["w"] == 0 and head["calls"] + head["kk"]):
             raise CodecError(f"sample {head['sample_id']}: kept ids of {head['w']} bytes")
         if head["rw"] not in ((1, 2) if version == 4 else (0, 1, 2)) or (head["rw"] == 0 and head["layers"] + head["k"]):
             raise CodecError(f"sample {head['sample_id']}: expert ids of {head['rw']} bytes")
-        if version == 5 and head["teacher"] != 1:
-            raise CodecError(f"sample {head['sample_id']}: unknown teacher section {head['teacher']}")
+        known = sum(bit for _, bit in _FLOATS)
+        if version == 5 and (head["floats"] == 0 or head["floats"] & ~known):
+            raise CodecError(f"sample {head['sample_id']}: unknown float sections {head['floats']:#x}")
         if len(strings) != len(raw) - lrare:  # non-ASCII ids: slice by bytes, not characters
             sb = raw[: lsid + leid + lgid + lenv]
             head.update(sample_id=sb[:a].decode(), episode_id=sb[a:b].decode(), group_id=sb[b:c].decode(),
@@ -290,7 +295,8 @@ def decode_sample(record: bytes | memoryview) -> Sample:
     behaviour_end = end + ((8 + 4 * _NP) * calls + 8 * kk + w * nk + (-(w * nk) % 4) if w else 0)
     routed = n * head.get("layers", 0) * head.get("k", 0) * head.get("rw", 0)
     routing_end = behaviour_end + routed + (-routed % 4)
-    size = routing_end + (4 * n if head.get("teacher") else 0)
+    present = [name for name, bit in _FLOATS if head.get("floats", 0) & bit]
+    size = routing_end + 4 * n * len(present)
     if len(record) != size:
         raise CodecError(f"sample {head.get('sample_id')}: record is {len(record)} bytes, expected {size}")
     arr = np.frombuffer(record, dtype=np.uint8, offset=off)
@@ -300,13 +306,13 @@ def decode_sample(record: bytes | memoryview) -> Sample:
     if sum(lengths[0]) != n or sum(lengths[1]) != n or min((*lengths[0], *lengths[1], 0)) < 0:
         raise CodecError(f"sample {head['sample_id']}: run lengths do not add up to {n} tokens")
     behaviour = _decode_behaviour(record, end, n, calls, kk, nk, w, head["sample_id"]) if w else None
-    routing = teacher = None
+    routing = None
     if head.get("rw"):
         ids = np.frombuffer(record, dtype=_I16 if head["rw"] == 2 else np.uint8, count=routed // head["rw"],
                             offset=behaviour_end)
         routing = ids.reshape(n, head["layers"], head["k"]).astype(np.int16 if head["rw"] == 2 else np.uint8)
-    if head.get("teacher"):
-        teacher = np.frombuffer(record, dtype=_F32, count=n, offset=routing_end).astype(np.float32)
+    floats = {name: np.frombuffer(record, dtype=_F32, count=n, offset=routing_end + 4 * n * i).astype(np.float32)
+              for i, name in enumerate(present)}
     return Sample(
         token_ids=arr[: 4 * n].view(_I32).astype(np.int32),  # astype copies: writable, native order
         loss_mask=np.repeat(mv, ml).astype(np.int32),
@@ -324,7 +330,7 @@ def decode_sample(record: bytes | memoryview) -> Sample:
         timings=head["timings"],
         behaviour=behaviour,
         routing=routing,
-        teacher_logprobs=teacher,
+        **floats,
     )
 
 

@@ -89,6 +89,9 @@ class Sample:
     """On-policy distillation: a teacher's log p(token_t | tokens_<t) of each token it scored
     (float32, NaN where it did not: the prompt, and a sample a teacher never saw is None).
     ``info["teacher"]`` says which teacher and version scored it (agentrl.scoring.teacher)."""
+    token_rewards: np.ndarray | None = None
+    """Process rewards: a per-turn scorer's reward of each generated turn, on the turn's last token
+    (float32, NaN elsewhere; agentrl.scoring, process scorers). None: outcome reward only."""
 
     def __post_init__(self) -> None:
         t, m, lp, v = self.token_ids, self.loss_mask, self.logprobs, self.versions
@@ -111,11 +114,12 @@ class Sample:
             raise ValueError(f"sample {self.sample_id}: routing must be a [tokens, layers, k] uint8 or int16 array "
                              f"over its {t.shape[0]} tokens, not {getattr(r, 'dtype', type(r))} "
                              f"{getattr(r, 'shape', '')}")
-        if self.teacher_logprobs is not None:
-            self.teacher_logprobs = tl = float32_array(self.teacher_logprobs)
-            if tl.shape != t.shape:
-                raise ValueError(f"sample {self.sample_id}: teacher logprobs must be 1-D over its {t.shape[0]} "
-                                 f"tokens, not {tl.shape}")
+        for name in ("teacher_logprobs", "token_rewards"):
+            if (a := getattr(self, name)) is not None:
+                setattr(self, name, a := float32_array(a))
+                if a.shape != t.shape:
+                    raise ValueError(f"sample {self.sample_id}: {name.replace('_', ' ')} must be 1-D over its "
+                                     f"{t.shape[0]} tokens, not {a.shape}")
         if self.behaviour is not None and self.behaviour.kept_counts.shape != t.shape:
             raise ValueError(f"sample {self.sample_id}: behaviour covers {self.behaviour.kept_counts.shape[0]} "
                              f"tokens of {t.shape[0]}")
@@ -126,7 +130,7 @@ class Sample:
         for f in fields(self):
             a, b = getattr(self, f.name), getattr(other, f.name)
             if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
-                if a is None or b is None or not np.array_equal(a, b, equal_nan=f.name in ("logprobs", "teacher_logprobs")):
+                if a is None or b is None or not np.array_equal(a, b, equal_nan=f.name in ("logprobs", "teacher_logprobs", "token_rewards")):
                     return False
             elif a != b:
                 return False
@@ -149,7 +153,7 @@ class Sample:
         d = {f.name: copy.deepcopy(getattr(self, f.name)) for f in fields(self) if f.name != "behaviour"}
         for k in ("token_ids", "loss_mask", "logprobs", "versions"):
             d[k] = d[k].tolist()
-        for k in ("routing", "teacher_logprobs"):
+        for k in ("routing", "teacher_logprobs", "token_rewards"):
             if d[k] is not None:
                 d[k] = d[k].tolist()
         d["behaviour"] = self.behaviour.to_dict() if self.behaviour is not None else None

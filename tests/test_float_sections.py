@@ -1,7 +1,9 @@
-"""A sample's teacher logprobs (on-policy distillation): the field's invariants and its format-5
-bytes in the buffer, alone and beside a behaviour and a routing."""
+"""A sample's per-token float sections (teacher logprobs, token rewards): the fields' invariants and
+their format-5 bytes in the buffer, alone, together, and beside a behaviour and a routing."""
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -54,6 +56,20 @@ def test_a_cut_teacher_section_is_a_codec_error():
     with pytest.raises(CodecError, match="expected"):
         decode_sample(record[:-4])
     bad = bytearray(record)
-    bad[80:84] = (2).to_bytes(4, "little")  # the teacher flag
-    with pytest.raises(CodecError, match="unknown teacher section 2"):
+    bad[80:84] = (4).to_bytes(4, "little")  # the float-sections mask: an unknown bit
+    with pytest.raises(CodecError, match="unknown float sections 0x4"):
         decode_sample(bytes(bad))
+
+
+def test_token_rewards_travel_beside_the_teacher_logprobs_in_the_same_format():
+    rewards = np.full(10, np.nan, dtype=np.float32)
+    rewards[[5, 9]] = [0.5, -1.0]  # a process scorer's reward of each turn, on its last token
+    both = replace(sample(), token_rewards=rewards)
+    alone = replace(sample(None), token_rewards=rewards)
+    plain, _ = encode_sample(sample(None))
+    for s, sections in ((both, 2), (alone, 1)):
+        record, meta = encode_sample(s)
+        assert meta["v"] == 5 and len(record) - len(plain) == 32 + 4 * len(TOKENS) * sections
+        back = decode_sample(record)
+        assert back == s and back.token_rewards[[5, 9]].tolist() == [0.5, -1.0]
+        assert (back.teacher_logprobs is None) == (s.teacher_logprobs is None)
