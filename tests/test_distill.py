@@ -98,5 +98,5 @@ def test_flat_rewards_are_no_missing_signal_when_a_teacher_teaches():
 
     s = make_samples(2, seed=5)
     taught = [replace(x, teacher_logprobs=np.where(x.loss_mask != 0, -1.0, np.nan)) for x in s]
-    assert not any(SignalWatch(1).observe(taught, 0.0, distilling=True))
-    assert "flat_rewards" in SignalWatch(1).observe(taught, 0.0, distilling=False)[0]  # no distillation term
+    assert not any(SignalWatch(1).observe(taught, 0.0, per_token_signal=True))
+    assert "flat_rewards" in SignalWatch(1).observe(taught, 0.0, per_token_signal=False)[0]  # no teacher's term

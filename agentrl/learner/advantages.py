@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -132,3 +133,36 @@ def distilled_advantages(advantages: Tensor, teacher: Tensor, behaviour: Tensor,
     gap = torch.where(scored, teacher - behaviour, torch.zeros_like(teacher))
     base = advantages.to(teacher.dtype).unsqueeze(-1).expand_as(teacher) if with_reward else torch.zeros_like(teacher)
     return base + coef * gap
+
+
+def process_advantages(token_rewards: Sequence[np.ndarray | None], group_ids: Sequence[Hashable],
+                       normalize_std: bool = True, eps: float = 1e-6) -> list[np.ndarray | None]:
+    """Process supervision for GRPO (DeepSeekMath, Shao et al. 2024): each step reward (a finite
+    entry of a sample's ``token_rewards``, on a turn's last token) is normalized by the mean and
+    standard deviation of every step reward in its group; a token's advantage is the sum of the
+    normalized step rewards at or after it (its return-to-go). A group whose step rewards are all
+    equal gives 0, as GRPO's outcome advantages do. Samples without token rewards get None.
+    Returns, per sample, a float32 array over its tokens."""
+    pooled: dict[Hashable, list[np.ndarray]] = {}
+    for r, g in zip(token_rewards, group_ids, strict=True):
+        if r is not None:
+            pooled.setdefault(g, []).append(r[np.isfinite(r)].astype(np.float64))
+    stats: dict[Hashable, tuple[float, float] | None] = {}
+    for g, parts in pooled.items():
+        steps = np.concatenate(parts)
+        if steps.size == 0 or steps.max() == steps.min():
+            stats[g] = None  # no comparison to make: no signal
+            continue
+        std = float(steps.std(ddof=1)) if steps.size > 1 else 0.0
+        stats[g] = (float(steps.mean()), std + eps if normalize_std else 1.0)
+    out: list[np.ndarray | None] = []
+    for r, g in zip(token_rewards, group_ids, strict=True):
+        if r is None:
+            out.append(None)
+            continue
+        z = np.zeros(len(r), dtype=np.float64)
+        if (st := stats[g]) is not None:
+            finite = np.isfinite(r)
+            z[finite] = (r[finite] - st[0]) / st[1]
+        out.append(np.cumsum(z[::-1])[::-1].astype(np.float32))
+    return out

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from agentrl.learner.advantages import episode_advantages
+from agentrl.learner.advantages import episode_advantages, process_advantages
 
 __all__ = ["Prepared", "prepare", "shared_completion_masks", "usable_samples"]
 
@@ -95,6 +95,7 @@ class Prepared:
     advantages: Tensor  # [len(samples)] float32: their episodes' advantages
     candidates: int = 0  # usable samples before the shared-completion and overlong masks
     stats: dict[str, float] = field(default_factory=dict)
+    process: list[np.ndarray | None] | None = None  # per sample, its tokens' process advantages (None: none)
 
 
 def prepare(samples: Sequence[Any], loss: Any) -> Prepared:
@@ -120,4 +121,11 @@ def prepare(samples: Sequence[Any], loss: Any) -> Prepared:
         "advantage_std": float(adv.std()) if len(adv) > 1 else 0.0,
         "advantage_abs_mean": float(adv.abs().mean()) if len(adv) else 0.0,
     }
-    return Prepared([usable[i] for i in keep], [masks[i] for i in keep], adv[keep], len(usable), stats)
+    process = None
+    if loss.process_coef and any(s.token_rewards is not None for s in usable):
+        rtg = process_advantages([s.token_rewards for s in usable], [s.group_id for s in usable],
+                                 normalize_std=loss.advantage_std)
+        process = [rtg[i] for i in keep]
+        trained = [r[m != 0] for r, m in zip(rtg, masks, strict=True) if r is not None]
+        stats["process_advantage_abs_mean"] = float(np.abs(np.concatenate(trained)).mean()) if trained else 0.0
+    return Prepared([usable[i] for i in keep], [masks[i] for i in keep], adv[keep], len(usable), stats, process)

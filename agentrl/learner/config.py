@@ -37,6 +37,7 @@ class LossConfig:
     overlong: Literal["keep", "mask", "penalize"] = field(default="keep", metadata=STEP)  # truncated episodes: train as they are, mask them out of the loss (DAPO's overlong filtering; still in their group's baseline), or subtract overlong_penalty from their reward
     overlong_penalty: float = field(default=1.0, metadata=STEP)  # overlong = "penalize": subtracted from a truncated episode's reward before advantages
     distill_coef: float = field(default=0.0, metadata=STEP)  # on-policy distillation: a token a teacher scored gains distill_coef * (its teacher logprob - its behaviour logprob) in its advantage (a per-token reverse KL; docs/scoring.md); 0: off
+    process_coef: float = field(default=1.0, metadata=STEP)  # process rewards (samples' token_rewards, a per-turn scorer's): each token's advantage gains process_coef * the return-to-go of its group's normalized step rewards (DeepSeekMath's process supervision; docs/scoring.md); 0: ignore them
     distill_reward: bool = field(default=True, metadata=STEP)  # with distill_coef > 0: keep the episodes' reward advantages beside the teacher's term (false: distillation alone)
 
     def arguments(self) -> dict[str, Any]:
@@ -159,8 +160,9 @@ class LearnConfig:
             raise ConfigError(f"loss.mismatch_band needs 0 < low <= high, got {list(band)}")
         if getattr(loss, "minibatches", 1) < 1 or getattr(loss, "epochs", 1) < 1:
             raise ConfigError("loss.minibatches and loss.epochs must be at least 1")
-        if loss.norm_tokens < 0 or loss.overlong_penalty < 0 or loss.distill_coef < 0:
-            raise ConfigError("loss.norm_tokens, loss.overlong_penalty and loss.distill_coef must not be negative")
+        if min(loss.norm_tokens, loss.overlong_penalty, loss.distill_coef, loss.process_coef) < 0:
+            raise ConfigError("loss.norm_tokens, loss.overlong_penalty, loss.distill_coef and loss.process_coef "
+                              "must not be negative")
         clip = (getattr(loss, "clip_low", 0.0), getattr(loss, "clip_high", 0.0))
         if not (0 <= clip[0] <= 1 and clip[1] >= 0):
             raise ConfigError(f"loss.clip_low must be in [0, 1] and loss.clip_high >= 0, got {list(clip)}")

@@ -40,13 +40,13 @@ class SignalWatch:
     runs: dict[str, int] = field(default_factory=dict)
     warned: set[str] = field(default_factory=set)
 
-    def observe(self, samples: Sequence[Any], advantage_std: float, distilling: bool = False) -> list[str]:
+    def observe(self, samples: Sequence[Any], advantage_std: float, per_token_signal: bool = False) -> list[str]:
         """Look at one step's samples; the warnings this step raises (each condition at most once a run).
-        ``distilling``: the loss has a teacher's term, which is a signal where rewards are flat."""
+        ``per_token_signal``: the step's tokens had advantages of their own (a teacher's term, process
+        rewards), which are a signal where the episodes' rewards are flat."""
         usable = [s for s in samples if s.error is None]
-        taught = distilling and any(getattr(s, "teacher_logprobs", None) is not None for s in usable)
         conditions = {
-            "flat_rewards": bool(usable) and advantage_std == 0.0 and not taught,
+            "flat_rewards": bool(usable) and advantage_std == 0.0 and not per_token_signal,
             "no_tool_calls": bool(usable) and all((s.info or {}).get("tools", 0) > 0 for s in usable)
                              and not any((s.info or {}).get("tool_calls", 0) for s in usable),
             "all_truncated": bool(usable) and all(s.truncated for s in usable),

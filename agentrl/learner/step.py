@@ -183,10 +183,7 @@ def _update(state: TrainState, cfg: LearnConfig, prep: Prepared, rows: list[list
             if approx:  # pi_prox at the step's start version, interpolated from this update's logprobs
                 logp_old = approx_proximal_logp(behaviour, logp.detach(), t["versions"].to(ctx.device),
                                                 current_version=version + progress, proximal_version=version)
-            advantages = prep.advantages[idx].to(ctx.device)
-            if loss_cfg.distill_coef:  # per token: the teacher's term where a teacher scored
-                advantages = distilled_advantages(advantages, t["teacher"].to(ctx.device), behaviour,
-                                                  loss_cfg.distill_coef, loss_cfg.distill_reward)
+            advantages = _advantages(prep, idx, t, behaviour, loss_cfg)
             loss, st = compute_loss(**loss_cfg.arguments(), logp=logp, logp_old=logp_old, logp_behaviour=behaviour,
                                     advantages=advantages, mask=t["mask"].to(ctx.device), denominator=1.0)
             (loss * ctx.world).backward()
@@ -292,6 +289,24 @@ def train_step(state: TrainState, samples: Sequence[Any], cfg: LearnConfig, vers
     if offending:
         out["offending_sample_ids"] = offending
     return out
+
+
+def _advantages(prep: Prepared, idx: list[int], t: dict[str, Any], behaviour: torch.Tensor,
+                loss_cfg: Any) -> torch.Tensor:
+    """The advantages of one packed row's samples: [B] episode advantages, or [B, T-1] per token
+    once a teacher's term (``distill_coef``) or process rewards (``prep.process``) add to them."""
+    advantages = prep.advantages[idx].to(behaviour.device)
+    if loss_cfg.distill_coef:  # the teacher's term where a teacher scored
+        advantages = distilled_advantages(advantages, t["teacher"].to(behaviour.device), behaviour,
+                                          loss_cfg.distill_coef, loss_cfg.distill_reward)
+    if prep.process is not None:  # each token's return-to-go of its group's normalized step rewards
+        process = torch.zeros_like(behaviour)
+        for row, j in enumerate(idx):
+            if (r := prep.process[j]) is not None:
+                process[row, : len(r) - 1] = torch.from_numpy(r[1:])  # position t predicts token t + 1
+        base = advantages.unsqueeze(-1) if advantages.dim() == 1 else advantages
+        advantages = base + loss_cfg.process_coef * process
+    return advantages
 
 
 def teacher_stats(samples: Sequence[Any], masks: Sequence[np.ndarray]) -> dict[str, float]:

@@ -19,14 +19,40 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from agentrl.errors import TransportError
 from agentrl.scoring.config import JudgeConfig, ScoringConfig
-from agentrl.scoring.registry import Scorer, get_scorer
+from agentrl.scoring.registry import Scorer, get_scorer, is_per_turn
 
 log = logging.getLogger(__name__)
 
 _GRADE = re.compile(r"-?\d+")
 _LINE = re.compile(r"^\s*(?:answer\s*)?(\d+)\s*[:.)=-]\s*(-?\d+)", re.IGNORECASE)
+
+
+def place_turn_rewards(samples: list[Any], rewards: Any, weight: float) -> float:
+    """A process scorer's per-turn ``rewards`` (times ``weight``) added to the samples'
+    ``token_rewards`` on the last token of each generated turn: the runs of a nonzero loss mask,
+    sample after sample, in order (an episode split into several samples has its turns in order
+    across them). Returns the rewards' mean. Raises ValueError when the rewards are not finite
+    numbers, one per turn."""
+    if not isinstance(rewards, list | tuple) or not all(isinstance(r, int | float) and math.isfinite(r)
+                                                         for r in rewards):
+        raise ValueError(f"a per-turn scorer must return a list of finite numbers, not {str(rewards)[:200]}")
+    ends = []
+    for i, s in enumerate(samples):
+        generated = np.asarray(s.loss_mask) != 0
+        last = np.flatnonzero(generated & ~np.append(generated[1:], False))  # each run's last position
+        ends += [(i, int(p)) for p in last]
+    if len(ends) != len(rewards):
+        raise ValueError(f"returned {len(rewards)} rewards for the episode's {len(ends)} generated turns")
+    for (i, p), r in zip(ends, rewards, strict=True):
+        s = samples[i]
+        if s.token_rewards is None:
+            s.token_rewards = np.full(len(s.token_ids), np.nan, dtype=np.float32)
+        s.token_rewards[p] = (0.0 if np.isnan(s.token_rewards[p]) else s.token_rewards[p]) + weight * float(r)
+    return float(np.mean(rewards)) if len(rewards) else 0.0
 
 
 class ScoringFailure(Exception):
@@ -245,10 +271,14 @@ class ScoringStage:
         return grades[group.graded.index(episode.episode_id)]
 
     def _combine(self, env_reward: float, values: dict[str, float], info: dict[str, Any]) -> float:
+        """The outcome reward: the environment's and each scorer's by weight (a process scorer's
+        rewards are on the samples' tokens; its value here, their mean, is kept by name only)."""
         info["rewards"] = {"env": env_reward, **values}
         total = self.cfg.env_weight * env_reward
         for name, value in values.items():
-            total += self.scorers[name][1] * value
+            fn, weight = self.scorers[name]
+            if not is_per_turn(fn):
+                total += weight * value
         return total
 
     async def _one(self, name: str, fn: Scorer, task: dict[str, Any], episode: Any) -> float:
@@ -257,7 +287,11 @@ class ScoringStage:
         t0 = time.monotonic()
         try:
             async with asyncio.timeout(self.cfg.timeout_s):
-                value = float(await fn(task, episode))
+                got = await fn(task, episode)
+            if is_per_turn(fn):  # a process scorer: its rewards go on the turns' last tokens
+                value = place_turn_rewards(episode.samples, got, self.scorers[name][1])
+            else:
+                value = float(got)
             if not math.isfinite(value):
                 raise ValueError(f"returned {value}")
         except TimeoutError:
