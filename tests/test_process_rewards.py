@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import replace
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -15,7 +16,7 @@ import agentrl
 from agentrl.buffer.sample import Sample
 from agentrl.learner.advantages import process_advantages
 from agentrl.scoring import ScoringConfig, ScoringStage
-from agentrl.scoring.stage import place_turn_rewards
+from agentrl.scoring.stage import generated_turns, place_turn_rewards
 from tests.scoring_helpers import TASK, finished_episode
 
 NAN = np.nan
@@ -52,9 +53,16 @@ def test_process_advantages_are_the_return_to_go_of_the_groups_normalized_step_r
     assert (flat[0] == 0).all()  # all steps equal: no signal, as GRPO
 
 
+def test_the_generated_turns_are_the_runs_of_the_loss_masks_in_order():
+    a, b = _two_turns(), replace(_two_turns(), loss_mask=np.array([0] * 8 + [1, 0], dtype=np.int32))
+    a.token_ids[-1] = 99
+    b = replace(b, loss_mask=np.array([1] + [0] * 8 + [1], dtype=np.int32))  # runs at both ends
+    assert generated_turns(SimpleNamespace(samples=[a, b])) == [[3, 4, 5], [8, 9], [1], [10]]
+
+
 @agentrl.scorer("unit-steps", per_turn=True)
 async def _steps(task: dict[str, Any], episode: Any) -> list[float]:
-    return [0.25] * sum(int(((s.loss_mask[1:] != 0) & (s.loss_mask[:-1] == 0)).sum()) for s in episode.samples)
+    return [0.25] * len(generated_turns(episode))
 
 
 def test_a_per_turn_scorer_scores_tokens_and_leaves_the_outcome_reward_alone():

@@ -5,5 +5,5 @@ from agentrl._lazy import lazy
 __getattr__, __dir__, __all__ = lazy(__name__, {
     "agentrl.scoring.config": ["JudgeConfig", "ScoringConfig"],
     "agentrl.scoring.registry": ["get_scorer", "scorer"],
-    "agentrl.scoring.stage": ["Judge", "ScoringStage"],
+    "agentrl.scoring.stage": ["Judge", "ScoringStage", "generated_turns"],
 })

@@ -31,6 +31,23 @@ _GRADE = re.compile(r"-?\d+")
 _LINE = re.compile(r"^\s*(?:answer\s*)?(\d+)\s*[:.)=-]\s*(-?\d+)", re.IGNORECASE)
 
 
+def _turn_spans(samples: list[Any]) -> list[tuple[int, int, int]]:
+    """(sample index, start, end) of each generated turn: the runs of a nonzero loss mask, sample
+    after sample, in order."""
+    spans = []
+    for i, s in enumerate(samples):
+        generated = np.concatenate([[False], np.asarray(s.loss_mask) != 0, [False]])
+        edges = np.flatnonzero(generated[1:] != generated[:-1])  # run starts and ends, alternately
+        spans += [(i, int(a), int(b)) for a, b in zip(edges[::2], edges[1::2], strict=True)]
+    return spans
+
+
+def generated_turns(episode: Any) -> list[list[int]]:
+    """The token ids of each turn the model generated in ``episode``, in order: what a per-turn
+    scorer returns one reward for (decode them with the served model's tokenizer)."""
+    return [episode.samples[i].token_ids[a:b].tolist() for i, a, b in _turn_spans(episode.samples)]
+
+
 def place_turn_rewards(samples: list[Any], rewards: Any, weight: float) -> float:
     """A process scorer's per-turn ``rewards`` (times ``weight``) added to the samples'
     ``token_rewards`` on the last token of each generated turn: the runs of a nonzero loss mask,
@@ -40,11 +57,7 @@ def place_turn_rewards(samples: list[Any], rewards: Any, weight: float) -> float
     if not isinstance(rewards, list | tuple) or not all(isinstance(r, int | float) and math.isfinite(r)
                                                          for r in rewards):
         raise ValueError(f"a per-turn scorer must return a list of finite numbers, not {str(rewards)[:200]}")
-    ends = []
-    for i, s in enumerate(samples):
-        generated = np.asarray(s.loss_mask) != 0
-        last = np.flatnonzero(generated & ~np.append(generated[1:], False))  # each run's last position
-        ends += [(i, int(p)) for p in last]
+    ends = [(i, b - 1) for i, _, b in _turn_spans(samples)]
     if len(ends) != len(rewards):
         raise ValueError(f"returned {len(rewards)} rewards for the episode's {len(ends)} generated turns")
     for (i, p), r in zip(ends, rewards, strict=True):
