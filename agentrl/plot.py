@@ -441,6 +441,15 @@ def chart_distill(logs: RunLogs, axes: list[Any]) -> bool:
              label="tokens a teacher scored, trained this step")
     _style(ax2, "Teacher-scored tokens per step", "step", "tokens")
     _legend(ax2)
+    versioned = [(r.get("step", i + 1), r) for i, r in enumerate(rows) if "teacher_version_max" in r]
+    if versioned:  # self-distillation: the student's own policy some versions back
+        ax2b = ax2.twinx()
+        ax2b.step([s for s, _ in versioned], [r["teacher_version_max"] for _, r in versioned], where="post",
+                  color=PALETTE[3], label="teacher's policy version (newest in the step)")
+        ax2b.plot([s for s, _ in versioned], [r.get("version", s) for s, r in versioned], ":", color="#444",
+                  label="student's version")
+        ax2b.set_ylabel("policy version")
+        ax2b.legend(fontsize=8, frameon=False, loc="lower right")
     return True
 
 

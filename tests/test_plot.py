@@ -110,6 +110,7 @@ def test_a_run_with_a_teacher_gets_its_distillation_chart(tmp_path: Path) -> Non
     rows = [json.loads(x) for x in (run / "learner.jsonl").read_text().splitlines()]
     for i, r in enumerate(rows):
         r["teacher_kl"], r["teacher_tokens"] = 3.0 / (1 + i), 400 + i
+        r["teacher_version_min"] = r["teacher_version_max"] = max(0, i - 1)  # self-distillation, one back
     (run / "learner.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     paths = {p.name: p for p in plot_run(run)}
     data = paths["distill.png"].read_bytes()

@@ -312,16 +312,23 @@ def _advantages(prep: Prepared, idx: list[int], t: dict[str, Any], behaviour: to
 def teacher_stats(samples: Sequence[Any], masks: Sequence[np.ndarray]) -> dict[str, float]:
     """On-policy distillation's progress over the trained tokens a teacher scored: ``teacher_kl``,
     the mean of ``log mu - log pi_teacher`` (the reverse KL from the policy that sampled to the
-    teacher, estimated on the sampled tokens), and ``teacher_tokens``. Empty when no teacher scored."""
-    gaps = []
+    teacher, estimated on the sampled tokens), and ``teacher_tokens``; with a teacher of known
+    versions (self-distillation), the oldest and newest, ``teacher_version_min`` / ``_max``. Empty
+    when no teacher scored."""
+    gaps, versions = [], []
     for s, m in zip(samples, masks, strict=True):
         if s.teacher_logprobs is not None:
             keep = (m != 0) & np.isfinite(s.teacher_logprobs)
             gaps.append(s.logprobs[keep] - s.teacher_logprobs[keep])
+            if isinstance(v := (s.info.get("teacher") or {}).get("version"), int):
+                versions.append(v)
     if not gaps:
         return {}
     gap = np.concatenate(gaps)
-    return {"teacher_kl": float(gap.mean()) if gap.size else 0.0, "teacher_tokens": int(gap.size)}
+    out: dict[str, float] = {"teacher_kl": float(gap.mean()) if gap.size else 0.0, "teacher_tokens": int(gap.size)}
+    if versions:
+        out["teacher_version_min"], out["teacher_version_max"] = min(versions), max(versions)
+    return out
 
 
 def _average(parts: list[dict[str, float]]) -> dict[str, float]:

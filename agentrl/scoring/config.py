@@ -53,6 +53,10 @@ class TeacherConfig:
     api_key_env: str = ""  # environment variable that holds the endpoint's key (empty: none sent)
     name: str = ""  # recorded on each scored sample (info["teacher"]); default: the model name
     weight: float = 0.0  # the episode's teacher KL (mean log mu - log pi_teacher) in its reward; 0: none
+    lag: int = 0
+    """Self-distillation: the teacher is the student's own policy this many versions back, on an
+    engine serve launches for it (``url`` and ``model`` stay empty); 0: the teacher is ``url``."""
+    every: int = 1  # self-distillation: the teacher advances in steps of this many versions
 
 
 @dataclass
@@ -77,7 +81,7 @@ class ScoringConfig:
 
     @property
     def enabled(self) -> bool:
-        return bool(self.judge.url or self.teacher.url or self.scorers)
+        return bool(self.judge.url or self.teacher.url or self.teacher.lag or self.scorers)
 
     def check(self) -> None:
         if self.concurrency < 1:
@@ -90,6 +94,11 @@ class ScoringConfig:
             raise ConfigError("scoring.judge.url is set: name the judge's model in scoring.judge.model")
         if self.teacher.url and not self.teacher.model:
             raise ConfigError("scoring.teacher.url is set: name the teacher's model in scoring.teacher.model")
+        if self.teacher.lag < 0 or self.teacher.every < 1:
+            raise ConfigError("scoring.teacher.lag must be at least 0 and scoring.teacher.every at least 1")
+        if self.teacher.lag and self.teacher.url:
+            raise ConfigError("scoring.teacher.lag (self-distillation: serve launches the teacher) and "
+                              "scoring.teacher.url (a teacher of your own) exclude each other")
         if self.judge.mode not in ("pointwise", "group"):
             raise ConfigError(f"scoring.judge.mode must be 'pointwise' or 'group', not {self.judge.mode!r}")
         if self.group_wait_s <= 0:

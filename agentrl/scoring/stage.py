@@ -165,7 +165,8 @@ class ScoringStage:
     fail it with kind ``scoring``. At most ``concurrency`` episodes are scored at once."""
 
     def __init__(self, cfg: ScoringConfig, scorers: dict[str, tuple[Scorer, float]] | None = None, *,
-                 group_size: int = 1) -> None:
+                 group_size: int = 1, teacher: Any = None) -> None:
+        """``teacher``: the teacher scorer when it is not ``cfg.teacher.url``'s (self-distillation's)."""
         cfg.check()
         self.cfg, self.group_size = cfg, group_size
         self.group_judge: Judge | None = None
@@ -180,10 +181,11 @@ class ScoringStage:
                     scorers["judge"] = (self._graded_in_group, cfg.judge.weight)
                 else:
                     scorers["judge"] = (judge, cfg.judge.weight)
-            if cfg.teacher.url:
+            if teacher is None and cfg.teacher.url:
                 from agentrl.scoring.teacher import Teacher
 
                 teacher = Teacher(cfg.teacher, timeout_s=cfg.timeout_s, retries=cfg.retries)
+            if teacher is not None:
                 self._own.append(teacher)
                 scorers["teacher"] = (teacher, cfg.teacher.weight)
         self.scorers = scorers

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -29,15 +30,22 @@ class Teacher:
     """``await teacher(task, episode)``: the teacher's logprobs put on each of the episode's samples;
     returns the episode's mean ``log mu - log pi_teacher`` over them."""
 
-    def __init__(self, cfg: TeacherConfig, *, timeout_s: float, retries: int) -> None:
+    def __init__(self, cfg: TeacherConfig, *, timeout_s: float, retries: int, url: str = "", key: str = "",
+                 version: Callable[[], int] | None = None) -> None:
+        """``url``, ``key``: the endpoint and its key when not ``cfg``'s (self-distillation's teacher
+        engine); ``version``: the teacher's policy version now, recorded on each scored sample."""
         from agentrl.client import ServeClient
 
-        self.cfg = cfg
-        key = os.environ.get(cfg.api_key_env, "") if cfg.api_key_env else ""
-        self.client = ServeClient(cfg.url, key, timeout_s=timeout_s, retries=retries, backoff_s=0.5)
+        self.cfg, self.version = cfg, version
+        key = key or (os.environ.get(cfg.api_key_env, "") if cfg.api_key_env else "")
+        self.model = cfg.model or ("teacher" if url else "")
+        self.client = ServeClient(url or cfg.url, key, timeout_s=timeout_s, retries=retries, backoff_s=0.5)
 
     async def __call__(self, task: dict[str, Any], episode: Any) -> float:
         gaps = []
+        who: dict[str, Any] = {"name": self.cfg.name or self.model}
+        if self.version is not None:
+            who["version"] = self.version()  # before the calls: a version that changes mid-episode is not mixed
         for s in episode.samples:
             mask = s.loss_mask != 0
             mask[0] = False  # the first token has no context to be predicted from
@@ -46,13 +54,13 @@ class Teacher:
             teacher = await self.logprobs([int(t) for t in s.token_ids])
             teacher[~mask] = math.nan
             s.teacher_logprobs = teacher
-            s.info["teacher"] = {"name": self.cfg.name or self.cfg.model}
+            s.info["teacher"] = dict(who)
             gaps.append(s.logprobs[mask] - teacher[mask])
         return float(np.concatenate(gaps).mean()) if gaps else 0.0
 
     async def logprobs(self, token_ids: list[int]) -> np.ndarray:
         """The teacher's log p(token_t | tokens_<t) at each position (NaN at 0), float32."""
-        body = {"model": self.cfg.model, "prompt": token_ids, "max_tokens": 1, "temperature": 0.0,
+        body = {"model": self.model, "prompt": token_ids, "max_tokens": 1, "temperature": 0.0,
                 "prompt_logprobs": 0}
         reply = await self.client.json("POST", "/completions", json=body)
         try:

@@ -73,6 +73,7 @@ class Serve:
         self.buffer: Any = None
         self.orchestrator: Any = None  # the agent loops here; None under Ray (the workers play)
         self.cluster: Any = None  # agentrl.serve.ray.RayCluster with ray.address
+        self.self_teacher: Any = None  # agentrl.scoring.self_teacher.SelfTeacher with scoring.teacher.lag
         self._runner: web.AppRunner | None = None
         self._rollout_task: asyncio.Task | None = None
         self._metrics_task: asyncio.Task | None = None
@@ -137,17 +138,40 @@ class Serve:
         await self.updater.start()  # stamps the engines with the pool's version
         if self.local is not None:  # a dead engine is relaunched and rejoins at the current version
             self.local.supervise(self.pool, build.restart_policy(cfg))
+        lag = cfg.scoring.teacher.lag
+        if lag:  # self-distillation: one more engine of the model, the student some versions back
+            if self.local is None:
+                from agentrl.errors import ConfigError
+
+                raise ConfigError("scoring.teacher.lag (self-distillation) needs the engines serve launches "
+                                  "itself: not engine.urls, not ray.address")
+            from agentrl.scoring.self_teacher import SelfTeacher
+
+            self.self_teacher = SelfTeacher(cfg, self.model_path, self.engine_key, self.run_dir / "logs")
+            self._phase(f"starting the self-distillation teacher's engine (the policy {lag} version(s) back)")
+            await self.self_teacher.start(cfg.engine.start_timeout_s)
         self.router = build.build_router(cfg, self.pool, self.model_path, self.run_dir)
         if is_moe(self.model_path):  # the learner replays the experts the engines routed each token through
             await self.router.capture_experts()
         self.buffer = build.build_buffer(cfg, self.run_dir)
         from agentrl.weights import WeightReceiver
 
-        self.weights = WeightReceiver(self.run_dir / "weights", self.updater, max_bytes=weights_cap(self.model_path))
+        keep = max(2, lag + cfg.scoring.teacher.every)  # the teacher loads a version up to lag + every - 1 back
+        self.weights = WeightReceiver(self.run_dir / "weights", self.updater, keep=keep,
+                                      max_bytes=weights_cap(self.model_path))
         latest = self.weights.latest_loaded()
         if cfg.restore and latest is not None and latest[0] > self.pool.version:  # a restart: carry on
             self._phase(f"restoring policy version {latest[0]} from {latest[1]}")
             await self.weights.restore(*latest)
+        teacher = None
+        if self.self_teacher is not None:
+            from agentrl.scoring.teacher import Teacher
+
+            st, root = self.self_teacher, self.run_dir / "weights"
+            self.weights.on_loaded.append(lambda version: st.advance(version, root))
+            await st.advance(self.pool.version, root)  # a restarted serve: the teacher of its version
+            teacher = Teacher(cfg.scoring.teacher, timeout_s=cfg.scoring.timeout_s, retries=cfg.scoring.retries,
+                              url=f"{st.url}/v1", key=self.engine_key, version=lambda: st.version)
         await self._serve_http()
 
         if cfg.endpoint_only:
@@ -161,7 +185,7 @@ class Serve:
             self.sandbox_pool = await build.build_sandbox_pool(cfg, "serve")
             producer = build.build_producer(cfg, self.router, self.sandbox_pool, scaffold=scaffold)
             self.orchestrator = build.build_orchestrator(cfg, producer, self.buffer, run_dir=self.run_dir,
-                                                         policy_version=lambda: self.pool.version)
+                                                         policy_version=lambda: self.pool.version, teacher=teacher)
             self._rollout_task = asyncio.create_task(self.orchestrator.run(), name="orchestrator")
         self.phase = "serving"
         settle_gc()
@@ -258,6 +282,7 @@ class Serve:
             "rollout": rollout.status() if rollout is not None else {},
             "buffer": self.buffer.stats(),
             "sandbox": self.sandbox_pool.stats() if self.sandbox_pool else None,
+            **({"teacher": self.self_teacher.status()} if self.self_teacher is not None else {}),
         }
 
     async def _status(self, request: web.Request) -> web.Response:
@@ -322,7 +347,8 @@ class Serve:
                 await asyncio.gather(t, return_exceptions=True)
         # then each part that was started, in this order, by its own closing method (sync or async)
         parts = ((self._runner, "cleanup"), (self._listener, "close"), (self.sandbox_pool, "close"),
-                 (self.pool, "close"), (self.buffer, "close"), (self.local, "stop"), (self.cluster, "close"))
+                 (self.pool, "close"), (self.buffer, "close"), (self.local, "stop"), (self.self_teacher, "close"),
+                 (self.cluster, "close"))
         for part, method in parts:
             if part is not None and inspect.isawaitable(done := getattr(part, method)()):
                 await done

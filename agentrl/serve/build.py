@@ -141,7 +141,7 @@ def build_producer(cfg: ServeConfig, client: ChatClient, sandbox_pool: Any, *, s
 
 def build_orchestrator(cfg: ServeConfig, producer: EpisodeProducer, sink: BufferSink, *, run_dir: Path | None = None,
                        max_episodes: int | None = None, max_concurrency: int | None = None,
-                       policy_version: Any = None, episode_log: Any = None) -> Orchestrator:
+                       policy_version: Any = None, episode_log: Any = None, teacher: Any = None) -> Orchestrator:
     from agentrl.rollout.frontier import TaskFrontier
     from agentrl.rollout.orchestrator import Orchestrator
 
@@ -156,14 +156,15 @@ def build_orchestrator(cfg: ServeConfig, producer: EpisodeProducer, sink: Buffer
                         max_concurrency=e.max_concurrency if max_concurrency is None else max_concurrency,
                         run_dir=run_dir, max_episodes=cfg.max_episodes if max_episodes is None else max_episodes,
                         sync=e.mode == "sync", batch_size=cfg.buffer.batch_size, policy_version=policy_version,
-                        episode_log=episode_log, frontier=frontier, scoring=build_scoring(cfg))
+                        episode_log=episode_log, frontier=frontier, scoring=build_scoring(cfg, teacher))
 
 
-def build_scoring(cfg: ServeConfig) -> ScoringStage | None:
+def build_scoring(cfg: ServeConfig, teacher: Any = None) -> ScoringStage | None:
     """The scoring stage ``serve.scoring`` describes, or None when it names no scorer (the
-    environment's reward alone, inline, as without the stage)."""
+    environment's reward alone, inline, as without the stage). ``teacher``: the teacher scorer
+    serve made for its own teacher engine (self-distillation)."""
     if not cfg.scoring.enabled:
         return None
     from agentrl.scoring.stage import ScoringStage
 
-    return ScoringStage(cfg.scoring, group_size=cfg.env.group_size)
+    return ScoringStage(cfg.scoring, group_size=cfg.env.group_size, teacher=teacher)

@@ -59,6 +59,7 @@ class WeightReceiver:
         self.root = root
         self.updater = updater
         self.keep = keep
+        self.on_loaded: list[Any] = []  # awaited with each version the engines loaded, before the commit answers
         self.max_bytes = max_bytes
         self._declared: dict[int, int] = {}  # version -> the total size its chunks declared
         # version -> {chunk index: (its SHA-256, offset, length)}
@@ -137,6 +138,8 @@ class WeightReceiver:
             (target / LOADED).write_text(json.dumps({"version": version, "sha": sha}))
             self.last = result
             self._prune(version)
+            for hook in self.on_loaded:
+                await hook(version)
             log.info("policy version %d loaded into %d engine(s) in %.2f s", version,
                      sum("error" not in v for v in result["engines"].values()), result["sync_s"])
             return result
