@@ -73,7 +73,7 @@ class Serve:
         self.buffer: Any = None
         self.orchestrator: Any = None  # the agent loops here; None under Ray (the workers play)
         self.cluster: Any = None  # agentrl.serve.ray.RayCluster with ray.address
-        self.self_teacher: Any = None  # agentrl.scoring.self_teacher.SelfTeacher with scoring.teacher.lag
+        self.self_teacher: Any = None  # agentrl.serve.self_teacher.SelfTeacher with scoring.teacher.lag
         self._runner: web.AppRunner | None = None
         self._rollout_task: asyncio.Task | None = None
         self._metrics_task: asyncio.Task | None = None
@@ -145,7 +145,7 @@ class Serve:
 
                 raise ConfigError("scoring.teacher.lag (self-distillation) needs the engines serve launches "
                                   "itself: not engine.urls, not ray.address")
-            from agentrl.scoring.self_teacher import SelfTeacher
+            from agentrl.serve.self_teacher import SelfTeacher
 
             self.self_teacher = SelfTeacher(cfg, self.model_path, self.engine_key, self.run_dir / "logs")
             self._phase(f"starting the self-distillation teacher's engine (the policy {lag} version(s) back)")
