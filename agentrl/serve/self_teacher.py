@@ -28,9 +28,11 @@ class SelfTeacher:
 
     def __init__(self, cfg: Any, model_path: str, engine_key: str, log_dir: Path) -> None:
         """``cfg``: serve's config; ``engine_key``: the key serve's own engines answer."""
+        from agentrl.serve.build import restart_policy
         from agentrl.serve.local import LocalEngines
 
         self.lag, self.every = cfg.scoring.teacher.lag, cfg.scoring.teacher.every
+        self.policy = restart_policy(cfg)
         self.model_path, self.engine_key = model_path, engine_key
         spec = dataclasses.replace(cfg.engine.spec(cfg.engine.count, model_path, "teacher"), api_key=engine_key)
         self.local = LocalEngines([spec], log_dir)
@@ -44,7 +46,9 @@ class SelfTeacher:
         return self.local.urls[0]
 
     async def start(self, timeout_s: float) -> None:
-        """Launch the teacher engine and wait until it serves the base model (version 0)."""
+        """Launch the teacher engine and wait until it serves the base model (version 0). It is
+        supervised as serve's own engines are: one that dies is relaunched and reloads the teacher's
+        version before it answers again."""
         from agentrl.router import EnginePool
         from agentrl.weights import EngineUpdater
 
@@ -55,6 +59,7 @@ class SelfTeacher:
         await pool.start()
         self.updater = EngineUpdater(pool)
         await self.updater.start()
+        self.local.supervise(pool, self.policy)
 
     def target(self, version: int) -> int:
         """The teacher's version once the student is at ``version``."""
@@ -79,7 +84,7 @@ class SelfTeacher:
 
     def status(self) -> dict[str, Any]:
         return {"url": self.url, "version": self.version, "lag": self.lag, "every": self.every,
-                "failures": self.failures}
+                "failures": self.failures, **self.local.status()[0]}
 
     async def close(self) -> None:
         if self.updater is not None:
