@@ -33,7 +33,7 @@ class SelfTeacher:
 
         self.lag, self.every = cfg.scoring.teacher.lag, cfg.scoring.teacher.every
         self.policy = restart_policy(cfg)
-        self.model_path, self.engine_key = model_path, engine_key
+        self.engine_key = engine_key
         spec = dataclasses.replace(cfg.engine.spec(cfg.engine.count, model_path, "teacher"), api_key=engine_key)
         self.local = LocalEngines([spec], log_dir)
         self.version = 0
