@@ -52,7 +52,7 @@ class TeacherConfig:
     model: str = ""  # the model name to ask for at that endpoint
     api_key_env: str = ""  # environment variable that holds the endpoint's key (empty: none sent)
     name: str = ""  # recorded on each scored sample (info["teacher"]); default: the model name
-    weight: float = 0.0  # the episode's teacher KL (mean log mu - log pi_teacher) in its reward; 0: none
+    weight: float = 0.0  # the episode's teacher KL (mean log mu - log pi_teacher) in its reward (negative: a penalty); 0: none
     lag: int = 0
     """Self-distillation: the teacher is the student's own policy this many versions back, on an
     engine serve launches for it (``url`` and ``model`` stay empty); 0: the teacher is ``url``."""
