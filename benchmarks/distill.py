@@ -1,7 +1,8 @@
 """On-policy distillation on CPU: a student trained on a stronger teacher's logprobs of its own tokens.
 
-Starts a vLLM engine for the teacher, measures the teacher's own success on the held-out tasks
-(the held-out evaluation ``agentrl run`` makes of the student: the same tasks and limits), then runs ``agentrl run`` on the
+Starts a vLLM engine for the teacher (serve's engine flags), measures the teacher's own success on
+the held-out tasks (the held-out evaluation ``agentrl run`` makes of the student: the same tasks,
+limits and sandboxes, through a router as serve's), then runs ``agentrl run`` on the
 student with the teacher as a scorer (``--serve.scoring.teacher.*``: each episode's samples get the
 teacher's logprobs of their generated tokens) and the learner's distillation term
 (``--learn.loss.distill_coef``; by default the teacher's signal alone, ``distill_reward = false``).
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import os
 import shutil
@@ -31,24 +33,45 @@ from common import agentrl_run, free_port  # benchmarks/common.py
 
 
 def teacher_success(model: str, overrides: list[str], log_dir: Path) -> tuple[str, object, object]:
-    """The teacher's engine (left running: the caller stops it), its URL and its evaluation, with the
-    held-out evaluation ``agentrl run`` makes of the student (the same tasks, limits, temperature)."""
-    from agentrl.cli.run import held_out_eval
+    """The teacher's engine (left running: the caller stops it), its URL and its evaluation: the
+    held-out evaluation ``agentrl run`` makes of the student (the same tasks, limits, temperature,
+    sandboxes), through a router of serve's own making over the teacher's engine, as serve's
+    evaluation goes through serve's router."""
     from agentrl.config import RunConfig, load
-    from agentrl.engines.vllm import EngineSpec, VLLMEngine
+    from agentrl.engines.vllm import VLLMEngine
     from agentrl.models import resolve_model
+    from agentrl.rollout.evaluate import evaluate
+    from agentrl.serve import build
 
     cfg = load(RunConfig, None, overrides)
-    engine = VLLMEngine(EngineSpec(model=resolve_model(model), served_name="teacher", port=free_port(),
-                                   max_model_len=2048), log_dir)
+    serve = dataclasses.replace(cfg.serve, model="teacher")
+    path = resolve_model(model)
+    spec = dataclasses.replace(serve.engine.spec(0, path, "teacher"), port=free_port())  # serve's engine flags
+    engine = VLLMEngine(spec, log_dir)
     engine.launch()
+
+    async def measure() -> object:
+        await engine.start(timeout_s=900)
+        print(f"teacher {model} serving at {engine.url}; evaluating it on {cfg.eval.tasks} held-out tasks",
+              file=sys.stderr, flush=True)
+        pool = build.build_pool(serve, [engine.url])
+        await pool.start()
+        try:
+            e, ev = serve.env, cfg.eval
+            return await evaluate(e.name, build.build_router(serve, pool, path, None), ev.tasks, split="test",
+                                  env_config=e.config, limits=e.limits(temperature=ev.temperature),
+                                  concurrency=ev.concurrency, success_reward=ev.success_reward,
+                                  sandbox_config=dataclasses.replace(serve.sandbox, warm=0,
+                                                                     max_concurrency=ev.concurrency))
+        finally:
+            await pool.close()
+
     try:
-        asyncio.run(engine.start(timeout_s=900))
-        print(f"teacher {model} serving at {engine.url}", file=sys.stderr, flush=True)
-        result = held_out_eval(cfg, engine.url, "teacher", log_dir)
+        result = asyncio.run(measure())
     except BaseException:
         engine.stop()
         raise
+    print(result.line(), file=sys.stderr, flush=True)
     return engine.url, engine, result
 
 
