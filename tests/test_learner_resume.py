@@ -72,13 +72,14 @@ class FixedBatches:
         pass
 
 
-def _run(model: str, run_dir: Path, resume: bool, hang_at: int | None) -> None:
+def _run(model: str, run_dir: Path, resume: bool, hang_at: int | None, lora: bool = False) -> None:
     from agentrl.config import LearnConfig
+    from agentrl.learner.lora import LoraConfig
     from agentrl.learner.trainer import learn
 
     run_dir.mkdir(parents=True, exist_ok=True)
     cfg = LearnConfig(model=model, run_dir=str(run_dir), steps=STEPS, lr=1e-3, warmup_steps=2, decay_steps=4,
-                      micro_batch_tokens=64, checkpoint_every=1, resume=resume)
+                      micro_batch_tokens=64, checkpoint_every=1, resume=resume, lora=LoraConfig(rank=4 if lora else 0))
     learn(cfg, FixedBatches(model, run_dir, hang_at))
 
 
@@ -92,16 +93,20 @@ def _rows(run_dir: Path) -> list[dict]:
 
 
 @pytest.mark.slow
-def test_a_learner_killed_after_step_k_resumes_with_the_uninterrupted_loss(tiny_model, tmp_path):
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_a_learner_killed_after_step_k_resumes_with_the_uninterrupted_loss(tiny_model, tmp_path, lora):
+    """Full fine-tuning, and LoRA (whose checkpoints hold only the adapters and their optimizer
+    state: the frozen base comes from the model again)."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    mode = ("--lora",) if lora else ()
     whole = tmp_path / "whole"
-    out = subprocess.run(_driver(tiny_model, whole), capture_output=True, text=True, env=env, timeout=600)
+    out = subprocess.run(_driver(tiny_model, whole, *mode), capture_output=True, text=True, env=env, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     reference = _rows(whole)
     assert [r["step"] for r in reference] == list(range(1, STEPS + 1))
 
     cut = tmp_path / "cut"
-    proc = subprocess.Popen(_driver(tiny_model, cut, "--hang-at", str(KILL_AFTER)), env=env,
+    proc = subprocess.Popen(_driver(tiny_model, cut, "--hang-at", str(KILL_AFTER), *mode), env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 300
@@ -114,7 +119,8 @@ def test_a_learner_killed_after_step_k_resumes_with_the_uninterrupted_loss(tiny_
         proc.wait(30)
     assert proc.returncode == -signal.SIGKILL
 
-    out = subprocess.run(_driver(tiny_model, cut, "--resume"), capture_output=True, text=True, env=env, timeout=600)
+    out = subprocess.run(_driver(tiny_model, cut, "--resume", *mode), capture_output=True, text=True, env=env,
+                         timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     rows = _rows(cut)
     resumed = rows[KILL_AFTER:]
@@ -126,9 +132,12 @@ def test_a_learner_killed_after_step_k_resumes_with_the_uninterrupted_loss(tiny_
         assert abs(got["loss"] - want["loss"]) <= 1e-5, (got["step"], got["loss"], want["loss"])
         assert abs(got["grad_norm"] - want["grad_norm"]) <= 1e-5 * max(1.0, want["grad_norm"])
     assert (cut / "acked.txt").read_text().split() == [f"b{i}" for i in range(STEPS)]
+    if lora:  # the checkpoint is the adapters' (a few KB for the tiny model), not the whole model's
+        ckpt = cut / "checkpoints" / (cut / "checkpoints" / "latest").read_text().strip()
+        assert sum(f.stat().st_size for f in ckpt.glob("*.distcp")) < (Path(tiny_model) / "model.safetensors").stat().st_size / 4
 
 
 if __name__ == "__main__":
     args = sys.argv[1:]
     hang = int(args[args.index("--hang-at") + 1]) if "--hang-at" in args else None
-    _run(args[0], Path(args[1]), resume="--resume" in args, hang_at=hang)
+    _run(args[0], Path(args[1]), resume="--resume" in args, hang_at=hang, lora="--lora" in args)

@@ -23,7 +23,8 @@ Invariants:
   samples come back in a new batch; ``batch_sample_ids`` (and ``trained_sample_ids`` for earlier
   refused acks) let the learner skip them there.
 - Model and optimizer state are sharded (DCP reshards on load, so a checkpoint written by N
-  ranks loads on M); one process without torchrun reads and writes the same format.
+  ranks loads on M); one process without torchrun reads and writes the same format. With LoRA
+  only the trainable adapters and their optimizer state are written (the base is the model's own).
 """
 
 from __future__ import annotations
@@ -70,6 +71,24 @@ def _set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+def _options(model: torch.nn.Module) -> Any:
+    """DCP's state-dict options: a model with frozen parameters (LoRA's base) checkpoints only what
+    trains (the adapters and their optimizer state); the frozen base is reloaded from the model, so
+    loading such a state is not strict about the frozen keys (DCP's load fails on any trained key
+    the checkpoint lacks)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    frozen = any(not p.requires_grad for p in model.parameters())
+    return StateDictOptions(ignore_frozen_params=frozen, strict=not frozen)
+
+
+def _trained(model: torch.nn.Module, msd: dict[str, Any]) -> dict[str, Any]:
+    """``msd`` without frozen parameters under any of their names (DCP keeps a head tied to a frozen
+    embedding under the head's name)."""
+    frozen = {n for n, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
+    return {k: v for k, v in msd.items() if k not in frozen} if frozen else msd
+
+
 def latest_checkpoint(checkpoint_dir: str | Path) -> Path | None:
     """The newest complete checkpoint, or None."""
     root = Path(checkpoint_dir)
@@ -98,7 +117,8 @@ def save_checkpoint(state: TrainState, checkpoint_dir: str | Path, *, version: i
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True, exist_ok=True)
     ctx.barrier()
-    msd, osd = get_state_dict(state.model, state.optimizer)
+    msd, osd = get_state_dict(state.model, state.optimizer, options=_options(state.model))
+    msd = _trained(state.model, msd)
     dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(tmp))
     torch.save({"rng": _rng_state(), "scheduler": state.scheduler.state_dict()}, tmp / f"rank_{ctx.rank}.pt")
     ctx.barrier()
@@ -126,9 +146,11 @@ def load_checkpoint(state: TrainState, path: str | Path) -> Resumed:
 
     path = Path(path)
     meta = json.loads((path / "meta.json").read_text())
-    msd, osd = get_state_dict(state.model, state.optimizer)
+    options = _options(state.model)
+    msd, osd = get_state_dict(state.model, state.optimizer, options=options)
+    msd = _trained(state.model, msd)
     dcp.load({"model": msd, "optim": osd}, checkpoint_id=str(path))
-    set_state_dict(state.model, state.optimizer, model_state_dict=msd, optim_state_dict=osd)
+    set_state_dict(state.model, state.optimizer, model_state_dict=msd, optim_state_dict=osd, options=options)
     own = path / f"rank_{state.ctx.rank}.pt"
     extra = torch.load(own if own.exists() else path / "rank_0.pt", weights_only=False)
     state.scheduler.load_state_dict(extra["scheduler"])
@@ -160,10 +182,19 @@ def save_hf(state_dict: dict[str, torch.Tensor], model_path: str, out: str | Pat
     return out
 
 
-def export_hf(model: torch.nn.Module, ctx: Dist, model_path: str, out: str | Path) -> Path | None:
-    """Gather the (possibly sharded) policy and write it on rank 0 (collective)."""
+def export_hf(model: torch.nn.Module, ctx: Dist, model_path: str, out: str | Path, lora: Any = None
+              ) -> Path | None:
+    """Gather the (possibly sharded) policy and write it on rank 0 (collective). With ``lora`` (its
+    rank > 0) the folder holds the merged model, and ``out/adapter`` the adapter alone (a peft folder)."""
     sd = full_state_dict(model, ctx)
-    path = save_hf(sd, model_path, out) if ctx.is_main else None
+    path = None
+    if ctx.is_main:
+        if lora is not None and lora.enabled:
+            from agentrl.learner.lora import merged_state, save_adapter
+
+            save_adapter(sd, lora, Path(out) / "adapter", base_model=model_path)
+            sd = merged_state(sd, lora)
+        path = save_hf(sd, model_path, out)
     ctx.barrier()
     return path
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from agentrl.errors import ConfigError
+from agentrl.learner.lora import LoraConfig
 from agentrl.weights.config import WeightsConfig
 
 STEP = {"step": True}  # a loss setting the step reads (not a compute_loss parameter)
@@ -144,8 +145,15 @@ class LearnConfig:
     tensorboard: bool = False  # also write each step's metrics as TensorBoard events in run_dir/tensorboard (extra agentrl[tensorboard])
     wandb: WandbConfig = field(default_factory=WandbConfig)
     weights: WeightsConfig = field(default_factory=WeightsConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """rank > 0: train LoRA adapters (peft) instead of every weight; with weights.transport.kind =
+    "adapter" only the adapter travels to the engines (docs/learner.md, docs/weights.md)."""
 
     def check(self) -> None:
+        self.lora.check()
+        if self.weights.transport.kind == "adapter" and not self.lora.enabled:
+            raise ConfigError("weights.transport.kind = \"adapter\" sends a LoRA adapter: set learn.lora.rank > 0 "
+                              "(or another transport for full fine-tuning)")
         if self.lr <= 0:
             raise ConfigError("lr must be positive")
         if self.micro_batch_tokens < 2:

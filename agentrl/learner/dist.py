@@ -117,15 +117,23 @@ def decoder_layers(model: Any) -> list[torch.nn.Module]:
     return list(layers)
 
 
-def load_model(model_path: str, ctx: Dist, *, precision: str = "auto", activation_checkpointing: bool = False
-               ) -> torch.nn.Module:
-    """fp32 model from a local folder or hub name; sharded with FSDP2 under torchrun."""
+def load_model(model_path: str, ctx: Dist, *, precision: str = "auto", activation_checkpointing: bool = False,
+               lora: Any = None, seed: int = 0) -> torch.nn.Module:
+    """fp32 model from a local folder or hub name; sharded with FSDP2 under torchrun. ``lora``
+    (a :class:`agentrl.learner.lora.LoraConfig` with rank > 0): LoRA adapters are injected first
+    and only they are trainable (the frozen base is sharded like the rest)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    disable_dropout(model)  # before the adapters: their own dropout is learn.lora.dropout
+    if lora is not None and lora.enabled:
+        from agentrl.learner.lora import add_adapters
+
+        model = add_adapters(model, lora, seed=seed)
+        if activation_checkpointing:
+            model.enable_input_require_grads()  # a frozen embedding would leave checkpointed layers without grads
     if activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    disable_dropout(model)
     model.train()
     bf16 = precision == "bf16" or (precision == "auto" and ctx.device.type == "cuda")
     if not ctx.distributed:
@@ -178,7 +186,8 @@ def tied_names(model: torch.nn.Module) -> set[str]:
     return {n for n, _ in model.named_parameters(remove_duplicate=False)} - unique
 
 
-def full_state_dict(model: torch.nn.Module, ctx: Dist, *, on_device: bool = False) -> dict[str, torch.Tensor]:
+def full_state_dict(model: torch.nn.Module, ctx: Dist, *, on_device: bool = False, trainable_only: bool = False
+                    ) -> dict[str, torch.Tensor]:
     """Unsharded weights on rank 0 (empty elsewhere); tied duplicates left out. Collective.
 
     In host memory by default (what the HTTP transport serialises). ``on_device``: on the
@@ -187,6 +196,8 @@ def full_state_dict(model: torch.nn.Module, ctx: Dist, *, on_device: bool = Fals
     rank 0 keeps the result, so the other ranks never hold more than one full tensor.
     """
     skip = tied_names(model)
+    if trainable_only:  # LoRA: the adapters alone, never the frozen base
+        skip |= {n for n, p in model.named_parameters() if not p.requires_grad}
     if not ctx.distributed:
         where = ctx.device if on_device else "cpu"
         return {k: v.detach().to(where) for k, v in model.state_dict().items() if k not in skip}
@@ -202,7 +213,8 @@ def full_state_dict(model: torch.nn.Module, ctx: Dist, *, on_device: bool = Fals
         return out
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True,
+                                                              ignore_frozen_params=trainable_only))
     return {k: v for k, v in sd.items() if k not in skip} if ctx.is_main else {}
 
 

@@ -74,7 +74,9 @@ def lr_factor(step: int, warmup_steps: int, decay_steps: int, min_ratio: float) 
 
 
 def build_state(cfg: LearnConfig, model: torch.nn.Module, ctx: Dist) -> TrainState:
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    # only what trains is in the optimizer (with LoRA: the adapters; the frozen base has no state)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr,
+                            weight_decay=cfg.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: lr_factor(s, cfg.warmup_steps, cfg.decay_steps, cfg.min_lr_ratio))
     config = getattr(model, "config", None)

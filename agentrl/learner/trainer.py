@@ -192,15 +192,23 @@ class Learner:
             serving = int(info.get("version", 0))
             log.info("loading %s (serve at policy version %d, %d process(es))", model_path, serving, ctx.world)
             model = load_model(model_path, ctx, precision=cfg.precision,
-                               activation_checkpointing=cfg.activation_checkpointing)
+                               activation_checkpointing=cfg.activation_checkpointing, lora=cfg.lora, seed=cfg.seed)
             state = build_state(cfg, model, ctx)
+            adapter_only = cfg.weights.transport.kind == "adapter"
 
             async def publish(version: int) -> dict[str, Any]:
-                """Gather the weights (collective) and have rank 0 publish them as ``version``."""
+                """Gather the weights (collective) and have rank 0 publish them as ``version``: with
+                LoRA, the adapter alone for the adapter transport, else the merged model."""
                 if not publishes:
                     return {}
-                full = await asyncio.to_thread(full_state_dict, model, ctx, on_device=weights_device != "cpu")
-                full = checkpoint_layout(model, full)  # the names the engines load (MoE experts one by one)
+                full = await asyncio.to_thread(full_state_dict, model, ctx, on_device=weights_device != "cpu",
+                                               trainable_only=adapter_only)
+                if cfg.lora.enabled and not adapter_only:
+                    from agentrl.learner.lora import merged_state
+
+                    full = merged_state(full, cfg.lora) if full else full
+                if not adapter_only:
+                    full = checkpoint_layout(model, full)  # the names the engines load (MoE experts one by one)
                 sync = await source.publish(full, version) if source is not None else {}
                 del full
                 return sync
@@ -332,7 +340,7 @@ class Learner:
                         w.write(state.step, flat)
                 progress.info(self._line(row))
             if cfg.export_dir:
-                await asyncio.to_thread(export_hf, model, ctx, model_path, cfg.export_dir)
+                await asyncio.to_thread(export_hf, model, ctx, model_path, cfg.export_dir, cfg.lora)
         finally:
             if source is not None:
                 await source.close()

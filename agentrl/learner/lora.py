@@ -1,0 +1,150 @@
+"""LoRA on the learner: adapters injected with peft, their weights as vLLM loads them, and merging.
+
+Role: ``learn.lora.rank > 0`` trains low-rank adapters on the base model's linear layers instead
+of every weight. :func:`add_adapters` injects them (peft's ``inject_adapter_in_model``, so the
+model keeps its own class and module names: FSDP2 shards it per decoder layer as it does a plain
+model) and freezes everything else; the optimizer then holds only adapter parameters
+(:func:`agentrl.learner.step.build_state` takes the trainable ones). Publishing sends either the
+adapter alone (:func:`adapter_state`, in peft's file layout, with :func:`adapter_config`: what
+vLLM's ``/v1/load_lora_adapter`` and ``peft.PeftModel.from_pretrained`` read) or, for a transport
+that moves full weights, the merged model (:func:`merged_state`, the base model's own names).
+
+Invariants:
+- The adapter's file names are peft's: ``base_model.model.<module>.lora_A.weight`` (the adapter
+  name ``default`` left out); its config names the same rank, alpha, target modules and dropout
+  as the learner trains with, so the engine computes ``W x + (alpha / r) B A x`` exactly as the
+  learner does.
+- Merging is ``W + (alpha / r) B A`` per adapted layer, in fp32; every other tensor is passed on
+  under the base model's name. The merged state has exactly the base model's keys.
+- Adapter dropout is a training-time setting; the learner's logprob passes (pi_old, the
+  recomputation) see it only when it is non-zero, which is why its default is 0 (docs/learner.md).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+ADAPTER = "default"  # peft's adapter name inside the learner's modules
+PREFIX = "base_model.model."  # peft's prefix of every key in a saved adapter
+ALL_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+@dataclass
+class LoraConfig:
+    """``learn.lora``: train low-rank adapters instead of every weight (rank 0: off)."""
+
+    rank: int = 0  # r of every adapter; 0: full fine-tuning (no adapters)
+    alpha: float = 16.0  # scale alpha / rank of the adapters' output
+    dropout: float = 0.0  # dropout on the adapters' input while training (0: the logprobs are the sampler's)
+    target_modules: list[str] = field(default_factory=lambda: list(ALL_LINEAR))
+    """Module names (the last part) that get an adapter; the default is every linear layer of a
+    Llama/Qwen/Mistral decoder block (vLLM serves adapters on those)."""
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+    def check(self) -> None:
+        from agentrl.errors import ConfigError
+
+        if self.rank < 0 or self.alpha <= 0 or not 0 <= self.dropout < 1:
+            raise ConfigError(f"learn.lora: rank must be >= 0, alpha > 0 and dropout in [0, 1); got rank "
+                              f"{self.rank}, alpha {self.alpha}, dropout {self.dropout}")
+        if self.enabled and not self.target_modules:
+            raise ConfigError("learn.lora.target_modules is empty: name the linear layers that get an adapter")
+
+
+def add_adapters(model: Any, cfg: LoraConfig, *, seed: int = 0) -> Any:
+    """Inject LoRA adapters into ``model`` in place and freeze every other parameter.
+
+    peft initialises A randomly (Kaiming) and B at zero, so the adapted model starts as the base
+    model, token for token. ``seed`` fixes A's initialisation (every rank draws the same)."""
+    import torch
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import inject_adapter_in_model
+
+    peft_cfg = PeftLoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout,
+                              target_modules=list(cfg.target_modules), bias="none")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = inject_adapter_in_model(peft_cfg, model, adapter_name=ADAPTER)
+    adapted = 0
+    for name, p in model.named_parameters():
+        p.requires_grad_(is_adapter_key(name))
+        adapted += p.requires_grad
+    if not adapted:
+        raise ValueError(f"learn.lora.target_modules {cfg.target_modules} matched no module of "
+                         f"{type(model).__name__}")
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in model.parameters())
+    log.info("LoRA rank %d, alpha %g on %s: %d trainable parameters of %d (%.2f%%)", cfg.rank, cfg.alpha,
+             ",".join(cfg.target_modules), trainable, total, 100.0 * trainable / total)
+    return model
+
+
+def is_adapter_key(name: str) -> bool:
+    return ".lora_A." in name or ".lora_B." in name or ".lora_embedding_" in name
+
+
+def adapter_state(state: dict[str, Any]) -> dict[str, Any]:
+    """The adapter tensors of a (learner) state dict, under peft's saved names."""
+    out = {}
+    for k, v in state.items():
+        if is_adapter_key(k):
+            out[PREFIX + k.replace(f".{ADAPTER}.", ".")] = v
+    return out
+
+
+def adapter_config(cfg: LoraConfig, base_model: str = "") -> dict[str, Any]:
+    """``adapter_config.json`` for ``cfg``: what peft and vLLM read beside the adapter's tensors."""
+    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": cfg.rank, "lora_alpha": cfg.alpha,
+            "lora_dropout": cfg.dropout, "target_modules": sorted(cfg.target_modules), "bias": "none",
+            "fan_in_fan_out": False, "use_rslora": False, "use_dora": False, "modules_to_save": None,
+            "inference_mode": True, "base_model_name_or_path": base_model}
+
+
+def merged_state(state: dict[str, Any], cfg: LoraConfig) -> dict[str, Any]:
+    """``state`` (the learner's, with adapters) as the base model's state with each adapter
+    merged in: ``W + (alpha / r) B A`` under ``W``'s own name."""
+    import torch
+
+    out: dict[str, Any] = {}
+    lora: dict[str, dict[str, Any]] = {}
+    for k, v in state.items():
+        if is_adapter_key(k):
+            module, kind = k.split(".lora_")[0], k.split(".lora_")[1][0]  # "A" or "B"
+            lora.setdefault(module, {})[kind] = v
+        else:
+            out[k.replace(".base_layer.", ".")] = v
+    for module, ab in lora.items():
+        key = f"{module}.weight"
+        if key not in out or set(ab) != {"A", "B"}:
+            raise ValueError(f"adapter of {module} does not fit the state (has {sorted(ab)}; base weight "
+                             f"{'found' if key in out else 'missing'})")
+        base = out[key]
+        delta = (ab["B"].to(torch.float32) @ ab["A"].to(torch.float32)) * cfg.scale
+        out[key] = (base.to(torch.float32) + delta.to(base.device)).to(base.dtype)
+    return out
+
+
+def save_adapter(state: dict[str, Any], cfg: LoraConfig, out: str | Path, base_model: str = "") -> Path:
+    """Write the adapter of ``state`` as a peft folder (``adapter_config.json`` and
+    ``adapter_model.safetensors``), which ``PeftModel.from_pretrained`` and vLLM load."""
+    from safetensors.torch import save_file
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = {k: v.detach().to("cpu").contiguous() for k, v in adapter_state(state).items()}
+    save_file(tensors, str(out / "adapter_model.safetensors"))
+    (out / "adapter_config.json").write_text(json.dumps(adapter_config(cfg, base_model), indent=2))
+    return out
