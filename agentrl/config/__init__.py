@@ -52,6 +52,7 @@ class RunConfig:
     def check(self) -> None:
         if self.restarts < -1:
             raise ConfigError("restarts must be -1 (no limit) or more")
+        self.wire_lora()
         self.serve.check()
         self.learn.check()
         if self.eval.tasks < 0 or self.eval.concurrency < 1:
@@ -64,6 +65,20 @@ class RunConfig:
         if lc.max_staleness not in (-1, b.max_staleness):
             raise ConfigError(f"learn.max_staleness ({lc.max_staleness}) differs from serve.buffer.max_staleness "
                               f"({b.max_staleness}); agentrl run shares the buffer's: set serve.buffer.max_staleness")
+
+
+    def wire_lora(self) -> None:
+        """LoRA (learn.lora.rank > 0): serve's engines take adapters of that rank, and the learner
+        sends the adapter alone (unless weights.transport names another kind than the default)."""
+        lora, engine = self.learn.lora, self.serve.engine
+        if not lora.enabled:
+            return
+        engine.lora_rank = max(engine.lora_rank, lora.rank)
+        engine.max_loras = max(engine.max_loras, self.serve.buffer.max_staleness + 1)
+        if self.learn.weights.transport.kind == "http":
+            from agentrl.weights.config import AdapterTransportConfig
+
+            self.learn.weights.transport = AdapterTransportConfig()
 
 
 def load(cls: type, path: str | Path | None = None, overrides: list[str] | None = None) -> Any:

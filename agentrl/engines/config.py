@@ -36,6 +36,12 @@ class EngineOptions:
     """The most top logprobs a request may ask for (vLLM's --max-logprobs). The router reads each
     truncated training call's kept set from top_k + 1 processed top logprobs: keep it above
     router.max_kept_tokens."""
+    lora_rank: int = 0
+    """LoRA policies (learn.lora): the largest adapter rank the engines take (vLLM's --max-lora-rank,
+    one of 8, 16, 32, 64, ...); 0: LoRA off. ``agentrl run`` sets it from learn.lora.rank."""
+    max_loras: int = 4
+    """With LoRA: adapter versions an engine holds and batches together at once (vLLM's
+    --max-loras); serve keeps the buffer's max_staleness + 1 loaded, so this must be at least that."""
     extra_args: list[str] = field(default_factory=list)  # more vLLM command-line flags, passed as they are
     start_timeout_s: float = 600.0  # give up on an engine that is not healthy by then
 

@@ -107,6 +107,9 @@ async def wait_ports_free(specs: list[EngineSpec], timeout_s: float) -> None:
         await asyncio.sleep(0.5)
 
 
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the --max-lora-rank values vLLM 0.32 accepts
+
+
 @dataclass(kw_only=True)
 class EngineSpec(EngineOptions):
     """How to launch one vLLM engine: what it serves and where, plus the run's engine options."""
@@ -136,6 +139,11 @@ class EngineSpec(EngineOptions):
         ]
         if self.enforce_eager:
             cmd.append("--enforce-eager")
+        if self.lora_rank > 0:  # each policy version its own adapter; a little room in the CPU cache
+            rank = next(r for r in LORA_RANKS if r >= self.lora_rank) if self.lora_rank <= LORA_RANKS[-1] \
+                else self.lora_rank
+            cmd += ["--enable-lora", "--max-lora-rank", str(rank), "--max-loras", str(self.max_loras),
+                    "--max-cpu-loras", str(self.max_loras + 2)]
         if self.api_key:  # the key itself travels in the environment, never on the command line
             cmd += ["--middleware", "agentrl.engines.guard.EngineGuard"]
         return cmd + list(self.extra_args)
@@ -143,6 +151,8 @@ class EngineSpec(EngineOptions):
     def environment(self, cache_root: Path) -> dict[str, str]:
         env = dict(os.environ)
         env.update(VLLM_SERVER_DEV_MODE="1", VLLM_CACHE_ROOT=str(cache_root))
+        if self.lora_rank > 0:  # the load/unload routes serve adds adapter versions through
+            env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "true"
         if not self.gpu:
             env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(self.kv_cache_gb))))
             cores = f"0-{(os.cpu_count() or 1) - 1}" if self.cpu_cores == "all" else self.cpu_cores

@@ -56,7 +56,8 @@ class ServeSource:
         self.token = self._token()
         self.http = ServeClient(cfg.serve, self.token, timeout_s=60.0)
         self.client = BufferClient(cfg.serve, client=self.http)
-        self.transport = make_transport(cfg.weights.transport, cfg.serve, self.token)
+        self.transport = make_transport(cfg.weights.transport, cfg.serve, self.token, lora=cfg.lora,
+                                        base_model=cfg.model)
         # the batch size and staleness bound: the learner's own, or (0 / -1) serve's buffer's (info)
         self.batch_size = cfg.batch_size or None
         self.max_staleness = cfg.max_staleness if cfg.max_staleness >= 0 else None

@@ -102,6 +102,7 @@ class Prepared:
     messages: list[dict[str, Any]] | None = None  # normalised request messages (a session's chat call)
     sampling: dict[str, float] = field(default_factory=dict)  # the settings the engine applies (recorded)
     capture: Capture | None = None  # how a recorded truncated call's kept sets are read
+    adapter_version: int | None = None  # the LoRA policy version the call samples from (None: the engine's weights)
 
 
 class Router:
@@ -403,6 +404,9 @@ class Router:
         vocabulary is truncated, ask for what reading each token's kept set needs."""
         sp = prep.gen_req["sampling_params"]
         prep.sampling = applied(sp)
+        adapter = prep.engine.adapter()
+        if adapter is not None:  # a LoRA policy: the newest version this engine holds, for the whole call
+            prep.gen_req["model"], prep.adapter_version = adapter
         if prep.session is None:
             return
         if self.experts is not None:  # its routing is fetched by this id once it is done
@@ -463,7 +467,8 @@ class Router:
             lps = [c["logprob"] for c in entries]
             message = oc.get("message") if chat else {"role": "assistant", "content": oc.get("text")}
             comps.append(self.completion_entry(engine, ids, lps, ch.get("weight_versions"),
-                                               ch.get("finish_reason"), ch.get("stop_reason"), message, ks, routing))
+                                               ch.get("finish_reason"), ch.get("stop_reason"), message, ks, routing,
+                                               adapter_version=prep.adapter_version))
             if chat:
                 oc["finish_reason"] = tool_finish_reason(prep.body, message, oc.get("finish_reason"))
             if own_logprobs:
@@ -502,14 +507,19 @@ class Router:
     def completion_entry(self, engine: Engine, ids: list[int], lps: list[float],
                          weight_versions: list[dict[str, Any]] | None, finish_reason: str | None,
                          stop_reason: Any, message: dict[str, Any], kept: list[list[int]] | None = None,
-                         routing: dict[str, Any] | None = None) -> Completion:
-        """One choice as captured: exact ids, behaviour logprobs, per-token versions, kept sets, routed experts."""
+                         routing: dict[str, Any] | None = None, *, adapter_version: int | None = None
+                         ) -> Completion:
+        """One choice as captured: exact ids, behaviour logprobs, per-token versions, kept sets, routed
+        experts. A call on a LoRA adapter (``adapter_version``) is that version's throughout: an
+        adapter never changes under a request (a new version is a new adapter)."""
         if len(lps) != len(ids) or (kept is not None and len(kept) != len(ids)):
             raise EngineError(f"engine {engine.name} returned {len(lps)} logprobs "
                               f"({'-' if kept is None else len(kept)} kept sets) for {len(ids)} tokens")
         if finish_reason == "stop" and stop_reason is None and ids:
             self.eos_token_ids.add(ids[-1])
-        return Completion(ids, lps, token_versions(weight_versions, len(ids)), finish_reason, message, kept, routing)
+        versions = [adapter_version] * len(ids) if adapter_version is not None \
+            else token_versions(weight_versions, len(ids))
+        return Completion(ids, lps, versions, finish_reason, message, kept, routing)
 
     def record(self, prep: Prepared, comps: list[Completion]) -> CallRecord | None:
         """Count the call's tokens and, in a session, write its record (as the call completes)."""

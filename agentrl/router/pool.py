@@ -40,11 +40,29 @@ class Engine:
     failed_checks: int = 0  # consecutive failed health checks
     last_error: str = ""
     sessions: set[str] = field(default_factory=set)
+    # LoRA policies (agentrl.weights.adapters): the adapter versions this engine has loaded, each
+    # under its own name; a request goes to the newest, and all its tokens are that version's
+    adapters: dict[int, str] = field(default_factory=dict)  # version -> the folder it was loaded from
 
     def status(self) -> dict[str, Any]:
-        return {"url": self.url, "name": self.name, "healthy": self.healthy, "outstanding": self.outstanding,
-                "version": self.version, "served": self.served, "failures": self.failures,
-                "last_error": self.last_error}
+        out = {"url": self.url, "name": self.name, "healthy": self.healthy, "outstanding": self.outstanding,
+               "version": self.version, "served": self.served, "failures": self.failures,
+               "last_error": self.last_error}
+        if self.adapters:
+            out["adapters"] = sorted(self.adapters)
+        return out
+
+    def adapter(self) -> tuple[str, int] | None:
+        """The newest adapter this engine has loaded, as (its name, its version); None: the base weights."""
+        if not self.adapters:
+            return None
+        version = max(self.adapters)
+        return adapter_name(version), version
+
+
+def adapter_name(version: int) -> str:
+    """The name an engine holds policy version ``version``'s LoRA adapter under."""
+    return f"policy-v{version}"
 
 
 def parse_version(v: Any) -> int:

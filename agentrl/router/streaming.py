@@ -229,7 +229,7 @@ class Stream:
             message = c.message() if prep.kind == "chat" else {"role": "assistant", "content": "".join(c.content)}
             comps.append(router.completion_entry(prep.engine, ids, lps, c.weight_versions,
                                                  c.finish_reason or "abort", c.stop_reason, message, kept,
-                                                 routings[i]))
+                                                 routings[i], adapter_version=prep.adapter_version))
         rec = router.record(prep, comps)
         self.record_index = rec.index if rec else None
 

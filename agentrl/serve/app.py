@@ -135,6 +135,8 @@ class Serve:
         self.pool = build.build_pool(cfg, urls, self.engine_key)
         await self.pool.start()
         self.updater = EngineUpdater(self.pool)  # brings engines to a version; rejoins through pool.on_rejoin
+        # LoRA policies: the versions a sample may still be drawn from stay loaded as adapters
+        self.updater.adapter_keep = cfg.buffer.max_staleness + 1
         await self.updater.start()  # stamps the engines with the pool's version
         if self.local is not None:  # a dead engine is relaunched and rejoins at the current version
             self.local.supervise(self.pool, build.restart_policy(cfg))

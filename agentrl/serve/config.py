@@ -80,6 +80,12 @@ class ServeConfig:
                               f"env.group_size ({self.env.group_size}) so batches hold whole groups")
         if self.env.max_tokens >= self.engine.max_model_len:
             raise ConfigError("env.max_tokens must be smaller than engine.max_model_len")
+        if self.engine.lora_rank < 0:
+            raise ConfigError("engine.lora_rank must be 0 (LoRA off) or more")
+        if self.engine.lora_rank and self.engine.max_loras < self.buffer.max_staleness + 1:
+            raise ConfigError(f"engine.max_loras ({self.engine.max_loras}) must be at least buffer.max_staleness + 1 "
+                              f"({self.buffer.max_staleness + 1}): every version a sample may still come from stays "
+                              "loaded as an adapter")
         self.check_sampling()
         self.scoring.check()
         if getattr(self.scaffold, "agent", None) == "" or getattr(self.scaffold, "command", None) == "":

@@ -4,6 +4,7 @@
 - :mod:`agentrl.weights.transports`: the learner's side, ``WeightTransport`` and ``make_transport``;
 - :mod:`agentrl.weights.transfer`: the HTTP/file upload and serve's ``WeightReceiver`` routes;
 - :mod:`agentrl.weights.nccl`: the NCCL broadcast (learner side);
+- :mod:`agentrl.weights.adapters`: LoRA adapters packed for the upload and unpacked for vLLM;
 - :mod:`agentrl.weights.updates`: serve's ``EngineUpdater``, the choreography on the engines;
 - :mod:`agentrl.weights.vllm_ext`: the vLLM worker extension the engines run;
 - :mod:`agentrl.weights.errors`: ``WeightSyncError`` and its family.
@@ -18,7 +19,13 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from agentrl.weights.config import HttpTransportConfig, NcclTransportConfig, TransportConfig, WeightsConfig
+from agentrl.weights.config import (
+    AdapterTransportConfig,
+    HttpTransportConfig,
+    NcclTransportConfig,
+    TransportConfig,
+    WeightsConfig,
+)
 from agentrl.weights.errors import (
     EnginesFailed,
     WeightGroupStale,
@@ -29,6 +36,7 @@ from agentrl.weights.errors import (
 
 _LAZY = {
     "EngineUpdater": "agentrl.weights.updates",
+    "AdapterTransport": "agentrl.weights.transports",
     "HttpTransport": "agentrl.weights.transports",
     "NcclTransport": "agentrl.weights.transports",
     "WeightTransport": "agentrl.weights.transports",
@@ -38,7 +46,7 @@ _LAZY = {
     "serialize_state_dict": "agentrl.weights.transfer",
 }
 
-__all__ = ["EngineUpdater", "EnginesFailed", "HttpTransport", "HttpTransportConfig", "NcclTransport",
+__all__ = ["AdapterTransport", "AdapterTransportConfig", "EngineUpdater", "EnginesFailed", "HttpTransport", "HttpTransportConfig", "NcclTransport",
            "NcclTransportConfig", "TransportConfig", "WeightGroupStale", "WeightReceiver", "WeightSyncError",
            "WeightTransferError", "WeightTransport", "WeightUpdateFailed", "WeightsConfig", "make_transport",
            "publish", "serialize_state_dict"]

@@ -42,13 +42,28 @@ class NcclTransportConfig:
     timeout_s: float = 600.0  # limit per call to serve (forming the group; one version's receive)
 
 
-TransportConfig = HttpTransportConfig | NcclTransportConfig  # the variants, told apart by ``kind``
-TRANSPORT_KINDS: tuple[str, ...] = ("http", "nccl")
+@dataclass
+class AdapterTransportConfig:
+    """LoRA (``learn.lora.rank > 0``): only the adapter travels, over the same checksummed chunked
+    upload as full weights; every engine loads it as its own adapter (``policy-v<N>``) beside the
+    versions before it, with no pause, and new requests go to the newest. serve's engines need
+    LoRA on (``engine.lora_rank`` >= the adapter's rank; ``agentrl run`` sets it)."""
+
+    kind: Literal["adapter"] = "adapter"
+    chunk_bytes: int = 16 * 2**20  # bytes per chunk (an adapter is usually one chunk)
+    attempts: int = 3  # tries of one version's upload (connection errors, 5xx, 409); a 4xx is not retried
+    timeout_s: float = 600.0  # limit per chunk request and for the commit (which waits for the engines)
+
+
+TransportConfig = HttpTransportConfig | NcclTransportConfig | AdapterTransportConfig  # told apart by ``kind``
+TRANSPORT_KINDS: tuple[str, ...] = ("http", "nccl", "adapter")
 
 
 @dataclass
 class WeightsConfig:
     """Weight sync from the learner to serve's engines."""
 
-    transport: HttpTransportConfig | NcclTransportConfig = field(default_factory=HttpTransportConfig)
-    """How a version travels to the engines: kind = "http" (the default) or "nccl", each with its own settings."""
+    transport: HttpTransportConfig | NcclTransportConfig | AdapterTransportConfig = field(
+        default_factory=HttpTransportConfig)
+    """How a version travels to the engines: kind = "http" (the default), "nccl" or "adapter" (LoRA),
+    each with its own settings."""

@@ -29,6 +29,7 @@ from typing import Any
 
 from aiohttp import web
 
+from agentrl.weights.adapters import ADAPTER_FILE  # a LoRA version's folder holds it and its config
 from agentrl.weights.errors import EnginesFailed, WeightGroupStale, WeightTransferError, WeightUpdateFailed
 
 log = logging.getLogger(__name__)
@@ -97,8 +98,12 @@ class WeightReceiver:
         if total is not None:  # an accepted chunk fixes the version's size
             self._declared[version] = total
 
-    async def commit(self, version: int, sha: str, chunks: int, size: int) -> dict[str, Any]:
-        """Load the staged version once all ``chunks`` arrived and their digests, in order, hash to ``sha``."""
+    async def commit(self, version: int, sha: str, chunks: int, size: int, kind: str = "full") -> dict[str, Any]:
+        """Load the staged version once all ``chunks`` arrived and their digests, in order, hash to
+        ``sha``. ``kind``: "full" (the model's weights, reloaded into the engines) or "adapter" (a
+        LoRA adapter with its config in the file's metadata, loaded beside the versions before it)."""
+        if kind not in ("full", "adapter"):
+            raise web.HTTPBadRequest(reason=f"version {version}: kind {kind!r} is not 'full' or 'adapter'")
         staged = self._staging.get(version, {})
         if not 0 <= size <= self.max_bytes or chunks < 1:
             raise web.HTTPBadRequest(reason=f"version {version}: a commit of {chunks} chunks and {size} bytes")
@@ -127,10 +132,23 @@ class WeightReceiver:
             target = self.root / f"v{version}"
             shutil.rmtree(target, ignore_errors=True)
             target.mkdir(parents=True)
-            path.rename(target / "model.safetensors")
+            if kind == "adapter":
+                from agentrl.weights.adapters import unpack_adapter
+
+                try:
+                    await asyncio.to_thread(unpack_adapter, path, target)
+                except ValueError as e:
+                    shutil.rmtree(target, ignore_errors=True)
+                    path.unlink(missing_ok=True)
+                    raise web.HTTPBadRequest(reason=f"version {version}: {e}") from None
+            else:
+                path.rename(target / "model.safetensors")
             t0 = time.perf_counter()
             try:
-                result = await self.updater.update_weights(str(target), version)
+                if kind == "adapter":
+                    result = await self.updater.load_adapter(str(target), version)
+                else:
+                    result = await self.updater.update_weights(str(target), version)
             except WeightUpdateFailed:
                 shutil.rmtree(target, ignore_errors=True)  # no engine serves it: never a join target
                 raise
@@ -153,7 +171,7 @@ class WeightReceiver:
                 v = int(p.name[1:])
             except ValueError:
                 continue
-            if (p / LOADED).exists() and (p / "model.safetensors").exists():
+            if (p / LOADED).exists() and any((p / f).exists() for f in ("model.safetensors", ADAPTER_FILE)):
                 found.append((v, p))
         return max(found) if found else None
 
@@ -162,19 +180,27 @@ class WeightReceiver:
         they take traffic, so a restarted serve carries on at the learner's version."""
         async with self._lock:
             t0 = time.perf_counter()
-            result = await self.updater.update_weights(str(path), version)
+            if (path / ADAPTER_FILE).exists():
+                result = await self.updater.load_adapter(str(path), version)
+            else:
+                result = await self.updater.update_weights(str(path), version)
             result["sync_s"] = time.perf_counter() - t0
             self.last = result
             log.info("restored policy version %d from %s in %.2f s", version, path, result["sync_s"])
             return result
 
     def _prune(self, version: int) -> None:
+        keep = self.keep
+        if getattr(self.updater, "adapters", None):
+            # an adapter a request is still finishing on may be read again (an engine that dropped
+            # it from its cache reloads it from its folder): twice the loaded window stays on disk
+            keep = max(keep, 2 * self.updater.adapter_keep)
         for p in self.root.glob("v*"):
             try:
                 v = int(p.name[1:].split(".")[0])
             except ValueError:
                 continue
-            if p.is_dir() and v <= version - self.keep:
+            if p.is_dir() and v <= version - keep:
                 shutil.rmtree(p, ignore_errors=True)
             elif p.suffix == ".staging" and v <= version:  # an upload that was never committed
                 self._staging.pop(v, None)
@@ -231,10 +257,11 @@ class WeightReceiver:
             body = await json_object(request)
             try:
                 sha, chunks, size = str(body["chunks_sha256"]), int(body["chunks"]), int(body["bytes"])
+                kind = str(body.get("kind", "full"))
             except (KeyError, TypeError, ValueError):
                 raise web.HTTPBadRequest(reason="a commit needs chunks_sha256, chunks and bytes") from None
             try:
-                result = await self.commit(version, sha, chunks, size)
+                result = await self.commit(version, sha, chunks, size, kind)
             except WeightUpdateFailed as e:
                 return _sync_error(e)
             return web.json_response(result)
@@ -347,7 +374,7 @@ def serialize_state_dict(state: dict[str, Any]) -> bytes:
 
 async def publish(data: bytes, version: int, serve_url: str, admin_token: str, *,
                   timeout_s: float = 600.0, attempts: int = 3, chunk_bytes: int = CHUNK_BYTES,
-                  parallel: int = PARALLEL_CHUNKS) -> dict[str, Any]:
+                  parallel: int = PARALLEL_CHUNKS, kind: str = "full") -> dict[str, Any]:
     """Send serialised weights to serve as ``version`` and wait until engines serve them.
 
     Each chunk and the commit go through serve's one client (:class:`~agentrl.client.ServeClient`:
@@ -362,7 +389,7 @@ async def publish(data: bytes, version: int, serve_url: str, admin_token: str, *
     chunks = [view[o : o + chunk_bytes] for o in offsets]
     # off the loop: the learner's loop serves other work
     chunk_shas = await asyncio.to_thread(lambda: [_sha256(c) for c in chunks])
-    commit = {"chunks_sha256": _digest_of(chunk_shas), "chunks": len(chunks), "bytes": len(data)}
+    commit = {"chunks_sha256": _digest_of(chunk_shas), "chunks": len(chunks), "bytes": len(data), "kind": kind}
     last_error: Exception | None = None
     async with ServeClient(serve_url, admin_token, timeout_s=timeout_s, retries=2, backoff_s=0.5) as http:
         slots = asyncio.Semaphore(max(1, parallel))

@@ -38,7 +38,12 @@ from typing import Any, Literal, Protocol
 from urllib.parse import urlsplit
 
 from agentrl.errors import ConfigError
-from agentrl.weights.config import TRANSPORT_KINDS, HttpTransportConfig, NcclTransportConfig
+from agentrl.weights.config import (
+    TRANSPORT_KINDS,
+    AdapterTransportConfig,
+    HttpTransportConfig,
+    NcclTransportConfig,
+)
 
 log = logging.getLogger(__name__)
 
@@ -118,18 +123,63 @@ class NcclTransport:
             self.sender.close()
 
 
-TRANSPORTS: dict[str, Callable[[Any, str, str], WeightTransport]] = {
+class AdapterTransport:
+    """A LoRA policy's adapter alone (gathered on the CPU: a few MB), as one upload of kind "adapter".
+
+    ``publish`` gets the learner's trainable state (the adapter tensors under the learner's module
+    names); they travel under peft's names with the adapter's config, which ``lora`` (the learner's
+    :class:`agentrl.learner.lora.LoraConfig`) gives."""
+
+    device: Literal["cpu", "cuda"] = "cpu"
+
+    def __init__(self, cfg: AdapterTransportConfig, serve_url: str, admin_token: str, lora: Any = None,
+                 base_model: str = "") -> None:
+        self.cfg = cfg
+        self.serve_url = serve_url.rstrip("/")
+        self.admin_token = admin_token
+        self.lora = lora
+        self.base_model = base_model
+        self.last_bytes = 0  # the size of the last version sent (what the learner reports)
+
+    async def publish(self, state: Mapping[str, Any], version: int) -> dict[str, Any]:
+        from agentrl.learner.lora import adapter_config, adapter_state
+        from agentrl.weights.adapters import pack_adapter
+        from agentrl.weights.transfer import publish
+
+        if self.lora is None or not self.lora.enabled:
+            raise ConfigError("weights.transport.kind = \"adapter\" needs learn.lora.rank > 0")
+        tensors = adapter_state(dict(state))
+        if not tensors:
+            raise ValueError("the adapter transport was given no adapter tensors (is the model a LoRA one?)")
+        data = await asyncio.to_thread(pack_adapter, tensors, adapter_config(self.lora, self.base_model))
+        self.last_bytes = len(data)
+        c = self.cfg
+        result = await publish(data, version, self.serve_url, self.admin_token, timeout_s=c.timeout_s,
+                               attempts=c.attempts, chunk_bytes=c.chunk_bytes, parallel=1, kind="adapter")
+        result.setdefault("bytes", len(data))
+        return result
+
+    async def close(self) -> None:
+        pass
+
+
+TRANSPORTS: dict[str, Callable[..., WeightTransport]] = {
     "http": HttpTransport,
     "nccl": NcclTransport,
+    "adapter": AdapterTransport,
 }
 
 
-def make_transport(cfg: HttpTransportConfig | NcclTransportConfig, serve_url: str, admin_token: str) -> WeightTransport:
-    """The learner's transport for ``weights.transport`` (``cfg``), publishing to serve at ``serve_url``."""
+def make_transport(cfg: HttpTransportConfig | NcclTransportConfig | AdapterTransportConfig, serve_url: str,
+                   admin_token: str, *, lora: Any = None, base_model: str = "") -> WeightTransport:
+    """The learner's transport for ``weights.transport`` (``cfg``), publishing to serve at ``serve_url``;
+    ``lora`` / ``base_model``: what the adapter transport describes its adapters with."""
     kind = getattr(cfg, "kind", None)
     build = TRANSPORTS.get(kind)  # type: ignore[arg-type]
     if build is None:
         raise ConfigError(f"weights.transport.kind: {kind!r} is not one of {list(TRANSPORT_KINDS)}")
+    if kind == "adapter":
+        return build(cfg, serve_url, admin_token, lora, base_model)
     return build(cfg, serve_url, admin_token)
 
 

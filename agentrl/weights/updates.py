@@ -62,6 +62,7 @@ class EngineUpdater:
     step_timeouts_s: dict[str, float] = {  # noqa: RUF012 - replaced, never mutated in place
         "stage": 60.0, "pause": 30.0, "reload": 300.0, "reset": 30.0, "version": 30.0, "resume": 10.0,
         "nccl_init": 120.0, "nccl_start": 30.0, "nccl_transfer": 300.0, "nccl_finish": 60.0, "update": 600.0,
+        "adapter_load": 120.0, "adapter_unload": 30.0,
     }
     resume_attempts: int = 3
 
@@ -75,6 +76,10 @@ class EngineUpdater:
         # (vLLM's reload leaves the old one); None until the first engine says whether it has it.
         self.retie_supported: bool | None = None
         self.nccl_members: tuple[str, ...] = ()  # engine names in the NCCL weight-transfer group, in rank order
+        # LoRA policies: version -> adapter folder of the versions that stay loaded (newest last),
+        # and how many do (the buffer's staleness bound + 1: a request finishes on the adapter it began on)
+        self.adapters: dict[int, str] = {}
+        self.adapter_keep = 2
         self._lock = asyncio.Lock()
         pool.on_rejoin = self.rejoin
 
@@ -370,6 +375,75 @@ class EngineUpdater:
             finally:
                 self.updating = False
 
+    # -- LoRA adapters ---------------------------------------------------------------------------
+    async def _load_adapter_into(self, engine: Engine, version: int, path: str) -> float:
+        """Load one adapter version into ``engine`` under its own name (no pause: requests on other
+        versions go on, and a request is only ever sent to an adapter that is loaded)."""
+        from agentrl.router.pool import adapter_name
+
+        t0 = time.perf_counter()
+        await self._step(engine, "adapter_load", "/v1/load_lora_adapter",
+                         {"lora_name": adapter_name(version), "lora_path": path})
+        engine.adapters[version] = path
+        engine.version = max(engine.adapters)
+        return time.perf_counter() - t0
+
+    async def _unload_old_adapters(self, engine: Engine) -> list[int]:
+        """Unload the adapters of ``engine`` outside the kept window. vLLM's unload only stops new
+        requests from naming it; requests under way finish on it."""
+        from agentrl.router.pool import adapter_name
+
+        gone = [v for v in engine.adapters if v not in self.adapters]
+        for v in gone:
+            try:
+                await self._step(engine, "adapter_unload", "/v1/unload_lora_adapter", {"lora_name": adapter_name(v)})
+            except EngineError as e:
+                log.warning("%s: unloading adapter %s failed (%s); it stays until the engine restarts",
+                            engine.name, adapter_name(v), e)
+            engine.adapters.pop(v, None)
+        return gone
+
+    async def load_adapter(self, path: str, version: int, timeout_s: float | None = None) -> dict[str, Any]:
+        """Load LoRA adapter ``path`` into every healthy engine as policy ``version``: new requests
+        go to it as soon as an engine has it, requests under way finish on theirs, and versions
+        older than the newest ``adapter_keep`` are unloaded. Fails like :meth:`update_weights`."""
+        limit = timeout_s or self.step_timeouts_s["update"]
+        async with self._lock:
+            self.updating = True
+            try:
+                targets = [e for e in self.pool.engines if e.healthy]
+                if not targets:
+                    raise WeightUpdateFailed(version, {e.name: {"error": e.last_error or "unhealthy", "url": e.url}
+                                                       for e in self.pool.engines})
+                t0 = time.perf_counter()
+                results = await asyncio.gather(*(asyncio.wait_for(self._load_adapter_into(e, version, path), limit)
+                                                 for e in targets), return_exceptions=True)
+                per_engine: dict[str, Any] = {}
+                failed = []
+                for e, res in zip(targets, results, strict=True):
+                    if isinstance(res, BaseException):
+                        why = str(res) if isinstance(res, EngineError) else f"{type(res).__name__}: {res}"
+                        self.pool.mark_down(e, f"loading adapter version {version} failed: {why}")
+                        e.last_error = why
+                        per_engine[e.name] = {"error": why, "url": e.url}
+                        failed.append(e.name)
+                    else:
+                        per_engine[e.name] = {"adapter_load_s": res}
+                if len(failed) == len(targets):
+                    raise WeightUpdateFailed(version, per_engine)
+                self.adapters[version] = path
+                for v in sorted(self.adapters)[:-self.adapter_keep]:
+                    del self.adapters[v]
+                self.pool.version = version
+                self.weights_path = path
+                for e in targets:
+                    if e.name not in failed:
+                        per_engine[e.name]["unloaded"] = await self._unload_old_adapters(e)
+                return {"version": version, "kind": "adapter", "engines": per_engine, "failed": failed,
+                        "update_s": time.perf_counter() - t0, "loaded": sorted(self.adapters)}
+            finally:
+                self.updating = False
+
     # -- an engine that was out ------------------------------------------------------------------
     async def rejoin(self, engine: Engine) -> bool:
         """The pool's ``on_rejoin`` hook: bring an engine that answers again to the current version.
@@ -384,7 +458,12 @@ class EngineUpdater:
             # The process may have restarted with its base weights, whatever version it last
             # reported: reload the current weights before it takes traffic.
             try:
-                if self.weights_path:
+                if self.adapters:  # a LoRA policy: every kept adapter, so the engine serves the current one
+                    engine.adapters.clear()
+                    for v, path in sorted(self.adapters.items()):
+                        await self._load_adapter_into(engine, v, path)
+                    await self._set_version(engine, version)
+                elif self.weights_path:
                     await self._update_one(engine, self.weights_path, version)
                 elif version == 0:
                     await self._set_version(engine, version)

