@@ -40,11 +40,13 @@ def test_every_example_config_parses(path: Path) -> None:
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.relative_to(ROOT).as_posix())
 def test_every_example_names_a_registered_environment(path: Path) -> None:
     from agentrl.env import registered
+    from agentrl.env.registry import lookup
 
     cfg = C.load(config_class_for(path), path)
     serve = cfg.serve if isinstance(cfg, C.RunConfig) else cfg
     if isinstance(serve, C.ServeConfig):
-        assert serve.env.name in registered()
+        # a registered name, or an ecosystem's prefix:name (agentrl.env.adapters) that resolves
+        assert serve.env.name in registered() or (":" in serve.env.name and lookup(serve.env.name) is not None)
 
 
 def test_the_two_machine_pair_agrees_on_batch_size_and_staleness() -> None:

@@ -210,6 +210,9 @@ def test_lora_config_is_checked_and_agentrl_run_wires_the_engines_and_the_transp
     serve.engine.lora_rank, serve.engine.max_loras, serve.buffer.max_staleness = 8, 2, 4
     with pytest.raises(ConfigError, match="max_loras"):
         serve.check()
+    serve.engine.max_loras, serve.scoring.teacher.lag = 5, 2
+    with pytest.raises(ConfigError, match="self-distillation"):
+        serve.check()
 
 
 def test_engines_with_lora_on_are_launched_with_room_for_the_kept_versions() -> None:

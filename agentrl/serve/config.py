@@ -82,6 +82,10 @@ class ServeConfig:
             raise ConfigError("env.max_tokens must be smaller than engine.max_model_len")
         if self.engine.lora_rank < 0:
             raise ConfigError("engine.lora_rank must be 0 (LoRA off) or more")
+        if self.engine.lora_rank and self.scoring.teacher.lag:
+            raise ConfigError("scoring.teacher.lag (self-distillation) with LoRA policies (engine.lora_rank > 0) is not "
+                              "supported yet: the teacher engine loads full weights; train without LoRA, or use a "
+                              "separate teacher (scoring.teacher.url)")
         if self.engine.lora_rank and self.engine.max_loras < self.buffer.max_staleness + 1:
             raise ConfigError(f"engine.max_loras ({self.engine.max_loras}) must be at least buffer.max_staleness + 1 "
                               f"({self.buffer.max_staleness + 1}): every version a sample may still come from stays "

@@ -10,6 +10,9 @@ is ``LearnConfig.weights.transport`` (:mod:`agentrl.weights.config`), built by
   reload it. The weights are gathered in host memory.
 - :class:`NcclTransport` (``kind = "nccl"``): a broadcast from the learner's GPU to every engine
   worker (:class:`agentrl.weights.nccl.NCCLWeightSender`). The weights are gathered on the GPU.
+- :class:`AdapterTransport` (``kind = "adapter"``, LoRA): the adapter alone, over the same upload
+  as HTTP; serve loads each version as its own vLLM adapter (:mod:`agentrl.weights.adapters`).
+  The learner gathers only its trainable tensors for it.
 
 Invariants:
 - ``publish`` returns serve's result once the engines serve ``version`` (some may be named in
@@ -23,9 +26,9 @@ Invariants:
   needs (CUDA, vLLM's CUDA build) is checked on first use and named in the error.
 
 Room to grow: the interface says "here is version ``v`` of the policy", not "send a whole state
-dict over HTTP". A delta transport keeps the state it last published and sends what changed; an
-adapter transport picks out the LoRA weights and has serve hot-load them. Each is a config
-dataclass in :mod:`agentrl.weights.config`, a class here and an entry in :data:`TRANSPORTS`.
+dict over HTTP". A delta transport keeps the state it last published and sends what changed. Each
+transport is a config dataclass in :mod:`agentrl.weights.config`, a class here and an entry in
+:data:`TRANSPORTS`.
 """
 
 from __future__ import annotations

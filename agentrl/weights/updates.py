@@ -6,7 +6,9 @@ LM head's re-tie; an NCCL receive), forming the NCCL weight-transfer group, and 
 that was out back to the current version. :class:`EngineUpdater` works over an
 :class:`~agentrl.router.pool.EnginePool` through the pool's public calls (``control``, ``answers``,
 ``mark_down``) and installs itself as the pool's ``on_rejoin`` hook: the router never imports
-this package. serve's :class:`~agentrl.weights.transfer.WeightReceiver` drives it.
+this package. serve's :class:`~agentrl.weights.transfer.WeightReceiver` drives it. A LoRA policy's
+versions take another path (:meth:`EngineUpdater.load_adapter`): each is loaded as its own adapter
+beside the last ``adapter_keep`` with no pause (nothing in an engine changes under a request).
 
 Invariants:
 - Updates and rejoins serialise on one lock. ``pool.version`` moves to a version only once at
@@ -382,8 +384,14 @@ class EngineUpdater:
         from agentrl.router.pool import adapter_name
 
         t0 = time.perf_counter()
-        await self._step(engine, "adapter_load", "/v1/load_lora_adapter",
-                         {"lora_name": adapter_name(version), "lora_path": path})
+        try:
+            await self._step(engine, "adapter_load", "/v1/load_lora_adapter",
+                             {"lora_name": adapter_name(version), "lora_path": path})
+        except EngineError as e:
+            if "answered 404" in str(e) or "answered 405" in str(e):
+                raise EngineError(f"{engine.name} has no LoRA adapter routes: serve's engines need LoRA on "
+                                  f"(engine.lora_rank >= the adapter's rank) to take adapter versions ({e})") from e
+            raise
         engine.adapters[version] = path
         engine.version = max(engine.adapters)
         return time.perf_counter() - t0
