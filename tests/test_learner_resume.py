@@ -135,6 +135,27 @@ def test_a_learner_killed_after_step_k_resumes_with_the_uninterrupted_loss(tiny_
     if lora:  # the checkpoint is the adapters' (a few KB for the tiny model), not the whole model's
         ckpt = cut / "checkpoints" / (cut / "checkpoints" / "latest").read_text().strip()
         assert sum(f.stat().st_size for f in ckpt.glob("*.distcp")) < (Path(tiny_model) / "model.safetensors").stat().st_size / 4
+        _exports_the_trained_adapter(ckpt, tiny_model, tmp_path / "hf")
+
+
+def _exports_the_trained_adapter(ckpt: Path, model: str, out: Path) -> None:
+    """The offline export of a LoRA checkpoint: the merged model and the peft adapter, the same policy."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from agentrl.learner.checkpoint import export_checkpoint
+    from agentrl.learner.trainer import token_logprobs
+
+    export_checkpoint(ckpt, model, out)
+    ids = torch.tensor([[1, 5, 9, 14, 3, 7, 22, 8, 2, 11]])
+    mask = torch.ones_like(ids)
+    with torch.no_grad():
+        merged = token_logprobs(AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval(), ids, mask)
+        base = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+        untrained = token_logprobs(base, ids, mask)
+        adapted = token_logprobs(PeftModel.from_pretrained(base, str(out / "adapter")).eval(), ids, mask)
+    assert (merged - adapted).abs().max() < 1e-4 and (adapted - untrained).abs().max() > 1e-4
 
 
 if __name__ == "__main__":

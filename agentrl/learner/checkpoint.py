@@ -29,6 +29,7 @@ Invariants:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -125,6 +126,8 @@ def save_checkpoint(state: TrainState, checkpoint_dir: str | Path, *, version: i
     if ctx.is_main:
         meta = {"step": state.step, "version": version, "batch_id": batch_id, "world": ctx.world,
                 "batch_sample_ids": list(batch_samples), "trained_sample_ids": list(trained)}
+        if state.lora is not None:  # what the offline export rebuilds the adapters with
+            meta["lora"] = dataclasses.asdict(state.lora)
         (tmp / "meta.json").write_text(json.dumps(meta))
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
@@ -200,10 +203,24 @@ def export_hf(model: torch.nn.Module, ctx: Dist, model_path: str, out: str | Pat
 
 
 def export_checkpoint(checkpoint: str | Path, model_path: str, out: str | Path) -> Path:
-    """Offline: turn a DCP checkpoint (any world size) into a Hugging Face folder, one process."""
+    """Offline: turn a DCP checkpoint (any world size) into a Hugging Face folder, one process. A
+    LoRA checkpoint (its meta.json names the adapters) holds only the adapters: they are loaded onto
+    the base model from ``model_path`` and exported merged, with the adapter in ``out/adapter``."""
     import torch.distributed.checkpoint as dcp
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    meta = json.loads((Path(checkpoint) / "meta.json").read_text())
+    if meta.get("lora"):
+        from agentrl.learner.lora import LoraConfig, add_adapters, merged_state, save_adapter
+
+        lora = LoraConfig(**meta["lora"])
+        model = add_adapters(AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32), lora)
+        sd = {k: v for k, v in model.state_dict().items() if k in {n for n, p in model.named_parameters() if p.requires_grad}}
+        dcp.load({"model": sd}, checkpoint_id=str(checkpoint))
+        model.load_state_dict(sd, strict=False)
+        state = full_state_dict(model, Dist())
+        save_adapter(state, lora, Path(out) / "adapter", base_model=model_path)
+        return save_hf(merged_state(state, lora), model_path, out)
     model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path), dtype=torch.float32)
     skip = tied_names(model)
     sd = {k: v for k, v in model.state_dict().items() if k not in skip}

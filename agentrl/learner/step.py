@@ -61,6 +61,7 @@ class TrainState:
     ctx: Dist
     pad_id: int = 0
     step: int = 0  # steps that updated the weights (each published as one version)
+    lora: Any = None  # the LoraConfig when the model trains adapters (checkpoints record it)
 
 
 def lr_factor(step: int, warmup_steps: int, decay_steps: int, min_ratio: float) -> float:
@@ -81,7 +82,8 @@ def build_state(cfg: LearnConfig, model: torch.nn.Module, ctx: Dist) -> TrainSta
         opt, lambda s: lr_factor(s, cfg.warmup_steps, cfg.decay_steps, cfg.min_lr_ratio))
     config = getattr(model, "config", None)
     pad_id = getattr(config, "pad_token_id", None)
-    return TrainState(model=model, optimizer=opt, scheduler=sched, ctx=ctx, pad_id=pad_id if pad_id is not None else 0)
+    return TrainState(model=model, optimizer=opt, scheduler=sched, ctx=ctx, pad_id=pad_id if pad_id is not None else 0,
+                      lora=cfg.lora if cfg.lora.enabled else None)
 
 
 @contextmanager
