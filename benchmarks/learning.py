@@ -59,7 +59,7 @@ def main() -> None:
         "success_before_ci95": summary["success_before_ci95"], "success_after_ci95": summary["success_after_ci95"],
         "reward_before": summary["reward_before"], "reward_after": summary["reward_after"],
         "wall_minutes": summary["wall_minutes"], "charts": summary.get("charts", ""),
-        "load_avg": round(os.getloadavg()[0], 2), "lora_rank": args.lora or None,
+        "load_avg": round(os.getloadavg()[0], 2), "lora_rank": config.get("engine", {}).get("lora_rank", 0),  # serve's engines take adapters of the learner's rank
     }
     print(json.dumps(result), flush=True)
 

@@ -150,14 +150,22 @@ class ServeChild:
         self._group = None
 
 
+PREPARING = "preparing the model"  # serve's phase while it builds or converts its model (minutes, once)
+STILL_SAY_S = 60.0  # while serve prepares its model, say so this often
+
+
 def wait_for_serve(url: str, serve: subprocess.Popen | ServeChild, timeout_s: float) -> None:
-    """Wait until serve's router answers ``/health`` (its engines are up); fail if serve exits."""
+    """Wait until serve's router answers ``/health`` (its engines are up); fail if serve exits.
+
+    ``timeout_s`` bounds the start after the model is prepared: building a model the first time
+    (``tiny-agent``: 10-20 minutes on 2 cores, longer on a busy machine) has its own progress in
+    serve's log and fails serve itself if it fails, so it is not counted."""
     from agentrl.client import ServeClient
     from agentrl.errors import TransportError
 
     async def wait() -> None:
         deadline = time.monotonic() + timeout_s
-        said = ""
+        said, said_at = "", time.monotonic()
         async with ServeClient(url, timeout_s=5.0, retries=0) as client:
             while time.monotonic() < deadline:
                 if serve.poll() is not None:
@@ -168,11 +176,18 @@ def wait_for_serve(url: str, serve: subprocess.Popen | ServeChild, timeout_s: fl
                     if got.status == 200:
                         return
                     state = got.json() or {}
+                    phase = str(state.get("phase", "starting"))
                     engines = ", ".join(f"{e.get('port')} {e.get('phase')}" for e in state.get("engines") or [])
-                    now = f"{state.get('phase', 'starting')}" + (f" [{engines}]" if engines else "")
+                    now = phase + (f" [{engines}]" if engines else "")
+                    elapsed = float(state.get("elapsed_s") or 0)
                     if now != said:  # serve's own start-up phases, as they change
-                        _progress.info("serve: %s (%.0f s)", now, float(state.get("elapsed_s") or 0))
-                        said = now
+                        _progress.info("serve: %s (%.0f s)", now, elapsed)
+                        said, said_at = now, time.monotonic()
+                    if phase.startswith(PREPARING):
+                        deadline = time.monotonic() + timeout_s
+                        if time.monotonic() - said_at > STILL_SAY_S:
+                            _progress.info("serve: still %s (%.0f s; its progress is in serve.log)", phase, elapsed)
+                            said_at = time.monotonic()
                 except (TransportError, ValueError):
                     pass
                 await asyncio.sleep(1.0)
