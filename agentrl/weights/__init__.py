@@ -4,6 +4,7 @@
 - :mod:`agentrl.weights.transports`: the learner's side, ``WeightTransport`` and ``make_transport``;
 - :mod:`agentrl.weights.transfer`: the HTTP/file upload and serve's ``WeightReceiver`` routes;
 - :mod:`agentrl.weights.nccl`: the NCCL broadcast (learner side);
+- :mod:`agentrl.weights.delta`: deltas against the engines' version (both sides);
 - :mod:`agentrl.weights.updates`: serve's ``EngineUpdater``, the choreography on the engines;
 - :mod:`agentrl.weights.vllm_ext`: the vLLM worker extension the engines run;
 - :mod:`agentrl.weights.errors`: ``WeightSyncError`` and its family.
@@ -18,8 +19,16 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from agentrl.weights.config import HttpTransportConfig, NcclTransportConfig, TransportConfig, WeightsConfig
+from agentrl.weights.config import (
+    DeltaTransportConfig,
+    HttpTransportConfig,
+    NcclTransportConfig,
+    TransportConfig,
+    WeightsConfig,
+)
 from agentrl.weights.errors import (
+    DeltaError,
+    DeltaRefused,
     EnginesFailed,
     WeightGroupStale,
     WeightSyncError,
@@ -28,6 +37,7 @@ from agentrl.weights.errors import (
 )
 
 _LAZY = {
+    "DeltaTransport": "agentrl.weights.transports",
     "EngineUpdater": "agentrl.weights.updates",
     "HttpTransport": "agentrl.weights.transports",
     "NcclTransport": "agentrl.weights.transports",
@@ -38,7 +48,7 @@ _LAZY = {
     "serialize_state_dict": "agentrl.weights.transfer",
 }
 
-__all__ = ["EngineUpdater", "EnginesFailed", "HttpTransport", "HttpTransportConfig", "NcclTransport",
+__all__ = ["DeltaError", "DeltaRefused", "DeltaTransport", "DeltaTransportConfig", "EngineUpdater", "EnginesFailed", "HttpTransport", "HttpTransportConfig", "NcclTransport",
            "NcclTransportConfig", "TransportConfig", "WeightGroupStale", "WeightReceiver", "WeightSyncError",
            "WeightTransferError", "WeightTransport", "WeightUpdateFailed", "WeightsConfig", "make_transport",
            "publish", "serialize_state_dict"]
