@@ -62,7 +62,13 @@ def test_deltas_into_a_bf16_engine_give_the_logprobs_of_a_full_sync_and_a_wrong_
 
     async def go() -> None:
         from agentrl.router import EnginePool
-        from agentrl.weights import DeltaTransport, DeltaTransportConfig, EngineUpdater, HttpTransport, HttpTransportConfig
+        from agentrl.weights import (
+            DeltaTransport,
+            DeltaTransportConfig,
+            EngineUpdater,
+            HttpTransport,
+            HttpTransportConfig,
+        )
         from tests.test_weight_sync import _serve as serve_receiver
 
         pool = EnginePool([bf16_engine.url], health_interval_s=3600)
@@ -77,7 +83,7 @@ def test_deltas_into_a_bf16_engine_give_the_logprobs_of_a_full_sync_and_a_wrong_
             assert (await delta.publish(m1, 1))["transport"]["kind"] == "full"  # no base yet
             lp1 = await prompt_logprobs(bf16_engine.url, ids)
 
-            m2 = step(m1, 1e-4, 2)
+            m2 = step(m1, 1e-5, 2)
             sent = await delta.publish(m2, 2)
             assert sent["transport"]["kind"] == "delta" and sent["failed"] == []
             assert sent["transport"]["changed_fraction"] < 0.5  # sparse in bf16
@@ -88,7 +94,7 @@ def test_deltas_into_a_bf16_engine_give_the_logprobs_of_a_full_sync_and_a_wrong_
             assert lp_delta != lp1  # and the delta did change what the engine computes
 
             # the transport's base is version 2; the engine holds 3: refused (409), the full weights land
-            m3 = step(m2, 1e-4, 3)
+            m3 = step(m2, 1e-5, 3)
             fallback = await delta.publish(m3, 4)
             assert fallback["transport"]["kind"] == "full" and fallback["transport"]["why"] == "refused (base_mismatch)"
             assert pool.version == 4
