@@ -234,3 +234,59 @@ def test_the_delta_transport_is_chosen_in_config_and_auto_asks_serve_for_the_eng
         with pytest.raises(ConfigError, match="weights.transport.dtype"):
             asyncio.run(transport.publish(random_state(), 1))
         assert asked == ["/admin/info"]
+
+
+def test_when_no_engine_takes_a_delta_the_base_stays_and_the_next_delta_is_against_it(tmp_path: Path) -> None:
+    from agentrl.weights import EnginesFailed, WeightUpdateFailed
+
+    class FailingOnce(FilePool):
+        fail = False
+
+        async def update_weights(self, path: str, version: int) -> dict[str, Any]:
+            if self.fail:
+                self.fail = False
+                raise WeightUpdateFailed(version, {"engine-0": {"error": "reload failed", "url": "x"}})
+            return await super().update_weights(path, version)
+
+    async def go() -> None:
+        pool = FailingOnce()
+        runner, url = await serve_receiver(pool, tmp_path / "w")  # type: ignore[arg-type]
+        transport = DeltaTransport(DeltaTransportConfig(dtype="bfloat16"), url, "")
+        try:
+            master = random_state()
+            await transport.publish(master, 1)
+            pool.fail = True
+            with pytest.raises(EnginesFailed):
+                await transport.publish(learner_step(master, 1e-6, 2), 2)
+            assert pool.version == 1 and transport.base_version == 1 and not (tmp_path / "w" / "v2").exists()
+            master = learner_step(master, 1e-6, 3)
+            result = await transport.publish(master, 3)
+            assert result["transport"]["kind"] == "delta" and result["transport"]["base"] == 1
+            assert same_bits(pool.loaded[-1][1], cast_state(master, "bfloat16"))
+        finally:
+            await runner.cleanup()
+
+    asyncio.run(go())
+
+
+def test_auto_takes_the_engines_dtype_serve_reports(tmp_path: Path) -> None:
+    from aiohttp import web
+
+    async def info(request: web.Request) -> web.Response:
+        return web.json_response({"version": 0, "engine_dtype": "bfloat16"})  # what serve's /admin/info says
+
+    async def go() -> str | None:
+        app = web.Application()
+        app.router.add_get("/admin/info", info)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]
+        try:
+            transport = DeltaTransport(DeltaTransportConfig(), url, "")
+            return await transport._engine_dtype()
+        finally:
+            await runner.cleanup()
+
+    assert asyncio.run(go()) == "bfloat16"
