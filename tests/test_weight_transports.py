@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ast
 import asyncio
+import re
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -165,7 +166,10 @@ def test_an_unknown_transport_kind_is_refused_naming_the_known_ones() -> None:
     class Carrier:
         kind = "pigeon"
 
-    with pytest.raises(ConfigError, match=r"'pigeon' is not one of \['http', 'nccl'\]"):
+    from agentrl.weights.config import TRANSPORT_KINDS
+
+    assert {"http", "nccl", "delta"} <= set(TRANSPORT_KINDS)
+    with pytest.raises(ConfigError, match=re.escape(f"'pigeon' is not one of {list(TRANSPORT_KINDS)}")):
         make_transport(Carrier(), "http://127.0.0.1:1", "")  # type: ignore[arg-type]
 
 

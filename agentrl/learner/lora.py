@@ -28,10 +28,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from agentrl.weights.adapters import ADAPTER, adapter_config, adapter_state, is_adapter_key
+
+__all__ = ["ALL_LINEAR", "LoraConfig", "adapter_config", "adapter_state", "add_adapters", "is_adapter_key",
+           "merged_state", "save_adapter"]
+
 log = logging.getLogger(__name__)
 
-ADAPTER = "default"  # peft's adapter name inside the learner's modules
-PREFIX = "base_model.model."  # peft's prefix of every key in a saved adapter
 ALL_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
@@ -90,27 +93,6 @@ def add_adapters(model: Any, cfg: LoraConfig, *, seed: int = 0) -> Any:
     log.info("LoRA rank %d, alpha %g on %s: %d trainable parameters of %d (%.2f%%)", cfg.rank, cfg.alpha,
              ",".join(cfg.target_modules), trainable, total, 100.0 * trainable / total)
     return model
-
-
-def is_adapter_key(name: str) -> bool:
-    return ".lora_A." in name or ".lora_B." in name or ".lora_embedding_" in name
-
-
-def adapter_state(state: dict[str, Any]) -> dict[str, Any]:
-    """The adapter tensors of a (learner) state dict, under peft's saved names."""
-    out = {}
-    for k, v in state.items():
-        if is_adapter_key(k):
-            out[PREFIX + k.replace(f".{ADAPTER}.", ".")] = v
-    return out
-
-
-def adapter_config(cfg: LoraConfig, base_model: str = "") -> dict[str, Any]:
-    """``adapter_config.json`` for ``cfg``: what peft and vLLM read beside the adapter's tensors."""
-    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": cfg.rank, "lora_alpha": cfg.alpha,
-            "lora_dropout": cfg.dropout, "target_modules": sorted(cfg.target_modules), "bias": "none",
-            "fan_in_fan_out": False, "use_rslora": False, "use_dora": False, "modules_to_save": None,
-            "inference_mode": True, "base_model_name_or_path": base_model}
 
 
 def merged_state(state: dict[str, Any], cfg: LoraConfig) -> dict[str, Any]:

@@ -269,6 +269,7 @@ class Serve:
         b = self.cfg.buffer
         return web.json_response({"model": self.cfg.model, "model_path": self.model_path,
                                   "version": self.pool.version, "env": self.cfg.env.name,
+                                  "engine_dtype": self.cfg.engine.dtype,  # what a delta transport encodes in
                                   "batch_size": b.batch_size, "max_staleness": b.max_staleness,
                                   "group_size": self.cfg.env.group_size})
 

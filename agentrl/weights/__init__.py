@@ -5,6 +5,7 @@
 - :mod:`agentrl.weights.transfer`: the HTTP/file upload and serve's ``WeightReceiver`` routes;
 - :mod:`agentrl.weights.nccl`: the NCCL broadcast (learner side);
 - :mod:`agentrl.weights.adapters`: LoRA adapters packed for the upload and unpacked for vLLM;
+- :mod:`agentrl.weights.delta`: deltas against the engines' version (both sides);
 - :mod:`agentrl.weights.updates`: serve's ``EngineUpdater``, the choreography on the engines;
 - :mod:`agentrl.weights.vllm_ext`: the vLLM worker extension the engines run;
 - :mod:`agentrl.weights.errors`: ``WeightSyncError`` and its family.
@@ -21,12 +22,15 @@ from typing import Any
 
 from agentrl.weights.config import (
     AdapterTransportConfig,
+    DeltaTransportConfig,
     HttpTransportConfig,
     NcclTransportConfig,
     TransportConfig,
     WeightsConfig,
 )
 from agentrl.weights.errors import (
+    DeltaError,
+    DeltaRefused,
     EnginesFailed,
     WeightGroupStale,
     WeightSyncError,
@@ -35,6 +39,7 @@ from agentrl.weights.errors import (
 )
 
 _LAZY = {
+    "DeltaTransport": "agentrl.weights.transports",
     "EngineUpdater": "agentrl.weights.updates",
     "AdapterTransport": "agentrl.weights.transports",
     "HttpTransport": "agentrl.weights.transports",
@@ -46,7 +51,8 @@ _LAZY = {
     "serialize_state_dict": "agentrl.weights.transfer",
 }
 
-__all__ = ["AdapterTransport", "AdapterTransportConfig", "EngineUpdater", "EnginesFailed", "HttpTransport", "HttpTransportConfig", "NcclTransport",
+__all__ = ["AdapterTransport", "AdapterTransportConfig", "DeltaError", "DeltaRefused", "DeltaTransport",
+           "DeltaTransportConfig", "EngineUpdater", "EnginesFailed", "HttpTransport", "HttpTransportConfig", "NcclTransport",
            "NcclTransportConfig", "TransportConfig", "WeightGroupStale", "WeightReceiver", "WeightSyncError",
            "WeightTransferError", "WeightTransport", "WeightUpdateFailed", "WeightsConfig", "make_transport",
            "publish", "serialize_state_dict"]

@@ -20,9 +20,32 @@ import json
 from pathlib import Path
 from typing import Any
 
+ADAPTER = "default"  # peft's adapter name inside the learner's modules
+PREFIX = "base_model.model."  # peft's prefix of every key in a saved adapter
 CONFIG_KEY = "agentrl.adapter_config"  # safetensors metadata key holding adapter_config.json
 ADAPTER_FILE = "adapter_model.safetensors"
 CONFIG_FILE = "adapter_config.json"
+
+
+def is_adapter_key(name: str) -> bool:
+    return ".lora_A." in name or ".lora_B." in name or ".lora_embedding_" in name
+
+
+def adapter_state(state: dict[str, Any]) -> dict[str, Any]:
+    """The adapter tensors of a (learner) state dict, under peft's saved names."""
+    out = {}
+    for k, v in state.items():
+        if is_adapter_key(k):
+            out[PREFIX + k.replace(f".{ADAPTER}.", ".")] = v
+    return out
+
+
+def adapter_config(cfg: Any, base_model: str = "") -> dict[str, Any]:
+    """``adapter_config.json`` for ``cfg``: what peft and vLLM read beside the adapter's tensors."""
+    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": cfg.rank, "lora_alpha": cfg.alpha,
+            "lora_dropout": cfg.dropout, "target_modules": sorted(cfg.target_modules), "bias": "none",
+            "fan_in_fan_out": False, "use_rslora": False, "use_dora": False, "modules_to_save": None,
+            "inference_mode": True, "base_model_name_or_path": base_model}
 
 
 def pack_adapter(tensors: dict[str, Any], config: dict[str, Any]) -> bytes:

@@ -5,6 +5,9 @@
   arrived but no engine could load them (serve kept its previous version; the next version is a
   fresh attempt).
 - :class:`WeightUpdateFailed` (serve side): no engine took a version; names every engine and why.
+- :class:`DeltaRefused` (learner side, under :class:`WeightTransferError`): serve would not apply
+  a delta (the engines do not hold its base, or it did not rebuild bit for bit); the delta
+  transport sends the full weights instead. :class:`DeltaError` (serve side): why.
 - :class:`WeightGroupStale` (serve side, NCCL): the weight-transfer group no longer matches the
   engines; the learner must re-form it.
 
@@ -53,3 +56,25 @@ class WeightUpdateFailed(WeightSyncError):
 
 class WeightGroupStale(WeightSyncError):
     """The NCCL weight-transfer group no longer matches the engines; the learner must re-form it."""
+
+
+class DeltaRefused(WeightTransferError):
+    """serve refused a delta (``code``: "base_mismatch", 409; "digest_mismatch" or "malformed_delta", 400)."""
+
+    def __init__(self, message: str, status: int | None = None, code: str = "") -> None:
+        super().__init__(message, status)
+        self.code = code
+
+
+class DeltaError(WeightSyncError, ValueError):
+    """A delta that cannot be applied: ``code`` "base_mismatch" (it is against another version than
+    the engines hold), "digest_mismatch" (the rebuilt weights differ from the learner's) or
+    "malformed_delta" (names, shapes, dtypes or indices that do not fit the base)."""
+
+    def __init__(self, message: str, code: str = "malformed_delta") -> None:
+        super().__init__(message)
+        self.code = code
+
+    @property
+    def status(self) -> int:
+        return 409 if self.code == "base_mismatch" else 400

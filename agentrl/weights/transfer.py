@@ -30,7 +30,14 @@ from typing import Any
 from aiohttp import web
 
 from agentrl.weights.adapters import ADAPTER_FILE  # a LoRA version's folder holds it and its config
-from agentrl.weights.errors import EnginesFailed, WeightGroupStale, WeightTransferError, WeightUpdateFailed
+from agentrl.weights.errors import (
+    DeltaError,
+    DeltaRefused,
+    EnginesFailed,
+    WeightGroupStale,
+    WeightTransferError,
+    WeightUpdateFailed,
+)
 
 log = logging.getLogger(__name__)
 
@@ -98,10 +105,15 @@ class WeightReceiver:
         if total is not None:  # an accepted chunk fixes the version's size
             self._declared[version] = total
 
-    async def commit(self, version: int, sha: str, chunks: int, size: int, kind: str = "full") -> dict[str, Any]:
+    async def commit(self, version: int, sha: str, chunks: int, size: int, kind: str = "full",
+                     install: Any = None) -> dict[str, Any]:
         """Load the staged version once all ``chunks`` arrived and their digests, in order, hash to
         ``sha``. ``kind``: "full" (the model's weights, reloaded into the engines) or "adapter" (a
-        LoRA adapter with its config in the file's metadata, loaded beside the versions before it)."""
+        LoRA adapter with its config in the file's metadata, loaded beside the versions before it).
+
+        ``install(staged, target)``, when given, builds the version's ``model.safetensors`` from the
+        staged bytes (a delta: :func:`agentrl.weights.delta.delta_installer`) under the update lock;
+        by default the staged file is the version's file. What it raises leaves nothing behind."""
         if kind not in ("full", "adapter"):
             raise web.HTTPBadRequest(reason=f"version {version}: kind {kind!r} is not 'full' or 'adapter'")
         staged = self._staging.get(version, {})
@@ -141,8 +153,16 @@ class WeightReceiver:
                     shutil.rmtree(target, ignore_errors=True)
                     path.unlink(missing_ok=True)
                     raise web.HTTPBadRequest(reason=f"version {version}: {e}") from None
-            else:
+            elif install is None:
                 path.rename(target / "model.safetensors")
+            else:
+                try:
+                    await asyncio.to_thread(install, path, target / "model.safetensors")
+                except BaseException:
+                    shutil.rmtree(target, ignore_errors=True)
+                    raise
+                finally:
+                    path.unlink(missing_ok=True)
             t0 = time.perf_counter()
             try:
                 if kind == "adapter":
@@ -266,6 +286,29 @@ class WeightReceiver:
                 return _sync_error(e)
             return web.json_response(result)
 
+        async def commit_delta(request: web.Request) -> web.Response:
+            """A delta against the engines' version (agentrl.weights.delta): 409 "base_mismatch" when
+            they hold another, 400 when it is malformed or does not rebuild to the learner's digest."""
+            require_admin(request)
+            version = new_version(request)
+            body = await json_object(request)
+            from agentrl.web import error_response
+            from agentrl.weights.delta import commit_fields, delta_installer
+
+            try:
+                sha, chunks, size = str(body["chunks_sha256"]), int(body["chunks"]), int(body["bytes"])
+                base, digest = commit_fields(body)
+            except (KeyError, TypeError, ValueError):
+                raise web.HTTPBadRequest(reason="a delta commit needs chunks_sha256, chunks, bytes, base (the "
+                                                "version it is against) and digest (64 hex digits)") from None
+            try:
+                result = await self.commit(version, sha, chunks, size, install=delta_installer(self.updater, base, digest))
+            except DeltaError as e:
+                return error_response(str(e), e.status, type="weight_sync_error", code=e.code)
+            except WeightUpdateFailed as e:
+                return _sync_error(e)
+            return web.json_response(result)
+
         async def nccl_init(request: web.Request) -> web.Response:
             require_admin(request)
             body = await json_object(request)
@@ -305,6 +348,7 @@ class WeightReceiver:
 
         app.router.add_put("/admin/weights/{version}/chunks/{index}", put_chunk)
         app.router.add_post("/admin/weights/{version}/commit", commit)
+        app.router.add_post("/admin/weights/{version}/delta", commit_delta)
         app.router.add_post("/admin/weights/nccl/init", nccl_init)
         app.router.add_post("/admin/weights/nccl/{version}/update", nccl_update)
 
@@ -332,6 +376,18 @@ def _error_message(text: str) -> str:
         return str(json.loads(text)["error"]["message"])
     except (ValueError, KeyError, TypeError):
         return text[:2000]
+
+
+DELTA_REFUSALS = ("base_mismatch", "digest_mismatch", "malformed_delta")
+
+
+def _error_code(body: object) -> str | None:
+    """The ``code`` of serve's one error shape in a body, if any."""
+    try:
+        code = json.loads(body).get("error", {}).get("code")  # type: ignore[arg-type]
+    except (ValueError, TypeError, AttributeError):
+        return None
+    return code if isinstance(code, str) else None
 
 
 def _sha256(data: bytes) -> str:
@@ -374,8 +430,12 @@ def serialize_state_dict(state: dict[str, Any]) -> bytes:
 
 async def publish(data: bytes, version: int, serve_url: str, admin_token: str, *,
                   timeout_s: float = 600.0, attempts: int = 3, chunk_bytes: int = CHUNK_BYTES,
-                  parallel: int = PARALLEL_CHUNKS, kind: str = "full") -> dict[str, Any]:
+                  parallel: int = PARALLEL_CHUNKS, kind: str = "full", commit_route: str = "commit",
+                  commit_fields: dict[str, Any] | None = None) -> dict[str, Any]:
     """Send serialised weights to serve as ``version`` and wait until engines serve them.
+
+    ``commit_route`` and ``commit_fields``: a delta (:mod:`agentrl.weights.delta`) commits to
+    ``delta`` with its base and digest; serve's refusal of one is :class:`DeltaRefused`, at once.
 
     Each chunk and the commit go through serve's one client (:class:`~agentrl.client.ServeClient`:
     connection errors, timeouts and 5xx retried, never a 4xx). A conflict (409: a chunk serve has
@@ -389,7 +449,8 @@ async def publish(data: bytes, version: int, serve_url: str, admin_token: str, *
     chunks = [view[o : o + chunk_bytes] for o in offsets]
     # off the loop: the learner's loop serves other work
     chunk_shas = await asyncio.to_thread(lambda: [_sha256(c) for c in chunks])
-    commit = {"chunks_sha256": _digest_of(chunk_shas), "chunks": len(chunks), "bytes": len(data), "kind": kind}
+    commit = {"chunks_sha256": _digest_of(chunk_shas), "chunks": len(chunks), "bytes": len(data), "kind": kind,
+              **(commit_fields or {})}
     last_error: Exception | None = None
     async with ServeClient(serve_url, admin_token, timeout_s=timeout_s, retries=2, backoff_s=0.5) as http:
         slots = asyncio.Semaphore(max(1, parallel))
@@ -409,7 +470,7 @@ async def publish(data: bytes, version: int, serve_url: str, admin_token: str, *
                     for t in sends:
                         t.cancel()
                     await asyncio.gather(*sends, return_exceptions=True)
-                got = await http.request("POST", f"/admin/weights/{version}/commit", json=commit, accept={502},
+                got = await http.request("POST", f"/admin/weights/{version}/{commit_route}", json=commit, accept={502},
                                          retries=0)
                 text = got.body.decode(errors="replace")
                 if got.status == 502:
@@ -427,6 +488,9 @@ async def publish(data: bytes, version: int, serve_url: str, admin_token: str, *
                 raise
             except TransportError as e:
                 last_error = e
+                code = _error_code(e.body)
+                if code in DELTA_REFUSALS:  # the delta cannot be applied: sending it again would not help
+                    raise DeltaRefused(f"serve refused the delta for version {version}: {e}", e.status, code) from None
                 if e.status is not None and 400 <= e.status < 500 and e.status != 409:
                     break  # a 4xx other than a conflict will not be fixed by retrying
                 log.warning("weight publish attempt %d failed: %s", attempt + 1, e)

@@ -13,6 +13,9 @@ is ``LearnConfig.weights.transport`` (:mod:`agentrl.weights.config`), built by
 - :class:`AdapterTransport` (``kind = "adapter"``, LoRA): the adapter alone, over the same upload
   as HTTP; serve loads each version as its own vLLM adapter (:mod:`agentrl.weights.adapters`).
   The learner gathers only its trainable tensors for it.
+- :class:`DeltaTransport` (``kind = "delta"``): what changed since the version the engines hold,
+  in their dtype, over the HTTP chunks (:mod:`agentrl.weights.delta`); the full weights when
+  there is no base or serve refuses the delta. Gathered in host memory.
 
 Invariants:
 - ``publish`` returns serve's result once the engines serve ``version`` (some may be named in
@@ -44,6 +47,7 @@ from agentrl.errors import ConfigError
 from agentrl.weights.config import (
     TRANSPORT_KINDS,
     AdapterTransportConfig,
+    DeltaTransportConfig,
     HttpTransportConfig,
     NcclTransportConfig,
 )
@@ -145,8 +149,7 @@ class AdapterTransport:
         self.last_bytes = 0  # the size of the last version sent (what the learner reports)
 
     async def publish(self, state: Mapping[str, Any], version: int) -> dict[str, Any]:
-        from agentrl.learner.lora import adapter_config, adapter_state
-        from agentrl.weights.adapters import pack_adapter
+        from agentrl.weights.adapters import adapter_config, adapter_state, pack_adapter
         from agentrl.weights.transfer import publish
 
         if self.lora is None or not self.lora.enabled:
@@ -166,14 +169,97 @@ class AdapterTransport:
         pass
 
 
+class DeltaTransport:
+    """Deltas against the version the engines hold, in their dtype (see :mod:`agentrl.weights.delta`).
+
+    The transport keeps the state it last published (cast to ``dtype``) and its version. A publish
+    sends the delta against it; the first publish, every ``full_every``-th version, a version not
+    newer than the base, and a delta serve refused (the engines hold another version: a serve that
+    restarted without restoring, an update that failed; a digest or format mismatch) send the full
+    weights, in ``dtype``, through the HTTP upload. The base moves only once serve answered that
+    the engines serve the version; after a failure other than :class:`EnginesFailed` (serve kept
+    the base) it is dropped, so the next publish is full. ``last`` describes the latest publish.
+    """
+
+    device: Literal["cpu", "cuda"] = "cpu"
+
+    def __init__(self, cfg: DeltaTransportConfig, serve_url: str, admin_token: str) -> None:
+        self.cfg = cfg
+        self.serve_url = serve_url.rstrip("/")
+        self.admin_token = admin_token
+        self.dtype: str | None = None if cfg.dtype == "auto" else cfg.dtype
+        self.base: dict[str, Any] | None = None
+        self.base_version = -1
+        self.since_full = 0  # versions published since the last full one
+        self.last: dict[str, Any] = {}
+
+    async def _engine_dtype(self) -> str:
+        """``dtype``, or with "auto" the engines' as serve reports it (``engine_dtype`` in /admin/info)."""
+        if self.dtype is None:
+            from agentrl.client import ServeClient
+            from agentrl.weights.delta import DTYPES
+
+            async with ServeClient(self.serve_url, self.admin_token, timeout_s=30.0) as http:
+                info = await http.json("GET", "/admin/info")
+            named = {"float": "float32", "half": "float16", "bf16": "bfloat16"}
+            reported = str(info.get("engine_dtype", ""))
+            dtype = named.get(reported, reported)
+            if dtype not in DTYPES:
+                raise ConfigError(f"weights.transport.dtype = 'auto': serve reports the engines' dtype as "
+                                  f"{reported or 'nothing'!r}; set weights.transport.dtype to one of {list(DTYPES)}")
+            self.dtype = dtype
+        return self.dtype
+
+    async def publish(self, state: Mapping[str, Any], version: int) -> dict[str, Any]:
+        from agentrl.weights import delta
+        from agentrl.weights.errors import DeltaRefused, EnginesFailed, WeightTransferError
+        from agentrl.weights.transfer import publish, serialize_state_dict
+
+        c = self.cfg
+        send = {"timeout_s": c.timeout_s, "attempts": c.attempts, "chunk_bytes": c.chunk_bytes,
+                "parallel": c.parallel_chunks}
+        new = await asyncio.to_thread(delta.cast_state, state, await self._engine_dtype())
+        why_full = ("no base" if self.base is None else "not newer than the base" if version <= self.base_version
+                    else "full_every" if c.full_every and self.since_full + 1 >= c.full_every else "")
+        try:
+            if not why_full:
+                assert self.base is not None
+                data, stats = await asyncio.to_thread(delta.encode_delta, self.base, new, self.base_version, version)
+                try:
+                    result = await publish(data, version, self.serve_url, self.admin_token, commit_route="delta",
+                                           commit_fields={"base": self.base_version,
+                                                          "digest": delta.delta_metadata(data)["digest"]}, **send)
+                    self.last = {"kind": "delta", "base": self.base_version, **stats.as_dict()}
+                except DeltaRefused as e:
+                    log.warning("version %d: %s; sending the full weights", version, e)
+                    why_full = f"refused ({e.code})"
+            if why_full:
+                data = await asyncio.to_thread(serialize_state_dict, new)
+                result = await publish(data, version, self.serve_url, self.admin_token, **send)
+                self.last = {"kind": "full", "why": why_full, "bytes": len(data)}
+        except EnginesFailed:
+            raise  # serve kept the base version: the next delta is against it still
+        except WeightTransferError:
+            self.base = None  # what serve holds is unknown now: the next publish is full
+            raise
+        self.base, self.base_version = new, version
+        self.since_full = 0 if self.last["kind"] == "full" else self.since_full + 1
+        return {**result, "transport": self.last}
+
+    async def close(self) -> None:
+        self.base = None
+
+
 TRANSPORTS: dict[str, Callable[..., WeightTransport]] = {
     "http": HttpTransport,
     "nccl": NcclTransport,
     "adapter": AdapterTransport,
+    "delta": DeltaTransport,
 }
 
 
-def make_transport(cfg: HttpTransportConfig | NcclTransportConfig | AdapterTransportConfig, serve_url: str,
+def make_transport(cfg: HttpTransportConfig | NcclTransportConfig | AdapterTransportConfig | DeltaTransportConfig,
+                   serve_url: str,
                    admin_token: str, *, lora: Any = None, base_model: str = "") -> WeightTransport:
     """The learner's transport for ``weights.transport`` (``cfg``), publishing to serve at ``serve_url``;
     ``lora`` / ``base_model``: what the adapter transport describes its adapters with."""

