@@ -1,4 +1,5 @@
-"""What the benchmarks share: a free loopback port, one percentile convention, and running ``agentrl run``.
+"""What the benchmarks share: a free loopback port, one percentile convention, running ``agentrl run``,
+and serve's weight receiver over one engine.
 
 Benchmarks run as scripts (``python benchmarks/x.py``), so this module is imported as ``common``
 (the script's own folder is on ``sys.path``).
@@ -6,8 +7,9 @@ Benchmarks run as scripts (``python benchmarks/x.py``), so this module is import
 
 from __future__ import annotations
 
+import contextlib
 import socket
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -52,3 +54,29 @@ def agentrl_run(cmd: list[str], run_dir: Path, t0: float) -> dict[str, Any]:
     if proc.wait() != 0 or not last:
         raise SystemExit(f"agentrl run failed (exit {proc.returncode}); see {run_dir}/serve.log")
     return json.loads(last)
+
+
+@contextlib.asynccontextmanager
+async def weight_receiver(engine_url: str, root: Path, port: int = 0) -> AsyncIterator[tuple[Any, Any, str]]:
+    """serve's weight path over one engine, in this process: the pool, its ``EngineUpdater`` and the
+    receiver's routes on loopback (``port``, 0: a free one); yields (pool, updater, serve's URL)."""
+    from aiohttp import web
+
+    from agentrl.router.pool import EnginePool
+    from agentrl.weights import EngineUpdater, WeightReceiver
+
+    pool = EnginePool([engine_url], health_interval_s=3600)
+    await pool.start()
+    updater = EngineUpdater(pool)
+    await updater.start()
+    app = web.Application(client_max_size=2**31)
+    WeightReceiver(root, updater).add_routes(app, lambda request: None)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = port or free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    try:
+        yield pool, updater, f"http://127.0.0.1:{port}"
+    finally:
+        await runner.cleanup()
+        await pool.close()

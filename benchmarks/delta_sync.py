@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-from aiohttp import web
+from common import weight_receiver  # benchmarks/common.py
 
 log = logging.getLogger("benchmarks.delta_sync")
 PROMPTS = ["Write a short story about a lighthouse keeper.", "Explain how rain forms, simply.",
@@ -99,14 +99,11 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     from agentrl.learner.step import build_state, train_step
     from agentrl.models import home
     from agentrl.models.smollm2 import build_smollm2
-    from agentrl.router.pool import EnginePool
     from agentrl.weights import (
         DeltaTransport,
         DeltaTransportConfig,
-        EngineUpdater,
         HttpTransport,
         HttpTransportConfig,
-        WeightReceiver,
     )
     from agentrl.weights.delta import cast_state, state_digest
 
@@ -123,77 +120,66 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     try:
         await engine.start(timeout_s=900)
         say(t0, f"engine up (bf16) at {engine.url}; logs in {work / 'engine'}")
-        pool = EnginePool([engine.url], health_interval_s=3600)
-        await pool.start()
-        updater = EngineUpdater(pool)
-        await updater.start()
-        app = web.Application(client_max_size=2**31)
-        WeightReceiver(work / "weights", updater).add_routes(app, lambda request: None)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        await web.TCPSite(runner, "127.0.0.1", args.port + 1).start()
-        serve = f"http://127.0.0.1:{args.port + 1}"
-        try:
-            samples = await generate_batch(engine.url, args.group, args.max_tokens)
-            sequences = [list(map(int, s.token_ids)) for s in samples[:: args.group]]  # one per prompt
-            say(t0, f"batch: {len(samples)} samples, {sum(len(s.token_ids) for s in samples)} tokens")
-            cfg = LearnConfig(lr=args.lr, micro_batch_tokens=2048)
-            model = load_model(model_dir, Dist())
-            state = build_state(cfg, model, Dist())
-            delta = DeltaTransport(DeltaTransportConfig(dtype="bfloat16"), serve, "")
-            full = HttpTransport(HttpTransportConfig(), serve, "")
-            version = 1
-            first = await delta.publish(model.state_dict(), version)  # no base yet: the full weights, in bf16
-            full_bf16_bytes = first["transport"]["bytes"]
-            say(t0, f"v{version}: the delta transport's first publish is full ({full_bf16_bytes / 2**20:.1f} MiB bf16)")
-            previous = await prompt_logprobs(engine.url, sequences)
-            for step in range(1, args.steps + 1):
-                ts = time.perf_counter()
-                stats = train_step(state, samples, cfg, version=step - 1)
-                train_s = time.perf_counter() - ts
-                if not stats["updated"]:
-                    raise SystemExit(f"step {step} did not update the weights ({stats.get('skipped')})")
-                weights = model.state_dict()
-                expected = state_digest(cast_state(weights, "bfloat16"))  # what the engine must hold
+        async with weight_receiver(engine.url, work / "weights", args.port + 1) as (pool, updater, serve):
+            try:
+                samples = await generate_batch(engine.url, args.group, args.max_tokens)
+                sequences = [list(map(int, s.token_ids)) for s in samples[:: args.group]]  # one per prompt
+                say(t0, f"batch: {len(samples)} samples, {sum(len(s.token_ids) for s in samples)} tokens")
+                cfg = LearnConfig(lr=args.lr, micro_batch_tokens=2048)
+                model = load_model(model_dir, Dist())
+                state = build_state(cfg, model, Dist())
+                delta = DeltaTransport(DeltaTransportConfig(dtype="bfloat16"), serve, "")
+                full = HttpTransport(HttpTransportConfig(), serve, "")
+                version = 1
+                first = await delta.publish(model.state_dict(), version)  # no base yet: the full weights, in bf16
+                full_bf16_bytes = first["transport"]["bytes"]
+                say(t0, f"v{version}: the delta transport's first publish is full ({full_bf16_bytes / 2**20:.1f} MiB bf16)")
+                previous = await prompt_logprobs(engine.url, sequences)
+                for step in range(1, args.steps + 1):
+                    ts = time.perf_counter()
+                    stats = train_step(state, samples, cfg, version=step - 1)
+                    train_s = time.perf_counter() - ts
+                    if not stats["updated"]:
+                        raise SystemExit(f"step {step} did not update the weights ({stats.get('skipped')})")
+                    weights = model.state_dict()
+                    expected = state_digest(cast_state(weights, "bfloat16"))  # what the engine must hold
 
-                version += 1
-                ts = time.perf_counter()
-                d = await delta.publish(weights, version)
-                delta_s = time.perf_counter() - ts
-                if d["transport"]["kind"] != "delta":
-                    raise SystemExit(f"step {step}: the delta transport sent {d['transport']}")
-                rebuilt = state_digest(load_file(str(work / "weights" / f"v{version}" / "model.safetensors")))
-                lp_delta, dig_delta = await prompt_logprobs(engine.url, sequences), await engine_digest(engine.url)
+                    version += 1
+                    ts = time.perf_counter()
+                    d = await delta.publish(weights, version)
+                    delta_s = time.perf_counter() - ts
+                    if d["transport"]["kind"] != "delta":
+                        raise SystemExit(f"step {step}: the delta transport sent {d['transport']}")
+                    rebuilt = state_digest(load_file(str(work / "weights" / f"v{version}" / "model.safetensors")))
+                    lp_delta, dig_delta = await prompt_logprobs(engine.url, sequences), await engine_digest(engine.url)
 
-                version += 1
-                ts = time.perf_counter()
-                f = await full.publish(weights, version)
-                full_s = time.perf_counter() - ts
-                full_bytes = (work / "weights" / f"v{version}" / "model.safetensors").stat().st_size
-                lp_full, dig_full = await prompt_logprobs(engine.url, sequences), await engine_digest(engine.url)
-                delta.base_version = version  # the full sync put the same weights in under this number
+                    version += 1
+                    ts = time.perf_counter()
+                    f = await full.publish(weights, version)
+                    full_s = time.perf_counter() - ts
+                    full_bytes = (work / "weights" / f"v{version}" / "model.safetensors").stat().st_size
+                    lp_full, dig_full = await prompt_logprobs(engine.url, sequences), await engine_digest(engine.url)
+                    delta.base_version = version  # the full sync put the same weights in under this number
 
-                tokens = sum(len(x) for x in lp_full)
-                moved = sum(a != b for x, y in zip(previous, lp_full, strict=True) for a, b in zip(x, y, strict=True))
-                previous = lp_full
-                row = {"step": step, "train_s": train_s, "loss": stats.get("loss"), **d["transport"],
-                       "delta_s": delta_s, "full_s": full_s, "full_bytes": full_bytes,
-                       "delta_engine_update_s": d["update_s"], "full_engine_update_s": f["update_s"],
-                       "rebuilt_equal": rebuilt == expected, "logprobs_equal": lp_delta == lp_full,
-                       "engine_digest_equal": dig_delta["digest"] == dig_full["digest"],
-                       "engine_params_hashed": dig_delta["hashed"], "engine_params_empty": dig_delta["empty"],
-                       "logprobs_moved": moved, "logprob_tokens": tokens}
-                rows.append(row)
-                say(t0, f"step {step}: train {train_s:.1f}s | delta {row['bytes'] / 2**20:.2f} MiB "
-                        f"({row['changed_fraction']:.2%} of elements, {row['changed_tensors']}/{row['tensors']} tensors, "
-                        f"{row['dense_tensors']} whole) in {delta_s:.2f}s | full {full_bytes / 2**20:.0f} MiB in "
-                        f"{full_s:.2f}s | rebuilt==learner {row['rebuilt_equal']} | logprobs equal "
-                        f"{row['logprobs_equal']} ({moved}/{tokens} moved since the last step) | engine params "
-                        f"equal {row['engine_digest_equal']} ({dig_delta['hashed']} hashed, {dig_delta['empty']} packed)")
-        finally:
-            await delta.close()
-            await runner.cleanup()
-            await pool.close()
+                    tokens = sum(len(x) for x in lp_full)
+                    moved = sum(a != b for x, y in zip(previous, lp_full, strict=True) for a, b in zip(x, y, strict=True))
+                    previous = lp_full
+                    row = {"step": step, "train_s": train_s, "loss": stats.get("loss"), **d["transport"],
+                           "delta_s": delta_s, "full_s": full_s, "full_bytes": full_bytes,
+                           "delta_engine_update_s": d["update_s"], "full_engine_update_s": f["update_s"],
+                           "rebuilt_equal": rebuilt == expected, "logprobs_equal": lp_delta == lp_full,
+                           "engine_digest_equal": dig_delta["digest"] == dig_full["digest"],
+                           "engine_params_hashed": dig_delta["hashed"], "engine_params_empty": dig_delta["empty"],
+                           "logprobs_moved": moved, "logprob_tokens": tokens}
+                    rows.append(row)
+                    say(t0, f"step {step}: train {train_s:.1f}s | delta {row['bytes'] / 2**20:.2f} MiB "
+                            f"({row['changed_fraction']:.2%} of elements, {row['changed_tensors']}/{row['tensors']} tensors, "
+                            f"{row['dense_tensors']} whole) in {delta_s:.2f}s | full {full_bytes / 2**20:.0f} MiB in "
+                            f"{full_s:.2f}s | rebuilt==learner {row['rebuilt_equal']} | logprobs equal "
+                            f"{row['logprobs_equal']} ({moved}/{tokens} moved since the last step) | engine params "
+                            f"equal {row['engine_digest_equal']} ({dig_delta['hashed']} hashed, {dig_delta['empty']} packed)")
+            finally:
+                await delta.close()
     finally:
         engine.stop()
     mean = statistics.mean

@@ -36,8 +36,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-from aiohttp import web
-from common import free_port  # benchmarks/common.py
+from common import free_port, weight_receiver  # benchmarks/common.py
 from weight_sync import resolve, stream  # benchmarks/weight_sync.py
 
 log = logging.getLogger("benchmarks.lora_sync")
@@ -128,8 +127,8 @@ async def parity(url: str, served: str, model: Any, tokens: int, max_tokens: int
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     from agentrl.engines.vllm import EngineSpec, VLLMEngine
-    from agentrl.router.pool import EnginePool, adapter_name
-    from agentrl.weights import EngineUpdater, WeightReceiver, publish
+    from agentrl.router.pool import adapter_name
+    from agentrl.weights import publish
 
     model_dir = resolve(args.model)
     work = Path(tempfile.mkdtemp(prefix="lora-sync-"))
@@ -147,19 +146,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         t0 = time.perf_counter()
         await engine.start(timeout_s=900)
         log.info("engine up in %.0f s", time.perf_counter() - t0)
-        pool = EnginePool([engine.url], health_interval_s=3600)
-        await pool.start()
-        updater = EngineUpdater(pool)
-        updater.adapter_keep = 3
-        await updater.start()
-        app = web.Application(client_max_size=2**31)
-        WeightReceiver(work / "weights", updater).add_routes(app, lambda request: None)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        port = free_port()
-        await web.TCPSite(runner, "127.0.0.1", port).start()
-        serve = f"http://127.0.0.1:{port}"
-        try:
+        async with weight_receiver(engine.url, work / "weights") as (pool, updater, serve):
+            updater.adapter_keep = 3
             # 1. adapters: v1 (warm-up), then v2 while streams run on v1 (the same bytes: what is
             # measured is the path, and the parity check reads the newest adapter, the learner's)
             await publish(adapter, 1, serve, "", kind="adapter")
@@ -170,9 +158,6 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             # 2. full weights: v3 (warm-up), then v4 while streams run on the base name
             await publish(full, 3, serve, "")
             phases["full"] = await measured_publish(publish, full, 4, serve, "full", engine.url, "bench", args)
-        finally:
-            await runner.cleanup()
-            await pool.close()
     finally:
         engine.stop()
         shutil.rmtree(work / "weights", ignore_errors=True)

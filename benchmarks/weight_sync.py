@@ -46,8 +46,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-from aiohttp import web
-from common import free_port  # benchmarks/common.py
+from common import free_port, weight_receiver  # benchmarks/common.py
 
 log = logging.getLogger("benchmarks.weight_sync")
 
@@ -138,8 +137,7 @@ async def prefill_floor(url: str, served: str, lengths: list[int], vocab: int, t
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     from agentrl.engines.vllm import EngineSpec, VLLMEngine
-    from agentrl.router.pool import EnginePool
-    from agentrl.weights import EngineUpdater, WeightReceiver, publish
+    from agentrl.weights import publish
     model_dir = resolve(args.model)
     work = Path(tempfile.mkdtemp(prefix="weight-sync-"))
     engine = VLLMEngine(EngineSpec(model=model_dir, served_name="bench", port=free_port(),
@@ -151,18 +149,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         t0 = time.perf_counter()
         await engine.start(timeout_s=900)
         log.info("engine up in %.0f s", time.perf_counter() - t0)
-        pool = EnginePool([engine.url], health_interval_s=3600)
-        await pool.start()
-        updater = EngineUpdater(pool)
-        await updater.start()
-        app = web.Application(client_max_size=2**31)
-        WeightReceiver(work / "weights", updater).add_routes(app, lambda request: None)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        port = free_port()
-        await web.TCPSite(runner, "127.0.0.1", port).start()
-        serve = f"http://127.0.0.1:{port}"
-        try:
+        async with weight_receiver(engine.url, work / "weights") as (pool, updater, serve):
             payloads = [await asyncio.to_thread(perturbed, model_dir, s) for s in (1, 2)]
             await publish(payloads[0], 1, serve, "")  # warm-up: first-call costs are not steady state
             streams = [asyncio.create_task(stream(engine.url, "bench", args.max_tokens, i))
@@ -184,9 +171,6 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 while f.read(64 * 2**20):
                     pass
             disk_read = time.perf_counter() - t_read
-        finally:
-            await runner.cleanup()
-            await pool.close()
     finally:
         engine.stop()
         shutil.rmtree(work / "weights", ignore_errors=True)  # about 1 GB for SmolLM2; the engine log stays

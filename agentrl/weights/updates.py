@@ -256,10 +256,20 @@ class EngineUpdater:
         The one place a version becomes the pool's: any engine transport (a file, an NCCL
         receive, a delta to apply) is a ``load`` step, and optionally a ``stage`` step, run here.
         """
-        limit = timeout_s or self.step_timeouts_s["update"]
         t0 = time.perf_counter()
-        results = await asyncio.gather(
-            *(asyncio.wait_for(self._apply(e, version, load, stage), limit) for e in targets), return_exceptions=True)
+        per_engine, failed = await self._on_each(targets, version, kind, timeout_s,
+                                                 lambda e: self._apply(e, version, load, stage))
+        self.pool.version = version
+        return {"version": version, "kind": kind, "engines": per_engine, "failed": failed,
+                "update_s": time.perf_counter() - t0}
+
+    async def _on_each(self, targets: list[Engine], version: int, kind: str, timeout_s: float | None,
+                       one: Callable[[Engine], Awaitable[Any]]) -> tuple[dict[str, Any], list[str]]:
+        """``await one(engine)`` on every target at once, each bounded by ``timeout_s`` (default
+        ``step_timeouts_s["update"]``): (each engine's result or error, the names of those that
+        failed, which are taken out of the pool). Raises :class:`WeightUpdateFailed` when all failed."""
+        limit = timeout_s or self.step_timeouts_s["update"]
+        results = await asyncio.gather(*(asyncio.wait_for(one(e), limit) for e in targets), return_exceptions=True)
         per_engine: dict[str, Any] = {}
         failed: list[str] = []
         for e, res in zip(targets, results, strict=True):
@@ -267,7 +277,7 @@ class EngineUpdater:
                 why = str(res) if isinstance(res, EngineError) else f"{type(res).__name__}: {res}"
                 if isinstance(res, TimeoutError):
                     why = f"{e.name} ({e.url}): the update did not finish within {limit:g} s"
-                self.pool.mark_down(e, f"weight update to version {version} failed: {why}")
+                self.pool.mark_down(e, f"weight update to version {version} ({kind}) failed: {why}")
                 e.last_error = why
                 per_engine[e.name] = {"error": why, "url": e.url}
                 failed.append(e.name)
@@ -278,9 +288,15 @@ class EngineUpdater:
         if failed:
             log.error("version %d (%s): %s taken out of the pool: %s", version, kind, ", ".join(failed),
                       "; ".join(per_engine[n]["error"] for n in failed))
-        self.pool.version = version
-        return {"version": version, "kind": kind, "engines": per_engine, "failed": failed,
-                "update_s": time.perf_counter() - t0}
+        return per_engine, failed
+
+    def _targets(self, version: int) -> list[Engine]:
+        """The healthy engines an update goes to; none: :class:`WeightUpdateFailed` naming every engine."""
+        targets = [e for e in self.pool.engines if e.healthy]
+        if not targets:
+            raise WeightUpdateFailed(version, {e.name: {"error": e.last_error or "unhealthy", "url": e.url}
+                                               for e in self.pool.engines})
+        return targets
 
     async def update_weights(self, weights_path: str, version: int, timeout_s: float | None = None) -> dict[str, Any]:
         """Load ``weights_path`` into every healthy engine and stamp it ``version``.
@@ -293,10 +309,7 @@ class EngineUpdater:
         async with self._lock:
             self.updating = True
             try:
-                targets = [e for e in self.pool.engines if e.healthy]
-                if not targets:
-                    raise WeightUpdateFailed(version, {e.name: {"error": e.last_error or "unhealthy", "url": e.url}
-                                                       for e in self.pool.engines})
+                targets = self._targets(version)
                 result = await self._update_all(version, targets, self._file_loader(weights_path), timeout_s, "file",
                                                 self._head_stager(weights_path))
                 self.weights_path = weights_path
@@ -415,30 +428,16 @@ class EngineUpdater:
         """Load LoRA adapter ``path`` into every healthy engine as policy ``version``: new requests
         go to it as soon as an engine has it, requests under way finish on theirs, and versions
         older than the newest ``adapter_keep`` are unloaded. Fails like :meth:`update_weights`."""
-        limit = timeout_s or self.step_timeouts_s["update"]
         async with self._lock:
             self.updating = True
             try:
-                targets = [e for e in self.pool.engines if e.healthy]
-                if not targets:
-                    raise WeightUpdateFailed(version, {e.name: {"error": e.last_error or "unhealthy", "url": e.url}
-                                                       for e in self.pool.engines})
+                targets = self._targets(version)
                 t0 = time.perf_counter()
-                results = await asyncio.gather(*(asyncio.wait_for(self._load_adapter_into(e, version, path), limit)
-                                                 for e in targets), return_exceptions=True)
-                per_engine: dict[str, Any] = {}
-                failed = []
-                for e, res in zip(targets, results, strict=True):
-                    if isinstance(res, BaseException):
-                        why = str(res) if isinstance(res, EngineError) else f"{type(res).__name__}: {res}"
-                        self.pool.mark_down(e, f"loading adapter version {version} failed: {why}")
-                        e.last_error = why
-                        per_engine[e.name] = {"error": why, "url": e.url}
-                        failed.append(e.name)
-                    else:
-                        per_engine[e.name] = {"adapter_load_s": res}
-                if len(failed) == len(targets):
-                    raise WeightUpdateFailed(version, per_engine)
+
+                async def one(e: Engine) -> dict[str, Any]:
+                    return {"adapter_load_s": await self._load_adapter_into(e, version, path)}
+
+                per_engine, failed = await self._on_each(targets, version, "adapter", timeout_s, one)
                 self.adapters[version] = path
                 for v in sorted(self.adapters)[:-self.adapter_keep]:
                     del self.adapters[v]
