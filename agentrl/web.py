@@ -134,3 +134,14 @@ def listen(host: str, port: int) -> socket.socket:
     sock = socket.create_server(addr[:2], family=family, backlog=1024)
     sock.setblocking(False)
     return sock
+
+
+async def start_on_loopback(app: web.Application, **runner_options: Any) -> tuple[web.AppRunner, str]:
+    """``app`` served on a free port of 127.0.0.1 (an in-process stand-in, a relay, a test's or a
+    benchmark's server): its runner, which the caller cleans up, and its base URL."""
+    runner = web.AppRunner(app, **runner_options)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    return runner, f"http://127.0.0.1:{port}"

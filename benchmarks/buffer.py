@@ -36,6 +36,7 @@ import numpy as np
 from aiohttp import web
 
 from agentrl.buffer import Buffer, BufferClient, BufferConfig, Sample, add_buffer_routes
+from agentrl.web import start_on_loopback
 
 TOKENS = 2048
 ROUND = 1024
@@ -166,12 +167,8 @@ async def bench(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
 
     app = web.Application(client_max_size=1 << 30)
     add_buffer_routes(app, buf, "bench-token")
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    client = BufferClient(f"http://127.0.0.1:{port}", "bench-token", timeout_s=30)
+    runner, url = await start_on_loopback(app)
+    client = BufferClient(url, "bench-token", timeout_s=30)
     fetch_ms, fetch_cpu_ms = await fetches(buf, client, arrays, args.fetches, lists=False, tag="f")
     fetch_list_ms, fetch_list_cpu_ms = await fetches(buf, client, arrays, max(1, args.fetches // 2),
                                                      lists=True, tag="fl")

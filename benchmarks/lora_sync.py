@@ -44,23 +44,10 @@ log = logging.getLogger("benchmarks.lora_sync")
 
 def learner_model(model_dir: str, rank: int, seed: int) -> tuple[Any, Any]:
     """The learner's model with LoRA adapters whose B is non-zero (a policy some steps in)."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from agentrl.learner.dist import disable_dropout
-    from agentrl.learner.lora import LoraConfig, add_adapters
+    from agentrl.learner.lora import LoraConfig, perturbed_model
 
     cfg = LoraConfig(rank=rank, alpha=2.0 * rank)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    disable_dropout(model)
-    model = add_adapters(model, cfg, seed=seed)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.002)
-    model.eval()
-    return model, cfg
+    return perturbed_model(model_dir, cfg, seed=seed, b_std=0.002), cfg
 
 
 def payloads(model: Any, cfg: Any, model_dir: str) -> tuple[bytes, bytes]:

@@ -10,6 +10,7 @@ import aiohttp
 from aiohttp import web
 
 from agentrl.buffer import Buffer, BufferClient, BufferConfig, Sample, add_buffer_routes
+from agentrl.web import start_on_loopback
 
 TOKEN = "s3cret"
 
@@ -24,13 +25,9 @@ async def served(cfg: BufferConfig) -> AsyncIterator[tuple[Buffer, str]]:
     buf = Buffer(cfg)
     app = web.Application()
     add_buffer_routes(app, buf, TOKEN)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    runner, url = await start_on_loopback(app)
     try:
-        yield buf, f"http://127.0.0.1:{port}"
+        yield buf, url
     finally:
         await runner.cleanup()
         buf.close()

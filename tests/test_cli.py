@@ -18,6 +18,7 @@ from aiohttp import web
 
 from agentrl import config as C
 from agentrl.cli import main, parser
+from agentrl.web import start_on_loopback
 from tests.conftest import after_help
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -163,15 +164,11 @@ def fake_serve() -> Iterator[str]:
     loop = asyncio.new_event_loop()
     app = web.Application()
     app.router.add_get("/admin/status", status)
-    runner = web.AppRunner(app, access_log=None)
-    loop.run_until_complete(runner.setup())
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    loop.run_until_complete(site.start())
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    runner, url = loop.run_until_complete(start_on_loopback(app, access_log=None))
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
     try:
-        yield f"http://127.0.0.1:{port}"
+        yield url
     finally:
         loop.call_soon_threadsafe(loop.stop)
         thread.join(10)

@@ -9,6 +9,8 @@ stand-in for the engine updater (the real engine: tests/test_delta_sync_vllm.py)
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +18,7 @@ import pytest
 import torch
 
 from agentrl.config import LearnConfig, load
+from agentrl.web import start_on_loopback
 from agentrl.weights import DeltaError, DeltaTransport, DeltaTransportConfig, make_transport
 from agentrl.weights.delta import apply_delta, cast_state, delta_metadata, encode_delta, state_digest
 from tests.test_weight_sync import _serve as serve_receiver
@@ -138,6 +141,18 @@ class FilePool:
         return {"version": version, "engines": {}, "failed": []}
 
 
+@contextlib.asynccontextmanager
+async def delta_served(pool: Any, root: Path, cfg: DeltaTransportConfig) -> AsyncIterator[tuple[str, DeltaTransport]]:
+    """serve's weight receiver over ``pool`` (writing under ``root``) and a delta transport to it."""
+    runner, url = await serve_receiver(pool, root)
+    transport = DeltaTransport(cfg, url, "")
+    try:
+        yield url, transport
+    finally:
+        await transport.close()
+        await runner.cleanup()
+
+
 def test_the_transport_sends_full_then_deltas_and_serve_writes_full_versions_equal_to_the_learners(
         tmp_path: Path) -> None:
     async def go() -> None:
@@ -169,9 +184,7 @@ def test_a_delta_serve_cannot_apply_is_refused_with_409_and_the_full_weights_lan
 
     async def go() -> None:
         pool = FilePool()
-        runner, url = await serve_receiver(pool, tmp_path / "w")  # type: ignore[arg-type]
-        transport = DeltaTransport(DeltaTransportConfig(dtype="bfloat16"), url, "")
-        try:
+        async with delta_served(pool, tmp_path / "w", DeltaTransportConfig(dtype="bfloat16")) as (url, transport):
             master = random_state()
             await transport.publish(master, 1)
             pool.version = 2  # the engines moved on without this learner (another writer, a restore)
@@ -196,8 +209,6 @@ def test_a_delta_serve_cannot_apply_is_refused_with_409_and_the_full_weights_lan
             async with aiohttp.ClientSession() as http, http.post(f"{url}/admin/weights/5/delta",
                                                                   json={"chunks": 1}) as r:
                 assert r.status == 400 and "base" in (await r.json())["error"]["message"]
-        finally:
-            await runner.cleanup()
 
     asyncio.run(go())
 
@@ -205,17 +216,13 @@ def test_a_delta_serve_cannot_apply_is_refused_with_409_and_the_full_weights_lan
 def test_full_every_sends_the_full_weights_at_that_interval(tmp_path: Path) -> None:
     async def go() -> list[str]:
         pool = FilePool()
-        runner, url = await serve_receiver(pool, tmp_path / "w")  # type: ignore[arg-type]
-        transport = DeltaTransport(DeltaTransportConfig(dtype="float32", full_every=3), url, "")
-        try:
+        async with delta_served(pool, tmp_path / "w", DeltaTransportConfig(dtype="float32", full_every=3)) as (url, transport):
             master, kinds = random_state(), []
             for v in range(1, 8):
                 master = learner_step(master, 1e-2, v)
                 kinds.append((await transport.publish(master, v))["transport"]["kind"])
                 assert same_bits(pool.loaded[-1][1], cast_state(master, "float32"))
             return kinds
-        finally:
-            await runner.cleanup()
 
     assert asyncio.run(go()) == ["full", "delta", "delta", "full", "delta", "delta", "full"]
 
@@ -250,9 +257,7 @@ def test_when_no_engine_takes_a_delta_the_base_stays_and_the_next_delta_is_again
 
     async def go() -> None:
         pool = FailingOnce()
-        runner, url = await serve_receiver(pool, tmp_path / "w")  # type: ignore[arg-type]
-        transport = DeltaTransport(DeltaTransportConfig(dtype="bfloat16"), url, "")
-        try:
+        async with delta_served(pool, tmp_path / "w", DeltaTransportConfig(dtype="bfloat16")) as (url, transport):
             master = random_state()
             await transport.publish(master, 1)
             pool.fail = True
@@ -263,8 +268,6 @@ def test_when_no_engine_takes_a_delta_the_base_stays_and_the_next_delta_is_again
             result = await transport.publish(master, 3)
             assert result["transport"]["kind"] == "delta" and result["transport"]["base"] == 1
             assert same_bits(pool.loaded[-1][1], cast_state(master, "bfloat16"))
-        finally:
-            await runner.cleanup()
 
     asyncio.run(go())
 
@@ -278,11 +281,7 @@ def test_auto_takes_the_engines_dtype_serve_reports(tmp_path: Path) -> None:
     async def go() -> str | None:
         app = web.Application()
         app.router.add_get("/admin/info", info)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]
+        runner, url = await start_on_loopback(app)
         try:
             transport = DeltaTransport(DeltaTransportConfig(), url, "")
             return await transport._engine_dtype()

@@ -41,22 +41,12 @@ def lora_engine(tiny_tools_model: str, tmp_path_factory: pytest.TempPathFactory)
 
 def _policy(model_dir: str, folder: Path, seed: int) -> Any:
     """A learner-side policy: the model with rank-8 adapters (random B), saved as a peft folder."""
-    from transformers import AutoModelForCausalLM
-
-    from agentrl.learner.dist import disable_dropout
-    from agentrl.learner.lora import LoraConfig, add_adapters, save_adapter
+    from agentrl.learner.lora import LoraConfig, perturbed_model, save_adapter
 
     cfg = LoraConfig(rank=8, alpha=16.0)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    disable_dropout(model)
-    model = add_adapters(model, cfg, seed=seed)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
+    model = perturbed_model(model_dir, cfg, seed=seed, b_std=0.05)
     save_adapter(model.state_dict(), cfg, folder, base_model=model_dir)
-    return model.eval()
+    return model
 
 
 def _learner_logprobs(model: Any, sample: Any) -> torch.Tensor:

@@ -13,6 +13,7 @@ import pytest
 from aiohttp import web
 
 from agentrl.cli.run import wait_for_serve
+from agentrl.web import start_on_loopback
 
 
 class Child:
@@ -39,12 +40,7 @@ def _health_server(phases: list[tuple[float, str]]) -> Iterator[str]:
     async def start() -> None:
         app = web.Application()
         app.router.add_get("/health", health)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        box["runner"] = runner
-        box["url"] = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]
+        box["runner"], box["url"] = await start_on_loopback(app)
         ready.set()
 
     thread = threading.Thread(target=lambda: (loop.run_until_complete(start()), loop.run_forever()), daemon=True)

@@ -14,6 +14,7 @@ import pytest
 from aiohttp import web
 
 from agentrl.router.pool import EnginePool
+from agentrl.web import start_on_loopback
 from agentrl.weights import EnginesFailed, EngineUpdater, WeightGroupStale, WeightReceiver, publish
 
 
@@ -236,11 +237,7 @@ def test_an_engine_that_fails_to_resume_is_taken_out_and_reported():
 async def _serve(updater: EngineUpdater, root: Any) -> tuple[web.AppRunner, str]:
     app = web.Application(client_max_size=2**30)
     WeightReceiver(root, updater).add_routes(app, lambda request: None)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    return runner, f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]
+    return await start_on_loopback(app)
 
 
 def test_when_every_engine_fails_the_learner_gets_an_error_naming_them_and_the_next_version_goes_through(tmp_path):

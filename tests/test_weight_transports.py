@@ -20,6 +20,7 @@ import pytest
 from aiohttp import web
 
 from agentrl.config import LearnConfig, load
+from agentrl.web import start_on_loopback
 from agentrl.weights import (
     EnginesFailed,
     HttpTransport,
@@ -60,11 +61,7 @@ def fake_serve() -> Iterator[tuple[str, list[str]]]:
     async def main() -> None:
         app = web.Application()
         app.router.add_route("*", "/{tail:.*}", handle)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        box["url"] = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]
+        runner, box["url"] = await start_on_loopback(app)
         box["stop"] = stop = asyncio.Event()
         box["loop"] = asyncio.get_running_loop()
         ready.set()

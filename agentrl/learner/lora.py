@@ -31,7 +31,7 @@ from typing import Any
 from agentrl.weights.adapters import ADAPTER, adapter_config, adapter_state, is_adapter_key
 
 __all__ = ["ALL_LINEAR", "LoraConfig", "adapter_config", "adapter_state", "add_adapters", "is_adapter_key",
-           "merged_state", "save_adapter"]
+           "merged_state", "perturbed_model", "save_adapter"]
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +93,27 @@ def add_adapters(model: Any, cfg: LoraConfig, *, seed: int = 0) -> Any:
     log.info("LoRA rank %d, alpha %g on %s: %d trainable parameters of %d (%.2f%%)", cfg.rank, cfg.alpha,
              ",".join(cfg.target_modules), trainable, total, 100.0 * trainable / total)
     return model
+
+
+def perturbed_model(model_dir: str, cfg: LoraConfig, *, seed: int, b_std: float) -> Any:
+    """``model_dir`` in fp32, dropout off, with ``cfg``'s adapters whose B is drawn from
+    N(0, ``b_std``) (seeded) instead of zero: a policy as it is some steps into training, for checks
+    that an adapter changes what the engine computes exactly as it changes the learner's model
+    (parity tests, the sync benchmark). In eval mode."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from agentrl.learner.dist import disable_dropout
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    disable_dropout(model)
+    model = add_adapters(model, cfg, seed=seed)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * b_std)
+    return model.eval()
 
 
 def merged_state(state: dict[str, Any], cfg: LoraConfig) -> dict[str, Any]:
