@@ -100,3 +100,31 @@ def test_a_model_folder_is_built_once_per_recipe_and_a_failed_build_leaves_the_l
     assert (out / "weights").read_text() == "1"  # the last finished build is still there
     _build_once(out, {"steps": 30}, build)  # and the half-built folder does not get in the way
     assert (out / "weights").read_text() == "2"
+
+
+@pytest.mark.parametrize(("accuracies", "kept", "tries"), [([0.3, 0.7, 0.9], 1, 2), ([0.2, 0.4, 0.3], 1, 3),
+                                                          ([0.6], 0, 1)])
+def test_tiny_arith_tries_the_next_seed_until_its_copying_holds_and_keeps_the_best(
+        tmp_path, monkeypatch, caplog, accuracies, kept, tries):
+    import agentrl.models as models
+    import agentrl.models.tiny as tiny
+    import agentrl.models.warmstart as warmstart
+
+    seeds: list[int] = []
+
+    def fake_warm_start(folder, *, steps, copy_steps, seed):
+        (Path(folder) / "weights").write_text(f"seed {seed}")
+        seeds.append(seed)
+        return {"loss": 0.1 * seed, "seconds": 1.0}
+
+    monkeypatch.setattr(tiny, "build_tiny_model", lambda folder, overwrite: Path(folder).mkdir(parents=True))
+    monkeypatch.setattr(warmstart, "warm_start", fake_warm_start)
+    monkeypatch.setattr(warmstart, "copy_accuracy", lambda folder: accuracies[seeds[-1]])
+    out = models.build_tiny_arith_model(tmp_path / "tiny-arith")
+    assert seeds == list(range(tries))
+    assert (out / "weights").read_text() == f"seed {kept}"
+    stamp = json.loads((out / "agentrl_warmstart.json").read_text())
+    assert stamp["seed"] == kept and stamp["copy_accuracy"] == accuracies[kept]
+    assert stamp["min_copy_accuracy"] == models.ARITH_RECIPE["min_copy_accuracy"]
+    assert [p.name for p in tmp_path.iterdir()] == ["tiny-arith"]  # no try folder left behind
+    assert ("no try reached" in caplog.text) == (max(accuracies) < models.ARITH_RECIPE["min_copy_accuracy"])

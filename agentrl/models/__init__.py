@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -34,9 +35,7 @@ def resolve_model(name: str) -> str:
 
         return str(build_tiny_moe_model(home() / "models" / "tiny-moe"))
     if name == "tiny-arith":
-        # The same model warm-started to copy numbers too: about half its sampled arithmetic episodes
-        # succeed, so RL has something to sharpen (docs/learner.md). About 10 minutes on 2 cores.
-        return str(build_tiny_tools_model(home() / "models" / "tiny-arith", steps=300, copy_steps=2000))
+        return str(build_tiny_arith_model(home() / "models" / "tiny-arith"))
     if name == "tiny-agent":
         return str(build_tiny_agent_model(home() / "models" / "tiny-agent"))
     if name in ("smollm2", "smollm2-135m"):
@@ -84,6 +83,57 @@ def build_tiny_tools_model(out: Path, steps: int = 100, copy_steps: int = 0) -> 
     return _build_once(out, {"steps": steps, "copy_steps": copy_steps}, build)
 
 
+# the tiny-arith recipe: the tiny model warm-started to copy numbers too (a copy phase on short
+# transcripts, then whole ones). How well the copying forms varies with the seed and the machine's
+# arithmetic (a seed gave 30% exact tool calls on one machine and 69% with the next seed), so the
+# build checks it and tries the next seed below ``min_copy_accuracy``, up to ``seeds`` builds.
+ARITH_RECIPE = {"steps": 300, "copy_steps": 2000, "min_copy_accuracy": 0.5, "seeds": 3}
+
+
+def build_tiny_arith_model(out: Path) -> Path:
+    """The tiny model warm-started to copy numbers too (built once; about 5-10 minutes a try on 2
+    cores): about half its sampled arithmetic episodes succeed, so RL has something to sharpen
+    (docs/learner.md). Each try is checked with :func:`agentrl.models.warmstart.copy_accuracy`;
+    the first that reaches ``min_copy_accuracy`` is kept, else the best, with a warning."""
+    def build(tmp: Path) -> dict[str, Any]:
+        import logging
+        import shutil
+
+        from agentrl.models.tiny import build_tiny_model
+        from agentrl.models.warmstart import copy_accuracy, warm_start
+
+        log = logging.getLogger(__name__)
+        best: tuple[float, int, Path, dict[str, Any]] | None = None
+        for seed in range(ARITH_RECIPE["seeds"]):
+            folder = tmp.with_name(f"{tmp.name}-seed{seed}")
+            build_tiny_model(folder, overwrite=True)
+            log.info("building tiny-arith, try %d of %d (seed %d)", seed + 1, ARITH_RECIPE["seeds"], seed)
+            figures = warm_start(folder, steps=ARITH_RECIPE["steps"], copy_steps=ARITH_RECIPE["copy_steps"],
+                                 seed=seed)
+            accuracy = copy_accuracy(folder)
+            log.info("tiny-arith seed %d: %.0f%% of sampled first replies call the tool with the exact "
+                     "expression (wanted: %.0f%%)", seed, 100 * accuracy, 100 * ARITH_RECIPE["min_copy_accuracy"])
+            if best is None or accuracy > best[0]:
+                if best is not None:
+                    shutil.rmtree(best[2], ignore_errors=True)
+                best = (accuracy, seed, folder, figures)
+            else:
+                shutil.rmtree(folder, ignore_errors=True)
+            if accuracy >= ARITH_RECIPE["min_copy_accuracy"]:
+                break
+        assert best is not None
+        accuracy, seed, folder, figures = best
+        if accuracy < ARITH_RECIPE["min_copy_accuracy"]:
+            log.warning("tiny-arith: no try reached %.0f%% exact tool calls; keeping seed %d's %.0f%% (RL from it "
+                        "and from tiny-agent will gain less)", 100 * ARITH_RECIPE["min_copy_accuracy"], seed,
+                        100 * accuracy)
+        folder.rename(tmp)
+        return {**figures, "seed": seed, "copy_accuracy": accuracy}
+
+    stamp = {k: ARITH_RECIPE[k] for k in ("steps", "copy_steps", "min_copy_accuracy")}
+    return _build_once(out, stamp, build)
+
+
 # the tiny-agent recipe: tiny-arith, then this many whole-transcript steps, half of them answering
 # without the tool (docs/learner.md)
 AGENT_RECIPE = {"base": "tiny-arith", "steps": 150, "lr": 1e-3, "direct_frac": 0.5, "seed": 7}
@@ -106,7 +156,10 @@ def build_tiny_agent_model(out: Path) -> Path:
         return warm_start(tmp, steps=AGENT_RECIPE["steps"], lr=AGENT_RECIPE["lr"],
                           direct_frac=AGENT_RECIPE["direct_frac"], seed=AGENT_RECIPE["seed"])
 
-    return _build_once(out, {"recipe": AGENT_RECIPE}, build)
+    # the base's build figures are part of the stamp: a rebuilt tiny-arith (another seed) rebuilds this
+    base_stamp = Path(resolve_model(AGENT_RECIPE["base"])) / "agentrl_warmstart.json"
+    base_build = {k: v for k, v in json.loads(base_stamp.read_text()).items() if k in ("seed", "copy_accuracy")}
+    return _build_once(out, {"recipe": AGENT_RECIPE, "base_build": base_build}, build)
 
 
 # the smollm2-tools recipe: SmolLM2-135M-Instruct with the project's tool-aware ChatML template, then

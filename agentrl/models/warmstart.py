@@ -111,6 +111,36 @@ def warm_start(model_dir: str | Path, *, steps: int = 300, batch_size: int = 16,
                      phase=lambda s: "copying" if s < copy_steps else "whole transcripts")
 
 
+def copy_accuracy(model_dir: str | Path, *, questions: int = 128, seed: int = 123) -> float:
+    """How often the model's first reply to an arithmetic question (the environment's system prompt
+    and tool, sampled at temperature 1 as in training) calls the tool with the question's exact
+    expression: the copying skill RL cannot teach a two-layer model (docs/learner.md). The
+    questions come from their own seeded stream, not from the environment's splits."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from agentrl.env.tools import tool_schema
+    from agentrl.models.transcripts import arithmetic_problem
+    from environments.arithmetic import SYSTEM, ArithmeticEnv
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    tools = [tool_schema(ArithmeticEnv.python)]
+    rng = random.Random(seed)
+    right = 0
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        for _ in range(questions):
+            expr, _value = arithmetic_problem(rng)
+            messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": f"What is {expr}?"}]
+            out = tok.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True)
+            ids = torch.tensor([list(out["input_ids"] if hasattr(out, "keys") else out)])
+            reply = model.generate(ids, max_new_tokens=40, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
+                                   pad_token_id=tok.pad_token_id or 0)
+            right += f"print({expr})" in tok.decode(reply[0, ids.shape[1]:])
+    return right / questions
+
+
 def tool_use_warm_start(model_dir: str | Path, *, steps: int, batch_size: int = 8, lr: float = 1e-4,
                         top_layers: int | None = None, seed: int = 0) -> dict[str, float]:
     """Fine-tune a pretrained model folder in place on generic tool-use transcripts
