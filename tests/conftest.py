@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import json
 import os
 import socket
 import subprocess
@@ -57,6 +58,21 @@ def agentrl_run(run_dir: Path, *settings: str) -> subprocess.CompletedProcess[st
            f"--serve.router.port={free_port()}", f"--serve.engine.base_port={free_port()}", "--serve.model=tiny-tools",
            *settings]
     return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
+
+
+def straggler_run(run_dir: Path, *settings: str, latency_median_s: float, max_keys: int, max_turns: int,
+                   max_tokens: int, steps: int) -> list[dict[str, Any]]:
+    """:func:`agentrl_run` of ``steps`` learner steps on the straggler environment (episodes of about
+    ``latency_median_s`` per tool call, groups of 2, batches of 4, no evaluation), checked to have
+    ended at policy version ``steps``; returns the learner's step lines (``learner.jsonl``)."""
+    out = agentrl_run(run_dir, "--serve.env.name=straggler",
+                      f"--serve.env.config={{latency_median_s = {latency_median_s}, latency_sigma = 0.1, "
+                      f"max_keys = {max_keys}}}", f"--serve.env.max_turns={max_turns}",
+                      f"--serve.env.max_tokens={max_tokens}", "--serve.env.group_size=2",
+                      "--serve.buffer.batch_size=4", f"--learn.steps={steps}", "--eval.tasks=0", *settings)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    assert json.loads(out.stdout.splitlines()[-1])["final_version"] == steps
+    return [json.loads(x) for x in (run_dir / "learner.jsonl").read_text().splitlines()]
 
 
 def free_port() -> int:

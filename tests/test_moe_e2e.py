@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import agentrl_run
+from tests.conftest import straggler_run
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -53,16 +53,11 @@ def test_agentrl_run_trains_the_tiny_moe_through_the_engines_recorded_experts(tm
 
     model_dir = resolve_model("tiny-moe")
     run_dir = tmp_path / "run"
-    out = agentrl_run(run_dir, "--serve.model=tiny-moe", "--serve.env.name=straggler",
-                      "--serve.env.config={latency_median_s = 4.0, latency_sigma = 0.1, max_keys = 3}",
-                      "--serve.env.max_turns=4", "--serve.env.max_tokens=48", "--serve.env.group_size=2",
-                      "--serve.buffer.batch_size=4", "--learn.steps=3", "--eval.tasks=0",
-                      "--learn.checkpoint_every=1", "--learn.keep_checkpoints=0")
-    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
-    assert json.loads(out.stdout.splitlines()[-1])["final_version"] == 3
+    steps = straggler_run(run_dir, "--serve.model=tiny-moe", "--learn.checkpoint_every=1",
+                          "--learn.keep_checkpoints=0", latency_median_s=4.0, max_keys=3, max_turns=4,
+                          max_tokens=48, steps=3)
 
     # every step trained through recorded experts; at matching precision they rarely differ from the learner's own
-    steps = [json.loads(x) for x in (run_dir / "learner.jsonl").read_text().splitlines()]
     assert len(steps) == 3
     for s in steps:
         assert s["routing_replayed_tokens"] > 0 and 0.0 <= s["routing_disagreement"] < 0.2, s

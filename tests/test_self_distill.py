@@ -5,27 +5,20 @@ teacher's logprobs and version are on every trained sample."""
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import agentrl_run
+from tests.conftest import straggler_run
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 
 def test_agentrl_run_distils_from_its_own_policy_one_version_back(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    out = agentrl_run(run_dir, "--serve.env.name=straggler",
-                      "--serve.env.config={latency_median_s = 0.2, latency_sigma = 0.1, max_keys = 2}",
-                      "--serve.env.max_turns=2", "--serve.env.max_tokens=24", "--serve.env.group_size=2",
-                      "--serve.buffer.batch_size=4", "--learn.steps=4", "--eval.tasks=0",
-                      "--serve.scoring.teacher.lag=1", "--learn.loss.distill_coef=0.5")
-    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
-    assert json.loads(out.stdout.splitlines()[-1])["final_version"] == 4
-    steps = [json.loads(x) for x in (run_dir / "learner.jsonl").read_text().splitlines()]
+    steps = straggler_run(run_dir, "--serve.scoring.teacher.lag=1", "--learn.loss.distill_coef=0.5",
+                          latency_median_s=0.2, max_keys=2, max_turns=2, max_tokens=24, steps=4)
     assert len(steps) == 4
     for s in steps:  # every trained sample was scored by the teacher, never newer than a version back
         assert s["teacher_tokens"] > 0 and s["teacher_kl"] == s["teacher_kl"], s  # finite

@@ -63,13 +63,8 @@ def _unit_mean(x: Tensor, mask: Tensor, unit_mask: Tensor, level: Level) -> Tens
 
 
 @torch.no_grad()
-def truncated_is(
-    logp_old: Tensor,
-    logp_behaviour: Tensor,
-    mask: Tensor,
-    cap: float,
-    level: Level = "token",
-) -> tuple[Tensor, Stats]:
+def truncated_is(logp_old: Tensor, logp_behaviour: Tensor, mask: Tensor, cap: float,
+                 level: Level = "token") -> tuple[Tensor, Stats]:
     """Truncated importance sampling: ``w = min(pi_old / mu, cap)``.
 
     Token level: one ratio per token. Sequence level: ``exp(sum_t log(pi_old/mu))`` per sequence,
@@ -110,14 +105,8 @@ def _band_mask(
 
 
 @torch.no_grad()
-def masked_is(
-    logp_old: Tensor,
-    logp_behaviour: Tensor,
-    mask: Tensor,
-    low: float,
-    high: float,
-    level: Level = "token",
-) -> tuple[Tensor, Stats]:
+def masked_is(logp_old: Tensor, logp_behaviour: Tensor, mask: Tensor, low: float, high: float,
+              level: Level = "token") -> tuple[Tensor, Stats]:
     """Masked importance sampling: keep units whose ratio ``pi_old / mu`` lies in [low, high].
 
     Kept tokens get weight 1; tokens (token level) or whole sequences (sequence levels) outside

@@ -16,7 +16,7 @@ Invariants:
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, TypedDict, Unpack
 
 import torch
 from torch import Tensor
@@ -24,7 +24,16 @@ from torch import Tensor
 from agentrl.learner.corrections import Stats, log_ratio
 from agentrl.learner.masked import Agg, aggregate, as_bool, masked_max, masked_mean
 
-__all__ = ["cispo_loss", "decoupled_ppo_loss", "gspo_loss", "policy_gradient_loss", "ppo_clip_loss"]
+__all__ = ["Reduction", "cispo_loss", "decoupled_ppo_loss", "gspo_loss", "policy_gradient_loss", "ppo_clip_loss"]
+
+
+class Reduction(TypedDict, total=False):
+    """How an objective reduces its per-token terms to the loss: :func:`~agentrl.learner.masked.aggregate`'s
+    ``agg`` (``token-mean`` unless the objective says otherwise), ``denominator`` and ``norm_tokens``."""
+
+    agg: Agg
+    denominator: float | Tensor | None
+    norm_tokens: float
 
 
 def _per_token(advantages: Tensor, like: Tensor) -> Tensor:
@@ -46,8 +55,7 @@ def _clip_stats(high: Tensor, low: Tensor, m: Tensor, ratio: Tensor, rows: Tenso
 
 
 def _clipped_surrogate(ratio: Tensor, a: Tensor, m: Tensor, clip_low: float, clip_high: float,
-                       is_weights: Tensor | None, agg: Agg, denominator: float | Tensor | None,
-                       norm_tokens: float) -> tuple[Tensor, Tensor, Tensor]:
+                       is_weights: Tensor | None, reduce: Reduction) -> tuple[Tensor, Tensor, Tensor]:
     """PPO's clipped term, aggregated: per token ``-w * min(r * A, clip(r, 1 - clip_low, 1 + clip_high) * A)``.
     Also the tokens the clip took from the gradient (detached): A > 0 above the range, A < 0 below it."""
     unclipped = ratio * a
@@ -55,7 +63,7 @@ def _clipped_surrogate(ratio: Tensor, a: Tensor, m: Tensor, clip_low: float, cli
     per_token = -torch.minimum(unclipped, clipped)
     if is_weights is not None:
         per_token = per_token * is_weights.detach()
-    loss = aggregate(per_token, m, agg, denominator, norm_tokens)
+    loss = aggregate(per_token, m, **reduce)
     with torch.no_grad():
         r = ratio.detach()
         high = (a > 0) & (r > 1.0 + clip_high)
@@ -63,37 +71,21 @@ def _clipped_surrogate(ratio: Tensor, a: Tensor, m: Tensor, clip_low: float, cli
     return loss, high, low
 
 
-def policy_gradient_loss(
-    logp: Tensor,
-    advantages: Tensor,
-    mask: Tensor,
-    is_weights: Tensor | None = None,
-    agg: Agg = "token-mean",
-    denominator: float | Tensor | None = None,
-    norm_tokens: float = 0.0,
-) -> tuple[Tensor, Stats]:
+def policy_gradient_loss(logp: Tensor, advantages: Tensor, mask: Tensor, is_weights: Tensor | None = None,
+                         **reduce: Unpack[Reduction]) -> tuple[Tensor, Stats]:
     """REINFORCE / single-step GRPO: ``loss = agg(-(w * A * logp))``, w detached (1 if None)."""
     a = _per_token(advantages, logp)
     per_token = -a * logp
     if is_weights is not None:
         per_token = per_token * is_weights.detach()
-    loss = aggregate(per_token, mask, agg, denominator, norm_tokens)
+    loss = aggregate(per_token, mask, **reduce)
     stats = {"tokens": as_bool(mask).sum().to(logp.dtype).detach()}
     return loss, stats
 
 
-def ppo_clip_loss(
-    logp: Tensor,
-    logp_prox: Tensor,
-    advantages: Tensor,
-    mask: Tensor,
-    clip_low: float = 0.2,
-    clip_high: float = 0.2,
-    is_weights: Tensor | None = None,
-    agg: Agg = "token-mean",
-    denominator: float | Tensor | None = None,
-    norm_tokens: float = 0.0,
-) -> tuple[Tensor, Stats]:
+def ppo_clip_loss(logp: Tensor, logp_prox: Tensor, advantages: Tensor, mask: Tensor, clip_low: float = 0.2,
+                  clip_high: float = 0.2, is_weights: Tensor | None = None,
+                  **reduce: Unpack[Reduction]) -> tuple[Tensor, Stats]:
     """PPO clipped objective against a proximal policy, optionally importance-weighted.
 
     ``r = exp(logp - logp_prox)``; per token ``-w * min(r * A, clip(r, 1 - clip_low, 1 + clip_high) * A)``.
@@ -107,24 +99,14 @@ def ppo_clip_loss(
     log_r = logp - logp_prox.detach()
     log_r = torch.where(m, log_r, torch.zeros_like(log_r))
     ratio = torch.exp(log_r)
-    loss, high, low = _clipped_surrogate(ratio, a, m, clip_low, clip_high, is_weights, agg, denominator, norm_tokens)
+    loss, high, low = _clipped_surrogate(ratio, a, m, clip_low, clip_high, is_weights, reduce)
     return loss, _clip_stats(high, low, m, ratio.detach(), m)
 
 
-def decoupled_ppo_loss(
-    logp: Tensor,
-    logp_prox: Tensor,
-    logp_behaviour: Tensor,
-    advantages: Tensor,
-    mask: Tensor,
-    clip_low: float = 0.2,
-    clip_high: float = 0.2,
-    is_cap: float | None = None,
-    is_cap_mode: Literal["truncate", "mask"] = "truncate",
-    agg: Agg = "token-mean",
-    denominator: float | Tensor | None = None,
-    norm_tokens: float = 0.0,
-) -> tuple[Tensor, Stats]:
+def decoupled_ppo_loss(logp: Tensor, logp_prox: Tensor, logp_behaviour: Tensor, advantages: Tensor, mask: Tensor,
+                       clip_low: float = 0.2, clip_high: float = 0.2, is_cap: float | None = None,
+                       is_cap_mode: Literal["truncate", "mask"] = "truncate",
+                       **reduce: Unpack[Reduction]) -> tuple[Tensor, Stats]:
     """Decoupled PPO (AReaL): ``-(pi_prox / mu) * min(r * A, clip(r) * A)``, ``r = pi_theta / pi_prox``.
 
     The trust region is taken around the proximal policy, and the detached factor ``pi_prox / mu``
@@ -146,26 +128,16 @@ def decoupled_ppo_loss(
         else:
             raise ValueError(f"unknown is_cap_mode {is_cap_mode!r}; use truncate or mask")
         w = torch.where(m, w, torch.zeros_like(w))
-    loss, stats = ppo_clip_loss(logp, logp_prox, advantages, m, clip_low, clip_high, w, agg, denominator,
-                                norm_tokens)
+    loss, stats = ppo_clip_loss(logp, logp_prox, advantages, m, clip_low, clip_high, w, **reduce)
     stats["is_mean"] = masked_mean(w, m)
     stats["is_max"] = masked_max(raw, m)
     stats["is_frac_capped"] = masked_mean(capped.to(w.dtype), m)
     return loss, stats
 
 
-def gspo_loss(
-    logp: Tensor,
-    logp_old: Tensor,
-    advantages: Tensor,
-    mask: Tensor,
-    clip_low: float = 3e-4,
-    clip_high: float = 4e-4,
-    is_weights: Tensor | None = None,
-    agg: Agg = "seq-mean-token-mean",
-    denominator: float | Tensor | None = None,
-    norm_tokens: float = 0.0,
-) -> tuple[Tensor, Stats]:
+def gspo_loss(logp: Tensor, logp_old: Tensor, advantages: Tensor, mask: Tensor, clip_low: float = 3e-4,
+              clip_high: float = 4e-4, is_weights: Tensor | None = None,
+              **reduce: Unpack[Reduction]) -> tuple[Tensor, Stats]:
     """GSPO (Zheng et al. 2025, *Group Sequence Policy Optimization*): PPO's clip on a sequence ratio.
 
     ``s_i = exp(mean_t (log pi_theta - log pi_old))`` over sequence i's counted tokens (the
@@ -173,7 +145,7 @@ def gspo_loss(
     clip_low, 1 + clip_high) * A)`` with ``s_it = sg(s_i) * pi_theta(y_t) / sg(pi_theta(y_t))``,
     which equals ``s_i`` in value. That is the paper's GSPO-token form: for one advantage per
     sequence its gradient is GSPO's, ``s_i * A_i * mean_t grad log pi_theta(y_t)``, and it also
-    takes per-token advantages. The default ``seq-mean-token-mean`` makes each sequence count
+    takes per-token advantages. Its default ``agg``, ``seq-mean-token-mean``, makes each sequence count
     once (GSPO's ``1/G sum_i``). A sequence whose clipped term is the smaller gets no gradient at
     all: the clip acts on whole sequences, and its range is in the 1e-4s because ``s_i`` is a
     geometric mean. Stats as ``ppo_clip_loss`` (``clip_frac`` over tokens, ratios per sequence).
@@ -185,22 +157,14 @@ def gspo_loss(
     # value s_i at every token, gradient s_i * grad log pi(y_t) through the token's own logprob
     token_grad = torch.where(m, logp - logp.detach(), torch.zeros_like(logp))
     s = torch.exp(log_s.unsqueeze(-1) + token_grad)
-    loss, high, low = _clipped_surrogate(s, a, m, clip_low, clip_high, is_weights, agg, denominator, norm_tokens)
+    loss, high, low = _clipped_surrogate(s, a, m, clip_low, clip_high, is_weights,
+                                         {"agg": "seq-mean-token-mean", **reduce})
     return loss, _clip_stats(high, low, m, torch.exp(log_s), m.any(-1))
 
 
-def cispo_loss(
-    logp: Tensor,
-    logp_old: Tensor,
-    advantages: Tensor,
-    mask: Tensor,
-    clip_low: float = 1.0,
-    clip_high: float = 1.0,
-    is_weights: Tensor | None = None,
-    agg: Agg = "token-mean",
-    denominator: float | Tensor | None = None,
-    norm_tokens: float = 0.0,
-) -> tuple[Tensor, Stats]:
+def cispo_loss(logp: Tensor, logp_old: Tensor, advantages: Tensor, mask: Tensor, clip_low: float = 1.0,
+               clip_high: float = 1.0, is_weights: Tensor | None = None,
+               **reduce: Unpack[Reduction]) -> tuple[Tensor, Stats]:
     """CISPO (MiniMax-M1, 2025): REINFORCE weighted by the clipped, stop-gradient ratio.
 
     ``r = pi_theta / pi_old``; per token ``-w * sg(clip(r, 1 - clip_low, 1 + clip_high)) * A *
@@ -218,7 +182,7 @@ def cispo_loss(
         if is_weights is not None:
             weight = weight * is_weights.detach()
     per_token = -weight * a * logp
-    loss = aggregate(per_token, m, agg, denominator, norm_tokens)
+    loss = aggregate(per_token, m, **reduce)
     with torch.no_grad():
         stats = _clip_stats(r > 1.0 + clip_high, r < 1.0 - clip_low, m, r, m)
     return loss, stats

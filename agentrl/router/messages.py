@@ -31,6 +31,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from agentrl.router.errors import InvalidRequest, RouterError
+from agentrl.router.validate import typed_tools
 
 # The SDK's request fields that change nothing the router renders or samples are accepted
 # (cache_control, metadata, ...); temperature / top_p / top_k are not in the 2.x SDK's signature
@@ -154,21 +155,16 @@ def chat_messages(messages: Any) -> list[dict[str, Any]]:
 
 
 def _tools(tools: Any) -> list[dict[str, Any]]:
-    if not isinstance(tools, list):
-        raise InvalidRequest("tools: must be a list", param="tools")
     out = []
-    for i, t in enumerate(tools):
-        if not isinstance(t, dict) or t.get("type", "custom") != "custom":
-            kind = t.get("type") if isinstance(t, dict) else None
-            raise InvalidRequest(f"tools.{i}: tools of type {kind!r} are not supported by this router (custom "
-                                 "tools with an input_schema are)", param=f"tools.{i}.type")
+    for at, t in typed_tools(tools, "custom", untyped="custom", path="tools.{i}", not_a_list="tools: must be a list",
+                             supported="custom tools with an input_schema"):
         if not isinstance(t.get("name"), str) or not t["name"]:
-            raise InvalidRequest(f"tools.{i}.name: Field required (a string)", param=f"tools.{i}.name")
+            raise InvalidRequest(f"{at}.name: Field required (a string)", param=f"{at}.name")
         if t.get("description") is not None and not isinstance(t["description"], str):
-            raise InvalidRequest(f"tools.{i}.description: must be a string", param=f"tools.{i}.description")
+            raise InvalidRequest(f"{at}.description: must be a string", param=f"{at}.description")
         if not isinstance(t.get("input_schema"), dict):
-            raise InvalidRequest(f"tools.{i}.input_schema: Field required (a JSON Schema object)",
-                                 param=f"tools.{i}.input_schema")
+            raise InvalidRequest(f"{at}.input_schema: Field required (a JSON Schema object)",
+                                 param=f"{at}.input_schema")
         fn: dict[str, Any] = {"name": t["name"], "parameters": t["input_schema"]}
         if t.get("description") is not None:
             fn["description"] = t["description"]

@@ -38,7 +38,7 @@ from typing import Any
 
 from agentrl.router.chat_parity import check_tools
 from agentrl.router.errors import InvalidRequest, NotFound
-from agentrl.router.validate import check_model
+from agentrl.router.validate import check_model, typed_tools
 
 log = logging.getLogger(__name__)
 
@@ -212,14 +212,10 @@ def input_messages(items: Any, known_calls: set[str]) -> list[dict[str, Any]]:
 
 
 def _chat_tools(tools: Any) -> list[dict[str, Any]]:
-    if not isinstance(tools, list):
-        raise InvalidRequest("'tools' must be a list of function tools", param="tools")
     out = []
-    for i, t in enumerate(tools):
-        if not isinstance(t, dict) or t.get("type") != "function":
-            kind = t.get("type") if isinstance(t, dict) else None
-            raise InvalidRequest(f"tools[{i}]: tools of type {kind!r} are not supported by this router (function "
-                                 "tools are)", param=f"tools[{i}].type", code="unsupported_tool")
+    for _, t in typed_tools(tools, "function", untyped=None, path="tools[{i}]",
+                            not_a_list="'tools' must be a list of function tools", supported="function tools",
+                            code="unsupported_tool"):
         fn = {k: t[k] for k in ("name", "description", "parameters", "strict") if t.get(k) is not None}
         out.append({"type": "function", "function": fn})
     chat = {"tools": out}

@@ -17,6 +17,25 @@ MAX_N = 64
 MAX_TOP_LOGPROBS = 20
 
 
+def typed_tools(tools: Any, wanted: str, *, untyped: str | None, path: str, not_a_list: str, supported: str,
+                code: str | None = None) -> list[tuple[str, dict[str, Any]]]:
+    """A foreign protocol's ``tools``, each checked to be an object of type ``wanted`` (one without a
+    type counts as ``untyped``): ``(its parameter path, the tool)`` per tool, the path ``path`` with
+    ``{i}`` filled in. A non-list is :class:`InvalidRequest` ``not_a_list``; a tool of another type one
+    that names it and what this router ``supported``."""
+    if not isinstance(tools, list):
+        raise InvalidRequest(not_a_list, param="tools")
+    out = []
+    for i, t in enumerate(tools):
+        at = path.format(i=i)
+        if not isinstance(t, dict) or t.get("type", untyped) != wanted:
+            kind = t.get("type") if isinstance(t, dict) else None
+            raise InvalidRequest(f"{at}: tools of type {kind!r} are not supported by this router ({supported} are)",
+                                 param=f"{at}.type", code=code)
+        out.append((at, t))
+    return out
+
+
 def _number(body: dict[str, Any], key: str, lo: float, hi: float) -> None:
     v = body.get(key)
     if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not lo <= v <= hi):

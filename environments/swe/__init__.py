@@ -19,9 +19,8 @@ from typing import Any
 import agentrl
 
 REPO = "/work/repo"
-SYSTEM = (f"You are a software engineer. The repository is in {REPO}, a git repository. Use the bash tool to "
-          "inspect and fix the code so that its tests pass; do not change the tests. Say done when finished.")
 _GIT = "git -c user.name=agentrl -c user.email=agentrl@localhost"
+TEST = "python3 -m unittest discover -s tests -t . -q"  # a task's test command unless it names its own
 
 
 def _task(task_id: str, issue: str, module: str, source: str, function: str, checks: list[str],
@@ -45,16 +44,17 @@ TASKS = [
           "def mean(xs):\n    return sum(xs) / (len(xs) - 1)\n", "mean", ["mean([2, 4]), 3.0", "mean([5]), 5.0"],
           "sed -i 's/(len(xs) - 1)/len(xs)/' stats.py"),
 ]
-TEST = "python3 -m unittest discover -s tests -t . -q"
 
 
 @agentrl.environment("swe")
 class SweEnv(agentrl.TaskListEnv):
-    system_prompt = SYSTEM
-    sandbox_image = "agentrl/swe:latest"
+    sandbox_image = "agentrl/swe:latest"  # the base image with git (agentrl sandbox build)
     max_turns = 8
+    system_prompt = (f"You are a software engineer. The repository is in {REPO}, a git repository. Use the bash "
+                     "tool to inspect and fix the code so that its tests pass; do not change the tests. Say done "
+                     "when finished.")
     TASKS = TASKS
-    timeout_s = 30.0
+    timeout_s = 30.0  # a commit or a test run in the sandbox can outlast the default 10 s
 
     def prompt(self, task: dict[str, Any]) -> str:
         return f"Fix this issue in the repository in {REPO}: {task['issue']}"
