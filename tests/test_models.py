@@ -102,6 +102,35 @@ def test_a_model_folder_is_built_once_per_recipe_and_a_failed_build_leaves_the_l
     assert (out / "weights").read_text() == "2"
 
 
+def test_a_second_process_asking_for_a_model_being_built_waits_and_does_not_build_it_again(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    from agentrl.models import exclusive_build
+
+    out = tmp_path / "models" / "tiny"
+    code = ("import logging; logging.basicConfig(level=logging.INFO)\n"
+            "from agentrl.models import resolve_model; print(resolve_model('tiny'))")
+    env = {**os.environ, "AGENTRL_HOME": str(tmp_path)}
+    with exclusive_build(out):  # this process is building it: the other must wait, not build beside it
+        other = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, text=True)
+        assert other.stderr is not None
+        for line in iter(other.stderr.readline, ""):  # its log, up to the line that says it waits
+            if "waiting for it to finish" in line:
+                break
+        else:
+            pytest.fail(f"the second process ended without waiting for the build (exit {other.wait()})")
+        build_tiny_model(out)
+        built = (out / "model.safetensors").stat().st_mtime_ns
+    stdout, stderr = other.communicate(timeout=300)
+    assert other.returncode == 0, stderr[-2000:]
+    assert stdout.strip() == str(out)
+    assert (out / "model.safetensors").stat().st_mtime_ns == built  # found done, not built again
+    assert (out / "tokenizer.json").exists()
+
+
 @pytest.mark.parametrize(("accuracies", "kept", "tries"), [([0.3, 0.7, 0.9], 1, 2), ([0.2, 0.4, 0.3], 1, 3),
                                                           ([0.6], 0, 1)])
 def test_tiny_arith_tries_the_next_seed_until_its_copying_holds_and_keeps_the_best(

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 
 def home() -> Path:
@@ -24,27 +28,52 @@ def resolve_model(name: str) -> str:
     wheel, ``"smollm2-tools"`` is that model with a chat template that renders tools and a short
     warm-start on generic tool use (the model for an environment of one's own); a local folder is returned as is; anything else is passed through as a hub name.
     """
-    if name == "tiny":
-        from agentrl.models.tiny import build_tiny_model
-
-        return str(build_tiny_model(home() / "models" / "tiny"))
-    if name == "tiny-tools":
-        return str(build_tiny_tools_model(home() / "models" / "tiny-tools"))
-    if name == "tiny-moe":  # the mixture-of-experts one (agentrl/models/moe.py)
-        from agentrl.models.moe import build_tiny_moe_model
-
-        return str(build_tiny_moe_model(home() / "models" / "tiny-moe"))
-    if name == "tiny-arith":
-        return str(build_tiny_arith_model(home() / "models" / "tiny-arith"))
-    if name == "tiny-agent":
-        return str(build_tiny_agent_model(home() / "models" / "tiny-agent"))
-    if name in ("smollm2", "smollm2-135m"):
-        from agentrl.models.smollm2 import build_smollm2
-
-        return str(build_smollm2(home() / "models" / "smollm2-135m"))
-    if name == "smollm2-tools":
-        return str(build_smollm2_tools_model(home() / "models" / "smollm2-tools"))
+    builders: dict[str, Callable[[Path], Path]] = {
+        "tiny": _tiny, "tiny-tools": build_tiny_tools_model, "tiny-moe": _tiny_moe,
+        "tiny-arith": build_tiny_arith_model, "tiny-agent": build_tiny_agent_model,
+        "smollm2": _smollm2, "smollm2-135m": _smollm2, "smollm2-tools": build_smollm2_tools_model,
+    }
+    if name in builders:
+        out = home() / "models" / ("smollm2-135m" if name == "smollm2" else name)
+        with exclusive_build(out):
+            return str(builders[name](out))
     return name
+
+
+def _tiny(out: Path) -> Path:
+    from agentrl.models.tiny import build_tiny_model
+
+    return build_tiny_model(out)
+
+
+def _tiny_moe(out: Path) -> Path:  # the mixture-of-experts one (agentrl/models/moe.py)
+    from agentrl.models.moe import build_tiny_moe_model
+
+    return build_tiny_moe_model(out)
+
+
+def _smollm2(out: Path) -> Path:
+    from agentrl.models.smollm2 import build_smollm2
+
+    return build_smollm2(out)
+
+
+@contextlib.contextmanager
+def exclusive_build(out: Path) -> Iterator[None]:
+    """Held while the model folder ``out`` is checked and built (a lock file beside it): a second
+    process asking for the same model waits for the first build and then finds it done. Two builds
+    at once would share one ``.building`` folder and delete each other's files (a tiny-tools folder
+    without its tokenizer was seen that way)."""
+    import fcntl
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.with_name(out.name + ".lock"), "a") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.info("another process is building %s: waiting for it to finish", out)
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
 
 
 def _build_once(out: Path, stamp: dict[str, Any], build: Callable[[Path], dict[str, Any]]) -> Path:
