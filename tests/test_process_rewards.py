@@ -16,7 +16,8 @@ import agentrl
 from agentrl.buffer.sample import Sample
 from agentrl.learner.advantages import process_advantages
 from agentrl.scoring import ScoringConfig, ScoringStage
-from agentrl.scoring.stage import generated_turns, place_turn_rewards
+from agentrl.scoring.registry import split_at_token, split_text
+from agentrl.scoring.stage import generated_segments, generated_turns, place_turn_rewards
 from tests.scoring_helpers import TASK, finished_episode
 
 NAN = np.nan
@@ -73,6 +74,50 @@ def test_a_per_turn_scorer_scores_tokens_and_leaves_the_outcome_reward_alone():
     assert ep.error is None and s.token_rewards[2] == 1.0 and np.isnan(s.token_rewards[:2]).all()
     assert ep.reward == 1.0 and s.reward == 1.0  # the outcome is the environment's
     assert s.info["rewards"] == {"env": 1.0, "unit-steps": 0.25}
+
+
+def test_a_splitter_cuts_the_turns_into_segments_and_their_rewards_go_on_each_segments_last_token():
+    a = _two_turns()  # turns: tokens 3, 4, 5 (positions 2-4) and 8, 9 (positions 7-8)
+    split = split_at_token(4)  # a segment ends after each token 4; the turn's end ends one too
+    assert generated_segments(SimpleNamespace(samples=[a]), split) == [[3, 4], [5], [8, 9]]
+    assert place_turn_rewards([a], [1.0, 0.5, -1.0], weight=2.0, split=split) == pytest.approx(0.5 / 3)
+    assert np.flatnonzero(np.isfinite(a.token_rewards)).tolist() == [3, 4, 8]
+    assert a.token_rewards[[3, 4, 8]].tolist() == [2.0, 1.0, -2.0]
+    with pytest.raises(ValueError, match="returned 2 rewards for the episode's 3 segments"):
+        place_turn_rewards([a], [1.0, 2.0], weight=1.0, split=split)
+    for bad in ([2, 1], [0], [4], [1, 1], "1", [1.5]):  # not increasing offsets within the turn
+        with pytest.raises(ValueError, match="splitter"):
+            place_turn_rewards([_two_turns()], [1.0, 1.0, 1.0], weight=1.0, split=lambda turn, b=bad: b)
+
+
+def test_split_text_ends_a_segment_at_each_delimiter_of_the_decoded_turn(tiny_tools_model: str) -> None:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_tools_model)
+    parts = ["First, 37 * 12 is 444.\n\n", "Then 444 + 5 = 449.\n\n\n\n", "The answer is 449."]
+    ids = tok.encode("".join(parts), add_special_tokens=False)
+    n = len(ids) + 1
+    turn = Sample([0, *ids], [0] + [1] * len(ids), [0.0] * n, [0] * n, episode_id="e", group_id="g", env="t",
+                  reward=0.0)
+    segments = generated_segments(SimpleNamespace(samples=[turn]), split_text(tok, "\n\n"))
+    # this tokenizer has one token per newline: four in a row are two delimiters, two segment ends
+    assert [tok.decode(s) for s in segments] == [parts[0], "Then 444 + 5 = 449.\n\n", "\n\n", parts[2]]
+    one_token = SimpleNamespace(decode=lambda ids: {1: "a", 2: "\n\n\n\n", 3: "b"}[ids[0]])
+    assert split_text(one_token)([1, 2, 3, 2]) == [2, 4]  # a token that completes two ends one segment
+
+
+@agentrl.scorer("unit-sentences", split=split_at_token(2))
+async def _sentences(task: dict[str, Any], episode: Any) -> list[float]:
+    return [float(len(s)) for s in generated_segments(episode, split_at_token(2))]
+
+
+def test_a_splitting_scorer_through_the_stage_scores_each_segment_and_leaves_the_outcome_alone():
+    ep = finished_episode(reward=0.0)
+    stage = ScoringStage(ScoringConfig(scorers={"unit-sentences": 0.5}))
+    asyncio.run(stage(TASK, ep))
+    (s,) = ep.samples  # tokens [1, 2, 3], mask [0, 1, 1]: segments [2] and [3]
+    assert ep.error is None and s.token_rewards[1:].tolist() == [0.5, 0.5] and np.isnan(s.token_rewards[0])
+    assert ep.reward == 0.0 and s.info["rewards"] == {"env": 0.0, "unit-sentences": 1.0}
 
 
 def test_a_step_trains_on_process_rewards_where_the_outcome_rewards_are_flat(tiny_model: str) -> None:

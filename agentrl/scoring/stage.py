@@ -23,7 +23,7 @@ import numpy as np
 
 from agentrl.errors import TransportError
 from agentrl.scoring.config import JudgeConfig, ScoringConfig
-from agentrl.scoring.registry import Scorer, get_scorer, is_per_turn
+from agentrl.scoring.registry import Scorer, Splitter, get_scorer, splitter_of, whole_turn
 
 log = logging.getLogger(__name__)
 
@@ -48,18 +48,46 @@ def generated_turns(episode: Any) -> list[list[int]]:
     return [episode.samples[i].token_ids[a:b].tolist() for i, a, b in _turn_spans(episode.samples)]
 
 
-def place_turn_rewards(samples: list[Any], rewards: Any, weight: float) -> float:
-    """A process scorer's per-turn ``rewards`` (times ``weight``) added to the samples'
-    ``token_rewards`` on the last token of each generated turn: the runs of a nonzero loss mask,
-    sample after sample, in order (an episode split into several samples has its turns in order
-    across them). Returns the rewards' mean. Raises ValueError when the rewards are not finite
-    numbers, one per turn."""
+def _segment_spans(samples: list[Any], split: Splitter) -> list[tuple[int, int, int]]:
+    """(sample index, start, end) of each segment: every generated turn cut at the end offsets
+    ``split`` gives for it (the turn's end always one). Raises ValueError on offsets that are not
+    increasing whole numbers within the turn."""
+    spans = []
+    for i, a, b in _turn_spans(samples):
+        ends = split(samples[i].token_ids[a:b].tolist())
+        if not isinstance(ends, list | tuple) or not all(isinstance(e, int) and not isinstance(e, bool)
+                                                         for e in ends):
+            raise ValueError(f"the splitter must return a list of token offsets, not {str(ends)[:200]}")
+        if list(ends) != sorted(set(ends)) or (ends and not 1 <= ends[0] <= ends[-1] <= b - a):
+            raise ValueError(f"the splitter's offsets {list(ends)[:20]} are not increasing within the turn's "
+                             f"{b - a} tokens")
+        if not ends or ends[-1] != b - a:
+            ends = [*ends, b - a]
+        starts = [0, *ends[:-1]]
+        spans += [(i, a + lo, a + hi) for lo, hi in zip(starts, ends, strict=True)]
+    return spans
+
+
+def generated_segments(episode: Any, split: Splitter) -> list[list[int]]:
+    """The token ids of each segment of the turns the model generated in ``episode``, in order, as
+    ``split`` cuts them (:func:`~agentrl.scoring.registry.split_text`, ...): what a scorer
+    registered with that ``split`` returns one reward for."""
+    return [episode.samples[i].token_ids[a:b].tolist() for i, a, b in _segment_spans(episode.samples, split)]
+
+
+def place_turn_rewards(samples: list[Any], rewards: Any, weight: float, split: Splitter = whole_turn) -> float:
+    """A process scorer's ``rewards`` (times ``weight``), one per segment (per generated turn unless
+    ``split`` cuts the turns finer), added to the samples' ``token_rewards`` on the last token of
+    each segment. The generated turns are the runs of a nonzero loss mask, sample after sample, in
+    order (an episode split into several samples has its turns in order across them). Returns the
+    rewards' mean. Raises ValueError when the rewards are not finite numbers, one per segment."""
     if not isinstance(rewards, list | tuple) or not all(isinstance(r, int | float) and math.isfinite(r)
                                                          for r in rewards):
-        raise ValueError(f"a per-turn scorer must return a list of finite numbers, not {str(rewards)[:200]}")
-    ends = [(i, b - 1) for i, _, b in _turn_spans(samples)]
+        raise ValueError(f"a process scorer must return a list of finite numbers, not {str(rewards)[:200]}")
+    ends = [(i, b - 1) for i, _, b in _segment_spans(samples, split)]
     if len(ends) != len(rewards):
-        raise ValueError(f"returned {len(rewards)} rewards for the episode's {len(ends)} generated turns")
+        what = "generated turns" if split is whole_turn else "segments"
+        raise ValueError(f"returned {len(rewards)} rewards for the episode's {len(ends)} {what}")
     for (i, p), r in zip(ends, rewards, strict=True):
         s = samples[i]
         if s.token_rewards is None:
@@ -292,7 +320,7 @@ class ScoringStage:
         total = self.cfg.env_weight * env_reward
         for name, value in values.items():
             fn, weight = self.scorers[name]
-            if not is_per_turn(fn):
+            if splitter_of(fn) is None:  # an outcome scorer
                 total += weight * value
         return total
 
@@ -303,8 +331,9 @@ class ScoringStage:
         try:
             async with asyncio.timeout(self.cfg.timeout_s):
                 got = await fn(task, episode)
-            if is_per_turn(fn):  # a process scorer: its rewards go on the turns' last tokens
-                value = place_turn_rewards(episode.samples, got, self.scorers[name][1])
+            split = splitter_of(fn)
+            if split is not None:  # a process scorer: its rewards go on its segments' last tokens
+                value = place_turn_rewards(episode.samples, got, self.scorers[name][1], split)
             else:
                 value = float(got)
             if not math.isfinite(value):
