@@ -434,6 +434,10 @@ def chart_distill(logs: RunLogs, axes: list[Any]) -> bool:
     ax1.plot(steps, kl, "o-", color=PALETTE[0], ms=3, lw=1.5, label="teacher KL (log mu - log pi_T, mean)")
     if len(kl) >= 5:
         ax1.plot(steps, moving_average(kl, max(3, len(kl) // 10)), color=PALETTE[1], lw=2, label="moving average")
+    topk = [(s, float(r["distill/topk_kl"])) for s, r in zip(steps, rows, strict=True) if "distill/topk_kl" in r]
+    if topk:  # a top-k teacher: the forward KL over its top-k tokens (learn.loss.distill_topk_coef)
+        ax1.plot([s for s, _ in topk], [v for _, v in topk], "s-", color=PALETTE[3], ms=3, lw=1.5,
+                 label="forward KL over the teacher's top-k")
     ax1.axhline(0.0, color="#999", lw=0.8)
     _style(ax1, "Distillation: the student's distance to its teacher", "step", "nats per token")
     _legend(ax1)

@@ -100,3 +100,76 @@ def test_flat_rewards_are_no_missing_signal_when_a_teacher_teaches():
     taught = [replace(x, teacher_logprobs=np.where(x.loss_mask != 0, -1.0, np.nan)) for x in s]
     assert not any(SignalWatch(1).observe(taught, 0.0, per_token_signal=True))
     assert "flat_rewards" in SignalWatch(1).observe(taught, 0.0, per_token_signal=False)[0]  # no teacher's term
+
+
+def test_the_top_k_forward_kl_is_the_teachers_renormalized_top_k_against_the_students_probabilities():
+    from agentrl.learner.advantages import topk_forward_kl
+
+    teacher = torch.tensor([[[-0.5, -1.5], [float("nan"), float("nan")]]])  # one scored position, one not
+    student = torch.tensor([[[-1.0, -2.0], [-0.1, -0.2]]], requires_grad=True)
+    kl, scored = topk_forward_kl(student, teacher)
+    q = torch.softmax(torch.tensor([-0.5, -1.5]), -1)  # renormalized over the two
+    expected = float((q * (q.log() - torch.tensor([-1.0, -2.0]))).sum())
+    assert scored.tolist() == [[True, False]] and kl[0, 1] == 0.0
+    assert kl[0, 0].item() == pytest.approx(expected, abs=1e-6) and expected > 0
+    kl.sum().backward()
+    assert torch.allclose(student.grad[0, 0], -q) and (student.grad[0, 1] == 0).all()  # -q_j d log pi(j)
+
+
+def _with_teacher_topk(samples, teacher_model, k: int):
+    """Each sample with the teacher model's top-k (ids and logprobs) at its generated positions, as
+    the teacher scorer stores them (-1 / NaN elsewhere): computed here in fp32 by transformers."""
+    out = []
+    with torch.no_grad(), eval_mode(teacher_model):
+        for s in samples:
+            ids = torch.as_tensor(s.token_ids, dtype=torch.long).unsqueeze(0)
+            logp = torch.log_softmax(teacher_model(input_ids=ids).logits[0].float(), -1)  # row t predicts t + 1
+            top = logp[:-1].topk(k, dim=-1)
+            top_ids = np.full((len(s.token_ids), k), -1, dtype=np.int32)
+            top_lps = np.full((len(s.token_ids), k), np.nan, dtype=np.float32)
+            top_ids[1:], top_lps[1:] = top.indices.numpy(), top.values.numpy()
+            gen = s.loss_mask != 0
+            top_ids[~gen], top_lps[~gen] = -1, np.nan
+            sampled = np.concatenate([[np.nan], logp[:-1].gather(-1, ids[0, 1:, None])[:, 0].numpy()])
+            out.append(replace(s, teacher_logprobs=np.where(gen, sampled, np.nan).astype(np.float32),
+                               teacher_topk_ids=top_ids, teacher_topk_logprobs=top_lps))
+    return out
+
+
+def test_the_packed_forward_gathers_the_students_log_softmax_at_the_teachers_top_k(tiny_model: str,
+                                                                                   tiny_tools_model: str) -> None:
+    from agentrl.learner.packing import packed_forward
+
+    student, teacher_model = load_model(tiny_model, Dist()), load_model(tiny_tools_model, Dist())
+    samples = _with_teacher_topk(make_samples(3, seed=6), teacher_model, k=4)
+    with torch.no_grad(), eval_mode(student):
+        got = packed_forward(student, samples, topk=True)
+        for i, s in enumerate(samples):  # one sample at a time, unpacked
+            ids = torch.as_tensor(s.token_ids, dtype=torch.long).unsqueeze(0)
+            logp = torch.log_softmax(student(input_ids=ids).logits[0, :-1].float(), -1)
+            top = torch.as_tensor(s.teacher_topk_ids[1:], dtype=torch.long)
+            want = torch.where(top >= 0, logp.gather(-1, top.clamp(min=0)), torch.zeros(()))
+            assert torch.allclose(got.topk[i, : len(s.token_ids) - 1], want, atol=1e-5)
+    t = pad_batch(samples, 0)
+    assert t["teacher_topk"].shape == (*t["mask"].shape, 4)
+    assert torch.equal(torch.isfinite(t["teacher_topk"]).all(-1), t["mask"] > 0)
+
+
+def test_a_student_trained_on_a_teachers_top_k_alone_moves_towards_the_teacher(tiny_model: str,
+                                                                            tiny_tools_model: str) -> None:
+    """As the reverse-KL test above, with the forward KL over the tiny-tools model's top-8 alone
+    (``distill_topk_coef``, every reward equal): the step's ``distill/topk_kl`` falls."""
+    torch.manual_seed(0)
+    student = load_model(tiny_model, Dist())
+    base = _with_teacher_topk([replace(s, reward=1.0) for s in make_samples(8, seed=3)],
+                              load_model(tiny_tools_model, Dist()), k=8)
+    cfg = LearnConfig(lr=3e-3, micro_batch_tokens=10_000, loss=PGLoss(correction="none", distill_topk_coef=1.0))
+    state = build_state(cfg, student, Dist())
+    kls = []
+    for step in range(1, 6):
+        own = _logprobs(state.model, base)
+        out = train_step(state, [replace(s, logprobs=o.astype(np.float32)) for s, o in zip(base, own, strict=True)],
+                         cfg, step)
+        assert out["updated"] and out["distill/topk_kl"] > 0, out
+        kls.append(out["distill/topk_kl"])
+    assert kls[-1] < 0.5 * kls[0], kls

@@ -1,5 +1,6 @@
-"""A sample's per-token float sections (teacher logprobs, token rewards): the fields' invariants and
-their format-5 bytes in the buffer, alone, together, and beside a behaviour and a routing."""
+"""A sample's per-token float sections (teacher logprobs, token rewards, the teacher's top-k): the
+fields' invariants and their format-5 bytes in the buffer, alone, together, and beside a behaviour
+and a routing."""
 
 from __future__ import annotations
 
@@ -56,8 +57,8 @@ def test_a_cut_teacher_section_is_a_codec_error():
     with pytest.raises(CodecError, match="expected"):
         decode_sample(record[:-4])
     bad = bytearray(record)
-    bad[80:84] = (4).to_bytes(4, "little")  # the float-sections mask: an unknown bit
-    with pytest.raises(CodecError, match="unknown float sections 0x4"):
+    bad[80:84] = (8).to_bytes(4, "little")  # the float-sections mask: an unknown bit
+    with pytest.raises(CodecError, match="unknown float sections 0x8"):
         decode_sample(bytes(bad))
 
 
@@ -73,3 +74,38 @@ def test_token_rewards_travel_beside_the_teacher_logprobs_in_the_same_format():
         back = decode_sample(record)
         assert back == s and back.token_rewards[[5, 9]].tolist() == [0.5, -1.0]
         assert (back.teacher_logprobs is None) == (s.teacher_logprobs is None)
+
+
+def _topk(k: int = 3) -> tuple[np.ndarray, np.ndarray]:
+    ids = np.full((10, k), -1, dtype=np.int32)
+    lps = np.full((10, k), np.nan, dtype=np.float32)
+    generated = np.flatnonzero(MASK)
+    ids[generated] = np.arange(k) + 100 * np.arange(len(generated))[:, None]
+    lps[generated] = -0.25 * (np.arange(k) + 1)
+    return ids, lps
+
+
+def test_the_teachers_top_k_round_trips_beside_the_other_sections():
+    ids, lps = _topk()
+    plain, _ = encode_sample(sample(None))
+    for s in (replace(sample(), teacher_topk_ids=ids, teacher_topk_logprobs=lps),
+              replace(sample(None), teacher_topk_ids=ids, teacher_topk_logprobs=lps,
+                      behaviour=Behaviour.from_calls(10, [(3, 3, {"temperature": 0.7}, None)], TOKENS))):
+        record, meta = encode_sample(s)
+        assert meta["v"] == 5 and read_header(record)["floats"] & 4
+        back = decode_sample(record)
+        assert back == s and back.teacher_topk_ids.tolist() == ids.tolist() and back.teacher_topk_ids.flags.writeable
+    alone, _ = encode_sample(replace(sample(None), teacher_topk_ids=ids, teacher_topk_logprobs=lps))
+    assert len(alone) - len(plain) == 32 + 4 + 8 * 3 * len(TOKENS)  # k, then 8 bytes a token per rank
+
+
+def test_the_teachers_top_k_fields_go_together_over_every_token():
+    ids, lps = _topk()
+    with pytest.raises(ValueError, match="go together"):
+        replace(sample(), teacher_topk_ids=ids)
+    with pytest.raises(ValueError, match=r"\[10 tokens, k\]"):
+        replace(sample(), teacher_topk_ids=ids[:-1], teacher_topk_logprobs=lps[:-1])
+    record, _ = encode_sample(replace(sample(), teacher_topk_ids=ids, teacher_topk_logprobs=lps))
+    for cut in (4, 8 * 3 * 10 + 4 + 2):  # a logprob short; the section's k itself cut
+        with pytest.raises(CodecError):
+            decode_sample(record[:-cut])

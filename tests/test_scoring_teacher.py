@@ -25,28 +25,35 @@ def _logprob(token: int) -> float:
     return -0.125 * token
 
 
-async def _teacher_server(drop: int | None = None) -> tuple[web.AppRunner, str, list[dict[str, Any]]]:
+async def _teacher_server(drop: int | None = None,
+                          short: int | None = None) -> tuple[web.AppRunner, str, list[dict[str, Any]]]:
     """vLLM's /v1/completions with prompt_logprobs: the logprob of each prompt token (-token/8);
-    ``drop``: a position whose entry is missing (a broken teacher)."""
+    ``drop``: a position whose entry is missing (a broken teacher); ``short``: a position with the
+    token there alone, at rank 1 (short of a top-k above 1)."""
     bodies: list[dict[str, Any]] = []
 
     async def completions(request: web.Request) -> web.Response:
         body = await request.json()
         bodies.append(body)
         ids = body["prompt"]
-        rows: list[Any] = [None] + [{str(t): {"logprob": _logprob(t), "rank": 1, "decoded_token": "x"}}
-                                    for t in ids[1:]]
+        k = body["prompt_logprobs"]
+        rows: list[Any] = [None] + [{str(t): {"logprob": _logprob(t), "rank": 1 if not k else k + 5,
+                                              "decoded_token": "x"}} for t in ids[1:]]
+        for row in rows[1:]:  # top-k: tokens 100, 101, ... ranked first, the token there below them
+            row.update({str(100 + j): {"logprob": -0.5 * (j + 1), "rank": j + 1} for j in range(k)})
         if drop is not None:
             rows[drop] = {"7": {"logprob": -1.0, "rank": 1}}
+        if short is not None:
+            rows[short] = {str(ids[short]): {"logprob": -1.0, "rank": 1}}
         return web.json_response({"choices": [{"text": "x", "prompt_logprobs": rows}]})
 
     runner, url = await stand_in_endpoint(completions, "/v1/completions")
     return runner, url, bodies
 
 
-def _scored(drop: int | None = None, **cfg: Any) -> tuple[Any, list[dict[str, Any]], dict[str, Any]]:
+def _scored(drop: int | None = None, short: int | None = None, **cfg: Any) -> tuple[Any, list[dict[str, Any]], dict[str, Any]]:
     async def main() -> tuple[Any, list[dict[str, Any]], dict[str, Any]]:
-        runner, url, bodies = await _teacher_server(drop)
+        runner, url, bodies = await _teacher_server(drop, short)
         stage = ScoringStage(ScoringConfig(teacher=TeacherConfig(url=url, model="teacher-m", **cfg), timeout_s=30))
         ep = finished_episode(reward=1.0)
         try:
@@ -71,6 +78,25 @@ def test_the_teachers_logprobs_of_the_generated_tokens_land_on_the_sample() -> N
     assert s.info["rewards"]["teacher"] == pytest.approx(kl)  # the episode's reverse-KL estimate, by name
     assert ep.reward == 1.0 and s.reward == 1.0  # weight 0: the reward is the environment's
     assert status["scored"] == 1 and status["scorers"]["teacher"]["calls"] == 1
+
+
+def test_the_teachers_top_k_land_on_the_generated_positions_in_rank_order() -> None:
+    ep, bodies, _ = _scored(top_k=2)
+    (s,) = ep.samples  # tokens [1, 2, 3], mask [0, 1, 1]
+    assert bodies[0]["prompt_logprobs"] == 2
+    assert s.teacher_topk_ids.tolist() == [[-1, -1], [100, 101], [100, 101]]
+    assert np.isnan(s.teacher_topk_logprobs[0]).all() and s.teacher_topk_logprobs[1:].tolist() == [[-0.5, -1.0]] * 2
+    assert s.teacher_logprobs[1:].tolist() == [_logprob(2), _logprob(3)]  # the sampled tokens' as before
+    assert ep.error is None
+
+
+def test_a_teacher_reply_short_of_its_top_k_fails_the_episode() -> None:
+    ep, _, status = _scored(short=2, top_k=2)  # position 2 holds its own token alone, of rank 1
+    assert ep.error_kind == "scoring" and "1 of the top 2 prompt logprobs at position 2" in ep.error, ep.error
+    assert ep.samples[0].teacher_topk_ids is None
+    assert status["failed"] == 1
+    with pytest.raises(ConfigError, match="top_k"):
+        ScoringConfig(teacher=TeacherConfig(url="http://127.0.0.1:1/v1", model="m", top_k=21)).check()
 
 
 def test_a_teacher_reply_without_a_tokens_logprob_fails_the_episode() -> None:

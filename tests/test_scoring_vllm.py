@@ -92,7 +92,8 @@ def test_a_vllm_teacher_gives_its_models_own_logprobs_of_the_students_tokens(vll
                                                                             tiny_tools_model: str) -> None:
     """The teacher (the engine's tiny-tools model, on its completions route) scores a two-turn
     sample's generated positions: each logprob is what that model itself gives the token there
-    (transformers, fp32), and the prompt and tool-output positions stay unscored."""
+    (transformers, fp32), and so are its top-5 tokens' (``top_k``); the prompt and tool-output
+    positions stay unscored."""
     import asyncio
 
     import numpy as np
@@ -119,7 +120,8 @@ def test_a_vllm_teacher_gives_its_models_own_logprobs_of_the_students_tokens(vll
         samples = [sample]
 
     async def main() -> float:
-        teacher = Teacher(TeacherConfig(url=f"{vllm_engine.url}/v1", model="tiny-tools"), timeout_s=120, retries=1)
+        teacher = Teacher(TeacherConfig(url=f"{vllm_engine.url}/v1", model="tiny-tools", top_k=5), timeout_s=120,
+                          retries=1)
         try:
             return await teacher({}, Episode())
         finally:
@@ -130,8 +132,15 @@ def test_a_vllm_teacher_gives_its_models_own_logprobs_of_the_students_tokens(vll
     x = torch.tensor([ids])
     with torch.no_grad():
         own = token_logprobs(model, x, torch.ones_like(x))[0].numpy()  # position t predicts token t + 1
+        full = torch.log_softmax(model(input_ids=x).logits[0, :-1].float(), -1)
     generated = np.asarray(mask[1:]) == 1
     got = sample.teacher_logprobs[1:]
     assert np.isnan(got[~generated]).all() and np.isfinite(got[generated]).all()
     assert np.abs(got[generated] - own[generated]).max() < 1e-3
     assert kl == pytest.approx(float(np.mean(-1.0 - got[generated])), rel=1e-5)
+    top_ids, top_lps = sample.teacher_topk_ids[1:], sample.teacher_topk_logprobs[1:]
+    assert (top_ids[~generated] == -1).all() and np.isnan(top_lps[~generated]).all()
+    want = full.topk(5, dim=-1).values.numpy()  # the model's own five best, in order (ties may swap ids)
+    assert np.abs(top_lps[generated] - want[generated]).max() < 1e-3
+    at_ids = full.gather(-1, torch.as_tensor(top_ids.clip(min=0), dtype=torch.long)).numpy()
+    assert np.abs(at_ids[generated] - top_lps[generated]).max() < 1e-3  # each id's logprob is the model's

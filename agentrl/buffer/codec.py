@@ -32,9 +32,11 @@ token (uint8 up to 255 experts; 255 or -1 marks a position the engine did not re
 
 A sample with per-token float sections is a format-5 record: magic "ARS5", the format-4 header
 followed by one more u32, a bitmask of the sections that follow (1: the teacher's logprobs, for
-on-policy distillation; 2: token rewards, a process scorer's), the format-4 body (its behaviour
-and routing sections each present only when their width is not 0), then each section in bit
-order, f32 x n (NaN where nothing was scored): 4 bytes a token each.
+on-policy distillation; 2: token rewards, a process scorer's; 4: the teacher's top-k), the
+format-4 body (its behaviour and routing sections each present only when their width is not 0),
+then the float sections in bit order, f32 x n (NaN where nothing was scored): 4 bytes a token
+each; then, with bit 4, k (u32), the top-k ids (i32 x n*k, -1 where none) and their logprobs
+(f32 x n*k), C order: 8k bytes a token.
 
 The per-token fields are numpy arrays (``Sample`` guarantees int32/float32): their bytes are
 written as they are (on a little-endian machine, without conversion), and the mask and version
@@ -76,6 +78,7 @@ BEHAVIOUR_MAGIC = b"ARS3"  # a format-2 record with a behaviour section
 ROUTING_MAGIC = b"ARS4"  # a format-3 record (its behaviour section optional) with a routing section
 FLOATS_MAGIC = b"ARS5"  # a format-4 record (behaviour and routing optional) with per-token float sections
 _FLOATS = (("teacher_logprobs", 1), ("token_rewards", 2))  # Sample field, its bit in the sections mask
+_TOPK = 4  # the sections mask's bit of the teacher's top-k (Sample.teacher_topk_ids and _logprobs)
 _U32 = struct.Struct("<I")
 _BATCH_HEAD = struct.Struct("<4sI")
 _HEAD = struct.Struct("<4sIIIidB3xIIIII")
@@ -212,9 +215,14 @@ def encode_with_prefix(sample: Sample, prefix: bytes = b"") -> tuple[bytes, dict
         routed = (r if rw == 1 else _le(r, _I16)).tobytes()
         tail = (*tail, routed, b"\0" * (-len(routed) % 4))
     floats = [(bit, a) for name, bit in _FLOATS if (a := getattr(sample, name)) is not None]
-    if floats:
-        head, version = _HEAD5.pack(FLOATS_MAGIC, *fixed, *bfields, *rfields, sum(bit for bit, _ in floats)), 5
+    topk = sample.teacher_topk_ids
+    if floats or topk is not None:
+        sections = sum(bit for bit, _ in floats) | (_TOPK if topk is not None else 0)
+        head, version = _HEAD5.pack(FLOATS_MAGIC, *fixed, *bfields, *rfields, sections), 5
         tail = (*tail, *(_le(a, _F32).tobytes() for _, a in floats))
+        if topk is not None:
+            tail = (*tail, _U32.pack(topk.shape[1]), _le(topk, _I32).tobytes(),
+                    _le(sample.teacher_topk_logprobs, _F32).tobytes())
     elif r is not None:
         head, version = _HEAD4.pack(ROUTING_MAGIC, *fixed, *bfields, *rfields), 4
     elif b is not None:
@@ -259,7 +267,7 @@ def _parse(record: bytes | memoryview) -> tuple[dict[str, Any], int]:
             raise CodecError(f"sample {head['sample_id']}: kept ids of {head['w']} bytes")
         if head["rw"] not in ((1, 2) if version == 4 else (0, 1, 2)) or (head["rw"] == 0 and head["layers"] + head["k"]):
             raise CodecError(f"sample {head['sample_id']}: expert ids of {head['rw']} bytes")
-        known = sum(bit for _, bit in _FLOATS)
+        known = sum(bit for _, bit in _FLOATS) | _TOPK
         if version == 5 and (head["floats"] == 0 or head["floats"] & ~known):
             raise CodecError(f"sample {head['sample_id']}: unknown float sections {head['floats']:#x}")
         if len(strings) != len(raw) - lrare:  # non-ASCII ids: slice by bytes, not characters
@@ -296,7 +304,13 @@ def decode_sample(record: bytes | memoryview) -> Sample:
     routed = n * head.get("layers", 0) * head.get("k", 0) * head.get("rw", 0)
     routing_end = behaviour_end + routed + (-routed % 4)
     present = [name for name, bit in _FLOATS if head.get("floats", 0) & bit]
-    size = routing_end + 4 * n * len(present)
+    floats_end = size = routing_end + 4 * n * len(present)
+    k = 0
+    if head.get("floats", 0) & _TOPK:
+        if len(record) < floats_end + 4:
+            raise CodecError(f"sample {head.get('sample_id')}: record ends before its top-k section")
+        (k,) = _U32.unpack_from(record, floats_end)
+        size = floats_end + 4 + 8 * n * k
     if len(record) != size:
         raise CodecError(f"sample {head.get('sample_id')}: record is {len(record)} bytes, expected {size}")
     arr = np.frombuffer(record, dtype=np.uint8, offset=off)
@@ -313,6 +327,13 @@ def decode_sample(record: bytes | memoryview) -> Sample:
         routing = ids.reshape(n, head["layers"], head["k"]).astype(np.int16 if head["rw"] == 2 else np.uint8)
     floats = {name: np.frombuffer(record, dtype=_F32, count=n, offset=routing_end + 4 * n * i).astype(np.float32)
               for i, name in enumerate(present)}
+    topk = {}
+    if head.get("floats", 0) & _TOPK:
+        at = floats_end + 4
+        ids = np.frombuffer(record, dtype=_I32, count=n * k, offset=at)
+        lps = np.frombuffer(record, dtype=_F32, count=n * k, offset=at + 4 * n * k)
+        topk = {"teacher_topk_ids": ids.reshape(n, k).astype(np.int32),
+                "teacher_topk_logprobs": lps.reshape(n, k).astype(np.float32)}
     return Sample(
         token_ids=arr[: 4 * n].view(_I32).astype(np.int32),  # astype copies: writable, native order
         loss_mask=np.repeat(mv, ml).astype(np.int32),
@@ -331,6 +352,7 @@ def decode_sample(record: bytes | memoryview) -> Sample:
         behaviour=behaviour,
         routing=routing,
         **floats,
+        **topk,
     )
 
 

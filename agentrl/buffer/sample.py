@@ -65,6 +65,9 @@ def float32_array(xs: Any) -> np.ndarray:
         return np.asarray(xs, dtype=np.float32)
 
 
+_NAN_FIELDS = ("logprobs", "teacher_logprobs", "teacher_topk_logprobs", "token_rewards")  # NaN equals NaN
+
+
 @dataclass(eq=False)
 class Sample:
     token_ids: np.ndarray
@@ -89,6 +92,12 @@ class Sample:
     """On-policy distillation: a teacher's log p(token_t | tokens_<t) of each token it scored
     (float32, NaN where it did not: the prompt, and a sample a teacher never saw is None).
     ``info["teacher"]`` says which teacher and version scored it (agentrl.scoring.teacher)."""
+    teacher_topk_ids: np.ndarray | None = None
+    """On-policy distillation with ``scoring.teacher.top_k``: the teacher's top-k token ids at each
+    position it scored, [tokens, k] int32 in the teacher's order (-1 where it did not score)."""
+    teacher_topk_logprobs: np.ndarray | None = None
+    """Their logprobs under the teacher, [tokens, k] float32 (NaN where it did not score); both
+    top-k fields are set together or not at all."""
     token_rewards: np.ndarray | None = None
     """Process rewards: a per-turn scorer's reward of each generated turn, on the turn's last token
     (float32, NaN elsewhere; agentrl.scoring, process scorers). None: outcome reward only."""
@@ -120,9 +129,22 @@ class Sample:
                 if a.shape != t.shape:
                     raise ValueError(f"sample {self.sample_id}: {name.replace('_', ' ')} must be 1-D over its "
                                      f"{t.shape[0]} tokens, not {a.shape}")
+        if self.teacher_topk_ids is not None or self.teacher_topk_logprobs is not None:
+            self._check_topk()
         if self.behaviour is not None and self.behaviour.kept_counts.shape != t.shape:
             raise ValueError(f"sample {self.sample_id}: behaviour covers {self.behaviour.kept_counts.shape[0]} "
                              f"tokens of {t.shape[0]}")
+
+    def _check_topk(self) -> None:
+        ids, lp = self.teacher_topk_ids, self.teacher_topk_logprobs
+        if ids is None or lp is None:
+            raise ValueError(f"sample {self.sample_id}: the teacher's top-k ids and logprobs go together")
+        self.teacher_topk_ids = ids = int32_array(ids, "teacher_topk_ids")
+        self.teacher_topk_logprobs = lp = float32_array(lp)
+        n = self.token_ids.shape[0]
+        if not (ids.ndim == 2 and ids.shape[0] == n and lp.shape == ids.shape):
+            raise ValueError(f"sample {self.sample_id}: the teacher's top-k ids and logprobs must both be "
+                             f"[{n} tokens, k], not {ids.shape} and {lp.shape}")
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Sample):
@@ -130,7 +152,7 @@ class Sample:
         for f in fields(self):
             a, b = getattr(self, f.name), getattr(other, f.name)
             if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
-                if a is None or b is None or not np.array_equal(a, b, equal_nan=f.name in ("logprobs", "teacher_logprobs", "token_rewards")):
+                if a is None or b is None or not np.array_equal(a, b, equal_nan=f.name in _NAN_FIELDS):
                     return False
             elif a != b:
                 return False
@@ -153,7 +175,7 @@ class Sample:
         d = {f.name: copy.deepcopy(getattr(self, f.name)) for f in fields(self) if f.name != "behaviour"}
         for k in ("token_ids", "loss_mask", "logprobs", "versions"):
             d[k] = d[k].tolist()
-        for k in ("routing", "teacher_logprobs", "token_rewards"):
+        for k in ("routing", "teacher_logprobs", "teacher_topk_ids", "teacher_topk_logprobs", "token_rewards"):
             if d[k] is not None:
                 d[k] = d[k].tolist()
         d["behaviour"] = self.behaviour.to_dict() if self.behaviour is not None else None

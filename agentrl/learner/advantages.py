@@ -135,6 +135,22 @@ def distilled_advantages(advantages: Tensor, teacher: Tensor, behaviour: Tensor,
     return base + coef * gap
 
 
+def topk_forward_kl(student: Tensor, teacher: Tensor) -> tuple[Tensor, Tensor]:
+    """On-policy distillation over the teacher's top-k: at each position a teacher scored, the
+    forward KL ``sum_j q_j (log q_j - log pi(j))`` from ``q``, the teacher's top-k probabilities
+    renormalized over those k tokens, to the student's whole-vocabulary probabilities ``pi`` of the
+    same tokens. It is never negative (the student's k probabilities sum to at most 1) and its
+    gradient, ``-sum_j q_j grad log pi(j)``, raises the student's probability of the teacher's
+    likely tokens at each position the student visited, sampled or not.
+
+    ``student``, ``teacher``: [B, T, k] logprobs (the teacher's NaN where it did not score).
+    Returns the KL [B, T] (0 where unscored) and where the teacher scored [B, T] (bool)."""
+    scored = torch.isfinite(teacher).all(-1)
+    log_q = torch.log_softmax(torch.where(scored.unsqueeze(-1), teacher, torch.zeros_like(teacher)), dim=-1)
+    kl = (log_q.exp() * (log_q - student.to(log_q.dtype))).sum(-1)
+    return torch.where(scored, kl, torch.zeros_like(kl)), scored
+
+
 def process_advantages(token_rewards: Sequence[np.ndarray | None], group_ids: Sequence[Hashable],
                        normalize_std: bool = True, eps: float = 1e-6) -> list[np.ndarray | None]:
     """Process supervision for GRPO (DeepSeekMath, Shao et al. 2024): each step reward (a finite

@@ -39,6 +39,7 @@ class LossConfig:
     overlong_penalty: float = field(default=1.0, metadata=STEP)  # overlong = "penalize": subtracted from a truncated episode's reward before advantages
     distill_coef: float = field(default=0.0, metadata=STEP)  # on-policy distillation: a token a teacher scored gains distill_coef * (its teacher logprob - its behaviour logprob) in its advantage (a per-token reverse KL; docs/scoring.md); 0: off
     process_coef: float = field(default=1.0, metadata=STEP)  # process rewards (samples' token_rewards, a per-turn scorer's): each token's advantage gains process_coef * the return-to-go of its group's normalized step rewards (DeepSeekMath's process supervision; docs/scoring.md); 0: ignore them
+    distill_topk_coef: float = field(default=0.0, metadata=STEP)  # on-policy distillation over the teacher's top-k (scoring.teacher.top_k): the loss gains distill_topk_coef * the forward KL from the teacher's renormalized top-k to the student at each position a teacher scored, aggregated as the loss (docs/scoring.md); 0: off
     distill_reward: bool = field(default=True, metadata=STEP)  # with distill_coef > 0: keep the episodes' reward advantages beside the teacher's term (false: distillation alone)
 
     def arguments(self) -> dict[str, Any]:

@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -70,8 +71,17 @@ def pad_batch(samples: Sequence[Any], pad_id: int, masks: Sequence[Any] | None =
         if getattr(s, "teacher_logprobs", None) is not None:
             teacher[i, :n] = torch.as_tensor(s.teacher_logprobs, dtype=torch.float32)
     # position t of the [B, T-1] logprob tensor predicts token t+1
-    return {"input_ids": ids, "attention_mask": attn, "mask": mask[:, 1:], "behaviour": behaviour[:, 1:],
-            "versions": versions[:, 1:], "teacher": teacher[:, 1:]}
+    out = {"input_ids": ids, "attention_mask": attn, "mask": mask[:, 1:], "behaviour": behaviour[:, 1:],
+           "versions": versions[:, 1:], "teacher": teacher[:, 1:]}
+    k = max((s.teacher_topk_ids.shape[1] for s in samples if getattr(s, "teacher_topk_ids", None) is not None),
+            default=0)
+    if k:  # the teacher's top-k logprobs, [B, T-1, k] (NaN where it did not score)
+        top = torch.full((b, width, k), math.nan, dtype=torch.float32)
+        for i, s in enumerate(samples):
+            if s.teacher_topk_logprobs is not None:
+                top[i, : len(s.token_ids), : s.teacher_topk_logprobs.shape[1]] = torch.from_numpy(s.teacher_topk_logprobs)
+        out["teacher_topk"] = top[:, 1:]
+    return out
 
 
 def pack(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
@@ -116,6 +126,22 @@ def unpack_index(lengths: Sequence[int], device: torch.device | str = "cpu") -> 
 
 def packed_logprobs(model: Any, samples: Sequence[Any], device: torch.device | str = "cpu",
                     replay: bool = True) -> Tensor:
+    """Next-token logprobs of ``samples`` packed into one row: :func:`packed_forward`'s ``logp``."""
+    return packed_forward(model, samples, device, replay).logp
+
+
+@dataclass
+class Forward:
+    """One packed forward pass: ``logp`` [S, T-1], each sampled token's logprob; ``topk`` [S, T-1,
+    k], the plain log-softmax of the teacher's top-k tokens at each position (0 where the sample
+    has none), when asked for."""
+
+    logp: Tensor
+    topk: Tensor | None = None
+
+
+def packed_forward(model: Any, samples: Sequence[Any], device: torch.device | str = "cpu",
+                   replay: bool = True, topk: bool = False) -> Forward:
     """Next-token logprobs of ``samples`` packed into one row, unpacked to [S, T-1] (fp32), under
     each sample's behaviour distribution (``replay=False``: plain log-softmax, as the learner
     computed before samples recorded their sampling).
@@ -132,7 +158,27 @@ def packed_logprobs(model: Any, samples: Sequence[Any], device: torch.device | s
     else:
         row = replayed_logprobs(logits[0, :-1].float(), ids[0, 1:], plan)
     index, valid = unpack_index([len(s.token_ids) for s in samples], device)
-    return torch.where(valid, row[index], torch.zeros((), dtype=row.dtype, device=row.device))
+    out = Forward(torch.where(valid, row[index], torch.zeros((), dtype=row.dtype, device=row.device)))
+    if topk:
+        out.topk = _topk_logprobs(logits[0, :-1], samples, index, valid, device)
+    return out
+
+
+def _topk_logprobs(logits: Tensor, samples: Sequence[Any], index: Tensor, valid: Tensor,
+                   device: torch.device | str) -> Tensor:
+    """The student's log-softmax (temperature 1, the whole vocabulary) of each position's teacher
+    top-k tokens, [S, T-1, k], from the packed row's logits [N-1, V]; 0 where none."""
+    k = max((s.teacher_topk_ids.shape[1] for s in samples if s.teacher_topk_ids is not None), default=0)
+    ids = torch.full((sum(len(s.token_ids) for s in samples), k), -1, dtype=torch.long)
+    at = 0
+    for s in samples:
+        if s.teacher_topk_ids is not None:
+            ids[at : at + len(s.token_ids), : s.teacher_topk_ids.shape[1]] = torch.from_numpy(s.teacher_topk_ids)
+        at += len(s.token_ids)
+    ids = ids[1:].to(device)  # packed position j predicts token j + 1, whose top-k these are
+    picked = torch.log_softmax(logits.float(), dim=-1).gather(-1, ids.clamp(min=0))
+    picked = torch.where(ids >= 0, picked, torch.zeros((), dtype=picked.dtype, device=picked.device))
+    return torch.where(valid.unsqueeze(-1), picked[index], torch.zeros((), dtype=picked.dtype, device=picked.device))
 
 
 def packed_routing(samples: Sequence[Any], device: torch.device | str = "cpu") -> Tensor | None:

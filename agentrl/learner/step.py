@@ -41,11 +41,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from agentrl.learner.advantages import distilled_advantages
+from agentrl.learner.advantages import distilled_advantages, topk_forward_kl
 from agentrl.learner.batch import Prepared, prepare
 from agentrl.learner.config import LearnConfig
 from agentrl.learner.dist import Dist, grad_norm_and_clip
-from agentrl.learner.packing import pack, packed_logprobs, pad_batch, routing_replayed
+from agentrl.learner.masked import aggregate, masked_mean
+from agentrl.learner.packing import pack, packed_forward, packed_logprobs, pad_batch, routing_replayed
 from agentrl.learner.routing import ReplayStats
 
 log = logging.getLogger(__name__)
@@ -177,8 +178,10 @@ def _update(state: TrainState, cfg: LearnConfig, prep: Prepared, rows: list[list
         mb = [prep.samples[j] for j in idx]
         t = pad_batch(mb, state.pad_id, masks=[prep.masks[j] for j in idx])
         row_routing = ReplayStats()
+        topk = bool(loss_cfg.distill_topk_coef) and "teacher_topk" in t
         with routing_replayed(model, mb, ctx.device, row_routing):  # held through backward: a recompute replays too
-            logp = packed_logprobs(model, mb, ctx.device)
+            forward = packed_forward(model, mb, ctx.device, topk=topk)
+            logp = forward.logp
             routed[0] += row_routing.tokens  # read now: a recompute in backward counts again
             routed[1] += row_routing.tokens_differed
             routed[2] += sum(len(s.token_ids) for s in mb if s.routing is not None) - row_routing.tokens
@@ -190,6 +193,12 @@ def _update(state: TrainState, cfg: LearnConfig, prep: Prepared, rows: list[list
             advantages = _advantages(prep, idx, t, behaviour, loss_cfg)
             loss, st = compute_loss(**loss_cfg.arguments(), logp=logp, logp_old=logp_old, logp_behaviour=behaviour,
                                     advantages=advantages, mask=t["mask"].to(ctx.device), denominator=1.0)
+            if topk:  # the forward KL over the teacher's top-k, in the loss's sum form beside it
+                assert forward.topk is not None
+                kl, scored = topk_forward_kl(forward.topk, t["teacher_topk"].to(ctx.device))
+                scored = scored & (t["mask"].to(ctx.device) != 0)
+                loss = loss + loss_cfg.distill_topk_coef * aggregate(kl, scored, loss_cfg.agg, 1.0, norm_tokens)
+                st["distill/topk_kl"] = masked_mean(kl.detach(), scored)
             (loss * ctx.world).backward()
         value = float(loss.detach())
         if not math.isfinite(value):

@@ -321,7 +321,8 @@ class Learner:
                        "checkpoint_s": now - t_ckpt, "idle_fraction": wait_total / max(1e-9, now - t_start),
                        "engine_sync": {k: v for k, v in sync.items() if k != "version"}}
                 row["wait_fraction"] = row["idle_fraction"]
-                per_token = (cfg.loss.distill_coef > 0 and stats.get("teacher_tokens", 0) > 0) or \
+                distilled = cfg.loss.distill_coef > 0 or cfg.loss.distill_topk_coef > 0
+                per_token = (distilled and stats.get("teacher_tokens", 0) > 0) or \
                     stats.get("process_advantage_abs_mean", 0.0) > 0
                 if signals is not None and (warned := signals.observe(samples, stats["advantage_std"], per_token)):
                     row["warnings"] = warned

@@ -53,6 +53,11 @@ class TeacherConfig:
     api_key_env: str = ""  # environment variable that holds the endpoint's key (empty: none sent)
     name: str = ""  # recorded on each scored sample (info["teacher"]); default: the model name
     weight: float = 0.0  # the episode's teacher KL (mean log mu - log pi_teacher) in its reward (negative: a penalty); 0: none
+    top_k: int = 0
+    """Also keep the teacher's ``top_k`` most likely tokens and their logprobs at each position it
+    scores (``Sample.teacher_topk_ids`` / ``_logprobs``; vLLM's prompt logprobs, at most the
+    engine's ``max_logprobs``, 20 by default), for the forward KL ``learn.loss.distill_topk_coef``;
+    0: the sampled token's logprob only."""
     lag: int = 0
     """Self-distillation: the teacher is the student's own policy this many versions back, on an
     engine serve launches for it (``url`` and ``model`` stay empty); 0: the teacher is ``url``."""
@@ -94,6 +99,8 @@ class ScoringConfig:
             raise ConfigError("scoring.judge.url is set: name the judge's model in scoring.judge.model")
         if self.teacher.url and not self.teacher.model:
             raise ConfigError("scoring.teacher.url is set: name the teacher's model in scoring.teacher.model")
+        if not 0 <= self.teacher.top_k <= 20:
+            raise ConfigError("scoring.teacher.top_k must be from 0 to 20 (vLLM's default max_logprobs)")
         if self.teacher.lag < 0 or self.teacher.every < 1:
             raise ConfigError("scoring.teacher.lag must be at least 0 and scoring.teacher.every at least 1")
         if self.teacher.lag and self.teacher.url:

@@ -51,17 +51,22 @@ class Teacher:
             mask[0] = False  # the first token has no context to be predicted from
             if not mask.any():
                 continue
-            teacher = await self.logprobs([int(t) for t in s.token_ids])
+            teacher, top_ids, top_lps = await self.logprobs([int(t) for t in s.token_ids], self.cfg.top_k)
             teacher[~mask] = math.nan
             s.teacher_logprobs = teacher
+            if self.cfg.top_k:
+                top_ids[~mask], top_lps[~mask] = -1, math.nan
+                s.teacher_topk_ids, s.teacher_topk_logprobs = top_ids, top_lps
             s.info["teacher"] = dict(who)
             gaps.append(s.logprobs[mask] - teacher[mask])
         return float(np.concatenate(gaps).mean()) if gaps else 0.0
 
-    async def logprobs(self, token_ids: list[int]) -> np.ndarray:
-        """The teacher's log p(token_t | tokens_<t) at each position (NaN at 0), float32."""
+    async def logprobs(self, token_ids: list[int], top_k: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The teacher's log p(token_t | tokens_<t) at each position (NaN at 0), float32; with
+        ``top_k``, also its ``top_k`` most likely tokens at each position and their logprobs,
+        [positions, top_k] in rank order (-1 and NaN at 0), else [positions, 0]."""
         body = {"model": self.model, "prompt": token_ids, "max_tokens": 1, "temperature": 0.0,
-                "prompt_logprobs": 0}
+                "prompt_logprobs": top_k}
         reply = await self.client.json("POST", "/completions", json=body)
         try:
             rows = reply["choices"][0]["prompt_logprobs"]
@@ -71,13 +76,33 @@ class Teacher:
             raise ValueError(f"the teacher gave {len(rows) if isinstance(rows, list) else rows!r} prompt logprobs "
                              f"for {len(token_ids)} tokens")
         out = np.full(len(token_ids), math.nan, dtype=np.float32)
+        top_ids = np.full((len(token_ids), top_k), -1, dtype=np.int32)
+        top_lps = np.full((len(token_ids), top_k), math.nan, dtype=np.float32)
         for t in range(1, len(token_ids)):
-            entry = (rows[t] or {}).get(str(token_ids[t]))
+            row = rows[t] if isinstance(rows[t], dict) else {}
+            entry = row.get(str(token_ids[t]))
             if not isinstance(entry, dict) or not isinstance(entry.get("logprob"), (int, float)):
                 raise ValueError(f"the teacher's prompt logprobs hold no logprob of token {token_ids[t]} at "
                                  f"position {t}: {str(rows[t])[:200]}")
             out[t] = entry["logprob"]
-        return out
+            if top_k:
+                top_ids[t], top_lps[t] = _top(row, top_k, t)
+        return out, top_ids, top_lps
 
     async def close(self) -> None:
         await self.client.close()
+
+
+def _top(row: dict[str, Any], k: int, t: int) -> tuple[list[int], list[float]]:
+    """The ``k`` entries of ranks 1..k of one position's prompt logprobs (vLLM adds the token that is
+    there when it ranks lower), as ids and logprobs in rank order."""
+    try:
+        ranked = sorted((int(e["rank"]), int(tok), float(e["logprob"])) for tok, e in row.items()
+                        if isinstance(e, dict) and isinstance(e.get("rank"), int) and 1 <= e["rank"] <= k)
+    except (KeyError, TypeError, ValueError):
+        raise ValueError(f"the teacher's top-{k} prompt logprobs at position {t} are malformed: {str(row)[:200]}") from None
+    ranked = ranked[:k]  # a tie with the k-th can rank the token that is there within k too
+    if len(ranked) < k or not all(math.isfinite(lp) for *_, lp in ranked):
+        raise ValueError(f"the teacher gave {len(ranked)} of the top {k} prompt logprobs at position {t}: "
+                         f"{str(row)[:200]}")
+    return [tok for _, tok, _ in ranked], [lp for *_, lp in ranked]
