@@ -144,3 +144,60 @@ def test_a_vllm_teacher_gives_its_models_own_logprobs_of_the_students_tokens(vll
     assert np.abs(top_lps[generated] - want[generated]).max() < 1e-3
     at_ids = full.gather(-1, torch.as_tensor(top_ids.clip(min=0), dtype=torch.long)).numpy()
     assert np.abs(at_ids[generated] - top_lps[generated]).max() < 1e-3  # each id's logprob is the model's
+
+
+def test_a_teacher_engine_serve_launches_serves_its_own_model_and_stays_there(tmp_path: Path, tiny_model: str,
+                                                                           tiny_tools_model: str) -> None:
+    """``scoring.teacher.model`` without a url: serve's teacher engine (the tiny model here, for a
+    tiny-tools student: the same tokenizer) scores with that model's own logprobs, does not follow
+    the student's versions, and a teacher with another tokenizer is refused before any launch."""
+    import asyncio
+
+    import numpy as np
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from agentrl.buffer.sample import Sample
+    from agentrl.errors import ConfigError
+    from agentrl.learner.trainer import token_logprobs
+    from agentrl.models.tiny import build_tiny_model
+    from agentrl.scoring.teacher import Teacher
+    from agentrl.serve.config import ServeConfig
+    from agentrl.serve.teacher_engine import TeacherEngine, check_same_tokenizer
+
+    cfg = ServeConfig(model="tiny-tools")
+    cfg.scoring.teacher.model = "tiny"
+    assert cfg.scoring.teacher.launched and cfg.scoring.enabled
+    cfg.engine.base_port = free_port() - cfg.engine.count  # the teacher's engine follows serve's own
+    check_same_tokenizer(tiny_tools_model, tiny_model)
+    with pytest.raises(ConfigError, match="another tokenizer"):
+        check_same_tokenizer(tiny_tools_model, str(build_tiny_model(tmp_path / "other", seed=1, vocab_size=1024)))
+    ids = list(range(40, 90))
+    mask = [0] * 10 + [1] * 40
+    sample = Sample(ids, mask, [-1.0 if m else 0.0 for m in mask], [0 if m else -1 for m in mask],
+                    episode_id="e", group_id="g", env="t", reward=0.0)
+
+    class Episode:
+        samples = [sample]
+
+    async def main() -> dict:
+        engine = TeacherEngine(cfg, tiny_model, "teacher-key", tmp_path / "logs")
+        try:
+            await engine.start(300)
+            teacher = Teacher(cfg.scoring.teacher, timeout_s=120, retries=1, url=f"{engine.url}/v1", key="teacher-key")
+            await teacher({}, Episode())
+            await teacher.close()
+            await engine.advance(5, tmp_path / "weights")  # the student moved on: this teacher stays
+            return engine.status()
+        finally:
+            await engine.close()
+
+    status = asyncio.run(main())
+    assert status["model"] == tiny_model and "version" not in status, status
+    assert sample.info["teacher"] == {"name": "tiny"}
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+    x = torch.tensor([ids])
+    with torch.no_grad():
+        own = token_logprobs(model, x, torch.ones_like(x))[0].numpy()
+    generated = np.asarray(mask[1:]) == 1
+    assert np.abs(sample.teacher_logprobs[1:][generated] - own[generated]).max() < 1e-3

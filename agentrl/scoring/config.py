@@ -48,8 +48,11 @@ class TeacherConfig:
     """A teacher for on-policy distillation: any vLLM endpoint serving a model with the student's
     tokenizer scores the student's sampled tokens (``Sample.teacher_logprobs``; docs/scoring.md)."""
 
-    url: str = ""  # the endpoint's base URL, e.g. http://127.0.0.1:8002/v1; empty: no teacher
-    model: str = ""  # the model name to ask for at that endpoint
+    url: str = ""  # the endpoint's base URL, e.g. http://127.0.0.1:8002/v1; empty: no teacher, or one serve launches (model)
+    model: str = ""
+    """The model name to ask for at ``url``; without a ``url``, the model serve launches an engine of
+    for the teacher (as ``serve.model``: a built-in name such as ``tiny-agent``, a folder, a hub
+    name), which must share the student's tokenizer."""
     api_key_env: str = ""  # environment variable that holds the endpoint's key (empty: none sent)
     name: str = ""  # recorded on each scored sample (info["teacher"]); default: the model name
     weight: float = 0.0  # the episode's teacher KL (mean log mu - log pi_teacher) in its reward (negative: a penalty); 0: none
@@ -62,6 +65,11 @@ class TeacherConfig:
     """Self-distillation: the teacher is the student's own policy this many versions back, on an
     engine serve launches for it (``url`` and ``model`` stay empty); 0: the teacher is ``url``."""
     every: int = 1  # self-distillation: the teacher advances in steps of this many versions
+
+    @property
+    def launched(self) -> bool:
+        """serve launches an engine of ``model`` for this teacher (no ``url`` of its own, no ``lag``)."""
+        return bool(self.model) and not self.url and not self.lag
 
 
 @dataclass
@@ -86,7 +94,7 @@ class ScoringConfig:
 
     @property
     def enabled(self) -> bool:
-        return bool(self.judge.url or self.teacher.url or self.teacher.lag or self.scorers)
+        return bool(self.judge.url or self.teacher.url or self.teacher.model or self.teacher.lag or self.scorers)
 
     def check(self) -> None:
         if self.concurrency < 1:
@@ -103,6 +111,9 @@ class ScoringConfig:
             raise ConfigError("scoring.teacher.top_k must be from 0 to 20 (vLLM's default max_logprobs)")
         if self.teacher.lag < 0 or self.teacher.every < 1:
             raise ConfigError("scoring.teacher.lag must be at least 0 and scoring.teacher.every at least 1")
+        if self.teacher.lag and self.teacher.model and not self.teacher.url:
+            raise ConfigError("scoring.teacher.lag (self-distillation: the teacher is the student's own model) and "
+                              "scoring.teacher.model (a model serve launches for the teacher) exclude each other")
         if self.teacher.lag and self.teacher.url:
             raise ConfigError("scoring.teacher.lag (self-distillation: serve launches the teacher) and "
                               "scoring.teacher.url (a teacher of your own) exclude each other")

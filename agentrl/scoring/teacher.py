@@ -38,12 +38,12 @@ class Teacher:
 
         self.cfg, self.version = cfg, version
         key = key or (os.environ.get(cfg.api_key_env, "") if cfg.api_key_env else "")
-        self.model = cfg.model or ("teacher" if url else "")
+        self.model = "teacher" if url else cfg.model  # an engine serve launched serves the name "teacher"
         self.client = ServeClient(url or cfg.url, key, timeout_s=timeout_s, retries=retries, backoff_s=0.5)
 
     async def __call__(self, task: dict[str, Any], episode: Any) -> float:
         gaps = []
-        who: dict[str, Any] = {"name": self.cfg.name or self.model}
+        who: dict[str, Any] = {"name": self.cfg.name or self.cfg.model or self.model}
         if self.version is not None:
             who["version"] = self.version()  # before the calls: a version that changes mid-episode is not mixed
         for s in episode.samples:

@@ -4,7 +4,8 @@
 - :mod:`agentrl.serve.build`: the one builder that makes the components from it;
 - :mod:`agentrl.serve.app`: the serve process (HTTP app, status, metrics, start-up and shutdown);
 - :mod:`agentrl.serve.local`: engines as child processes of this machine;
-- :mod:`agentrl.serve.ray`: engines and rollout workers placed as Ray actors (``serve --ray``).
+- :mod:`agentrl.serve.ray`: engines and rollout workers placed as Ray actors (``serve --ray``);
+- :mod:`agentrl.serve.teacher_engine`: the teacher engine serve launches for distillation.
 """
 
 from agentrl._lazy import lazy

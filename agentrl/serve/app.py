@@ -73,7 +73,7 @@ class Serve:
         self.buffer: Any = None
         self.orchestrator: Any = None  # the agent loops here; None under Ray (the workers play)
         self.cluster: Any = None  # agentrl.serve.ray.RayCluster with ray.address
-        self.self_teacher: Any = None  # agentrl.serve.self_teacher.SelfTeacher with scoring.teacher.lag
+        self.teacher_engine: Any = None  # agentrl.serve.teacher_engine.TeacherEngine: a teacher serve launches
         self._runner: web.AppRunner | None = None
         self._rollout_task: asyncio.Task | None = None
         self._metrics_task: asyncio.Task | None = None
@@ -140,18 +140,23 @@ class Serve:
         await self.updater.start()  # stamps the engines with the pool's version
         if self.local is not None:  # a dead engine is relaunched and rejoins at the current version
             self.local.supervise(self.pool, build.restart_policy(cfg))
-        lag = cfg.scoring.teacher.lag
-        if lag:  # self-distillation: one more engine of the model, the student some versions back
+        lag, teacher_cfg = cfg.scoring.teacher.lag, cfg.scoring.teacher
+        if lag or teacher_cfg.launched:  # one more engine: the student some versions back, or a model of its own
             if self.local is None:
                 from agentrl.errors import ConfigError
 
-                raise ConfigError("scoring.teacher.lag (self-distillation) needs the engines serve launches "
-                                  "itself: not engine.urls, not ray.address")
-            from agentrl.serve.self_teacher import SelfTeacher
+                raise ConfigError("a teacher serve launches (scoring.teacher.lag, or scoring.teacher.model without "
+                                  "a url) needs the engines serve launches itself: not engine.urls, not ray.address")
+            from agentrl.serve.teacher_engine import TeacherEngine, check_same_tokenizer
 
-            self.self_teacher = SelfTeacher(cfg, self.model_path, self.engine_key, self.run_dir / "logs")
-            self._phase(f"starting the self-distillation teacher's engine (the policy {lag} version(s) back)")
-            await self.self_teacher.start(cfg.engine.start_timeout_s)
+            teacher_path = self.model_path
+            if teacher_cfg.launched:
+                teacher_path = await asyncio.to_thread(resolve_model, teacher_cfg.model)
+                await asyncio.to_thread(check_same_tokenizer, self.model_path, teacher_path)
+            self.teacher_engine = TeacherEngine(cfg, teacher_path, self.engine_key, self.run_dir / "logs")
+            self._phase(f"starting the self-distillation teacher's engine (the policy {lag} version(s) back)" if lag
+                        else f"starting the teacher's engine ({teacher_cfg.model})")
+            await self.teacher_engine.start(cfg.engine.start_timeout_s)
         self.router = build.build_router(cfg, self.pool, self.model_path, self.run_dir)
         if is_moe(self.model_path):  # the learner replays the experts the engines routed each token through
             await self.router.capture_experts()
@@ -166,14 +171,16 @@ class Serve:
             self._phase(f"restoring policy version {latest[0]} from {latest[1]}")
             await self.weights.restore(*latest)
         teacher = None
-        if self.self_teacher is not None:
+        if self.teacher_engine is not None:
             from agentrl.scoring.teacher import Teacher
 
-            st, root = self.self_teacher, self.run_dir / "weights"
-            self.weights.on_loaded.append(lambda version: st.advance(version, root))
-            await st.advance(self.pool.version, root)  # a restarted serve: the teacher of its version
+            st, root = self.teacher_engine, self.run_dir / "weights"
+            if st.follows:
+                self.weights.on_loaded.append(lambda version: st.advance(version, root))
+                await st.advance(self.pool.version, root)  # a restarted serve: the teacher of its version
             teacher = Teacher(cfg.scoring.teacher, timeout_s=cfg.scoring.timeout_s, retries=cfg.scoring.retries,
-                              url=f"{st.url}/v1", key=self.engine_key, version=lambda: st.version)
+                              url=f"{st.url}/v1", key=self.engine_key,
+                              version=(lambda: st.version) if st.follows else None)
         await self._serve_http()
 
         if cfg.endpoint_only:
@@ -285,7 +292,7 @@ class Serve:
             "rollout": rollout.status() if rollout is not None else {},
             "buffer": self.buffer.stats(),
             "sandbox": self.sandbox_pool.stats() if self.sandbox_pool else None,
-            **({"teacher": self.self_teacher.status()} if self.self_teacher is not None else {}),
+            **({"teacher": self.teacher_engine.status()} if self.teacher_engine is not None else {}),
         }
 
     async def _status(self, request: web.Request) -> web.Response:
@@ -350,7 +357,7 @@ class Serve:
                 await asyncio.gather(t, return_exceptions=True)
         # then each part that was started, in this order, by its own closing method (sync or async)
         parts = ((self._runner, "cleanup"), (self._listener, "close"), (self.sandbox_pool, "close"),
-                 (self.pool, "close"), (self.buffer, "close"), (self.local, "stop"), (self.self_teacher, "close"),
+                 (self.pool, "close"), (self.buffer, "close"), (self.local, "stop"), (self.teacher_engine, "close"),
                  (self.cluster, "close"))
         for part, method in parts:
             if part is not None and inspect.isawaitable(done := getattr(part, method)()):

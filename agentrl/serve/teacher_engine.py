@@ -1,7 +1,11 @@
-"""Self-distillation's teacher: the student's own policy some versions back, hot-swapped by serve.
+"""The teacher engine serve launches for on-policy distillation: a model of its own, or (self-
+distillation) the student's own policy some versions back, hot-swapped by serve.
 
-With ``scoring.teacher.lag = N`` (and ``every = K``) serve launches one more engine of the same
-model, with the same flags and key as its own, that no agent loop uses: the teacher. Each time a
+With ``scoring.teacher.model`` and no ``url``, serve launches one more engine, with the same flags
+and key as its own, serving that model (resolved as ``serve.model`` is: ``tiny-agent``, a folder, a
+hub name), which no agent loop uses, and checks that it shares the student's tokenizer; it stays
+at that model. With ``scoring.teacher.lag = N`` (and ``every = K``) that engine serves the student's
+own model instead. Each time a
 new policy version ``v`` is loaded into serve's engines (before the learner's publish is answered), the
 teacher is brought to version
 ``floor((v - N) / K) * K`` when that is newer than the one it serves (the base model is version 0),
@@ -23,15 +27,32 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 
-class SelfTeacher:
-    """The teacher engine and what brings it to its version."""
+def check_same_tokenizer(student: str, teacher: str) -> None:
+    """A teacher scores the student's token ids, so the two must read them alike: the same
+    vocabulary, id for id. Raises ConfigError naming both otherwise."""
+    from transformers import AutoTokenizer
+
+    from agentrl.errors import ConfigError
+
+    a, b = AutoTokenizer.from_pretrained(student), AutoTokenizer.from_pretrained(teacher)
+    if a.get_vocab() != b.get_vocab():
+        raise ConfigError(f"scoring.teacher.model {teacher} has another tokenizer than the student's ({student}: "
+                          f"{len(a)} tokens against {len(b)}, or the same ids mean other text): a teacher scores "
+                          "the student's token ids and must share its tokenizer")
+
+
+class TeacherEngine:
+    """The teacher engine and, for self-distillation, what brings it to its version."""
 
     def __init__(self, cfg: Any, model_path: str, engine_key: str, log_dir: Path) -> None:
-        """``cfg``: serve's config; ``engine_key``: the key serve's own engines answer."""
+        """``cfg``: serve's config; ``model_path``: the model the engine starts with (the student's
+        for self-distillation); ``engine_key``: the key serve's own engines answer."""
         from agentrl.serve.build import restart_policy
         from agentrl.serve.local import LocalEngines
 
         self.lag, self.every = cfg.scoring.teacher.lag, cfg.scoring.teacher.every
+        self.follows = self.lag > 0  # self-distillation: it trails the student; else it stays at its model
+        self.model_path = model_path
         self.policy = restart_policy(cfg)
         self.engine_key = engine_key
         spec = dataclasses.replace(cfg.engine.spec(cfg.engine.count, model_path, "teacher"), api_key=engine_key)
@@ -68,6 +89,8 @@ class SelfTeacher:
     async def advance(self, version: int, weights_root: Path) -> None:
         """serve's engines now serve ``version``: bring the teacher along (awaited by the commit that
         loaded ``version``, so the learner's publish answers once the teacher is where it belongs)."""
+        if not self.follows:
+            return
         async with self._lock:
             target = self.target(version)
             if target <= self.version:
@@ -83,8 +106,9 @@ class SelfTeacher:
             log.info("self-distillation teacher now serves policy version %d (the student is at %d)", target, version)
 
     def status(self) -> dict[str, Any]:
-        return {"url": self.url, "version": self.version, "lag": self.lag, "every": self.every,
-                "failures": self.failures, **self.local.status()[0]}
+        own = {"version": self.version, "lag": self.lag, "every": self.every} if self.follows else \
+            {"model": self.model_path}
+        return {"url": self.url, **own, "failures": self.failures, **self.local.status()[0]}
 
     async def close(self) -> None:
         if self.updater is not None:
