@@ -305,8 +305,8 @@ def decode_sample(record: bytes | memoryview) -> Sample:
     routing_end = behaviour_end + routed + (-routed % 4)
     present = [name for name, bit in _FLOATS if head.get("floats", 0) & bit]
     floats_end = size = routing_end + 4 * n * len(present)
-    k = 0
-    if head.get("floats", 0) & _TOPK:
+    has_topk, k = bool(head.get("floats", 0) & _TOPK), 0
+    if has_topk:
         if len(record) < floats_end + 4:
             raise CodecError(f"sample {head.get('sample_id')}: record ends before its top-k section")
         (k,) = _U32.unpack_from(record, floats_end)
@@ -328,7 +328,7 @@ def decode_sample(record: bytes | memoryview) -> Sample:
     floats = {name: np.frombuffer(record, dtype=_F32, count=n, offset=routing_end + 4 * n * i).astype(np.float32)
               for i, name in enumerate(present)}
     topk = {}
-    if head.get("floats", 0) & _TOPK:
+    if has_topk:
         at = floats_end + 4
         ids = np.frombuffer(record, dtype=_I32, count=n * k, offset=at)
         lps = np.frombuffer(record, dtype=_F32, count=n * k, offset=at + 4 * n * k)

@@ -73,8 +73,7 @@ def pad_batch(samples: Sequence[Any], pad_id: int, masks: Sequence[Any] | None =
     # position t of the [B, T-1] logprob tensor predicts token t+1
     out = {"input_ids": ids, "attention_mask": attn, "mask": mask[:, 1:], "behaviour": behaviour[:, 1:],
            "versions": versions[:, 1:], "teacher": teacher[:, 1:]}
-    k = max((s.teacher_topk_ids.shape[1] for s in samples if getattr(s, "teacher_topk_ids", None) is not None),
-            default=0)
+    k = topk_width(samples)
     if k:  # the teacher's top-k logprobs, [B, T-1, k] (NaN where it did not score)
         top = torch.full((b, width, k), math.nan, dtype=torch.float32)
         for i, s in enumerate(samples):
@@ -82,6 +81,12 @@ def pad_batch(samples: Sequence[Any], pad_id: int, masks: Sequence[Any] | None =
                 top[i, : len(s.token_ids), : s.teacher_topk_logprobs.shape[1]] = torch.from_numpy(s.teacher_topk_logprobs)
         out["teacher_topk"] = top[:, 1:]
     return out
+
+
+def topk_width(samples: Sequence[Any]) -> int:
+    """The widest teacher top-k among ``samples`` (0: none has one)."""
+    return max((s.teacher_topk_ids.shape[1] for s in samples if getattr(s, "teacher_topk_ids", None) is not None),
+               default=0)
 
 
 def pack(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
@@ -167,16 +172,18 @@ def packed_forward(model: Any, samples: Sequence[Any], device: torch.device | st
 def _topk_logprobs(logits: Tensor, samples: Sequence[Any], index: Tensor, valid: Tensor,
                    device: torch.device | str) -> Tensor:
     """The student's log-softmax (temperature 1, the whole vocabulary) of each position's teacher
-    top-k tokens, [S, T-1, k], from the packed row's logits [N-1, V]; 0 where none."""
-    k = max((s.teacher_topk_ids.shape[1] for s in samples if s.teacher_topk_ids is not None), default=0)
-    ids = torch.full((sum(len(s.token_ids) for s in samples), k), -1, dtype=torch.long)
+    top-k tokens, [S, T-1, k], from the packed row's logits [N-1, V]; 0 where none. The k logits
+    less their log-sum-exp: no second [N-1, V] log-softmax beside the one the sampled tokens'
+    logprobs take."""
+    ids = torch.full((sum(len(s.token_ids) for s in samples), topk_width(samples)), -1, dtype=torch.long)
     at = 0
     for s in samples:
         if s.teacher_topk_ids is not None:
             ids[at : at + len(s.token_ids), : s.teacher_topk_ids.shape[1]] = torch.from_numpy(s.teacher_topk_ids)
         at += len(s.token_ids)
     ids = ids[1:].to(device)  # packed position j predicts token j + 1, whose top-k these are
-    picked = torch.log_softmax(logits.float(), dim=-1).gather(-1, ids.clamp(min=0))
+    logits = logits.float()
+    picked = logits.gather(-1, ids.clamp(min=0)) - torch.logsumexp(logits, dim=-1, keepdim=True)
     picked = torch.where(ids >= 0, picked, torch.zeros((), dtype=picked.dtype, device=picked.device))
     return torch.where(valid.unsqueeze(-1), picked[index], torch.zeros((), dtype=picked.dtype, device=picked.device))
 
