@@ -139,6 +139,19 @@ def start_vllm(model: str, log_dir: Path, served_name: str = "tiny-tools", **opt
     return engine
 
 
+async def hold_generations(pool: Any) -> None:
+    """Freeze every request in flight on ``pool``'s engines (vLLM's ``/pause?mode=keep``): they stay
+    in the engine and generate nothing until a resume, a weight update's own or the caller's. A test
+    that must land an update while generations are under way asks for it this way: racing the
+    machine's speed failed on CI's faster machine (the generations ended before the update)."""
+    await asyncio.gather(*(pool.control(e, "/pause", params={"mode": "keep"}) for e in pool.engines))
+
+
+async def release_generations(pool: Any) -> None:
+    """Resume what :func:`hold_generations` froze (a resume of an engine that runs is a no-op)."""
+    await asyncio.gather(*(pool.control(e, "/resume") for e in pool.engines))
+
+
 def make_router(engine: object, model_dir: str, sessions_dir: Path | None = None, render: str = "auto"):
     """A Router over one engine (call inside a running event loop; await router.pool.start())."""
     from agentrl.models import eos_token_ids

@@ -315,11 +315,12 @@ def test_tokens_an_update_caught_in_flight_are_the_new_weights_through_the_exper
     policy's through the captured experts."""
     import asyncio
 
+    from tests.conftest import hold_generations
     from tests.test_weight_sync_vllm import _generated_tokens
 
     learner, folder = _next_policy(moe_model, tmp_path / "v1", seed=1)
-    # 8 x 1,400 tokens: generation outlasts the update's start by far, even on a fast machine (the
-    # tiny MoE writes about 500 tokens/s over the batch here); the contexts stay under 2,048
+    # 8 x 1,400 tokens (the contexts stay under 2,048), held once all are well under way so the
+    # update lands in the middle of every one, however fast the machine
     n, max_tokens = 8, 1400
     system = " ".join(f"Rule {i}: count the tools, then the numbers, and say both." for i in range(8))
     body = {"max_tokens": max_tokens, "temperature": 1.0, "ignore_eos": True,  # no seed: see test_weight_sync_vllm
@@ -328,20 +329,17 @@ def test_tokens_an_update_caught_in_flight_are_the_new_weights_through_the_exper
 
     async def go() -> tuple[list[Any], int]:
         async with _capturing_router(moe_engine.url, moe_model) as (router, updater):
-            for attempt in range(3):  # the update must land while every generation is under way: else again
-                old, new = 2 * attempt, 2 * attempt + 1
-                if attempt:  # back to the model's own weights first
-                    await updater.update_weights(moe_model, old)
-                before = await _generated_tokens(moe_engine.url)
-                calls = [asyncio.create_task(router.chat(body, session_id=f"cross-{attempt}-{i}")) for i in range(n)]
-                while await _generated_tokens(moe_engine.url) < before + n * 100:  # all well under way
-                    await asyncio.sleep(0.05)
-                await updater.update_weights(str(folder), new)
-                await asyncio.gather(*calls)
-                samples = [router.sessions[f"cross-{attempt}-{i}"].samples()[0] for i in range(n)]
-                if all(((s.versions == old) & (s.loss_mask != 0)).any() and (s.versions == new).any() for s in samples):
-                    return samples, new
-            raise AssertionError("three times the update landed after a generation had ended")
+            before = await _generated_tokens(moe_engine.url)
+            calls = [asyncio.create_task(router.chat(body, session_id=f"cross-{i}")) for i in range(n)]
+            while await _generated_tokens(moe_engine.url) < before + n * 100:  # all well under way
+                await asyncio.sleep(0.05)
+            await hold_generations(router.pool)  # the update's own resume lets them go on
+            assert not any(c.done() for c in calls)
+            await updater.update_weights(str(folder), 1)
+            await asyncio.gather(*calls)
+            samples = [router.sessions[f"cross-{i}"].samples()[0] for i in range(n)]
+            assert all(((s.versions == 0) & (s.loss_mask != 0)).any() and (s.versions == 1).any() for s in samples)
+            return samples, 1
 
     samples, version = asyncio.run(go())
     for s in samples:

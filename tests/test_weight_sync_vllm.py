@@ -18,7 +18,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from tests.conftest import make_router, start_vllm
+from tests.conftest import hold_generations, make_router, start_vllm
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -91,7 +91,7 @@ async def _is_paused(url: str) -> bool:
 def test_generations_in_flight_survive_an_update_and_each_token_matches_the_weights_of_its_version(
         sync_engine: Any, tiny_tools_model: str, tmp_path: Path) -> None:
     new = perturbed_weights(tiny_tools_model, tmp_path / "v1")
-    n, max_tokens = 4, 1600  # long enough that a fast machine is still generating when the update lands
+    n, max_tokens = 4, 1600
 
     async def go() -> tuple[list[Any], dict[str, Any]]:
         from agentrl.weights import EngineUpdater
@@ -109,6 +109,10 @@ def test_generations_in_flight_survive_an_update_and_each_token_matches_the_weig
             calls = [asyncio.create_task(router.chat(body, session_id=f"long-{i}")) for i in range(n)]
             while await _generated_tokens(sync_engine.url) < before + n * 40:  # all well under way
                 await asyncio.sleep(0.05)
+            # Held where they are, so the update lands while every one is under way however fast the
+            # machine; the update's own pause and resume then let them go on under the new weights.
+            await hold_generations(router.pool)
+            assert not any(c.done() for c in calls)
             sync = await up.update_weights(str(new), 1)
             assert up.retie_supported  # the tied LM head follows the new embedding
             outs = await asyncio.gather(*calls, return_exceptions=True)
