@@ -28,6 +28,7 @@ import functools
 import inspect
 import json
 import math
+import re
 import textwrap
 import tokenize
 import tomllib
@@ -136,7 +137,8 @@ def _coerce(value: Any, tp: Any, key: str, default: Any = None) -> Any:
     if origin is dict:
         if not isinstance(value, dict):
             raise ConfigError(f"{key}: expected a table, got {value!r}")
-        return dict(value)
+        item = typing.get_args(tp)[1] if typing.get_args(tp) else Any
+        return {k: _coerce(v, item, f"{key}.{k}") for k, v in value.items()}
     if tp is Any:
         return value
     if tp is float and isinstance(value, int) and not isinstance(value, bool):
@@ -264,16 +266,20 @@ def merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
 
 # -- reading a tree ----------------------------------------------------------------------------------
 
+def _plain(v: Any) -> Any:
+    """``v`` as plain data: dataclasses (also as a table's values) as dicts spelled as in files."""
+    if dataclasses.is_dataclass(v) and not isinstance(v, type):
+        return {setting_key(f): _plain(getattr(v, f.name)) for f in dataclasses.fields(v)
+                if not f.metadata.get("derived")}
+    if isinstance(v, dict):
+        return {k: _plain(x) for k, x in v.items()}
+    return json.loads(json.dumps(v, default=list))  # tuples as lists, as TOML gives them back
+
+
 def to_dict(cfg: Any) -> dict[str, Any]:
     """The config's settings as nested dicts, spelled as in files (``build`` reads it back to an equal
     config; fields the builder fills in are left out)."""
-    def plain(v: Any) -> Any:
-        if dataclasses.is_dataclass(v) and not isinstance(v, type):
-            return {setting_key(f): plain(getattr(v, f.name)) for f in dataclasses.fields(v)
-                    if not f.metadata.get("derived")}
-        return json.loads(json.dumps(v, default=list))  # tuples as lists, as TOML gives them back
-
-    return plain(cfg)
+    return _plain(cfg)
 
 
 def resolve(cls: type, dotted: str) -> bool:
@@ -328,11 +334,16 @@ def field_docs(cls: type) -> dict[str, str]:
     return docs
 
 
+def _toml_key(k: str) -> str:
+    """A table key as TOML spells it: bare when it can be (letters, digits, _ and -), else quoted."""
+    return k if re.fullmatch(r"[A-Za-z0-9_-]+", k) else json.dumps(k)
+
+
 def _toml_value(v: Any) -> str:
     if isinstance(v, float) and not math.isfinite(v):
         return "nan" if math.isnan(v) else ("inf" if v > 0 else "-inf")
     if isinstance(v, dict):
-        return "{" + ", ".join(f"{k} = {_toml_value(x)}" for k, x in v.items()) + "}"
+        return "{" + ", ".join(f"{_toml_key(k)} = {_toml_value(x)}" for k, x in v.items()) + "}"
     if isinstance(v, list | tuple):
         return "[" + ", ".join(_toml_value(x) for x in v) + "]"
     return json.dumps(v)
@@ -370,7 +381,7 @@ def to_toml(cfg: Any, docs: bool = False) -> str:
                 continue  # filled in by the builder (not a setting), or nothing TOML can say
             if notes.get(f.name):
                 lines += textwrap.wrap(notes[f.name], 100, initial_indent="# ", subsequent_indent="# ")
-            lines.append(f"{setting_key(f)} = {_toml_value(json.loads(json.dumps(v, default=list)))}")
+            lines.append(f"{setting_key(f)} = {_toml_value(_plain(v))}")
         out = lines
         for name, v in tables:
             out += ["", f"[{prefix}{name}]"]

@@ -32,6 +32,10 @@ log = logging.getLogger(__name__)
 
 Message = dict[str, Any]
 
+#: The key naming a task's environment in a run of several (environments/mix): what the scoring
+#: stage picks a teacher by (``scoring.teachers``).
+MIX_TAG = "mix_env"
+
 
 @dataclass
 class Reset:

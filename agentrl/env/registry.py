@@ -200,6 +200,17 @@ def make(name: str, **config: Any) -> Any:
     return lookup(name)(**config)
 
 
+def sandbox_image_of(name: str, config: dict[str, Any] | None = None) -> str | None:
+    """The sandbox image(s) a run of ``name`` with ``config`` needs (several comma-separated; None:
+    none): the environment's ``sandbox_image``, unless it says per config (a classmethod
+    ``sandbox_image_of(config)``, as a mix of environments does)."""
+    obj = lookup(name)
+    per_config = getattr(obj, "sandbox_image_of", None)
+    if callable(per_config):
+        return per_config(dict(config or {}))
+    return getattr(obj, "sandbox_image", None)
+
+
 def registered() -> list[str]:
     """Every registered name: decorated, installed through entry points, and built in."""
     for builtin in _builtin_names():

@@ -122,7 +122,7 @@ async def evaluate(env: str, endpoint: Any, tasks: int | list[dict[str, Any]] = 
     sampling (default :class:`EpisodeLimits` at temperature 1). Environments that need a sandbox get
     a pool here (``sandbox_config``'s limits) unless ``sandbox_pool`` is given.
     """
-    from agentrl.env import lookup
+    from agentrl.env.registry import sandbox_image_of
     from agentrl.rollout.episode import run_episode
     from agentrl.sandbox.attach import pool_for
 
@@ -138,7 +138,7 @@ async def evaluate(env: str, endpoint: Any, tasks: int | list[dict[str, Any]] = 
         else:
             client, endpoint_name = endpoint, "in-process router"
         if sandbox_pool is None:
-            sandbox_pool = await pool_for(lookup(env).sandbox_image,
+            sandbox_pool = await pool_for(sandbox_image_of(env, env_config),
                                           sandbox_config or SandboxConfig(warm=0, max_concurrency=concurrency),
                                           f"eval-{uuid.uuid4().hex[:6]}")
             if sandbox_pool is not None:

@@ -74,17 +74,20 @@ async def pool_for(image: str | None, cfg: SandboxConfig | None, instance_id: st
 @contextlib.asynccontextmanager
 async def attached(env: Any, pool: Any, task: dict[str, Any] | None = None) -> AsyncIterator[Any]:
     """``env`` with a sandbox from ``pool`` as ``env.sandbox`` when it declares an image (else as it is);
-    the sandbox goes back to the pool on the way out, cancellation included. With several images,
-    ``task`` picks one (``env.sandbox_image_for(task)``)."""
-    if not env.sandbox_image:
+    the sandbox goes back to the pool on the way out, cancellation included. Where the image
+    depends on the task (``env.sandbox_image_for(task)``: one of several, or none for a task of a
+    mix that needs none), ``task`` picks it."""
+    per_task = task is not None and hasattr(env, "sandbox_image_for")
+    image = env.sandbox_image_for(task) if per_task else env.sandbox_image
+    if not image:
         yield env
         return
     if pool is None:
-        raise EnvironmentFailure(f"{type(env).__name__} needs a sandbox ({env.sandbox_image}) but none is configured")
+        raise EnvironmentFailure(f"{type(env).__name__} needs a sandbox ({image}) but none is configured")
     if isinstance(pool, ImagePools):
-        if task is None or not hasattr(env, "sandbox_image_for"):
+        if not per_task:
             raise EnvironmentFailure(f"{type(env).__name__} uses several images; which one depends on the task")
-        acquiring = pool.acquire(env.sandbox_image_for(task))
+        acquiring = pool.acquire(image)
     else:
         acquiring = pool.acquire()
     async with acquiring as sandbox:

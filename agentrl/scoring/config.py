@@ -83,6 +83,11 @@ class ScoringConfig:
     env_weight: float = 1.0  # the environment's own reward in the sum (0: scorers only)
     judge: JudgeConfig = field(default_factory=JudgeConfig)
     teacher: TeacherConfig = field(default_factory=TeacherConfig)
+    teachers: dict[str, TeacherConfig] = field(default_factory=dict)
+    """Teachers chosen per environment: environment name -> a teacher at its own ``url`` (with
+    ``model``, ``weight``, ``top_k``, ...), used for that environment's episodes instead of
+    ``teacher`` (several teachers in one run of the ``mix`` environment); an environment named
+    nowhere gets ``teacher``, or none."""
     scorers: dict[str, float] = field(default_factory=dict)
     """Scorers registered with ``@agentrl.scorer("name")`` (in ``env.import`` files), name -> weight."""
     concurrency: int = 16  # episodes scored at once; more wait for a slot (the agent loops do not)
@@ -94,7 +99,8 @@ class ScoringConfig:
 
     @property
     def enabled(self) -> bool:
-        return bool(self.judge.url or self.teacher.url or self.teacher.model or self.teacher.lag or self.scorers)
+        return bool(self.judge.url or self.teacher.url or self.teacher.model or self.teacher.lag or self.scorers
+                    or self.teachers)
 
     def check(self) -> None:
         if self.concurrency < 1:
@@ -117,6 +123,13 @@ class ScoringConfig:
         if self.teacher.lag and self.teacher.url:
             raise ConfigError("scoring.teacher.lag (self-distillation: serve launches the teacher) and "
                               "scoring.teacher.url (a teacher of your own) exclude each other")
+        for env, t in self.teachers.items():
+            if not (t.url and t.model) or t.lag:
+                raise ConfigError(f"scoring.teachers.{env} needs a url and a model of its own (serve launches at "
+                                  f"most one teacher engine, scoring.teacher's), and no lag")
+            if t.top_k != self.teacher.top_k:
+                raise ConfigError(f"scoring.teachers.{env}.top_k ({t.top_k}) differs from scoring.teacher.top_k "
+                                  f"({self.teacher.top_k}): one run's teachers keep the same top-k")
         if self.judge.mode not in ("pointwise", "group"):
             raise ConfigError(f"scoring.judge.mode must be 'pointwise' or 'group', not {self.judge.mode!r}")
         if self.group_wait_s <= 0:

@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from agentrl.env.base import MIX_TAG
 from agentrl.errors import TransportError
 from agentrl.scoring.config import JudgeConfig, ScoringConfig
 from agentrl.scoring.registry import Scorer, Splitter, get_scorer, splitter_of, whole_turn
@@ -193,10 +194,14 @@ class ScoringStage:
     fail it with kind ``scoring``. At most ``concurrency`` episodes are scored at once."""
 
     def __init__(self, cfg: ScoringConfig, scorers: dict[str, tuple[Scorer, float]] | None = None, *,
-                 group_size: int = 1, teacher: Any = None) -> None:
-        """``teacher``: the teacher scorer when it is not ``cfg.teacher.url``'s (self-distillation's)."""
+                 group_size: int = 1, teacher: Any = None, env_name: str = "") -> None:
+        """``teacher``: the teacher scorer when it is not ``cfg.teacher.url``'s (self-distillation's).
+        ``env_name``: the run's environment, an episode's own unless its task names one (a mix:
+        :data:`~agentrl.env.base.MIX_TAG`); ``cfg.teachers`` are chosen by it."""
         cfg.check()
-        self.cfg, self.group_size = cfg, group_size
+        self.cfg, self.group_size, self.env_name = cfg, group_size, env_name
+        # Scorers for one environment's episodes only (a teacher of scoring.teachers): name -> environment
+        self.env_of: dict[str, str] = {}
         self.group_judge: Judge | None = None
         self._own: list[Any] = []  # the scorers made here, each with an HTTP client to close
         if scorers is None:
@@ -216,6 +221,13 @@ class ScoringStage:
             if teacher is not None:
                 self._own.append(teacher)
                 scorers["teacher"] = (teacher, cfg.teacher.weight)
+            for env, tcfg in cfg.teachers.items():
+                from agentrl.scoring.teacher import Teacher
+
+                own = Teacher(tcfg, timeout_s=cfg.timeout_s, retries=cfg.retries)
+                self._own.append(own)
+                scorers[f"teacher:{env}"] = (own, tcfg.weight)
+                self.env_of[f"teacher:{env}"] = env
         self.scorers = scorers
         self._slots = asyncio.Semaphore(cfg.concurrency)
         self._groups: dict[str, _Group] = {}  # group mode: groups some of whose members are still playing
@@ -232,6 +244,7 @@ class ScoringStage:
         group = self._arrive(episode, members) if self.group_judge is not None else None
         if episode.error is not None:  # a failed episode is not trained: nothing to score
             return
+        scorers = self._for(task.get(MIX_TAG) or self.env_name)
         c = self.counters
         if group is not None:
             await self._whole(group)
@@ -244,7 +257,7 @@ class ScoringStage:
                 c["scoring"] += 1
                 try:
                     outcomes = await asyncio.gather(*(self._one(name, fn, task, episode)
-                                                      for name, (fn, _) in self.scorers.items()),
+                                                      for name, (fn, _) in scorers.items()),
                                                     return_exceptions=True)
                 finally:
                     c["scoring"] -= 1
@@ -264,12 +277,18 @@ class ScoringStage:
             for s in episode.samples:
                 s.error, s.error_kind = episode.error, "scoring"
             return
-        values = dict(zip(self.scorers, outcomes, strict=True))
+        values = dict(zip(scorers, outcomes, strict=True))
         c["scored"] += 1
         self.outage = 0
         episode.reward = self._combine(episode.reward, values, episode.info)
         for s in episode.samples:
             s.reward = self._combine(s.reward, values, s.info)
+
+    def _for(self, env: str) -> dict[str, tuple[Scorer, float]]:
+        """The scorers of an episode of ``env``: a teacher of ``scoring.teachers`` scores its own
+        environment's episodes only, and the run's ``teacher`` those of the others."""
+        return {name: s for name, s in self.scorers.items()
+                if self.env_of.get(name, env) == env and not (name == "teacher" and env in self.cfg.teachers)}
 
     # -- group mode: a group's members graded together, in one judge call ----------------------------
     def _arrive(self, episode: Any, members: int | None) -> _Group:

@@ -94,9 +94,9 @@ def build_buffer(cfg: ServeConfig, run_dir: Path) -> Buffer:
 
 def sandbox_image(cfg: ServeConfig) -> str | None:
     """The image of the sandbox the configured environment needs (None: it needs none)."""
-    from agentrl.env import lookup
+    from agentrl.env.registry import sandbox_image_of
 
-    return lookup(cfg.env.name).sandbox_image
+    return sandbox_image_of(cfg.env.name, cfg.env.config)
 
 
 async def build_sandbox_pool(cfg: ServeConfig, instance: str) -> Any:
@@ -167,4 +167,4 @@ def build_scoring(cfg: ServeConfig, teacher: Any = None) -> ScoringStage | None:
         return None
     from agentrl.scoring.stage import ScoringStage
 
-    return ScoringStage(cfg.scoring, group_size=cfg.env.group_size, teacher=teacher)
+    return ScoringStage(cfg.scoring, group_size=cfg.env.group_size, teacher=teacher, env_name=cfg.env.name)
