@@ -280,3 +280,27 @@ def test_a_group_judge_grades_the_members_present_when_the_rest_never_come() -> 
         return present
 
     assert [e.reward for e in asyncio.run(main())] == pytest.approx([0.5, 0.6])
+
+
+def test_serves_metrics_carry_each_scorers_calls_failures_seconds_and_rewards() -> None:
+    from agentrl.serve.app import prometheus_series
+
+    status = {"rollout": {"in_flight": 3, "episodes": 10, "failed": 1, "backing_off": False,
+                          "scoring": {"scored": 9, "failed": 1, "timeouts": 1, "waiting": 0, "scoring": 2, "outage": 0,
+                                      "waiting_for_group": 0,
+                                      "scorers": {"judge": {"calls": 10, "failures": 1, "seconds": 20.5, "reward_sum": 6.0},
+                                                  'odd"name': {"calls": 1, "failures": 0, "seconds": 0.1,
+                                                               "reward_sum": 0.5}}}},
+              "buffer": {"depth": 4, "identity_holds": True, "dropped_by_reason": {"stale": 2}},
+              "teacher": {"version": 3, "lag": 1}}
+    series = prometheus_series(status)
+    assert series["scoring_scored_total"] == 9 and series["scoring_timeouts_total"] == 1
+    assert series['scoring_calls_total{scorer="judge"}'] == 10
+    assert series['scoring_failures_total{scorer="judge"}'] == 1
+    assert series['scoring_seconds_total{scorer="judge"}'] == 20.5
+    assert series['scoring_reward_sum{scorer="judge"}'] == 6.0
+    assert series['scoring_calls_total{scorer="odd\\"name"}'] == 1  # a label value escaped as Prometheus reads it
+    assert series["rollout_episodes_total"] == 10 and series["rollout_in_flight"] == 3
+    assert series["buffer_depth"] == 4 and "buffer_identity_holds" not in series  # numbers only
+    assert series["teacher_version"] == 3
+    assert not any("backing_off" in k for k in series)

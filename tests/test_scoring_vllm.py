@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -52,6 +53,8 @@ choices_only = true
                 time.sleep(0.5)
             token = (run_dir / "admin_token").read_text().strip()
             code, status = get_json(f"http://127.0.0.1:{port}/admin/status", token)
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as r:
+                metrics = r.read().decode()
         finally:
             serve.send_signal(signal.SIGTERM)
             serve.wait(timeout=120)
@@ -67,6 +70,11 @@ choices_only = true
     scoring = status["rollout"]["scoring"]
     assert scoring["scored"] == 8 and scoring["failed"] == 0, scoring
     assert scoring["scorers"]["judge"]["calls"] == 8, scoring
+    # and on /metrics: the stage's counts and each scorer's, as Prometheus reads them
+    series = dict(line.rsplit(" ", 1) for line in metrics.splitlines() if line and not line.startswith("#"))
+    assert float(series["agentrl_scoring_scored_total"]) >= 8, metrics
+    assert float(series['agentrl_scoring_calls_total{scorer="judge"}']) >= 8, metrics
+    assert float(series['agentrl_scoring_failures_total{scorer="judge"}']) == 0, metrics
 
 
 def test_a_group_judge_on_vllm_is_held_to_one_grade_line_per_answer(vllm_engine) -> None:

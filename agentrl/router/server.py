@@ -41,6 +41,8 @@ from agentrl.web import ADMIN_TOKEN, bearer, error_middleware, require_admin, to
 log = logging.getLogger(__name__)
 
 ROUTER_KEY = web.AppKey("router", Router)
+# More /metrics series from whoever hosts the router (serve: its rollout, scoring and buffer)
+METRICS_EXTRA: web.AppKey[Any] = web.AppKey("metrics_extra")
 API_KEYS = web.AppKey("api_keys", frozenset)
 _bearer = bearer
 
@@ -228,7 +230,9 @@ async def engines_status(request: web.Request) -> web.Response:
 
 
 async def metrics(request: web.Request) -> web.Response:
-    return web.Response(text=metrics_text(request.app[ROUTER_KEY]), content_type="text/plain")
+    extra = request.app.get(METRICS_EXTRA)
+    return web.Response(text=metrics_text(request.app[ROUTER_KEY], extra() if extra else None),
+                        content_type="text/plain")
 
 
 def add_router_routes(app: web.Application, router: Router, *, admin_token: str = "",

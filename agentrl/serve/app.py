@@ -242,11 +242,12 @@ class Serve:
     async def _serve_http(self) -> None:
         from agentrl.buffer import add_buffer_routes
         from agentrl.rollout.remote import episode_log_route
-        from agentrl.router.server import make_app
+        from agentrl.router.server import METRICS_EXTRA, make_app
         from agentrl.web import hand_over, require_admin
 
         app = make_app(self.router, admin_token=self.admin_token, api_keys=self.api_keys,
                        client_max_size=self.cfg.router.max_body_mb << 20)
+        app[METRICS_EXTRA] = lambda: prometheus_series(self.status())
         add_buffer_routes(app, self.buffer, self.admin_token)
         self.weights.add_routes(app, require_admin)
         app.router.add_get("/admin/info", self._info)
@@ -281,6 +282,7 @@ class Serve:
                                   "group_size": self.cfg.env.group_size})
 
     def status(self) -> dict[str, Any]:
+        """What /admin/status answers and serve_metrics.jsonl logs every 5 s (/metrics: :func:`prometheus_series`)."""
         rollout = self.cluster or self.orchestrator
         engines = self.pool.status()
         if self.local is not None:  # supervision: state (up / restarting / failed), restarts, pid
@@ -393,3 +395,39 @@ async def serve_forever(cfg: ServeConfig) -> None:
     finally:
         stopper.cancel()
         await serve.close()
+
+
+def _label(value: str) -> str:
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+def prometheus_series(status: dict[str, Any]) -> dict[str, float]:
+    """serve's own /metrics series beside the router's, from its status: the rollout's counters,
+    the buffer's, the scoring stage's (each scorer's calls, failures, seconds and reward sum,
+    labelled ``scorer``) and a self-distillation teacher's version."""
+    out: dict[str, float] = {}
+    rollout = status.get("rollout") or {}
+    for k in ("episodes", "failed", "truncated", "samples", "tool_calls"):
+        if isinstance(rollout.get(k), int | float):
+            out[f"rollout_{k}_total"] = rollout[k]
+    if isinstance(rollout.get("in_flight"), int | float):
+        out["rollout_in_flight"] = rollout["in_flight"]
+    for k, v in (status.get("buffer") or {}).items():
+        if isinstance(v, int | float) and not isinstance(v, bool):
+            out[f"buffer_{k}"] = v
+    scoring = rollout.get("scoring")
+    if scoring:
+        for k in ("scored", "failed", "timeouts"):
+            out[f"scoring_{k}_total"] = scoring[k]
+        for k in ("waiting", "scoring", "outage"):
+            out[f"scoring_{k}"] = scoring[k]
+        for name, s in scoring["scorers"].items():
+            lab = f'{{scorer="{_label(name)}"}}'
+            out[f"scoring_calls_total{lab}"] = s["calls"]
+            out[f"scoring_failures_total{lab}"] = s["failures"]
+            out[f"scoring_seconds_total{lab}"] = round(s["seconds"], 6)
+            out[f"scoring_reward_sum{lab}"] = s["reward_sum"]
+    teacher = status.get("teacher") or {}
+    if isinstance(teacher.get("version"), int):
+        out["teacher_version"] = teacher["version"]
+    return out
