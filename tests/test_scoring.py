@@ -304,3 +304,36 @@ def test_serves_metrics_carry_each_scorers_calls_failures_seconds_and_rewards() 
     assert series["buffer_depth"] == 4 and "buffer_identity_holds" not in series  # numbers only
     assert series["teacher_version"] == 3
     assert not any("backing_off" in k for k in series)
+
+
+def test_a_judge_on_serves_own_engine_is_asked_there_with_its_key_and_serves_model() -> None:
+    async def main() -> tuple[list[tuple[str, dict[str, Any]]], EpisodeResult]:
+        seen: list[tuple[str, dict[str, Any]]] = []
+
+        async def grades(request: web.Request) -> web.Response:
+            seen.append((request.headers.get("Authorization", ""), await request.json()))
+            return web.json_response({"choices": [{"index": 0, "message": {"role": "assistant", "content": "9"},
+                                                   "finish_reason": "stop"}]})
+
+        runner, url = await stand_in_endpoint(grades)
+        stage = ScoringStage(ScoringConfig(judge=JudgeConfig(engine=True)), judge_endpoint=(url, "engine-key", "tiny"))
+        ep = finished_episode()
+        try:
+            await stage(TASK, ep)
+        finally:
+            await stage.close()
+            await runner.cleanup()
+        return seen, ep
+
+    seen, ep = asyncio.run(main())
+    assert [(auth, body["model"]) for auth, body in seen] == [("Bearer engine-key", "tiny")]
+    assert ep.info["rewards"] == {"env": 1.0, "judge": pytest.approx(0.9)}
+    with pytest.raises(ConfigError, match="scoring.judge.engine"):
+        ScoringStage(ScoringConfig(judge=JudgeConfig(engine=True)))  # outside serve: no engine to name
+    cfg = ServeConfig()
+    cfg.scoring.judge.engine, cfg.scoring.judge.url, cfg.scoring.judge.model = True, "http://127.0.0.1:1/v1", "j"
+    with pytest.raises(ConfigError, match="exclude each other"):
+        cfg.check()
+    cfg.scoring.judge.url, cfg.ray.address = "", "auto"
+    with pytest.raises(ConfigError, match="serve --ray"):
+        cfg.check()

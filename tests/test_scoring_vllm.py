@@ -26,17 +26,20 @@ from tests.test_endless_tasks import endless_serve_config  # an echo environment
 pytestmark = [pytest.mark.vllm]
 
 
+@pytest.mark.parametrize("where", ["url", "engine"])
 def test_serve_scores_each_episode_with_a_vllm_judge_and_weighs_it_with_the_environments_reward(
-        tmp_path: Path, vllm_engine) -> None:
+        tmp_path: Path, vllm_engine, where: str) -> None:
+    """The judge at an endpoint named by its URL, or serve's own engine (``scoring.judge.engine``:
+    serve's model, asked at its engine)."""
     port = free_port()
+    judge = f'url = "{vllm_engine.url}/v1"\nmodel = "tiny-tools"' if where == "url" else "engine = true"
     config, run_dir = endless_serve_config(tmp_path, vllm_engine.url, port, top="max_episodes = 8", sections=f"""
 [scoring]
 env_weight = 0.25
 concurrency = 2
 timeout_s = 120
 [scoring.judge]
-url = "{vllm_engine.url}/v1"
-model = "tiny-tools"
+{judge}
 weight = 0.75
 choices_only = true
 """)

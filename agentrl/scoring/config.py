@@ -21,8 +21,12 @@ GROUP_RUBRIC = (
 class JudgeConfig:
     """An LLM judge: any OpenAI-compatible chat endpoint grades each episode's final answer."""
 
-    url: str = ""  # the endpoint's base URL, e.g. http://127.0.0.1:8001/v1; empty: no judge
-    model: str = ""  # the model name to ask for at that endpoint
+    url: str = ""  # the endpoint's base URL, e.g. http://127.0.0.1:8001/v1; empty: no judge, or serve's own engine (engine)
+    model: str = ""  # the model name to ask for at that endpoint (with engine: serve's model, by default)
+    engine: bool = False
+    """The judge is serve's own model on serve's first engine (the policy as it is now), asked
+    straight at the engine with serve's engine key, never through the router, so its calls are not
+    training data; ``url`` stays empty. Not with ``serve --ray`` (the engines are the cluster's)."""
     api_key_env: str = ""  # environment variable that holds the endpoint's key (empty: none sent)
     rubric: str = DEFAULT_RUBRIC
     """The grading prompt of pointwise mode; ``{task}`` (the task's prompt or question) and ``{answer}``
@@ -99,7 +103,7 @@ class ScoringConfig:
 
     @property
     def enabled(self) -> bool:
-        return bool(self.judge.url or self.teacher.url or self.teacher.model or self.teacher.lag or self.scorers
+        return bool(self.judge.url or self.judge.engine or self.teacher.url or self.teacher.model or self.teacher.lag or self.scorers
                     or self.teachers)
 
     def check(self) -> None:
@@ -109,6 +113,9 @@ class ScoringConfig:
             raise ConfigError("scoring.timeout_s must be positive")
         if self.retries < 0:
             raise ConfigError("scoring.retries must be at least 0")
+        if self.judge.url and self.judge.engine:
+            raise ConfigError("scoring.judge.url (a judge of your own) and scoring.judge.engine (serve's own engine) "
+                              "exclude each other")
         if self.judge.url and not self.judge.model:
             raise ConfigError("scoring.judge.url is set: name the judge's model in scoring.judge.model")
         if self.teacher.url and not self.teacher.model:

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from agentrl.env.base import MIX_TAG
-from agentrl.errors import TransportError
+from agentrl.errors import ConfigError, TransportError
 from agentrl.scoring.config import JudgeConfig, ScoringConfig
 from agentrl.scoring.registry import Scorer, Splitter, get_scorer, splitter_of, whole_turn
 
@@ -127,12 +127,16 @@ class Judge:
     with every member's answer numbered, one ``N: G`` line per answer back. A grade over ``scale``
     is the reward."""
 
-    def __init__(self, cfg: JudgeConfig, *, timeout_s: float, retries: int) -> None:
+    def __init__(self, cfg: JudgeConfig, *, timeout_s: float, retries: int,
+                 endpoint: tuple[str, str, str] | None = None) -> None:
+        """``endpoint``: (base URL, key, model) when not ``cfg``'s (serve's own engine: ``cfg.engine``)."""
         from agentrl.client import ServeClient
 
         self.cfg = cfg
-        key = os.environ.get(cfg.api_key_env, "") if cfg.api_key_env else ""
-        self.client = ServeClient(cfg.url, key, timeout_s=timeout_s, retries=retries, backoff_s=0.5)
+        url, key, model = endpoint or (cfg.url, os.environ.get(cfg.api_key_env, "") if cfg.api_key_env else "",
+                                       cfg.model)
+        self.model = cfg.model or model
+        self.client = ServeClient(url, key, timeout_s=timeout_s, retries=retries, backoff_s=0.5)
         grades = "|".join(str(g) for g in range(cfg.scale, -1, -1))  # longest first: 10 before 1
         self._grades = f"(?:{grades})"
 
@@ -163,7 +167,7 @@ class Judge:
 
     async def _ask(self, prompt: str, structured: dict[str, Any], max_tokens: int) -> str:
         c = self.cfg
-        body: dict[str, Any] = {"model": c.model, "messages": [{"role": "user", "content": prompt}],
+        body: dict[str, Any] = {"model": self.model, "messages": [{"role": "user", "content": prompt}],
                                 "max_tokens": max_tokens, "temperature": c.temperature}
         if c.choices_only:
             body["structured_outputs"] = structured
@@ -194,8 +198,10 @@ class ScoringStage:
     fail it with kind ``scoring``. At most ``concurrency`` episodes are scored at once."""
 
     def __init__(self, cfg: ScoringConfig, scorers: dict[str, tuple[Scorer, float]] | None = None, *,
-                 group_size: int = 1, teacher: Any = None, env_name: str = "") -> None:
+                 group_size: int = 1, teacher: Any = None, env_name: str = "",
+                 judge_endpoint: tuple[str, str, str] | None = None) -> None:
         """``teacher``: the teacher scorer when it is not ``cfg.teacher.url``'s (self-distillation's).
+        ``judge_endpoint``: (base URL, key, model) of serve's own engine, for ``cfg.judge.engine``.
         ``env_name``: the run's environment, an episode's own unless its task names one (a mix:
         :data:`~agentrl.env.base.MIX_TAG`); ``cfg.teachers`` are chosen by it."""
         cfg.check()
@@ -206,8 +212,11 @@ class ScoringStage:
         self._own: list[Any] = []  # the scorers made here, each with an HTTP client to close
         if scorers is None:
             scorers = {name: (get_scorer(name), weight) for name, weight in cfg.scorers.items()}
-            if cfg.judge.url:
-                judge = Judge(cfg.judge, timeout_s=cfg.timeout_s, retries=cfg.retries)
+            if cfg.judge.engine and judge_endpoint is None:
+                raise ConfigError("scoring.judge.engine: the judge is serve's own engine, which agentrl serve "
+                                  "names (not with serve --ray, whose engines are the cluster's)")
+            if cfg.judge.url or cfg.judge.engine:
+                judge = Judge(cfg.judge, timeout_s=cfg.timeout_s, retries=cfg.retries, endpoint=judge_endpoint)
                 self._own.append(judge)
                 if cfg.judge.mode == "group":
                     self.group_judge = judge

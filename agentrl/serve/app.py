@@ -193,8 +193,11 @@ class Serve:
         else:
             self.sandbox_pool = await build.build_sandbox_pool(cfg, "serve")
             producer = build.build_producer(cfg, self.router, self.sandbox_pool, scaffold=scaffold)
+            # scoring.judge.engine: the judge is the policy on serve's first engine, asked there directly
+            judge = (f"{self.pool.engines[0].url}/v1", self.engine_key, cfg.model) if cfg.scoring.judge.engine else None
             self.orchestrator = build.build_orchestrator(cfg, producer, self.buffer, run_dir=self.run_dir,
-                                                         policy_version=lambda: self.pool.version, teacher=teacher)
+                                                         policy_version=lambda: self.pool.version, teacher=teacher,
+                                                         judge_endpoint=judge)
             self._rollout_task = asyncio.create_task(self.orchestrator.run(), name="orchestrator")
         self.phase = "serving"
         settle_gc()

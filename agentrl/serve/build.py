@@ -141,7 +141,8 @@ def build_producer(cfg: ServeConfig, client: ChatClient, sandbox_pool: Any, *, s
 
 def build_orchestrator(cfg: ServeConfig, producer: EpisodeProducer, sink: BufferSink, *, run_dir: Path | None = None,
                        max_episodes: int | None = None, max_concurrency: int | None = None,
-                       policy_version: Any = None, episode_log: Any = None, teacher: Any = None) -> Orchestrator:
+                       policy_version: Any = None, episode_log: Any = None, teacher: Any = None,
+                       judge_endpoint: tuple[str, str, str] | None = None) -> Orchestrator:
     from agentrl.rollout.frontier import TaskFrontier
     from agentrl.rollout.orchestrator import Orchestrator
 
@@ -156,15 +157,19 @@ def build_orchestrator(cfg: ServeConfig, producer: EpisodeProducer, sink: Buffer
                         max_concurrency=e.max_concurrency if max_concurrency is None else max_concurrency,
                         run_dir=run_dir, max_episodes=cfg.max_episodes if max_episodes is None else max_episodes,
                         sync=e.mode == "sync", batch_size=cfg.buffer.batch_size, policy_version=policy_version,
-                        episode_log=episode_log, frontier=frontier, scoring=build_scoring(cfg, teacher))
+                        episode_log=episode_log, frontier=frontier,
+                        scoring=build_scoring(cfg, teacher, judge_endpoint))
 
 
-def build_scoring(cfg: ServeConfig, teacher: Any = None) -> ScoringStage | None:
+def build_scoring(cfg: ServeConfig, teacher: Any = None,
+                  judge_endpoint: tuple[str, str, str] | None = None) -> ScoringStage | None:
     """The scoring stage ``serve.scoring`` describes, or None when it names no scorer (the
     environment's reward alone, inline, as without the stage). ``teacher``: the teacher scorer
-    serve made for its own teacher engine (self-distillation)."""
+    serve made for its own teacher engine (self-distillation); ``judge_endpoint``: serve's own
+    engine as (base URL, key, model), for ``scoring.judge.engine``."""
     if not cfg.scoring.enabled:
         return None
     from agentrl.scoring.stage import ScoringStage
 
-    return ScoringStage(cfg.scoring, group_size=cfg.env.group_size, teacher=teacher, env_name=cfg.env.name)
+    return ScoringStage(cfg.scoring, group_size=cfg.env.group_size, teacher=teacher, env_name=cfg.env.name,
+                        judge_endpoint=judge_endpoint)

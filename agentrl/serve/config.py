@@ -92,6 +92,9 @@ class ServeConfig:
                               "loaded as an adapter")
         self.check_sampling()
         self.scoring.check()
+        if self.scoring.judge.engine and self.ray.address:
+            raise ConfigError("scoring.judge.engine (the judge on serve's own engine) is not supported with serve "
+                              "--ray (ray.address): give the judge an endpoint, scoring.judge.url")
         if getattr(self.scaffold, "agent", None) == "" or getattr(self.scaffold, "command", None) == "":
             raise ConfigError(f"scaffold.kind = {self.scaffold.kind!r} needs its scaffold.{self.scaffold.kind}")
 
