@@ -12,6 +12,7 @@ import asyncio
 import atexit
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -137,6 +138,36 @@ def start_vllm(model: str, log_dir: Path, served_name: str = "tiny-tools", **opt
         engine.stop()
         raise
     return engine
+
+
+def serve_until(config: Path, run_dir: Path, port: int, episodes: int, out: Path) -> dict[str, Any]:
+    """``agentrl serve --config config`` (as a newcomer runs it, its output in ``out``) until its
+    run directory logs ``episodes`` episodes (at most 10 min), then SIGTERM: the episodes' lines,
+    and ``/admin/status`` (code, body) and ``/metrics`` as serve answered them just before."""
+    import time
+    import urllib.request
+
+    from agentrl.client import get_json
+
+    env = {k: v for k, v in os.environ.items() if k != "AGENTRL_ADMIN_TOKEN"}
+    with open(out, "wb") as log:
+        serve = subprocess.Popen([sys.executable, "-m", "agentrl.cli", "serve", "--config", str(config)],
+                                 stdout=log, stderr=subprocess.STDOUT, env=env)
+        try:
+            lines: list[dict] = []
+            deadline = time.monotonic() + 600
+            while len(lines) < episodes and serve.poll() is None and time.monotonic() < deadline:
+                path = run_dir / "episodes.jsonl"
+                lines = [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+                time.sleep(0.5)
+            token = (run_dir / "admin_token").read_text().strip()
+            code, status = get_json(f"http://127.0.0.1:{port}/admin/status", token)
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as r:
+                metrics = r.read().decode()
+        finally:
+            serve.send_signal(signal.SIGTERM)
+            serve.wait(timeout=120)
+    return {"episodes": lines, "code": code, "status": status, "metrics": metrics, "log": out.read_text()[-3000:]}
 
 
 async def hold_generations(pool: Any) -> None:

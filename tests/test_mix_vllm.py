@@ -9,18 +9,11 @@ calls apart.
 
 from __future__ import annotations
 
-import json
-import os
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 
-from agentrl.client import get_json
-from tests.conftest import free_port
+from tests.conftest import free_port, serve_until
 
 pytestmark = [pytest.mark.vllm, pytest.mark.docker]
 
@@ -61,24 +54,9 @@ name = "arith-teacher"
 {teacher}
 name = "guess-teacher"
 """)
-    env = {k: v for k, v in os.environ.items() if k != "AGENTRL_ADMIN_TOKEN"}
-    with open(tmp_path / "serve.out", "wb") as out:
-        serve = subprocess.Popen([sys.executable, "-m", "agentrl.cli", "serve", "--config", str(config)],
-                                 stdout=out, stderr=subprocess.STDOUT, env=env)
-        try:
-            episodes: list[dict] = []
-            deadline = time.monotonic() + 600
-            while len(episodes) < 8 and serve.poll() is None and time.monotonic() < deadline:
-                path = run_dir / "episodes.jsonl"
-                episodes = [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
-                time.sleep(0.5)
-            token = (run_dir / "admin_token").read_text().strip()
-            code, status = get_json(f"http://127.0.0.1:{port}/admin/status", token)
-        finally:
-            serve.send_signal(signal.SIGTERM)
-            serve.wait(timeout=120)
-    log = (tmp_path / "serve.out").read_text()[-3000:]
-    assert len(episodes) == 8, log
+    ran = serve_until(config, run_dir, port, 8, tmp_path / "serve.out")
+    episodes, code, status = ran["episodes"], ran["code"], ran["status"]
+    assert len(episodes) == 8, ran["log"]
     assert all(e["error"] is None for e in episodes), [e["error"] for e in episodes]
     played = {e["info"]["mix_env"] for e in episodes}
     assert played == {"arithmetic", "guess_number"}, [e["info"] for e in episodes]  # 2 groups of each

@@ -8,19 +8,11 @@ serve's status counts the episodes scored.
 
 from __future__ import annotations
 
-import json
-import os
-import signal
-import subprocess
-import sys
-import time
-import urllib.request
 from pathlib import Path
 
 import pytest
 
-from agentrl.client import get_json
-from tests.conftest import free_port
+from tests.conftest import free_port, serve_until
 from tests.test_endless_tasks import endless_serve_config  # an echo environment with endless tasks
 
 pytestmark = [pytest.mark.vllm]
@@ -43,26 +35,9 @@ timeout_s = 120
 weight = 0.75
 choices_only = true
 """)
-    env = {k: v for k, v in os.environ.items() if k != "AGENTRL_ADMIN_TOKEN"}
-    with open(tmp_path / "serve.out", "wb") as out:
-        serve = subprocess.Popen([sys.executable, "-m", "agentrl.cli", "serve", "--config", str(config)],
-                                 stdout=out, stderr=subprocess.STDOUT, env=env)
-        try:
-            episodes: list[dict] = []
-            deadline = time.monotonic() + 600
-            while len(episodes) < 8 and serve.poll() is None and time.monotonic() < deadline:
-                path = run_dir / "episodes.jsonl"
-                episodes = [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
-                time.sleep(0.5)
-            token = (run_dir / "admin_token").read_text().strip()
-            code, status = get_json(f"http://127.0.0.1:{port}/admin/status", token)
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as r:
-                metrics = r.read().decode()
-        finally:
-            serve.send_signal(signal.SIGTERM)
-            serve.wait(timeout=120)
-    log = (tmp_path / "serve.out").read_text()[-3000:]
-    assert len(episodes) == 8, log
+    ran = serve_until(config, run_dir, port, 8, tmp_path / "serve.out")
+    episodes, code, status, metrics = ran["episodes"], ran["code"], ran["status"], ran["metrics"]
+    assert len(episodes) == 8, ran["log"]
     assert all(e["error"] is None for e in episodes), [e["error"] for e in episodes]
     for e in episodes:
         rewards = e["info"]["rewards"]
