@@ -26,3 +26,22 @@ def test_show_prints_an_example_task_and_the_opening_with_tools() -> None:
     show_env("guess_number", chunks.append, high=10)
     info = json.loads("".join(chunks))
     assert "from 1 to 10" in info["messages"][-1]["content"] and info["tools"] == []
+
+
+def test_show_takes_the_environments_config_and_a_missing_one_is_a_clear_error() -> None:
+    import subprocess
+    import sys
+
+    def show(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "agentrl.cli", "envs", "show", "mix", *args],
+                              capture_output=True, text=True, timeout=120)
+
+    ok = show("--config", '{"envs": {"guess_number": {"high": 8}, "straggler": {}}}')
+    assert ok.returncode == 0, ok.stderr
+    info = json.loads(ok.stdout)
+    assert info["example_task"]["mix_env"] == "guess_number" and "from 1 to 8" in info["messages"][-1]["content"]
+    bare = show()
+    assert bare.returncode != 0 and "Traceback" not in bare.stderr
+    assert 'agentrl envs: configuration error: env.config of "mix" names its environments' in bare.stderr
+    bad = show("--config", "[1]")
+    assert bad.returncode != 0 and "must be a JSON object" in bad.stderr and "Traceback" not in bad.stderr

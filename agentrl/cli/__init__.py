@@ -163,13 +163,23 @@ def cmd_envs(args: argparse.Namespace, extra: list[str]) -> int:
         return _envs(args, env_cli)
     except UnknownEnvironmentError as e:
         raise SystemExit(f"agentrl envs: {e}") from None
+    except C.ConfigError as e:
+        raise SystemExit(f"agentrl envs: configuration error: {e}") from None
 
 
 def _envs(args: argparse.Namespace, env_cli: Any) -> int:
     if args.action == "list":
         return env_cli.list_envs()
     if args.action == "show":
-        return env_cli.show_env(args.name)
+        import json
+
+        try:
+            config = json.loads(args.env_config)
+        except ValueError as e:
+            raise C.ConfigError(f"--config is not JSON: {e}") from None
+        if not isinstance(config, dict):
+            raise C.ConfigError(f"--config must be a JSON object of keyword arguments, not {args.env_config!r}")
+        return env_cli.show_env(args.name, **config)
     _setup_logging(args.verbose)
     return env_cli.try_env(args.name, args.endpoint, model=args.model, max_turns=args.max_turns,
                            max_tokens=args.max_tokens, temperature=args.temperature)
@@ -316,6 +326,8 @@ def parser() -> argparse.ArgumentParser:
     with_import(esub.add_parser("list", help="list registered environments")).set_defaults(fn=cmd_envs)
     es = with_import(esub.add_parser("show", help="show an environment's tools and an example opening"))
     es.add_argument("name")
+    es.add_argument("--config", dest="env_config", default="{}", metavar="JSON",
+                    help='the environment\'s keyword arguments as JSON (as env.config), e.g. \'{"envs": {"guess_number": {}}}\'')
     es.set_defaults(fn=cmd_envs)
     et = with_import(esub.add_parser("try", help="play one episode against an OpenAI-compatible endpoint, turn by turn"))
     et.add_argument("name")
