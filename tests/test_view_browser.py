@@ -92,12 +92,16 @@ def test_the_browser_is_refused_without_the_token_and_the_token_leaves_the_addre
 
         resp = page.goto(f"{base}/view/episodes?token={_token(run)}")
         assert resp.status == 200 and page.url == f"{base}/view/episodes"
+        # the episode list has loaded before the page is left: leaving it earlier aborts its fetch
+        # (net::ERR_ABORTED, a failed request CI's browser reported once)
+        wait_for(page, "document.getElementById('match-count') !== null")
         assert page.evaluate("document.cookie") == ""  # HttpOnly: page scripts cannot read it
         (cookie,) = ctx.cookies()
         assert cookie["httpOnly"] and cookie["sameSite"] == "Strict" and cookie["path"] == "/view"
         assert _token(run) not in cookie["value"]
         page.goto(f"{base}/view/")
         wait_for(page, POINTS + " > 0")
+        console.stop()
         ctx.close()
 
         ctx = browser.new_context()  # the login form, for a token typed in

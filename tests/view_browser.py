@@ -70,9 +70,18 @@ class Console:
 
     def __init__(self, page: Any) -> None:
         self.errors: list[str] = []
-        page.on("console", lambda m: self.errors.append(f"console: {m.text}") if m.type == "error" else None)
-        page.on("pageerror", lambda e: self.errors.append(f"pageerror: {e}"))
-        page.on("requestfailed", lambda r: self.errors.append(f"requestfailed: {r.url} {r.failure}"))
+        self.recording = True
+        page.on("console", lambda m: self._add(f"console: {m.text}") if m.type == "error" else None)
+        page.on("pageerror", lambda e: self._add(f"pageerror: {e}"))
+        page.on("requestfailed", lambda r: self._add(f"requestfailed: {r.url} {r.failure}"))
+
+    def _add(self, error: str) -> None:
+        if self.recording:
+            self.errors.append(error)
+
+    def stop(self) -> None:
+        """Record nothing more: before the test closes the page, whose refresh in flight then fails."""
+        self.recording = False
 
 
 def wait_for(page: Any, js: str, timeout_s: float = 60.0) -> Any:
