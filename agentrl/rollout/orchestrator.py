@@ -81,7 +81,9 @@ class Orchestrator:
         self.policy_version = policy_version
         self.in_flight = 0  # episodes whose agent loop is running (max_concurrency bounds them)
         self.scoring = scoring
-        self.being_scored = 0  # episodes done playing, not yet in the buffer
+        # Episodes done playing whose samples are not in the buffer yet (being scored, or their put
+        # under way): admission counts them, or a slow put lets the rollout start group after group.
+        self.landing = 0
         self.counters: dict[str, float] = {"episodes": 0, "failed": 0, "truncated": 0, "samples": 0,
                                            "reward_sum": 0.0, "tool_calls": 0}
         self.failed_by_kind: dict[str, int] = {}
@@ -119,7 +121,7 @@ class Orchestrator:
                 await self._run_sync(tasks)
                 return
             while not self.max_episodes or self._started < self.max_episodes:
-                room = await self.sink.wait_for_room(self.in_flight + self.being_scored + self.group_size - 1,
+                room = await self.sink.wait_for_room(self.in_flight + self.landing + self.group_size - 1,
                                                      timeout_s=5.0)
                 if room <= 0 or self.in_flight + self.group_size > max(self.max_concurrency, self.group_size):
                     await asyncio.sleep(0.05)
@@ -207,15 +209,15 @@ class Orchestrator:
         finally:  # its agent loop is done: the slot is free, whatever scoring takes
             self.in_flight -= 1
             playing[0] -= 1
-        if self.scoring is not None:
-            self.being_scored += 1
-            try:
+        self.landing += 1
+        try:
+            if self.scoring is not None:
                 await self.scoring(task, ep, members)  # a group judge waits for the group's members
-            finally:
-                self.being_scored -= 1
-        # Once its samples go to the sink, the episode is logged with them: a stop that cancels the
-        # put lets both finish first, so the episode log and the buffer agree.
-        await to_the_end(self._deliver(ep))
+            # Once its samples go to the sink, the episode is logged with them: a stop that cancels
+            # the put lets both finish first, so the episode log and the buffer agree.
+            await to_the_end(self._deliver(ep))
+        finally:
+            self.landing -= 1
 
     async def _deliver(self, ep: EpisodeResult) -> None:
         await self.sink.put(ep.samples)
