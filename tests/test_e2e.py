@@ -8,6 +8,8 @@ import os
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -67,6 +69,16 @@ def test_serve_and_learn_processes_train_on_exact_tokens_and_leave_nothing_behin
 
         # Samples generated after update k carry version >= k (per generated token).
         published = {s["version"]: s["time"] for s in steps}
+        # One call made after the last update whatever the rollout did: the rollout may have filled
+        # the buffer's room before it (nobody trains after step 3) and made none (CI saw that).
+        time.sleep(max(0.0, published[3] + 0.6 - time.time()))
+        late_call = urllib.request.Request(
+            f"http://127.0.0.1:{port}/sessions/e2e-after-the-last-update/v1/chat/completions",
+            data=json.dumps({"model": "tiny-tools", "messages": [{"role": "user", "content": "What is 17 + 25?"}],
+                             "max_tokens": 8, "ignore_eos": True}).encode(),
+            headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(late_call, timeout=120) as r:
+            assert r.status == 200
         deadline = time.time() + 120
         while time.time() < deadline:  # wait for a call generated entirely after the last update
             recs = _records(run_dir)
@@ -110,9 +122,6 @@ def test_serve_and_learn_processes_train_on_exact_tokens_and_leave_nothing_behin
         assert diff < 1e-3, diff
 
         # Bad input: an unparsable request is an OpenAI-style 4xx, and serve keeps running.
-        import urllib.error
-        import urllib.request
-
         req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", data=b"{not json",
                                      headers={"Content-Type": "application/json"})
         with pytest.raises(urllib.error.HTTPError) as err:
