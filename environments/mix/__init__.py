@@ -18,6 +18,7 @@ theirs have.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -53,8 +54,19 @@ def _joined(images: Iterable[str | None]) -> str | None:
     return ",".join(sorted({i for i in images if i})) or None
 
 
+_KINDS: dict[str, tuple[bool, str | None]] = {}
+
+
 def _kind(name: str, config: dict[str, Any]) -> tuple[bool, str | None]:
-    """(whether ``name`` plays its own episodes, the sandbox image it names)."""
+    """(whether ``name`` plays its own episodes, the sandbox image it names), found once per name and
+    config: a mix is built for every episode, and a factory's answer costs one more environment."""
+    key = json.dumps([name, config], sort_keys=True, default=str)
+    if key not in _KINDS:
+        _KINDS[key] = _find_kind(name, config)
+    return _KINDS[key]
+
+
+def _find_kind(name: str, config: dict[str, Any]) -> tuple[bool, str | None]:
     obj = lookup(name)
     if not isinstance(obj, type):  # a factory: only an instance tells
         obj = make(name, **config)
