@@ -123,9 +123,9 @@ def test_an_adapter_version_is_loaded_beside_the_last_with_no_pause_and_old_ones
             for v in (1, 2, 3):
                 result = await up.load_adapter(f"/w/v{v}", v)
                 assert result["kind"] == "adapter" and result["failed"] == []
-            assert pool.version == 3 and sorted(up.adapters) == [2, 3]
+            assert pool.version == 3 and sorted(up.adapters["policy"]) == [2, 3]
             for e, f in zip(pool.engines, fakes, strict=True):
-                assert sorted(e.adapters) == [2, 3] and e.adapter() == (adapter_name(3), 3)
+                assert sorted(e.adapters["policy"]) == [2, 3] and e.adapter() == (adapter_name(3), 3)
                 assert "/pause" not in f.paths()  # nothing stands still for an adapter
                 loads = [b["lora_name"] for _, p, b in f.calls if p == "/v1/load_lora_adapter"]
                 unloads = [b["lora_name"] for _, p, b in f.calls if p == "/v1/unload_lora_adapter"]
@@ -142,7 +142,7 @@ def test_an_adapter_version_is_loaded_beside_the_last_with_no_pause_and_old_ones
             fakes[1].calls.clear()
             pool.engines[1].adapters.clear()  # as after a restart
             assert await up.rejoin(pool.engines[1])
-            assert sorted(pool.engines[1].adapters) == [3, 4]
+            assert sorted(pool.engines[1].adapters["policy"]) == [3, 4]
             assert [b["lora_name"] for _, p, b in fakes[1].calls if p == "/v1/load_lora_adapter"] == \
                 ["policy-v3", "policy-v4"]
         finally:

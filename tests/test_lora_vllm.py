@@ -72,9 +72,10 @@ async def _router(url: str, model_dir: str) -> AsyncIterator[tuple[Any, Any]]:
     try:
         yield router, updater
     finally:
-        for v in list(pool.engines[0].adapters):  # the module's engine ends with no adapter loaded
-            with contextlib.suppress(Exception):
-                await pool.control(pool.engines[0], "/v1/unload_lora_adapter", {"lora_name": f"policy-v{v}"})
+        for policy, versions in pool.engines[0].adapters.items():  # the module's engine ends with none loaded
+            for v in list(versions):
+                with contextlib.suppress(Exception):
+                    await pool.control(pool.engines[0], "/v1/unload_lora_adapter", {"lora_name": f"{policy}-v{v}"})
         await pool.close()
 
 
@@ -188,3 +189,45 @@ def test_agentrl_run_trains_lora_adapters_and_only_the_adapters_travel(tmp_path:
     base = AutoModelForCausalLM.from_pretrained(tiny_tools_model, dtype=torch.float32)
     assert PeftModel.from_pretrained(base, str(tmp_path / "export" / "adapter")) is not None
     assert AutoModelForCausalLM.from_pretrained(tmp_path / "export", dtype=torch.float32) is not None
+
+
+def test_named_policies_each_sample_from_their_own_newest_adapter_on_one_engine(
+        lora_engine: Any, tiny_tools_model: str, tmp_path: Path) -> None:
+    """Multi-LoRA on one engine: ``model`` picks the policy; each policy has its own versions."""
+    proposer = _policy(tiny_tools_model, tmp_path / "p1", seed=5)
+    _policy(tiny_tools_model, tmp_path / "s1", seed=6)
+    solver = _policy(tiny_tools_model, tmp_path / "s2", seed=7)
+    body = {"messages": PROMPT, "max_tokens": 48, "temperature": 1.0, "ignore_eos": True}
+
+    async def go() -> tuple[dict[str, Any], Any, dict[str, int]]:
+        async with _router(lora_engine.url, tiny_tools_model) as (router, updater):
+            router.policies = ["proposer", "solver"]
+            updater.default_policy = "proposer"
+            updater.keep = {"proposer": 1, "solver": 1}
+            await updater.load_adapter(str(tmp_path / "p1"), 1, policy="proposer")
+            await updater.load_adapter(str(tmp_path / "s1"), 1, policy="solver")
+            await updater.load_adapter(str(tmp_path / "s2"), 2, policy="solver")  # s1 unloaded: keep 1
+            samples = {}
+            for sid, model in (("p", "proposer"), ("s", "solver"), ("d", "tiny-tools")):
+                out = await router.chat(dict(body, model=model), session_id=sid)
+                assert out["model"] == ("proposer" if model == "tiny-tools" else model)
+                samples[sid] = router.sessions[sid].samples()[0]
+            with pytest.raises(Exception) as e:
+                await router.chat(dict(body, model="critic"), session_id="x")
+            assert "critic" in str(e.value)
+            return samples, await _models(lora_engine.url), {"proposer": router.pool.version,
+                                                             "solver": router.pool.versions["solver"]}
+
+    samples, loaded, versions = asyncio.run(go())
+    assert versions == {"proposer": 1, "solver": 2}
+    assert {"proposer-v1", "solver-v2"} <= loaded and "solver-v1" not in loaded
+    for sid, model, version, policy in (("p", proposer, 1, "proposer"), ("s", solver, 2, "solver"),
+                                        ("d", proposer, 1, "proposer")):
+        sample = samples[sid]
+        assert sample.info["policy"] == policy
+        assert (sample.versions[sample.loss_mask != 0] == version).all()
+        diff = (_learner_logprobs(model, sample) - torch.from_numpy(sample.logprobs[1:]))[
+            torch.from_numpy(sample.loss_mask[1:] != 0)].abs()
+        assert diff.max() < 1e-3, (sid, float(diff.max()))  # sampled from that policy's adapter
+    # and the two policies differ on these tokens: the call was not served by the other's adapter
+    assert (_learner_logprobs(solver, samples["s"]) - _learner_logprobs(proposer, samples["s"])).abs().max() > 1e-2

@@ -1,10 +1,11 @@
 """The learner's view of the buffer over HTTP: routes on serve's aiohttp app, and the client.
 
 Routes (all need ``Authorization: Bearer <admin_token>`` when a token is set; 401 otherwise):
-- ``GET /buffer/batch?learner_version=V&max_staleness=S&batch_size=B&timeout_s=T``: long-polls up to
-  T seconds; 200 with an ``application/octet-stream`` batch (see ``codec``), 204 when nothing is
-  ready in time, 429 with ``Retry-After`` when too many learners are already polling, 400 on bad
-  parameters.
+- ``GET /buffer/batch?learner_version=V&max_staleness=S&batch_size=B&timeout_s=T[&policy=P]``:
+  long-polls up to T seconds; 200 with an ``application/octet-stream`` batch (see ``codec``), 204
+  when nothing is ready in time, 429 with ``Retry-After`` when too many learners are already
+  polling, 400 on bad parameters. ``policy`` picks a named policy's stream
+  (:mod:`agentrl.buffer.streams`); without it, the default policy's.
 - ``POST /buffer/ack`` ``{"batch_id": ...}``: 200 ``{"acked": true}``, or 409 ``{"acked": false}``
   when the batch is unknown (lease expired or released, or the buffer restarted): its samples will
   be served again, so the learner must not count them as consumed.
@@ -33,19 +34,20 @@ from aiohttp import web
 
 from agentrl.buffer.codec import Batch, CodecError, decode_batch, encode_batch
 from agentrl.buffer.core import Buffer
+from agentrl.buffer.streams import PolicyBuffers
 from agentrl.client import ServeClient
 from agentrl.errors import TransportError
 from agentrl.web import ADMIN_TOKEN, error_middleware, error_response, require_admin
 
 log = logging.getLogger(__name__)
 
-BUFFER_KEY: web.AppKey[Buffer] = web.AppKey("agentrl_buffer", Buffer)
+BUFFER_KEY: web.AppKey[Any] = web.AppKey("agentrl_buffer", object)
 
 # The buffer's transport failures are serve's (one error type for serve's HTTP surface).
 BufferTransportError = TransportError
 
 
-def add_buffer_routes(app: web.Application, buf: Buffer, admin_token: str | None) -> None:
+def add_buffer_routes(app: web.Application, buf: Buffer | PolicyBuffers, admin_token: str | None) -> None:
     app[BUFFER_KEY] = buf
     if ADMIN_TOKEN not in app:
         app[ADMIN_TOKEN] = admin_token or ""
@@ -54,6 +56,14 @@ def add_buffer_routes(app: web.Application, buf: Buffer, admin_token: str | None
 
     def bad(message: str) -> web.Response:
         return error_response(message, 400)
+
+    def stream_of(policy: str | None) -> Buffer:
+        """The buffer a learner's request reads: a named policy's stream, or the one buffer."""
+        if isinstance(buf, PolicyBuffers):
+            return buf.stream(policy)
+        if policy:
+            raise ValueError(f"no policy {policy[:60]!r}: serve runs one policy (set serve.policies to name several)")
+        return buf
 
     async def get_batch(request: web.Request) -> web.StreamResponse:
         require_admin(request)
@@ -65,11 +75,15 @@ def add_buffer_routes(app: web.Application, buf: Buffer, admin_token: str | None
             timeout_s = float(q.get("timeout_s", 0.0))
         except (KeyError, ValueError) as e:
             return bad(f"bad query: {e}; need learner_version (int), optional max_staleness (int), "
-                       "batch_size (int), timeout_s (float)")
+                       "batch_size (int), timeout_s (float), policy")
+        try:
+            stream = stream_of(q.get("policy"))
+        except ValueError as e:
+            return bad(str(e))
         if buf.pollers >= buf.cfg.max_pollers:
             return error_response("too many concurrent batch requests", 429, headers={"Retry-After": "1"})
         try:
-            data = await buf.get_batch_encoded(learner_version, max_staleness, batch_size, timeout_s)
+            data = await stream.get_batch_encoded(learner_version, max_staleness, batch_size, timeout_s)
         except ValueError as e:
             return bad(str(e))
         if data is None:
@@ -141,10 +155,14 @@ class BufferClient:
         return self.http.base_url
 
     async def get_batch(self, learner_version: int, max_staleness: int | None = None,
-                        batch_size: int | None = None, timeout_s: float = 10.0) -> Batch | None:
-        """Long-poll for a batch; None when nothing was ready within ``timeout_s`` (samples as
-        ``codec.decode_sample`` gives them: numpy per-token fields)."""
+                        batch_size: int | None = None, timeout_s: float = 10.0,
+                        policy: str | None = None) -> Batch | None:
+        """Long-poll for a batch (of ``policy``'s stream when serve runs named policies); None when
+        nothing was ready within ``timeout_s`` (samples as ``codec.decode_sample`` gives them:
+        numpy per-token fields)."""
         params: dict[str, str] = {"learner_version": str(learner_version), "timeout_s": str(timeout_s)}
+        if policy:
+            params["policy"] = policy
         if max_staleness is not None:
             params["max_staleness"] = str(max_staleness)
         if batch_size is not None:

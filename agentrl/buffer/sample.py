@@ -68,6 +68,9 @@ def float32_array(xs: Any) -> np.ndarray:
 _NAN_FIELDS = ("logprobs", "teacher_logprobs", "teacher_topk_logprobs", "token_rewards")  # NaN equals NaN
 
 
+POLICY_KEY = "policy"  # a sample's (and a task's) info key naming its LoRA policy (serve.policies)
+
+
 @dataclass(eq=False)
 class Sample:
     token_ids: np.ndarray

@@ -74,7 +74,8 @@ class RunConfig:
         if not lora.enabled:
             return
         engine.lora_rank = max(engine.lora_rank, lora.rank)
-        engine.max_loras = max(engine.max_loras, self.serve.buffer.max_staleness + 1)
+        loaded = sum(s + 1 for s in self.serve.staleness().values()) or self.serve.buffer.max_staleness + 1
+        engine.max_loras = max(engine.max_loras, loaded)
         if self.learn.weights.transport.kind == "http":
             from agentrl.weights.config import AdapterTransportConfig
 

@@ -25,7 +25,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from agentrl.buffer.sample import Sample
+from agentrl.buffer.sample import POLICY_KEY, Sample
 from agentrl.env import make
 from agentrl.env.base import Played, PlayingEnv
 from agentrl.errors import EnvironmentFailure, ErrorKind, ScaffoldError, TransportError
@@ -149,7 +149,8 @@ async def finish_samples(client: ChatClient, ep: EpisodeResult,
     if not ep.samples:
         ep.samples = [Sample([], [], [], [], episode_id=ep.episode_id, group_id=ep.group_id, env=ep.env,
                              reward=0.0, truncated=ep.truncated, error=ep.error or "NoModelCall",
-                             error_kind=ep.error_kind)]
+                             error_kind=ep.error_kind,
+                             info={"policy": ep.info["policy"]} if ep.info.get("policy") else {})]
     return summary
 
 
@@ -172,6 +173,9 @@ async def episode_env(env_name: str, env_config: dict[str, Any], sandbox_pool: A
 
 async def _episode_body(client: ChatClient, env_name: str, task: dict[str, Any], env_config: dict[str, Any],
                         sandbox_pool: Any, limits: EpisodeLimits, ep: EpisodeResult) -> None:
+    policy = str(task.get(POLICY_KEY) or "")  # a named LoRA policy plays the task (serve.policies)
+    if policy:
+        ep.info[POLICY_KEY] = policy
     async with episode_env(env_name, env_config, sandbox_pool, ep, task) as env:
         try:
             opening = await env.reset(task)
@@ -180,7 +184,7 @@ async def _episode_body(client: ChatClient, env_name: str, task: dict[str, Any],
         messages = list(opening.messages)
         ep.info["tools"] = len(opening.tools)  # offered: with none ever called, nothing is learned about them
         if isinstance(env, PlayingEnv):
-            await _play_episode(env, task, SessionModel(client, ep, limits))
+            await _play_episode(env, task, SessionModel(client, ep, limits, policy))
             return
         while True:
             if ep.turns >= limits.max_turns:
@@ -200,6 +204,8 @@ async def _episode_body(client: ChatClient, env_name: str, task: dict[str, Any],
                 body["min_p"] = limits.min_p
             if opening.tools:
                 body["tools"] = opening.tools
+            if policy:
+                body["model"] = policy
             try:
                 out = await client.chat(body, session_id=ep.episode_id)
             except InvalidRequest as e:
@@ -246,8 +252,9 @@ class SessionModel:
     episode's session, under the episode's limits (the built-in loop's sampling, the per-call and
     per-episode token budgets, the turn limit). Counts what it spends on ``ep``."""
 
-    def __init__(self, client: ChatClient, ep: EpisodeResult, limits: EpisodeLimits) -> None:
+    def __init__(self, client: ChatClient, ep: EpisodeResult, limits: EpisodeLimits, policy: str = "") -> None:
         self.client, self.ep, self.limits = client, ep, limits
+        self.policy = policy  # the named LoRA policy every call of the episode samples from ("": the default)
         self.name = client.model_name
         self.max_tokens, self.temperature = limits.max_tokens, limits.temperature
         self.refused: str | None = None  # the limit that stopped the episode, if one did
@@ -265,6 +272,8 @@ class SessionModel:
         body = {k: v for k, v in body.items() if k not in ("model", "stream", "stream_options", "n",
                                                             "max_completion_tokens")}
         body.update(max_tokens=min(int(asked), budget), temperature=limits.temperature, top_p=limits.top_p)
+        if self.policy:
+            body["model"] = self.policy
         try:
             out = await self.client.chat(body, session_id=ep.episode_id)
         except InvalidRequest as e:
@@ -327,7 +336,8 @@ def _samples(summary: SessionSummary, ep: EpisodeResult) -> list[Sample]:
         out.append(replace(s, episode_id=ep.episode_id, group_id=ep.group_id, env=ep.env, reward=reward,
                            truncated=ep.truncated, error=ep.error, error_kind=ep.error_kind,
                            info={"task_id": ep.task_id, "turns": ep.turns, "sandbox_id": ep.sandbox_id,
-                                 "calls": calls, "truncation": ep.truncation, "splits": ep.splits, **extra},
+                                 "calls": calls, "truncation": ep.truncation, "splits": ep.splits, **extra,
+                                 **({POLICY_KEY: s.info[POLICY_KEY]} if POLICY_KEY in s.info else {})},
                            timings={"episode_s": ep.seconds, "started": ep.started}))
     return out
 

@@ -46,7 +46,7 @@ from agentrl.router.chat_parity import (
 from agentrl.router.errors import EngineError, InvalidRequest, NotFound, RouterError
 from agentrl.router.experts import ExpertCapture
 from agentrl.router.metrics import RouterMetrics
-from agentrl.router.pool import Engine, EnginePool, parse_version
+from agentrl.router.pool import DEFAULT_POLICY, Engine, EnginePool, parse_version
 from agentrl.router.render import EngineRenderer, LocalRenderer, Renderer, cap_to_room
 from agentrl.router.sampling import Capture, applied, check_processed, neutral, truncates
 from agentrl.router.sessions import (
@@ -103,6 +103,7 @@ class Prepared:
     sampling: dict[str, float] = field(default_factory=dict)  # the settings the engine applies (recorded)
     capture: Capture | None = None  # how a recorded truncated call's kept sets are read
     adapter_version: int | None = None  # the LoRA policy version the call samples from (None: the engine's weights)
+    policy: str = DEFAULT_POLICY  # the LoRA policy the call samples from (the request's model names it)
 
 
 class Router:
@@ -118,6 +119,8 @@ class Router:
         (:class:`~agentrl.router.sampling.Capture`; 0 refuses truncation without a top_k)."""
         self.ignore_seed = ignore_seed
         self.max_kept_tokens = max_kept_tokens
+        # named LoRA policies (serve.policies), the first the default: a request's "model" picks one
+        self.policies: list[str] = []
         self._processed: dict[str, bool] = {}  # engine name -> whether it reports processed logprobs
         self.pool = pool
         if render not in ("auto", "engine"):
@@ -230,6 +233,19 @@ class Router:
             sampling["max_tokens"] = min(sampling.get("max_tokens") or cap, cap)
 
     # -- validation -------------------------------------------------------------------------------
+    def named_policy(self, body: Any) -> tuple[Any, str | None]:
+        """(``body`` with the served model's name in ``model``, the policy it named) when its
+        ``model`` names one of the named policies; else (``body``, None)."""
+        if self.policies and isinstance(body, dict) and body.get("model") in self.policies:
+            return dict(body, model=self.model_name), body["model"]
+        return body, None
+
+    def policy_of(self, body: Any) -> tuple[Any, str]:
+        """The call's policy and its body as the engines take it: a named policy when ``model``
+        names one, else the default (the first named policy, or the one unnamed policy)."""
+        body, named = self.named_policy(body)
+        return body, named or (self.policies[0] if self.policies else DEFAULT_POLICY)
+
     def validate(self, body: Any) -> dict[str, Any]:
         return self._seedless(validate_chat(body, self.model_name, self.max_prompt_chars))
 
@@ -345,6 +361,7 @@ class Router:
 
     async def prepare_chat(self, engine: Engine, body: Any, session_id: str | None, t0: float) -> Prepared:
         # validate
+        body, policy = self.policy_of(body)
         body = self.validate(body)
         check_max_tokens(body, self.max_model_len)
         session = self.open_session(session_id) if session_id else None
@@ -361,7 +378,7 @@ class Router:
         parent: CallRecord | None = None
         choice = 0
         if session is not None and messages is not None and session.records:
-            parent, choice = session.find_parent(messages) or (None, 0)
+            parent, choice = session.find_parent(messages, policy) or (None, 0)
         # render: the whole conversation, or a continued call's new messages
         prompt = await renderer.prompt(engine, engine_body, parent, choice, self.eos_token_ids)
         if session is not None and session.records:
@@ -375,12 +392,13 @@ class Router:
         gen_req = renderer.generate_request(engine_body, prompt)
         self._cap(gen_req["sampling_params"], cap)
         prep = Prepared("chat", engine, body, gen_req, prompt.ids, session, parent, choice, want_logprobs, t0,
-                        renderer, messages)
+                        renderer, messages, policy=policy)
         await self._behaviour(prep)
         return prep
 
     async def prepare_completion(self, engine: Engine, body: Any, session_id: str | None,
                                  t0: float) -> Prepared:
+        body, policy = self.policy_of(body)
         body = self._seedless(validate_completion(body, self.model_name))
         check_max_tokens(body, self.max_model_len)
         session = self.open_session(session_id) if session_id else None
@@ -394,7 +412,8 @@ class Router:
         self._cap(gen_req.setdefault("sampling_params", {}), cap)
         self._check_length(prompt_ids)
         cap_to_room(gen_req["sampling_params"], len(prompt_ids), self.max_model_len)
-        prep = Prepared("completion", engine, body, gen_req, prompt_ids, session, None, 0, want_logprobs, t0)
+        prep = Prepared("completion", engine, body, gen_req, prompt_ids, session, None, 0, want_logprobs, t0,
+                        policy=policy)
         await self._behaviour(prep)
         return prep
 
@@ -404,8 +423,8 @@ class Router:
         vocabulary is truncated, ask for what reading each token's kept set needs."""
         sp = prep.gen_req["sampling_params"]
         prep.sampling = applied(sp)
-        adapter = prep.engine.adapter()
-        if adapter is not None:  # a LoRA policy: the newest version this engine holds, for the whole call
+        adapter = prep.engine.adapter(prep.policy)
+        if adapter is not None:  # a LoRA policy: the newest version of it this engine holds, for the whole call
             prep.gen_req["model"], prep.adapter_version = adapter
         if prep.session is None:
             return
@@ -478,7 +497,7 @@ class Router:
             elif not prep.want_logprobs:
                 oc["logprobs"] = None
             oc["token_ids"] = ids
-        out["model"] = self.model_name
+        out["model"] = prep.policy if self.policies else self.model_name
         out["prompt_token_ids"] = prep.prompt_ids
         n_out = sum(len(c.token_ids) for c in comps)
         out["usage"] = {"prompt_tokens": len(prep.prompt_ids), "completion_tokens": n_out,
@@ -533,6 +552,7 @@ class Router:
             parent=prep.parent.index if prep.parent else None, choice=prep.choice,
             prompt_ids=prep.prompt_ids, completions=comps, engine=prep.engine.name,
             latency_s=time.perf_counter() - prep.t0, messages=prep.messages or [], sampling=prep.sampling,
+            policy=prep.policy if self.policies else "",
         )
         session.record(rec)
         return rec

@@ -28,6 +28,9 @@ from agentrl.router.upstream import Upstream, UpstreamClosed, UpstreamProtocolEr
 log = logging.getLogger(__name__)
 
 
+DEFAULT_POLICY = "policy"  # the one policy of a serve without named policies (serve.policies)
+
+
 @dataclass
 class Engine:
     url: str
@@ -40,29 +43,33 @@ class Engine:
     failed_checks: int = 0  # consecutive failed health checks
     last_error: str = ""
     sessions: set[str] = field(default_factory=set)
-    # LoRA policies (agentrl.weights.adapters): the adapter versions this engine has loaded, each
-    # under its own name; a request goes to the newest, and all its tokens are that version's
-    adapters: dict[int, str] = field(default_factory=dict)  # version -> the folder it was loaded from
+    # LoRA policies (agentrl.weights.adapters): the adapter versions this engine has loaded, per
+    # policy, each under its own name; a call goes to its policy's newest, and all its tokens are
+    # that version's
+    adapters: dict[str, dict[int, str]] = field(default_factory=dict)  # policy -> version -> its folder
 
     def status(self) -> dict[str, Any]:
         out = {"url": self.url, "name": self.name, "healthy": self.healthy, "outstanding": self.outstanding,
                "version": self.version, "served": self.served, "failures": self.failures,
                "last_error": self.last_error}
         if self.adapters:
-            out["adapters"] = sorted(self.adapters)
+            out["adapters"] = {p: sorted(vs) for p, vs in self.adapters.items()}
         return out
 
-    def adapter(self) -> tuple[str, int] | None:
-        """The newest adapter this engine has loaded, as (its name, its version); None: the base weights."""
-        if not self.adapters:
+    def adapter(self, policy: str = DEFAULT_POLICY) -> tuple[str, int] | None:
+        """The newest adapter of ``policy`` this engine has loaded, as (its name, its version);
+        None: the base weights (no version of that policy was published yet)."""
+        versions = self.adapters.get(policy)
+        if not versions:
             return None
-        version = max(self.adapters)
-        return adapter_name(version), version
+        version = max(versions)
+        return adapter_name(version, policy), version
 
 
-def adapter_name(version: int) -> str:
-    """The name an engine holds policy version ``version``'s LoRA adapter under."""
-    return f"policy-v{version}"
+def adapter_name(version: int, policy: str = DEFAULT_POLICY) -> str:
+    """The name an engine holds ``policy``'s version ``version`` under (``policy-v<N>`` for the one
+    unnamed policy)."""
+    return f"{policy}-v{version}"
 
 
 def parse_version(v: Any) -> int:
@@ -86,6 +93,8 @@ class EnginePool:
         self.health_interval_s = health_interval_s
         self.health_failures = max(1, health_failures)
         self.version = 0  # the policy version the engines serve; set by whoever updates them
+        # named LoRA policies (serve.policies): each one's version; ``version`` is the first's
+        self.versions: dict[str, int] = {}
         self._affinity: dict[str, Engine] = {}
         self._http: aiohttp.ClientSession | None = None
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}

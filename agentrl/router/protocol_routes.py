@@ -68,8 +68,10 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     router = request.app[ROUTER_KEY]
     store = request.app[STORE_KEY]
     sid = _session_of(request)
-    body = await _json_body(request)
+    body, policy = router.named_policy(await _json_body(request))
     turn = oai.parse_request(body, router.model_name, store, sid, router.max_model_len)
+    if policy:  # a named LoRA policy: the chat call names it (Router.policy_of)
+        turn.chat["model"] = policy
     try:
         if body.get("stream") is True:
             stream = await open_stream(router, "chat", dict(turn.chat, stream=True), sid, route="responses")
@@ -127,8 +129,10 @@ async def create_message(request: web.Request) -> web.StreamResponse:
     _check_client(request)
     router = request.app[ROUTER_KEY]
     sid = _session_of(request)
-    body = await _json_body(request)
+    body, policy = router.named_policy(await _json_body(request))
     chat = anthropic.parse_request(body, router.model_name, router.max_model_len)
+    if policy:  # a named LoRA policy: the chat call names it (Router.policy_of)
+        chat["model"] = policy
     if body.get("stream") is True:
         stream = await open_stream(router, "chat", dict(chat, stream=True), sid, route="messages")
         return await _sse(request, anthropic.MessageEvents(stream, router.model_name).events(), stream)

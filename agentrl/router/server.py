@@ -168,8 +168,8 @@ async def models(request: web.Request) -> web.Response:
     _check_client(request)
     r = request.app[ROUTER_KEY]
     return web.json_response({"object": "list", "data": [
-        {"id": r.model_name, "object": "model", "created": 0, "owned_by": "agentrl",
-         "max_model_len": r.max_model_len}]})
+        {"id": name, "object": "model", "created": 0, "owned_by": "agentrl", "max_model_len": r.max_model_len}
+        for name in [r.model_name, *r.policies]]})
 
 
 async def health(request: web.Request) -> web.Response:

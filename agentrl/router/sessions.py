@@ -103,6 +103,7 @@ class CallRecord:
     latency_s: float = 0.0
     messages: list[dict[str, Any]] = field(default_factory=list)  # normalised request messages
     sampling: dict[str, float] = field(default_factory=dict)  # settings the engine applied (behaviour.PARAMS)
+    policy: str = ""  # the named LoRA policy that sampled it ("": serve runs one unnamed policy)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -160,10 +161,13 @@ class Session:
             with open(self.log_path, "a") as f:  # written as calls complete: a crashed scaffold leaves data
                 f.write(rec.to_json() + "\n")
 
-    def find_parent(self, messages: list[dict[str, Any]]) -> tuple[CallRecord, int] | None:
+    def find_parent(self, messages: list[dict[str, Any]], policy: str | None = None) -> tuple[CallRecord, int] | None:
         """The latest call whose messages + returned reply are a prefix of ``messages`` (already
-        normalised with :func:`normalize_message`, as the caller also records them)."""
+        normalised with :func:`normalize_message`, as the caller also records them). With named
+        policies, only a call of the same ``policy``: a sample holds one policy's tokens."""
         for rec in reversed(self.records):
+            if policy is not None and rec.policy and rec.policy != policy:
+                continue
             k = len(rec.messages)
             if len(messages) <= k + 1 or messages[:k] != rec.messages:
                 continue
@@ -219,7 +223,8 @@ class Session:
                 behaviour = Behaviour.from_calls(n, calls, tokens) if any(x[2] for x in calls) else None
                 out.append(Sample(tokens, mask, logprobs, versions, episode_id=self.session_id,
                                   group_id=str(self.meta.get("group_id", "")), env=str(self.meta.get("env", "")),
-                                  reward=0.0, info={"calls": chain[::-1], "finish_reason": comp.finish_reason},
+                                  reward=0.0, info={"calls": chain[::-1], "finish_reason": comp.finish_reason,
+                                                    **({"policy": leaf.policy} if leaf.policy else {})},
                                   behaviour=behaviour, routing=chain_routing(n, routings[::-1], last_versions[::-1])))
         return out
 

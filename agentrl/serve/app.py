@@ -71,6 +71,7 @@ class Serve:
         self.router: Any = None
         self.sandbox_pool: Any = None
         self.buffer: Any = None
+        self.policy_weights: dict[str, Any] = {}  # named LoRA policies: policy -> its WeightReceiver
         self.orchestrator: Any = None  # the agent loops here; None under Ray (the workers play)
         self.cluster: Any = None  # agentrl.serve.ray.RayCluster with ray.address
         self.teacher_engine: Any = None  # agentrl.serve.teacher_engine.TeacherEngine: a teacher serve launches
@@ -137,6 +138,10 @@ class Serve:
         self.updater = EngineUpdater(self.pool)  # brings engines to a version; rejoins through pool.on_rejoin
         # LoRA policies: the versions a sample may still be drawn from stay loaded as adapters
         self.updater.adapter_keep = cfg.buffer.max_staleness + 1
+        staleness = cfg.staleness()  # named policies (multi-LoRA): each its own versions and window
+        if staleness:
+            self.updater.default_policy = next(iter(staleness))
+            self.updater.keep = {name: bound + 1 for name, bound in staleness.items()}
         await self.updater.start()  # stamps the engines with the pool's version
         if self.local is not None:  # a dead engine is relaunched and rejoins at the current version
             self.local.supervise(self.pool, build.restart_policy(cfg))
@@ -164,12 +169,17 @@ class Serve:
         from agentrl.weights import WeightReceiver
 
         keep = max(2, lag + cfg.scoring.teacher.every)  # the teacher loads a version up to lag + every - 1 back
-        self.weights = WeightReceiver(self.run_dir / "weights", self.updater, keep=keep,
-                                      max_bytes=weights_cap(self.model_path))
-        latest = self.weights.latest_loaded()
-        if cfg.restore and latest is not None and latest[0] > self.pool.version:  # a restart: carry on
-            self._phase(f"restoring policy version {latest[0]} from {latest[1]}")
-            await self.weights.restore(*latest)
+        # named policies: one receiver each (weights/<policy>/v<N>, adapters only); the first is the default
+        self.policy_weights = {name: WeightReceiver(self.run_dir / "weights" / name, self.updater.policy(name),
+                                                    keep=keep, max_bytes=weights_cap(self.model_path),
+                                                    adapters_only=True) for name in staleness}
+        self.weights = self.policy_weights[self.updater.default_policy] if staleness else \
+            WeightReceiver(self.run_dir / "weights", self.updater, keep=keep, max_bytes=weights_cap(self.model_path))
+        for name, receiver in (self.policy_weights or {"": self.weights}).items():
+            latest = receiver.latest_loaded()
+            if cfg.restore and latest is not None and latest[0] > receiver.updater.version:  # a restart: carry on
+                self._phase(f"restoring {f'policy {name} ' if name else 'policy '}version {latest[0]} from {latest[1]}")
+                await receiver.restore(*latest)
         teacher = None
         if self.teacher_engine is not None:
             from agentrl.scoring.teacher import Teacher
@@ -253,6 +263,8 @@ class Serve:
         app[METRICS_EXTRA] = lambda: prometheus_series(self.status())
         add_buffer_routes(app, self.buffer, self.admin_token)
         self.weights.add_routes(app, require_admin)
+        for name, receiver in self.policy_weights.items():  # named LoRA policies: each its own upload routes
+            receiver.add_routes(app, require_admin, prefix=f"/admin/policies/{name}/weights")
         app.router.add_get("/admin/info", self._info)
         app.router.add_get("/admin/status", self._status)
         # Rollout workers on other machines (serve --ray) send their episode lines here.
@@ -282,7 +294,10 @@ class Serve:
                                   "version": self.pool.version, "env": self.cfg.env.name,
                                   "engine_dtype": self.cfg.engine.dtype,  # what a delta transport encodes in
                                   "batch_size": b.batch_size, "max_staleness": b.max_staleness,
-                                  "group_size": self.cfg.env.group_size})
+                                  "group_size": self.cfg.env.group_size,
+                                  "policies": {name: {"version": self.updater.policy_version(name),
+                                                      "max_staleness": bound}
+                                               for name, bound in self.cfg.staleness().items()}})
 
     def status(self) -> dict[str, Any]:
         """What /admin/status answers and serve_metrics.jsonl logs every 5 s (/metrics: :func:`prometheus_series`)."""
@@ -293,6 +308,8 @@ class Serve:
                 entry.update(local)
         return {
             "uptime_s": time.time() - self.started, "version": self.pool.version,
+            **({"policies": {name: self.updater.policy_version(name) for name in self.cfg.policies}}
+               if self.cfg.policies else {}),
             "engines": engines, "router": dict(self.router.counters),
             "rollout": rollout.status() if rollout is not None else {},
             "buffer": self.buffer.stats(),

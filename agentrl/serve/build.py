@@ -20,7 +20,6 @@ from agentrl.rollout.config import FunctionScaffold, ProgramScaffold
 from agentrl.serve.config import ServeConfig
 
 if TYPE_CHECKING:
-    from agentrl.buffer import Buffer
     from agentrl.engines.vllm import EngineSpec
     from agentrl.rollout.orchestrator import Orchestrator
     from agentrl.rollout.protocols import BufferSink, ChatClient, EpisodeProducer
@@ -75,10 +74,12 @@ def build_router(cfg: ServeConfig, pool: EnginePool, model_path: str, run_dir: P
     from agentrl.models import eos_token_ids
     from agentrl.router import Router
 
-    return Router(pool, model_name=cfg.model, eos_token_ids=eos_token_ids(model_path),
-                  max_model_len=cfg.engine.max_model_len, sessions_dir=run_dir / "sessions" if run_dir else None,
-                  retries=cfg.router.retries, model_dir=model_path, render=cfg.router.render,
-                  ignore_seed=drops_seeds(cfg), max_kept_tokens=cfg.router.max_kept_tokens)
+    router = Router(pool, model_name=cfg.model, eos_token_ids=eos_token_ids(model_path),
+                    max_model_len=cfg.engine.max_model_len, sessions_dir=run_dir / "sessions" if run_dir else None,
+                    retries=cfg.router.retries, model_dir=model_path, render=cfg.router.render,
+                    ignore_seed=drops_seeds(cfg), max_kept_tokens=cfg.router.max_kept_tokens)
+    router.policies = list(cfg.policies)
+    return router
 
 
 def buffer_config(cfg: ServeConfig, run_dir: Path) -> Any:
@@ -86,9 +87,12 @@ def buffer_config(cfg: ServeConfig, run_dir: Path) -> Any:
     return dataclasses.replace(cfg.buffer, path=str(run_dir / "buffer"), group_size=cfg.env.group_size)
 
 
-def build_buffer(cfg: ServeConfig, run_dir: Path) -> Buffer:
-    from agentrl.buffer import Buffer
+def build_buffer(cfg: ServeConfig, run_dir: Path) -> Any:
+    """The buffer: one, or one stream per named policy (:class:`~agentrl.buffer.PolicyBuffers`)."""
+    from agentrl.buffer import Buffer, PolicyBuffers
 
+    if cfg.policies:
+        return PolicyBuffers(buffer_config(cfg, run_dir), cfg.staleness())
     return Buffer(buffer_config(cfg, run_dir))
 
 

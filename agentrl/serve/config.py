@@ -14,6 +14,7 @@ refused as settings. Only light modules are imported here.
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,6 +46,18 @@ class RayConfig:
 
 
 @dataclass
+class PolicyConfig:
+    """``serve.policies.<name>``: one of several LoRA policies on the engines' base model (multi-LoRA).
+    A call picks it with ``"model": "<name>"``; it has its own adapter versions, buffer stream and
+    staleness bound, and the learner trains its own adapter with its own optimizer."""
+
+    max_staleness: int = -1  # the most versions its samples may lag its learner (-1: buffer.max_staleness)
+
+
+POLICY_NAME = re.compile(r"[a-z][a-z0-9_]{0,39}")
+
+
+@dataclass
 class ServeConfig:
     model: str = "tiny-tools"  # "tiny", "tiny-tools", "tiny-agent", "smollm2", a local folder or a hub name
     run_dir: str = "runs/latest"  # metrics, event log, session records, buffer, weights
@@ -67,6 +80,15 @@ class ServeConfig:
     buffer: BufferConfig = field(default_factory=BufferConfig)
     scoring: ScoringConfig = field(default_factory=ScoringConfig)
     ray: RayConfig = field(default_factory=RayConfig)
+    policies: dict[str, PolicyConfig] = field(default_factory=dict)
+    """Named LoRA policies served at once on one base model (multi-LoRA; needs engine.lora_rank > 0, which
+    ``agentrl run`` sets from learn.lora.rank): a call names its policy in ``model``, and the base model's
+    own name (or ``default``) picks the first. Empty: one policy, chosen by any call."""
+
+    def staleness(self) -> dict[str, int]:
+        """Each named policy's staleness bound, in config order (empty: one unnamed policy)."""
+        return {name: p.max_staleness if p.max_staleness >= 0 else self.buffer.max_staleness
+                for name, p in self.policies.items()}
 
     def without_secrets(self) -> ServeConfig:
         """This config with its admin token and client keys left out (for processes that get them otherwise)."""
@@ -86,10 +108,12 @@ class ServeConfig:
             raise ConfigError("scoring.teacher.lag (self-distillation) with LoRA policies (engine.lora_rank > 0) is not "
                               "supported yet: the teacher engine loads full weights; train without LoRA, or use a "
                               "separate teacher (scoring.teacher.url)")
-        if self.engine.lora_rank and self.engine.max_loras < self.buffer.max_staleness + 1:
-            raise ConfigError(f"engine.max_loras ({self.engine.max_loras}) must be at least buffer.max_staleness + 1 "
-                              f"({self.buffer.max_staleness + 1}): every version a sample may still come from stays "
-                              "loaded as an adapter")
+        self.check_policies()
+        loaded = sum(s + 1 for s in self.staleness().values()) or self.buffer.max_staleness + 1
+        if self.engine.lora_rank and self.engine.max_loras < loaded:
+            raise ConfigError(f"engine.max_loras ({self.engine.max_loras}) must be at least {loaded} (each policy's "
+                              "max_staleness + 1, summed): every version a sample may still come from stays loaded "
+                              "as an adapter")
         self.check_sampling()
         self.scoring.check()
         if self.scoring.judge.engine and self.ray.address:
@@ -98,6 +122,19 @@ class ServeConfig:
         if getattr(self.scaffold, "agent", None) == "" or getattr(self.scaffold, "command", None) == "":
             raise ConfigError(f"scaffold.kind = {self.scaffold.kind!r} needs its scaffold.{self.scaffold.kind}")
 
+
+    def check_policies(self) -> None:
+        for name, p in self.policies.items():
+            if not POLICY_NAME.fullmatch(name) or name in (self.model, "default"):
+                raise ConfigError(f"policies.{name[:60]}: a policy's name is a lowercase letter then up to 39 "
+                                  "lowercase letters, digits or '_', other than the model's name and 'default'")
+            if p.max_staleness < -1:
+                raise ConfigError(f"policies.{name}.max_staleness must be -1 (buffer.max_staleness) or more")
+        if self.policies and not self.engine.lora_rank:
+            raise ConfigError("serve.policies (several LoRA policies on one base model) needs engine.lora_rank > 0 "
+                              "(agentrl run sets it from learn.lora.rank)")
+        if self.policies and self.ray.address:
+            raise ConfigError("serve.policies is not supported with serve --ray (ray.address) yet")
 
     def check_sampling(self) -> None:
         """The built-in loop's sampling is one the learner can replay, and the engines can report."""

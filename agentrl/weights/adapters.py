@@ -31,12 +31,13 @@ def is_adapter_key(name: str) -> bool:
     return ".lora_A." in name or ".lora_B." in name or ".lora_embedding_" in name
 
 
-def adapter_state(state: dict[str, Any]) -> dict[str, Any]:
-    """The adapter tensors of a (learner) state dict, under peft's saved names."""
+def adapter_state(state: dict[str, Any], adapter: str = ADAPTER) -> dict[str, Any]:
+    """The tensors of adapter ``adapter`` in a (learner) state dict, under peft's saved names (a
+    model with several named policies holds one adapter per policy; the others are left out)."""
     out = {}
     for k, v in state.items():
-        if is_adapter_key(k):
-            out[PREFIX + k.replace(f".{ADAPTER}.", ".")] = v
+        if is_adapter_key(k) and f".{adapter}." in k:
+            out[PREFIX + k.replace(f".{adapter}.", ".")] = v
     return out
 
 

@@ -61,7 +61,8 @@ class WeightReceiver:
     its ``version``, ``weights_path`` and update methods); the routes drive it.
     """
 
-    def __init__(self, root: Path, updater: Any, keep: int = 2, max_bytes: int = 64 << 30) -> None:
+    def __init__(self, root: Path, updater: Any, keep: int = 2, max_bytes: int = 64 << 30,
+                 adapters_only: bool = False) -> None:
         """``max_bytes``: the largest upload a version may declare (a chunk's offset and length must
         fall inside the declared size, so no request can make serve write beyond it)."""
         self.root = root
@@ -69,6 +70,7 @@ class WeightReceiver:
         self.keep = keep
         self.on_loaded: list[Any] = []  # awaited with each version the engines loaded, before the commit answers
         self.max_bytes = max_bytes
+        self.adapters_only = adapters_only  # a named LoRA policy's receiver: its adapters alone
         self._declared: dict[int, int] = {}  # version -> the total size its chunks declared
         # version -> {chunk index: (its SHA-256, offset, length)}
         self._staging: dict[int, dict[int, tuple[str, int, int]]] = {}
@@ -116,6 +118,9 @@ class WeightReceiver:
         by default the staged file is the version's file. What it raises leaves nothing behind."""
         if kind not in ("full", "adapter"):
             raise web.HTTPBadRequest(reason=f"version {version}: kind {kind!r} is not 'full' or 'adapter'")
+        if self.adapters_only and kind != "adapter":
+            raise web.HTTPBadRequest(reason=f"version {version}: this route takes a LoRA policy's adapters "
+                                            f"(kind 'adapter'), not {kind!r}")
         staged = self._staging.get(version, {})
         if not 0 <= size <= self.max_bytes or chunks < 1:
             raise web.HTTPBadRequest(reason=f"version {version}: a commit of {chunks} chunks and {size} bytes")
@@ -226,7 +231,9 @@ class WeightReceiver:
                 self._staging.pop(v, None)
                 p.unlink(missing_ok=True)
 
-    def add_routes(self, app: web.Application, require_admin: Any) -> None:
+    def add_routes(self, app: web.Application, require_admin: Any, prefix: str = "/admin/weights") -> None:
+        """The upload routes under ``prefix``; a named policy's receiver (``adapters_only``) has
+        chunks and commit alone, under ``/admin/policies/<policy>/weights``."""
         from agentrl.web import error_middleware
 
         if error_middleware not in app.middlewares:  # a bare app (tests, tools): the one error shape too
@@ -346,8 +353,10 @@ class WeightReceiver:
                 self.last = result
             return web.json_response(result)
 
-        app.router.add_put("/admin/weights/{version}/chunks/{index}", put_chunk)
-        app.router.add_post("/admin/weights/{version}/commit", commit)
+        app.router.add_put(prefix + "/{version}/chunks/{index}", put_chunk)
+        app.router.add_post(prefix + "/{version}/commit", commit)
+        if self.adapters_only:
+            return
         app.router.add_post("/admin/weights/{version}/delta", commit_delta)
         app.router.add_post("/admin/weights/nccl/init", nccl_init)
         app.router.add_post("/admin/weights/nccl/{version}/update", nccl_update)
@@ -431,8 +440,11 @@ def serialize_state_dict(state: dict[str, Any]) -> bytes:
 async def publish(data: bytes, version: int, serve_url: str, admin_token: str, *,
                   timeout_s: float = 600.0, attempts: int = 3, chunk_bytes: int = CHUNK_BYTES,
                   parallel: int = PARALLEL_CHUNKS, kind: str = "full", commit_route: str = "commit",
-                  commit_fields: dict[str, Any] | None = None) -> dict[str, Any]:
+                  commit_fields: dict[str, Any] | None = None, policy: str | None = None) -> dict[str, Any]:
     """Send serialised weights to serve as ``version`` and wait until engines serve them.
+
+    ``policy``: a named LoRA policy's adapter (multi-LoRA), sent to that policy's routes
+    (``/admin/policies/<policy>/weights``) and numbered by its own versions.
 
     ``commit_route`` and ``commit_fields``: a delta (:mod:`agentrl.weights.delta`) commits to
     ``delta`` with its base and digest; serve's refusal of one is :class:`DeltaRefused`, at once.
@@ -452,12 +464,13 @@ async def publish(data: bytes, version: int, serve_url: str, admin_token: str, *
     commit = {"chunks_sha256": _digest_of(chunk_shas), "chunks": len(chunks), "bytes": len(data), "kind": kind,
               **(commit_fields or {})}
     last_error: Exception | None = None
+    route = f"/admin/policies/{policy}/weights" if policy else "/admin/weights"
     async with ServeClient(serve_url, admin_token, timeout_s=timeout_s, retries=2, backoff_s=0.5) as http:
         slots = asyncio.Semaphore(max(1, parallel))
 
         async def put(i: int) -> None:
             async with slots:
-                await http.request("PUT", f"/admin/weights/{version}/chunks/{i}", data=chunks[i],
+                await http.request("PUT", f"{route}/{version}/chunks/{i}", data=chunks[i],
                                    headers={"X-Sha256": chunk_shas[i], "X-Offset": str(offsets[i]),
                                             "X-Total-Bytes": str(len(data))})
 
@@ -470,7 +483,7 @@ async def publish(data: bytes, version: int, serve_url: str, admin_token: str, *
                     for t in sends:
                         t.cancel()
                     await asyncio.gather(*sends, return_exceptions=True)
-                got = await http.request("POST", f"/admin/weights/{version}/{commit_route}", json=commit, accept={502},
+                got = await http.request("POST", f"{route}/{version}/{commit_route}", json=commit, accept={502},
                                          retries=0)
                 text = got.body.decode(errors="replace")
                 if got.status == 502:

@@ -148,20 +148,23 @@ class AdapterTransport:
         self.base_model = base_model
         self.last_bytes = 0  # the size of the last version sent (what the learner reports)
 
-    async def publish(self, state: Mapping[str, Any], version: int) -> dict[str, Any]:
-        from agentrl.weights.adapters import adapter_config, adapter_state, pack_adapter
+    async def publish(self, state: Mapping[str, Any], version: int, policy: str | None = None) -> dict[str, Any]:
+        """``policy``: a named policy's adapter (the learner's adapter of that name, sent to that
+        policy's routes); None: the one policy's (the learner's adapter ``default``)."""
+        from agentrl.weights.adapters import ADAPTER, adapter_config, adapter_state, pack_adapter
         from agentrl.weights.transfer import publish
 
         if self.lora is None or not self.lora.enabled:
             raise ConfigError("weights.transport.kind = \"adapter\" needs learn.lora.rank > 0")
-        tensors = adapter_state(dict(state))
+        tensors = adapter_state(dict(state), adapter=policy or ADAPTER)
         if not tensors:
             raise ValueError("the adapter transport was given no adapter tensors (is the model a LoRA one?)")
         data = await asyncio.to_thread(pack_adapter, tensors, adapter_config(self.lora, self.base_model))
         self.last_bytes = len(data)
         c = self.cfg
         result = await publish(data, version, self.serve_url, self.admin_token, timeout_s=c.timeout_s,
-                               attempts=c.attempts, chunk_bytes=c.chunk_bytes, parallel=1, kind="adapter")
+                               attempts=c.attempts, chunk_bytes=c.chunk_bytes, parallel=1, kind="adapter",
+                               policy=policy)
         result.setdefault("bytes", len(data))
         return result
 

@@ -9,6 +9,8 @@ that was out back to the current version. :class:`EngineUpdater` works over an
 this package. serve's :class:`~agentrl.weights.transfer.WeightReceiver` drives it. A LoRA policy's
 versions take another path (:meth:`EngineUpdater.load_adapter`): each is loaded as its own adapter
 beside the last ``adapter_keep`` with no pause (nothing in an engine changes under a request).
+Several named policies (multi-LoRA) each have their own adapters, versions and kept window
+(:meth:`EngineUpdater.policy` is one policy's view, which its weight receiver drives).
 
 Invariants:
 - Updates and rejoins serialise on one lock. ``pool.version`` moves to a version only once at
@@ -35,7 +37,7 @@ from typing import Any
 import aiohttp
 
 from agentrl.router.errors import EngineError
-from agentrl.router.pool import Engine, EnginePool
+from agentrl.router.pool import DEFAULT_POLICY, Engine, EnginePool, adapter_name
 from agentrl.weights.errors import WeightGroupStale, WeightUpdateFailed
 
 log = logging.getLogger(__name__)
@@ -78,10 +80,13 @@ class EngineUpdater:
         # (vLLM's reload leaves the old one); None until the first engine says whether it has it.
         self.retie_supported: bool | None = None
         self.nccl_members: tuple[str, ...] = ()  # engine names in the NCCL weight-transfer group, in rank order
-        # LoRA policies: version -> adapter folder of the versions that stay loaded (newest last),
-        # and how many do (the buffer's staleness bound + 1: a request finishes on the adapter it began on)
-        self.adapters: dict[int, str] = {}
+        # LoRA policies: policy -> version -> adapter folder of the versions that stay loaded, and
+        # how many do (the policy's staleness bound + 1: a request finishes on the adapter it began
+        # on); the default policy's version is the pool's ``version``, every named one's in ``pool.versions``
+        self.adapters: dict[str, dict[int, str]] = {}
         self.adapter_keep = 2
+        self.keep: dict[str, int] = {}  # a named policy's own window (default: adapter_keep)
+        self.default_policy = DEFAULT_POLICY
         self._lock = asyncio.Lock()
         pool.on_rejoin = self.rejoin
 
@@ -391,43 +396,58 @@ class EngineUpdater:
                 self.updating = False
 
     # -- LoRA adapters ---------------------------------------------------------------------------
-    async def _load_adapter_into(self, engine: Engine, version: int, path: str) -> float:
+    def policy(self, name: str) -> PolicyUpdater:
+        """Policy ``name``'s view of this updater: what its weight receiver drives."""
+        return PolicyUpdater(self, name)
+
+    def policy_version(self, policy: str) -> int:
+        if policy == self.default_policy:
+            return self.pool.version
+        return self.pool.versions.get(policy, 0)
+
+    def keep_of(self, policy: str) -> int:
+        return self.keep.get(policy, self.adapter_keep)
+
+    async def _load_adapter_into(self, engine: Engine, policy: str, version: int, path: str) -> float:
         """Load one adapter version into ``engine`` under its own name (no pause: requests on other
         versions go on, and a request is only ever sent to an adapter that is loaded)."""
-        from agentrl.router.pool import adapter_name
-
         t0 = time.perf_counter()
         try:
             await self._step(engine, "adapter_load", "/v1/load_lora_adapter",
-                             {"lora_name": adapter_name(version), "lora_path": path})
+                             {"lora_name": adapter_name(version, policy), "lora_path": path})
         except EngineError as e:
             if "answered 404" in str(e) or "answered 405" in str(e):
                 raise EngineError(f"{engine.name} has no LoRA adapter routes: serve's engines need LoRA on "
                                   f"(engine.lora_rank >= the adapter's rank) to take adapter versions ({e})") from e
             raise
-        engine.adapters[version] = path
-        engine.version = max(engine.adapters)
+        engine.adapters.setdefault(policy, {})[version] = path
+        if policy == self.default_policy:
+            engine.version = max(engine.adapters[policy])
         return time.perf_counter() - t0
 
-    async def _unload_old_adapters(self, engine: Engine) -> list[int]:
-        """Unload the adapters of ``engine`` outside the kept window. vLLM's unload only stops new
-        requests from naming it; requests under way finish on it."""
-        from agentrl.router.pool import adapter_name
-
-        gone = [v for v in engine.adapters if v not in self.adapters]
+    async def _unload_old_adapters(self, engine: Engine, policy: str) -> list[int]:
+        """Unload ``policy``'s adapters of ``engine`` outside its kept window. vLLM's unload only
+        stops new requests from naming it; requests under way finish on it."""
+        kept = self.adapters.get(policy, {})
+        held = engine.adapters.get(policy, {})
+        gone = [v for v in held if v not in kept]
         for v in gone:
             try:
-                await self._step(engine, "adapter_unload", "/v1/unload_lora_adapter", {"lora_name": adapter_name(v)})
+                await self._step(engine, "adapter_unload", "/v1/unload_lora_adapter",
+                                 {"lora_name": adapter_name(v, policy)})
             except EngineError as e:
                 log.warning("%s: unloading adapter %s failed (%s); it stays until the engine restarts",
-                            engine.name, adapter_name(v), e)
-            engine.adapters.pop(v, None)
+                            engine.name, adapter_name(v, policy), e)
+            held.pop(v, None)
         return gone
 
-    async def load_adapter(self, path: str, version: int, timeout_s: float | None = None) -> dict[str, Any]:
-        """Load LoRA adapter ``path`` into every healthy engine as policy ``version``: new requests
-        go to it as soon as an engine has it, requests under way finish on theirs, and versions
-        older than the newest ``adapter_keep`` are unloaded. Fails like :meth:`update_weights`."""
+    async def load_adapter(self, path: str, version: int, timeout_s: float | None = None,
+                           policy: str | None = None) -> dict[str, Any]:
+        """Load LoRA adapter ``path`` into every healthy engine as ``policy``'s ``version`` (the
+        default policy's when None): new calls of that policy go to it as soon as an engine has
+        it, calls under way finish on theirs, and the policy's versions older than its newest
+        ``keep_of(policy)`` are unloaded. Fails like :meth:`update_weights`."""
+        policy = policy or self.default_policy
         async with self._lock:
             self.updating = True
             try:
@@ -435,19 +455,23 @@ class EngineUpdater:
                 t0 = time.perf_counter()
 
                 async def one(e: Engine) -> dict[str, Any]:
-                    return {"adapter_load_s": await self._load_adapter_into(e, version, path)}
+                    return {"adapter_load_s": await self._load_adapter_into(e, policy, version, path)}
 
                 per_engine, failed = await self._on_each(targets, version, "adapter", timeout_s, one)
-                self.adapters[version] = path
-                for v in sorted(self.adapters)[:-self.adapter_keep]:
-                    del self.adapters[v]
-                self.pool.version = version
-                self.weights_path = path
+                kept = self.adapters.setdefault(policy, {})
+                kept[version] = path
+                for v in sorted(kept)[:-self.keep_of(policy)]:
+                    del kept[v]
+                if policy == self.default_policy:
+                    self.pool.version = version
+                    self.weights_path = path
+                else:
+                    self.pool.versions[policy] = version
                 for e in targets:
                     if e.name not in failed:
-                        per_engine[e.name]["unloaded"] = await self._unload_old_adapters(e)
-                return {"version": version, "kind": "adapter", "engines": per_engine, "failed": failed,
-                        "update_s": time.perf_counter() - t0, "loaded": sorted(self.adapters)}
+                        per_engine[e.name]["unloaded"] = await self._unload_old_adapters(e, policy)
+                return {"version": version, "kind": "adapter", "policy": policy, "engines": per_engine,
+                        "failed": failed, "update_s": time.perf_counter() - t0, "loaded": sorted(kept)}
             finally:
                 self.updating = False
 
@@ -465,10 +489,11 @@ class EngineUpdater:
             # The process may have restarted with its base weights, whatever version it last
             # reported: reload the current weights before it takes traffic.
             try:
-                if self.adapters:  # a LoRA policy: every kept adapter, so the engine serves the current one
+                if self.adapters:  # LoRA policies: every kept adapter, so the engine serves the current ones
                     engine.adapters.clear()
-                    for v, path in sorted(self.adapters.items()):
-                        await self._load_adapter_into(engine, v, path)
+                    for policy, kept in self.adapters.items():
+                        for v, path in sorted(kept.items()):
+                            await self._load_adapter_into(engine, policy, v, path)
                     await self._set_version(engine, version)
                 elif self.weights_path:
                     await self._update_one(engine, self.weights_path, version)
@@ -482,3 +507,38 @@ class EngineUpdater:
                 log.warning("%s answered but could not be brought to version %d: %s", engine.name, version, e)
                 return False
         return True
+
+
+class PolicyUpdater:
+    """One named policy's view of an :class:`EngineUpdater`, with the surface a
+    :class:`~agentrl.weights.transfer.WeightReceiver` drives (``version``, ``weights_path``,
+    ``adapters``, ``adapter_keep``, ``load_adapter``): each policy's receiver uploads and loads only
+    its own adapters. A policy's versions are adapters only: a full-weight update is refused."""
+
+    def __init__(self, updater: EngineUpdater, policy: str) -> None:
+        self.updater = updater
+        self.name = policy
+
+    @property
+    def version(self) -> int:
+        return self.updater.policy_version(self.name)
+
+    @property
+    def weights_path(self) -> str | None:
+        kept = self.updater.adapters.get(self.name) or {}
+        return kept[max(kept)] if kept else None
+
+    @property
+    def adapters(self) -> dict[int, str]:
+        return self.updater.adapters.get(self.name) or {}
+
+    @property
+    def adapter_keep(self) -> int:
+        return self.updater.keep_of(self.name)
+
+    async def load_adapter(self, path: str, version: int, timeout_s: float | None = None) -> dict[str, Any]:
+        return await self.updater.load_adapter(path, version, timeout_s, policy=self.name)
+
+    async def update_weights(self, weights_path: str, version: int, timeout_s: float | None = None) -> dict[str, Any]:
+        raise ValueError(f"policy {self.name!r} is a LoRA policy: its versions are adapters "
+                         "(weights.transport.kind = \"adapter\"), not full weights")

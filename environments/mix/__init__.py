@@ -7,7 +7,9 @@ stretch of the stream holds each in its share; held-out evaluation's first N tas
 task carries its environment's name under ``mix_env``; an episode builds that environment, hands
 it the task without the tag, and delegates ``reset``, ``step``, ``reward`` and ``close`` to it.
 Each step's ``info`` names the environment (``mix_env``), so ``episodes.jsonl`` tells them apart,
-and the scoring stage picks a teacher per environment by it (``scoring.teachers``).
+and the scoring stage picks a teacher per environment by it (``scoring.teachers``). With
+``"policies": {"arithmetic": "solver", "guess_number": "proposer"}`` each environment's tasks are
+played by that named LoRA policy (``serve.policies``; the task's ``policy``), which learns from them.
 
 Invariants: a mix holds tool or step environments (a playing one, which runs its own episode, is
 refused with a config error). serve keeps a sandbox pool for each image its environments name;
@@ -78,7 +80,8 @@ def _find_kind(name: str, config: dict[str, Any]) -> tuple[bool, str | None]:
 class MixEnv(agentrl.Environment):
     """Several environments in one run, interleaved by weight; each episode plays its task's own."""
 
-    def __init__(self, envs: dict[str, dict[str, Any]] | None = None, weights: dict[str, float] | None = None) -> None:
+    def __init__(self, envs: dict[str, dict[str, Any]] | None = None, weights: dict[str, float] | None = None,
+                 policies: dict[str, str] | None = None) -> None:
         if not envs or not isinstance(envs, dict):
             raise ConfigError('env.config of "mix" names its environments: {"envs": {"arithmetic": {}, '
                               '"guess_number": {}}} (each with its own keyword arguments)')
@@ -92,6 +95,11 @@ class MixEnv(agentrl.Environment):
         self.weights = {n: float(weights.get(n, 1.0)) for n in self.envs}
         if any(w <= 0 for w in self.weights.values()):
             raise ConfigError(f"mix weights must be positive, got {self.weights}")
+        # which named LoRA policy (serve.policies) plays each environment's tasks; none: the default
+        self.policies = {str(n): str(p) for n, p in (policies or {}).items()}
+        unknown = sorted(set(self.policies) - set(self.envs))
+        if unknown:
+            raise ConfigError(f"mix policies name {unknown}, which are not in its envs {sorted(self.envs)}")
         self.images: dict[str, str | None] = {}
         for name, cfg in self.envs.items():
             playing, self.images[name] = _kind(name, cfg)
@@ -114,7 +122,8 @@ class MixEnv(agentrl.Environment):
     def tasks(self, split: str = "train") -> Iterable[dict[str, Any]]:
         streams = {name: iter(make(name, **cfg).tasks(split)) for name, cfg in self.envs.items()}
         for name, task in interleave(streams, self.weights):
-            yield {**task, TAG: name}
+            policy = self.policies.get(name)
+            yield {**task, TAG: name, **({"policy": policy} if policy else {})}
 
     def _enter(self, task: dict[str, Any]) -> dict[str, Any]:
         """Build the task's environment (once per episode) and give the task back without the tag."""
