@@ -169,3 +169,13 @@ def test_the_router_takes_the_policy_from_model_and_a_sample_never_spans_two() -
     s.record(CallRecord("s", 1, None, 0, [1, 2, 3, 4], [Completion([5], [-0.2], [4], "stop", reply)], "e",
                         messages=follow, policy="solver"))
     assert [x.info["policy"] for x in s.samples()] == ["proposer", "solver"]
+
+
+def test_metrics_carry_each_policys_version_and_stream() -> None:
+    from agentrl.serve.app import prometheus_series
+
+    out = prometheus_series({"policies": {"proposer": 3, "solver": 5},
+                             "buffer": {"pending": 7, "policies": {"solver": {"depth": 4, "pending": 4, "consumed": 8,
+                                                                              "dropped": 1}}}})
+    assert out['policy_version{policy="proposer"}'] == 3 and out['policy_version{policy="solver"}'] == 5
+    assert out['buffer_policy_depth{policy="solver"}'] == 4 and out["buffer_pending"] == 7

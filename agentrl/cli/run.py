@@ -27,6 +27,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -256,6 +257,9 @@ def run(cfg: RunConfig) -> int:
                "serve_restarts": serve_child.relaunched,
                "reward_by_step": [round(h["reward_mean"], 4) for h in history],
                "wall_minutes": round((time.monotonic() - t0) / 60, 2), "run_dir": str(run_dir)}
+    if any("policy" in h for h in history):  # named LoRA policies: each one's last version and step count
+        summary["final_versions"] = {h["policy"]: h["version"] for h in history if "policy" in h}
+        summary["steps_by_policy"] = dict(Counter(h["policy"] for h in history if "policy" in h))
     if before is not None and after is not None:
         summary.update(eval_tasks=before.n, success_before=round(before.success_rate, 4),
                        success_after=round(after.success_rate, 4),

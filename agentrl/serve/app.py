@@ -424,8 +424,16 @@ def _label(value: str) -> str:
 def prometheus_series(status: dict[str, Any]) -> dict[str, float]:
     """serve's own /metrics series beside the router's, from its status: the rollout's counters,
     the buffer's, the scoring stage's (each scorer's calls, failures, seconds and reward sum,
-    labelled ``scorer``) and a self-distillation teacher's version."""
+    labelled ``scorer``), a self-distillation teacher's version, and with named LoRA policies each
+    one's version and buffer depth, labelled ``policy``."""
     out: dict[str, float] = {}
+    for name, version in (status.get("policies") or {}).items():
+        lab = f'{{policy="{_label(name)}"}}'
+        out[f"policy_version{lab}"] = version
+        per = ((status.get("buffer") or {}).get("policies") or {}).get(name) or {}
+        for k in ("depth", "pending", "consumed", "dropped"):
+            if isinstance(per.get(k), int):
+                out[f"buffer_policy_{k}{lab}"] = per[k]
     rollout = status.get("rollout") or {}
     for k in ("episodes", "failed", "truncated", "samples", "tool_calls"):
         if isinstance(rollout.get(k), int | float):
