@@ -18,8 +18,8 @@ from agentrl.buffer import BufferClient, PolicyBuffers, Sample, add_buffer_route
 from agentrl.buffer.config import BufferConfig
 from agentrl.config import ConfigError, RunConfig, load
 from agentrl.errors import TransportError
-from agentrl.weights import WeightReceiver, WeightTransferError, publish
 from agentrl.web import start_on_loopback
+from agentrl.weights import WeightReceiver, WeightTransferError, publish
 
 
 def _sample(policy: str, group: str, version: int, i: int = 0) -> Sample:

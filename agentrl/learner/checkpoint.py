@@ -8,7 +8,8 @@ Layout of ``checkpoint_dir``::
       rank_0.pt ...         per rank: RNG states (torch, CUDA, Python), scheduler state
       meta.json             step, policy version, batch_id of the batch trained at this step and
                             its sample ids, and the ids of samples of earlier batches trained into
-                            these weights whose ack was refused
+                            these weights whose ack was refused; with several policies
+                            (:func:`save_policies`) each one's version and step count instead
     latest                  name of the newest complete checkpoint (replaced atomically)
 
 Invariants:
@@ -25,6 +26,9 @@ Invariants:
 - Model and optimizer state are sharded (DCP reshards on load, so a checkpoint written by N
   ranks loads on M); one process without torchrun reads and writes the same format. With LoRA
   only the trainable adapters and their optimizer state are written (the base is the model's own).
+- Several policies on one base (one adapter each): every adapter, and each policy's optimizer
+  (``optim/<policy>``), schedule, step count and version; the checkpoint's step is all policies'
+  steps together.
 """
 
 from __future__ import annotations
@@ -56,6 +60,7 @@ class Resumed:
     path: Path
     trained: list[str] = field(default_factory=list)  # samples of earlier batches in these weights, ack refused
     batch_samples: list[str] = field(default_factory=list)  # the sample ids of batch_id
+    next_policy: str | None = None  # several policies: the one the next pull asks first
 
 
 def _rng_state() -> dict[str, Any]:
@@ -102,6 +107,36 @@ def latest_checkpoint(checkpoint_dir: str | Path) -> Path | None:
     return done[-1] if done else None
 
 
+def _begin(ctx: Dist, root: Path, name: str) -> Path:
+    """A fresh ``<name>.tmp`` folder to write into (collective)."""
+    tmp = root / f"{name}.tmp"
+    if ctx.is_main:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True, exist_ok=True)
+    ctx.barrier()
+    return tmp
+
+
+def _commit(ctx: Dist, root: Path, tmp: Path, meta: dict[str, Any], keep: int) -> Path:
+    """Once every rank wrote into ``tmp``: rank 0 adds ``meta.json``, renames it to its final
+    name, replaces ``latest`` and removes checkpoints beyond ``keep`` (collective)."""
+    name = tmp.name.removesuffix(".tmp")
+    final = root / name
+    ctx.barrier()
+    if ctx.is_main:
+        (tmp / "meta.json").write_text(json.dumps(meta))
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        pointer = root / "latest.tmp"
+        pointer.write_text(name)
+        os.replace(pointer, root / "latest")
+        if keep > 0:
+            for old in sorted(p for p in root.glob("step_*") if p.is_dir() and p != final)[:-(keep - 1) or None]:
+                shutil.rmtree(old, ignore_errors=True)
+    ctx.barrier()
+    return final
+
+
 def save_checkpoint(state: TrainState, checkpoint_dir: str | Path, *, version: int, batch_id: str | None,
                     keep: int = 2, batch_samples: Sequence[str] = (), trained: Sequence[str] = ()) -> Path:
     """Write a complete checkpoint of ``state`` (collective: every rank calls it). ``batch_samples``:
@@ -112,33 +147,18 @@ def save_checkpoint(state: TrainState, checkpoint_dir: str | Path, *, version: i
 
     ctx = state.ctx
     root = Path(checkpoint_dir)
-    name = f"step_{state.step:06d}"
-    tmp, final = root / f"{name}.tmp", root / name
-    if ctx.is_main:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True, exist_ok=True)
-    ctx.barrier()
+    tmp = _begin(ctx, root, f"step_{state.step:06d}")
     msd, osd = get_state_dict(state.model, state.optimizer, options=_options(state.model))
     msd = _trained(state.model, msd)
     dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(tmp))
     torch.save({"rng": _rng_state(), "scheduler": state.scheduler.state_dict()}, tmp / f"rank_{ctx.rank}.pt")
-    ctx.barrier()
+    meta = {"step": state.step, "version": version, "batch_id": batch_id, "world": ctx.world,
+            "batch_sample_ids": list(batch_samples), "trained_sample_ids": list(trained)}
+    if state.lora is not None:  # what the offline export rebuilds the adapters with
+        meta["lora"] = dataclasses.asdict(state.lora)
+    final = _commit(ctx, root, tmp, meta, keep)
     if ctx.is_main:
-        meta = {"step": state.step, "version": version, "batch_id": batch_id, "world": ctx.world,
-                "batch_sample_ids": list(batch_samples), "trained_sample_ids": list(trained)}
-        if state.lora is not None:  # what the offline export rebuilds the adapters with
-            meta["lora"] = dataclasses.asdict(state.lora)
-        (tmp / "meta.json").write_text(json.dumps(meta))
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
-        pointer = root / "latest.tmp"
-        pointer.write_text(name)
-        os.replace(pointer, root / "latest")
-        if keep > 0:
-            for old in sorted(p for p in root.glob("step_*") if p.is_dir() and p != final)[:-(keep - 1) or None]:
-                shutil.rmtree(old, ignore_errors=True)
         log.info("checkpoint %s (version %d, batch %s)", final, version, batch_id)
-    ctx.barrier()
     return final
 
 
@@ -149,6 +169,9 @@ def load_checkpoint(state: TrainState, path: str | Path) -> Resumed:
 
     path = Path(path)
     meta = json.loads((path / "meta.json").read_text())
+    if meta.get("policies"):
+        raise SystemExit(f"{path} is a checkpoint of several policies ({', '.join(meta['policies'])}); this learner "
+                         f"trains one: resume it with serve's same policies, or start a fresh checkpoint_dir")
     options = _options(state.model)
     msd, osd = get_state_dict(state.model, state.optimizer, options=options)
     msd = _trained(state.model, msd)
@@ -162,6 +185,92 @@ def load_checkpoint(state: TrainState, path: str | Path) -> Resumed:
     log.info("resumed from %s: step %d, version %d", path, meta["step"], meta["version"])
     return Resumed(step=int(meta["step"]), version=int(meta["version"]), batch_id=meta.get("batch_id"), path=path,
                    trained=list(meta.get("trained_sample_ids", [])), batch_samples=list(meta.get("batch_sample_ids", [])))
+
+
+# ---------------------------------------------------------------------- several policies on one base model
+
+
+def save_policies(states: dict[str, TrainState], checkpoint_dir: str | Path, *, versions: dict[str, int],
+                  batch_id: str | None, keep: int = 2, batch_samples: Sequence[str] = (),
+                  trained: Sequence[str] = (), next_policy: str | None = None) -> Path:
+    """A checkpoint of several policies' adapters on one model (collective): every adapter (the
+    model's trainable state), each policy's optimizer (once it has stepped: an optimizer without
+    state would be given one by DCP's zero-gradient step, changing its later updates), schedule,
+    step count and version. Named after the steps of all policies together."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    first = next(iter(states.values()))
+    ctx, model = first.ctx, first.model
+    options = _options(model)
+    root = Path(checkpoint_dir)
+    step = sum(s.step for s in states.values())
+    tmp = _begin(ctx, root, f"step_{step:06d}")
+    msd = _trained(model, get_model_state_dict(model, options=options))
+    optimized = [n for n, s in states.items() if s.step > 0]  # the same on every rank
+    osd = {n: get_optimizer_state_dict(model, states[n].optimizer, options=options) for n in optimized}
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(tmp))
+    torch.save({"rng": _rng_state(), "schedulers": {n: s.scheduler.state_dict() for n, s in states.items()}},
+               tmp / f"rank_{ctx.rank}.pt")
+    meta = {"step": step, "batch_id": batch_id, "world": ctx.world, "batch_sample_ids": list(batch_samples),
+            "trained_sample_ids": list(trained), "lora": dataclasses.asdict(first.lora) if first.lora else None,
+            "next_policy": next_policy,
+            "policies": {n: {"version": versions[n], "step": s.step, "optimized": n in optimized}
+                         for n, s in states.items()}}
+    final = _commit(ctx, root, tmp, meta, keep)
+    if ctx.is_main:
+        log.info("checkpoint %s (%s; batch %s)", final,
+                 ", ".join(f"{n} at version {v}" for n, v in versions.items()), batch_id)
+    return final
+
+
+def load_policies(states: dict[str, TrainState], path: str | Path) -> tuple[Resumed, dict[str, int]]:
+    """Restore every policy of ``states`` that ``path`` holds (adapter, optimizer, schedule, step)
+    and the RNG (collective); returns the checkpoint's batch bookkeeping and each restored policy's
+    version. A policy the checkpoint lacks starts fresh; one it holds that ``states`` lacks is left."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    from agentrl.learner.lora import of_adapter
+
+    path = Path(path)
+    meta = json.loads((path / "meta.json").read_text())
+    saved = meta.get("policies")
+    if not saved:
+        raise SystemExit(f"{path} is a checkpoint of one policy; this learner trains several "
+                         f"({', '.join(states)}): start a fresh checkpoint_dir")
+    first = next(iter(states.values()))
+    ctx, model = first.ctx, first.model
+    names = [n for n in states if n in saved]
+    if set(saved) - set(names) or set(states) - set(names):
+        log.warning("checkpoint %s holds policies %s; resuming %s, fresh: %s", path, sorted(saved), names,
+                    sorted(set(states) - set(names)) or "none")
+    options = _options(model)
+    msd = {k: v for k, v in _trained(model, get_model_state_dict(model, options=options)).items()
+           if any(of_adapter(k, n) for n in names)}
+    optimized = [n for n in names if saved[n].get("optimized")]
+    osd = {n: get_optimizer_state_dict(model, states[n].optimizer, options=options) for n in optimized}
+    dcp.load({"model": msd, "optim": osd}, checkpoint_id=str(path))
+    set_model_state_dict(model, msd, options=dataclasses.replace(options, strict=False))
+    for n in optimized:
+        set_optimizer_state_dict(model, states[n].optimizer, osd[n], options=options)
+    own = path / f"rank_{ctx.rank}.pt"
+    extra = torch.load(own if own.exists() else path / "rank_0.pt", weights_only=False)
+    for n in names:
+        states[n].scheduler.load_state_dict(extra["schedulers"][n])
+        states[n].step = int(saved[n]["step"])
+    _set_rng_state(extra["rng"])
+    versions = {n: int(saved[n]["version"]) for n in names}
+    log.info("resumed from %s: step %d, %s", path, meta["step"], ", ".join(f"{n} at version {v}" for n, v in versions.items()))
+    resumed = Resumed(step=int(meta["step"]), version=0, batch_id=meta.get("batch_id"), path=path,
+                      trained=list(meta.get("trained_sample_ids", [])),
+                      batch_samples=list(meta.get("batch_sample_ids", [])), next_policy=meta.get("next_policy"))
+    return resumed, versions
 
 
 def save_hf(state_dict: dict[str, torch.Tensor], model_path: str, out: str | Path) -> Path:
@@ -185,10 +294,21 @@ def save_hf(state_dict: dict[str, torch.Tensor], model_path: str, out: str | Pat
     return out
 
 
-def export_hf(model: torch.nn.Module, ctx: Dist, model_path: str, out: str | Path, lora: Any = None
-              ) -> Path | None:
+def export_hf(model: torch.nn.Module, ctx: Dist, model_path: str, out: str | Path, lora: Any = None,
+              adapters: Sequence[str] = ()) -> Path | None:
     """Gather the (possibly sharded) policy and write it on rank 0 (collective). With ``lora`` (its
-    rank > 0) the folder holds the merged model, and ``out/adapter`` the adapter alone (a peft folder)."""
+    rank > 0) the folder holds the merged model, and ``out/adapter`` the adapter alone (a peft folder).
+    With ``adapters`` (several policies on one base) ``out/<policy>`` is each policy's adapter, a
+    peft folder on ``model_path``; no merged model (one per policy would be the base N times)."""
+    if adapters:
+        from agentrl.learner.lora import save_adapter
+
+        sd = full_state_dict(model, ctx, trainable_only=True)
+        if ctx.is_main:
+            for name in adapters:
+                save_adapter(sd, lora, Path(out) / name, base_model=model_path, adapter=name)
+        ctx.barrier()
+        return Path(out) if ctx.is_main else None
     sd = full_state_dict(model, ctx)
     path = None
     if ctx.is_main:
@@ -210,6 +330,17 @@ def export_checkpoint(checkpoint: str | Path, model_path: str, out: str | Path) 
     from transformers import AutoConfig, AutoModelForCausalLM
 
     meta = json.loads((Path(checkpoint) / "meta.json").read_text())
+    if meta.get("policies"):  # several policies: out/<policy>, each one's adapter
+        from agentrl.learner.lora import LoraConfig, add_adapters, save_adapter
+
+        lora, names = LoraConfig(**meta["lora"]), list(meta["policies"])
+        model = add_adapters(AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32), lora, names=names)
+        trains = {n for n, p in model.named_parameters() if p.requires_grad}
+        sd = {k: v for k, v in model.state_dict().items() if k in trains}
+        dcp.load({"model": sd}, checkpoint_id=str(checkpoint))
+        for name in names:
+            save_adapter(sd, lora, Path(out) / name, base_model=model_path, adapter=name)
+        return Path(out)
     if meta.get("lora"):
         from agentrl.learner.lora import LoraConfig, add_adapters, merged_state, save_adapter
 

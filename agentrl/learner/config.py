@@ -134,6 +134,9 @@ class LearnConfig:
     precision: Literal["auto", "bf16", "fp32"] = "auto"  # auto: bf16 compute + fp32 master weights on GPU, fp32 on CPU
     loss: Loss = field(default_factory=PGLoss)
     batch_timeout_s: float = 600.0  # give up waiting for a batch after this long
+    policy_wait_s: float = 2.0
+    """Named LoRA policies (serve.policies): how long the learner waits for the batch of the policy
+    whose turn it is before it tries the next one (a long wait makes the turns strict)."""
     seed: int = 0
     checkpoint_every: int = 0  # save a torch.distributed.checkpoint every this many steps (0: never)
     checkpoint_dir: str = ""  # empty: run_dir/checkpoints (shared by all ranks on several machines)

@@ -25,6 +25,7 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -118,10 +119,11 @@ def decoder_layers(model: Any) -> list[torch.nn.Module]:
 
 
 def load_model(model_path: str, ctx: Dist, *, precision: str = "auto", activation_checkpointing: bool = False,
-               lora: Any = None, seed: int = 0) -> torch.nn.Module:
+               lora: Any = None, seed: int = 0, adapters: Sequence[str] = ()) -> torch.nn.Module:
     """fp32 model from a local folder or hub name; sharded with FSDP2 under torchrun. ``lora``
     (a :class:`agentrl.learner.lora.LoraConfig` with rank > 0): LoRA adapters are injected first
-    and only they are trainable (the frozen base is sharded like the rest)."""
+    and only they are trainable (the frozen base is sharded like the rest); ``adapters`` names one
+    adapter per policy (empty: the one adapter of a single policy)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
@@ -129,7 +131,7 @@ def load_model(model_path: str, ctx: Dist, *, precision: str = "auto", activatio
     if lora is not None and lora.enabled:
         from agentrl.learner.lora import add_adapters
 
-        model = add_adapters(model, lora, seed=seed)
+        model = add_adapters(model, lora, seed=seed, **({"names": list(adapters)} if adapters else {}))
         if activation_checkpointing:
             model.enable_input_require_grads()  # a frozen embedding would leave checkpointed layers without grads
     if activation_checkpointing:

@@ -16,6 +16,9 @@ Invariants:
   learner does.
 - Merging is ``W + (alpha / r) B A`` per adapted layer, in fp32; every other tensor is passed on
   under the base model's name. The merged state has exactly the base model's keys.
+- Several named policies on one base (serve's ``policies``) are one adapter each on the same layers,
+  named by the policy (``lora_A.<policy>.weight``); :func:`activate` makes one the only active
+  adapter, and :func:`of_adapter` picks its tensors out of a state dict.
 - Adapter dropout is a training-time setting; the learner's logprob passes (pi_old, the
   recomputation) see it only when it is non-zero, which is why its default is 0 (docs/learner.md).
 """
@@ -24,14 +27,17 @@ from __future__ import annotations
 
 import json
 import logging
+import re
+import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from agentrl.weights.adapters import ADAPTER, adapter_config, adapter_state, is_adapter_key
 
-__all__ = ["ALL_LINEAR", "LoraConfig", "adapter_config", "adapter_state", "add_adapters", "is_adapter_key",
-           "merged_state", "perturbed_model", "save_adapter"]
+__all__ = ["ALL_LINEAR", "LoraConfig", "activate", "adapter_config", "adapter_state", "add_adapters", "is_adapter_key",
+           "merged_state", "of_adapter", "perturbed_model", "save_adapter"]
 
 log = logging.getLogger(__name__)
 
@@ -67,20 +73,34 @@ class LoraConfig:
             raise ConfigError("learn.lora.target_modules is empty: name the linear layers that get an adapter")
 
 
-def add_adapters(model: Any, cfg: LoraConfig, *, seed: int = 0) -> Any:
+def add_adapters(model: Any, cfg: LoraConfig, *, seed: int = 0, names: Sequence[str] = (ADAPTER,)) -> Any:
     """Inject LoRA adapters into ``model`` in place and freeze every other parameter.
 
     peft initialises A randomly (Kaiming) and B at zero, so the adapted model starts as the base
-    model, token for token. ``seed`` fixes A's initialisation (every rank draws the same)."""
+    model, token for token. ``seed`` fixes A's initialisation (every rank draws the same).
+    ``names``: one adapter per name on the same layers (several named policies on one base; the
+    i-th drawn with ``seed + i``); every adapter is trainable, the last one is active
+    (:func:`activate` chooses)."""
     import torch
     from peft import LoraConfig as PeftLoraConfig
     from peft import inject_adapter_in_model
 
+    if not names or len(set(names)) != len(names):
+        raise ValueError(f"adapter names must be distinct and at least one; got {list(names)}")
+    taken = {part for n, _ in model.named_modules() for part in n.split(".")}
+    for name in names:
+        # the name is a module-path part of every adapter key: it may not be one of the model's own
+        if not re.fullmatch(r"[A-Za-z0-9_-]+", name) or name in taken or name.startswith("lora_"):
+            raise ValueError(f"adapter name {name!r}: use letters, digits, '_' or '-', and not a module name of "
+                             f"the model (such as {sorted(taken)[:4]})")
     peft_cfg = PeftLoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout,
                               target_modules=list(cfg.target_modules), bias="none")
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = inject_adapter_in_model(peft_cfg, model, adapter_name=ADAPTER)
+    for i, name in enumerate(names):
+        with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
+            # peft warns that a second adapter is being added: that is what several policies are
+            warnings.filterwarnings("ignore", message="Already found a `peft_config`")
+            torch.manual_seed(seed + i)
+            model = inject_adapter_in_model(peft_cfg, model, adapter_name=name)
     adapted = 0
     for name, p in model.named_parameters():
         p.requires_grad_(is_adapter_key(name))
@@ -90,9 +110,38 @@ def add_adapters(model: Any, cfg: LoraConfig, *, seed: int = 0) -> Any:
                          f"{type(model).__name__}")
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in model.parameters())
-    log.info("LoRA rank %d, alpha %g on %s: %d trainable parameters of %d (%.2f%%)", cfg.rank, cfg.alpha,
-             ",".join(cfg.target_modules), trainable, total, 100.0 * trainable / total)
+    log.info("LoRA rank %d, alpha %g on %s: %d trainable parameters of %d (%.2f%%)%s", cfg.rank, cfg.alpha,
+             ",".join(cfg.target_modules), trainable, total, 100.0 * trainable / total,
+             f" in {len(names)} adapters ({', '.join(names)})" if len(names) > 1 else "")
     return model
+
+
+def of_adapter(key: str, name: str) -> bool:
+    """Whether parameter ``key`` (the learner's module names) belongs to adapter ``name``: its
+    ``lora_A`` / ``lora_B`` (or embedding) weight under that adapter's name."""
+    return re.search(rf"\.lora_(?:A|B|embedding_A|embedding_B)\.{re.escape(name)}(?:\.|$)", key) is not None
+
+
+def activate(model: Any, name: str) -> int:
+    """Make adapter ``name`` the only active one in every LoRA layer of ``model``: the forward
+    pass computes the base plus that adapter alone. Returns how many layers it set.
+
+    peft's ``set_adapter`` also freezes the other adapters (requires_grad False); that is undone
+    here, on purpose: every adapter stays trainable, so checkpoints (which keep what trains) hold
+    them all, and under FSDP2 an adapter's unsharded parameter keeps the requires_grad it had when
+    first gathered. An inactive adapter is outside the graph: it gets no gradient, and its own
+    optimizer is not stepped."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    layers = 0
+    for module in model.modules():
+        if isinstance(module, BaseTunerLayer):
+            module.set_adapter(name)
+            layers += 1
+    for key, p in model.named_parameters():
+        if is_adapter_key(key):
+            p.requires_grad_(True)
+    return layers
 
 
 def perturbed_model(model_dir: str, cfg: LoraConfig, *, seed: int, b_std: float) -> Any:
@@ -140,14 +189,16 @@ def merged_state(state: dict[str, Any], cfg: LoraConfig) -> dict[str, Any]:
     return out
 
 
-def save_adapter(state: dict[str, Any], cfg: LoraConfig, out: str | Path, base_model: str = "") -> Path:
-    """Write the adapter of ``state`` as a peft folder (``adapter_config.json`` and
+def save_adapter(state: dict[str, Any], cfg: LoraConfig, out: str | Path, base_model: str = "",
+                 adapter: str = ADAPTER) -> Path:
+    """Write adapter ``adapter`` of ``state`` as a peft folder (``adapter_config.json`` and
     ``adapter_model.safetensors``), which ``PeftModel.from_pretrained`` and vLLM load."""
     from safetensors.torch import save_file
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    tensors = {k: v.detach().to("cpu").contiguous() for k, v in adapter_state(state).items()}
+    mine = {k: v for k, v in state.items() if of_adapter(k, adapter)}
+    tensors = {k: v.detach().to("cpu").contiguous() for k, v in adapter_state(mine, adapter=adapter).items()}
     save_file(tensors, str(out / "adapter_model.safetensors"))
     (out / "adapter_config.json").write_text(json.dumps(adapter_config(cfg, base_model), indent=2))
     return out

@@ -25,15 +25,21 @@ from agentrl.learner.config import LearnConfig
 log = logging.getLogger(__name__)
 
 
+
 class BatchSource(Protocol):
     publishes: bool  # False: the learner skips gathering weights for publish()
     weights_device: str  # where publish() wants the full weights: "cpu" or "cuda" (read only if publishes)
 
-    async def info(self) -> dict[str, Any]: ...  # {"model_path": ..., "version": ...}
+    # {"model_path": ..., "version": ...}; with several policies on one base also
+    # "policies": {name: {"version": ..., "max_staleness": ...}} (in serve's order)
+    async def info(self) -> dict[str, Any]: ...
 
-    async def get_batch(self, version: int) -> tuple[str, list[Any]] | None: ...  # None: nothing yet
+    # None: nothing yet. ``policy`` (only with several policies): a batch of that policy's samples,
+    # ``version`` being that policy's
+    async def get_batch(self, version: int, *, policy: str | None = None) -> tuple[str, list[Any]] | None: ...
 
-    async def publish(self, state: dict[str, Any], version: int) -> dict[str, Any]: ...
+    # ``policy`` (only with several policies): ``state`` is that policy's adapter alone
+    async def publish(self, state: dict[str, Any], version: int, *, policy: str | None = None) -> dict[str, Any]: ...
 
     async def ack(self, batch_id: str) -> bool: ...
 
@@ -61,6 +67,7 @@ class ServeSource:
         # the batch size and staleness bound: the learner's own, or (0 / -1) serve's buffer's (info)
         self.batch_size = cfg.batch_size or None
         self.max_staleness = cfg.max_staleness if cfg.max_staleness >= 0 else None
+        self.policy_staleness: dict[str, int] = {}  # with several policies: each one's bound (serve's, or the learner's)
         self._told = False
 
     @property
@@ -103,20 +110,31 @@ class ServeSource:
             self.batch_size = int(info.get("batch_size") or 16)
         if self.max_staleness is None:
             self.max_staleness = int(info.get("max_staleness", 2))
+        for name, policy in (info.get("policies") or {}).items():
+            self.policy_staleness[name] = cfg.max_staleness if cfg.max_staleness >= 0 else \
+                int(policy.get("max_staleness", self.max_staleness))
         if not self._told:  # said once: the learner asks again later, for serve's version
             self._told = True
             log.info("batches of %d samples at most %d versions old", self.batch_size, self.max_staleness)
         return info
 
-    async def get_batch(self, version: int) -> tuple[str, list[Any]] | None:
+    async def get_batch(self, version: int, *, policy: str | None = None) -> tuple[str, list[Any]] | None:
         # numpy per-token fields straight from the wire bytes; packing makes tensors of them
-        batch = await self.client.get_batch(version, self.max_staleness, self.batch_size, timeout_s=30.0)
+        if policy is None:
+            batch = await self.client.get_batch(version, self.max_staleness, self.batch_size, timeout_s=30.0)
+        else:
+            # a short wait: the learner asks the next policy while this one has nothing ready
+            staleness = self.policy_staleness.get(policy, self.max_staleness)
+            batch = await self.client.get_batch(version, staleness, self.batch_size,
+                                                timeout_s=self.cfg.policy_wait_s, policy=policy)
         return None if batch is None else (batch.batch_id, batch.samples)
 
-    async def publish(self, state: dict[str, Any], version: int) -> dict[str, Any]:
+    async def publish(self, state: dict[str, Any], version: int, *, policy: str | None = None) -> dict[str, Any]:
         from agentrl.weights import EnginesFailed, WeightTransferError
 
         try:
+            if policy is not None:  # that policy's adapter (the adapter transport alone takes a policy)
+                return await self.transport.publish(state, version, policy=policy)
             return await self.transport.publish(state, version)
         except EnginesFailed as e:
             # Every engine failed to load this version; serve keeps serving the previous one and the

@@ -75,10 +75,13 @@ def lr_factor(step: int, warmup_steps: int, decay_steps: int, min_ratio: float) 
     return 1.0 - (1.0 - min_ratio) * done
 
 
-def build_state(cfg: LearnConfig, model: torch.nn.Module, ctx: Dist) -> TrainState:
+def build_state(cfg: LearnConfig, model: torch.nn.Module, ctx: Dist,
+                params: Sequence[torch.nn.Parameter] | None = None) -> TrainState:
+    """The optimizer and schedule over ``params`` (default: every parameter that trains; one
+    policy's adapter when several policies share the model)."""
     # only what trains is in the optimizer (with LoRA: the adapters; the frozen base has no state)
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr,
-                            weight_decay=cfg.weight_decay)
+    params = [p for p in model.parameters() if p.requires_grad] if params is None else list(params)
+    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: lr_factor(s, cfg.warmup_steps, cfg.decay_steps, cfg.min_lr_ratio))
     config = getattr(model, "config", None)

@@ -25,6 +25,12 @@ Guards, so that no batch is trained wrong (docs/learner.md):
 - A serve that does not answer (restarting) is waited for, up to ``batch_timeout_s``, for batches
   and acks alike (an ack is idempotent), instead of the learner dying with a trained batch.
 
+Several named policies on one base model (serve's info lists ``policies``): one LoRA adapter,
+optimizer, version and batch stream each; the loop asks them in turn (one with no batch ready is
+passed over), trains the batch's policy with its adapter alone active, publishes that adapter
+alone as the policy's next version, and checkpoints them all together (docs/learner.md, *Several
+policies on one base model*).
+
 Under ``torchrun`` the same loop runs on every rank with an FSDP2-sharded model
 (``agentrl.learner.dist``); rank 0 alone talks to serve and broadcasts each batch, every rank
 trains its share of the packed rows (``agentrl.learner.step``), and the full weights are gathered
@@ -40,7 +46,7 @@ import json
 import logging
 import time
 from collections import Counter, OrderedDict
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +64,7 @@ progress = logging.getLogger("agentrl.progress")
 SERVE_CHECK_S = 30.0  # while no batch comes, ask serve's version at most this often
 REMEMBER_TRAINED = 1 << 16  # trained sample ids kept while their ack is unconfirmed
 RETRY_S = 2.0  # pause before asking a serve that did not answer again
+EMPTY_ROUND_S = 0.05  # several policies, none with a batch ready: pause before asking them all again
 
 
 class Learner:
@@ -73,6 +80,10 @@ class Learner:
         self.guards: Counter[str] = Counter()
         self.publishes = False
         self._check_serve = False  # ask serve's version before the next pull
+        # several named policies on one base (serve's info names them): each one's version, and
+        # which policy the next pull asks first (round robin)
+        self.versions: dict[str, int] = {}
+        self._turn = 0
 
     # ------------------------------------------------------------------ the double-train guard (rank 0)
 
@@ -87,40 +98,64 @@ class Learner:
         for i in ids:
             self.trained.pop(i, None)
 
-    async def _pull(self, source: Any, since: float) -> tuple[Any, ...]:
-        """The next batch with samples not trained yet: ("batch", id, samples, ids trained before);
-        or ("republish",) when serve serves an older version than the learner's. Gives up
-        ``batch_timeout_s`` after ``since`` (when the wait began, republishing included)."""
+    def _version_of(self, policy: str | None) -> int:
+        return self.version if policy is None else self.versions[policy]
+
+    async def _older_on_serve(self, source: Any, names: list[str]) -> tuple[Any, ...] | None:
+        """("republish", policy) when serve serves an older version of a policy than the learner's
+        (policy None: the one policy of a single-policy run); None when it does not."""
+        info = await source.info()
+        served = {None: info} if not names else (info.get("policies") or {})
+        for name in names or [None]:
+            serving, ours = int(served.get(name, {}).get("version", 0)), self._version_of(name)
+            if serving < ours:
+                log.warning("serve serves %sversion %d, the learner is at %d (serve restarted?): publishing the "
+                            "learner's weights again", f"policy {name} at " if name else "", serving, ours)
+                return ("republish", name)
+        return None
+
+    async def _pull(self, source: Any, since: float, names: Sequence[str] = ()) -> tuple[Any, ...]:
+        """The next batch with samples not trained yet: ("batch", id, samples, ids trained before,
+        policy); or ("republish", policy) when serve serves an older version than the learner's.
+        ``names``: several policies, asked in turn, each for a batch at its own version (a policy with
+        nothing ready is passed over); none: one policy (None). Gives up ``batch_timeout_s`` after
+        ``since`` (when the wait began, republishing included)."""
         cfg = self.cfg
         checked = time.monotonic()
         while True:
             if self.publishes and (self._check_serve or time.monotonic() - checked > SERVE_CHECK_S):
                 self._check_serve, checked = False, time.monotonic()
-                serving = int((await source.info()).get("version", 0))
-                if serving < self.version:
-                    log.warning("serve serves version %d, the learner is at %d (serve restarted?): publishing "
-                                "the learner's weights again", serving, self.version)
-                    return ("republish",)
-            try:
-                got = await source.get_batch(self.version)
-            except TransportError as e:  # serve down (restarting?): ride it out, then ask its version
-                if not e.retryable:
-                    raise
-                log.warning("no answer from serve for a batch (%s); waiting for it", e)
-                self._check_serve = True  # info() waits for serve to answer
-                await asyncio.sleep(RETRY_S)
-                got = None
+                if (older := await self._older_on_serve(source, list(names))) is not None:
+                    return older
+            got, name = None, None
+            order: list[str | None] = [*names[self._turn:], *names[:self._turn]] if names else [None]
+            for name in order:
+                try:
+                    got = await (source.get_batch(self.version) if name is None
+                                 else source.get_batch(self.versions[name], policy=name))
+                except TransportError as e:  # serve down (restarting?): ride it out, then ask its version
+                    if not e.retryable:
+                        raise
+                    log.warning("no answer from serve for a batch (%s); waiting for it", e)
+                    self._check_serve = True  # info() waits for serve to answer
+                    await asyncio.sleep(RETRY_S)
+                    got = None
+                    break
+                if got is not None:
+                    break
             if got is not None:
+                if name is not None:  # the next pull asks the next policy first
+                    self._turn = (names.index(name) + 1) % len(names)
                 batch_id, samples = got
                 before = [s.sample_id for s in samples if s.sample_id in self.trained]
                 if not before:
-                    return ("batch", batch_id, samples, [])
+                    return ("batch", batch_id, samples, [], name)
                 fresh = [s for s in samples if s.sample_id not in self.trained]
                 self.guards["samples_trained_before"] += len(before)
                 log.warning("batch %s: %d of its %d samples were trained before (their ack was lost); not "
                             "training them again", batch_id, len(before), len(samples))
                 if fresh:
-                    return ("batch", batch_id, fresh, before)
+                    return ("batch", batch_id, fresh, before, name)
                 acked = await self._ack(source, batch_id)
                 self.guards["batches_trained_before"] += 1
                 progress.warning("WARNING: batch %s held only samples trained before; acknowledged without a step "
@@ -128,6 +163,8 @@ class Learner:
                 if acked:
                     self._forget(before)
                 continue
+            if names:
+                await asyncio.sleep(EMPTY_ROUND_S)
             if time.monotonic() - since > cfg.batch_timeout_s:
                 raise SystemExit(f"no batch from {cfg.serve} within {cfg.batch_timeout_s:.0f} s")
 
@@ -153,9 +190,17 @@ class Learner:
     async def run(self) -> list[dict[str, Any]]:
         import torch
 
-        from agentrl.learner.checkpoint import export_hf, latest_checkpoint, load_checkpoint, save_checkpoint
+        from agentrl.learner.checkpoint import (
+            export_hf,
+            latest_checkpoint,
+            load_checkpoint,
+            load_policies,
+            save_checkpoint,
+            save_policies,
+        )
         from agentrl.learner.dist import checkpoint_layout, full_state_dict, init_dist, load_model
-        from agentrl.learner.step import build_state, train_step
+        from agentrl.learner.lora import activate, of_adapter
+        from agentrl.learner.step import TrainState, build_state, train_step
 
         cfg = self.cfg
         # --- setup
@@ -190,19 +235,39 @@ class Learner:
                                  f"runs on {ctx.device}: run it on a GPU, or set weights.transport.kind = \"http\"")
             model_path = cfg.model or info["model_path"]
             serving = int(info.get("version", 0))
+            # several named policies on one base: one adapter, optimizer and version each
+            names = list(info.get("policies") or {})
+            if names:
+                self._check_policies(names, publishes)
             log.info("loading %s (serve at policy version %d, %d process(es))", model_path, serving, ctx.world)
             model = load_model(model_path, ctx, precision=cfg.precision,
-                               activation_checkpointing=cfg.activation_checkpointing, lora=cfg.lora, seed=cfg.seed)
-            state = build_state(cfg, model, ctx)
+                               activation_checkpointing=cfg.activation_checkpointing, lora=cfg.lora, seed=cfg.seed,
+                               adapters=names)
+            states: dict[str | None, TrainState]
+            if names:  # each optimizer over its own adapter's parameters alone
+                states = {n: build_state(cfg, model, ctx, params=[p for k, p in model.named_parameters()
+                                                                   if of_adapter(k, n)]) for n in names}
+            else:
+                states = {None: build_state(cfg, model, ctx)}
+            state = next(iter(states.values()))
+
+            def steps_done() -> int:  # every policy's steps together (cfg.steps counts these)
+                return sum(s.step for s in states.values())
+
             adapter_only = cfg.weights.transport.kind == "adapter"
 
-            async def publish(version: int) -> dict[str, Any]:
+            async def publish(version: int, policy: str | None = None) -> dict[str, Any]:
                 """Gather the weights (collective) and have rank 0 publish them as ``version``: with
-                LoRA, the adapter alone for the adapter transport, else the merged model."""
+                LoRA, the adapter alone for the adapter transport, else the merged model; with several
+                policies, ``policy``'s adapter alone."""
                 if not publishes:
                     return {}
                 full = await asyncio.to_thread(full_state_dict, model, ctx, on_device=weights_device != "cpu",
                                                trainable_only=adapter_only)
+                if policy is not None:
+                    mine = {k: v for k, v in full.items() if of_adapter(k, policy)}
+                    del full
+                    return await source.publish(mine, version, policy=policy) if source is not None else {}
                 if cfg.lora.enabled and not adapter_only:
                     from agentrl.learner.lora import merged_state
 
@@ -215,11 +280,17 @@ class Learner:
 
             # --- resume
             held = 0  # the version whose weights the learner holds
+            held_by: dict[str, int] = {}  # the same, per policy
             ckpt = latest_checkpoint(self.checkpoint_dir) if cfg.resume else None
             if cfg.resume and ckpt is None:
                 log.warning("resume: no checkpoint in %s; starting fresh", self.checkpoint_dir)
             if ckpt is not None:
-                resumed = load_checkpoint(state, ckpt)
+                if names:
+                    resumed, held_by = load_policies(states, ckpt)  # type: ignore[arg-type]
+                    if resumed.next_policy in names:  # the turns go on where they were
+                        self._turn = names.index(resumed.next_policy)
+                else:
+                    resumed = load_checkpoint(state, ckpt)
                 held = resumed.version
                 self._remember(resumed.trained)
                 if source is not None and resumed.batch_id:
@@ -233,30 +304,33 @@ class Learner:
                     log.info("released %d leased batch(es) of a previous learner", released)
 
             # --- bring serve to the learner's weights before the first pull
-            if not publishes:
-                self.version = max(serving, held)
-            elif held == serving:
-                self.version = held  # serve already serves these weights (its base ones at 0)
-            else:
-                # Serve restarted (older), or holds versions a dead learner published after its last
-                # checkpoint, or another run's (newer): our weights get a number serve never had.
-                self.version = held if held > serving else serving + 1
-                log.info("publishing the learner's weights as version %d (serve is at %d)", self.version, serving)
-                await publish(self.version)
-                self.guards["republished"] += 1
+            if not names:
+                self.version, stale = self._start_version(held, serving, publishes)
+                if stale:
+                    log.info("publishing the learner's weights as version %d (serve is at %d)", self.version, serving)
+                    await publish(self.version)
+                    self.guards["republished"] += 1
+            for name in names:
+                served = int(info["policies"][name].get("version", 0))
+                self.versions[name], stale = self._start_version(held_by.get(name, 0), served, publishes)
+                if stale:
+                    log.info("publishing policy %s's adapter as version %d (serve is at %d)", name,
+                             self.versions[name], served)
+                    await publish(self.versions[name], name)
+                    self.guards["republished"] += 1
 
             t_start = time.monotonic()
             wait_total = 0.0
             signals = SignalWatch(cfg.no_signal_steps) if cfg.no_signal_steps else None
             waiting_since: float | None = None
-            while not cfg.steps or state.step < cfg.steps:
+            while not cfg.steps or steps_done() < cfg.steps:
                 # --- pull
                 t0 = time.monotonic()
                 waiting_since = waiting_since or t0
                 got: Any = None
                 if source is not None:
                     try:
-                        got = await self._pull(source, waiting_since)
+                        got = await self._pull(source, waiting_since, names)
                     except BaseException as e:
                         ctx.broadcast_object(("stop", str(e)))  # let the other ranks leave too
                         raise
@@ -264,33 +338,49 @@ class Learner:
                 if got[0] == "stop":
                     raise SystemExit(f"rank 0 stopped: {got[1]}")
                 if got[0] == "republish":
-                    await publish(self.version)
+                    await publish(self._version_of(got[1]), got[1])
                     self.guards["republished"] += 1
                     continue
-                _, batch_id, samples, before = got
+                _, batch_id, samples, before, name = got
                 waiting_since = None
                 t_got = time.monotonic()
                 wait_total += t_got - t0
 
-                # --- step
-                stats = await asyncio.to_thread(train_step, state, samples, cfg, self.version)
+                # --- step (with several policies: this batch's policy's adapter alone active, and its optimizer)
+                state = states[name]
+                if name is not None:
+                    activate(model, name)
+                    # the gradients of another policy's last step are still there (a step clears its own
+                    # optimizer's at its start): they would count in this step's norm and clipping
+                    model.zero_grad(set_to_none=True)
+                stats = await asyncio.to_thread(train_step, state, samples, cfg, self._version_of(name))
 
                 # --- publish and checkpoint (only weights that changed get a version)
                 t_pub = time.monotonic()
                 sync: dict[str, Any] = {}
                 if stats["updated"]:
-                    self.version += 1
-                    sync = await publish(self.version)
+                    if name is None:
+                        self.version += 1
+                    else:
+                        self.versions[name] += 1
+                    sync = await publish(self._version_of(name), name)
                     if sync.get("unreachable"):
                         self._check_serve = True  # the next pull waits for serve and compares versions
                 else:
                     self.guards["steps_not_applied"] += 1
                     self.guards[f"not_applied_{stats['skipped']}"] += 1
                 t_ckpt = time.monotonic()
-                if stats["updated"] and cfg.checkpoint_every and state.step % cfg.checkpoint_every == 0:
-                    await asyncio.to_thread(save_checkpoint, state, self.checkpoint_dir, version=self.version,
-                                            batch_id=batch_id, keep=cfg.keep_checkpoints,
-                                            batch_samples=[s.sample_id for s in samples], trained=list(self.trained))
+                if stats["updated"] and cfg.checkpoint_every and steps_done() % cfg.checkpoint_every == 0:
+                    if names:
+                        await asyncio.to_thread(save_policies, states, self.checkpoint_dir,  # type: ignore[arg-type]
+                                                versions=dict(self.versions), batch_id=batch_id,
+                                                keep=cfg.keep_checkpoints, batch_samples=[s.sample_id for s in samples],
+                                                trained=list(self.trained), next_policy=names[self._turn])
+                    else:
+                        await asyncio.to_thread(save_checkpoint, state, self.checkpoint_dir, version=self.version,
+                                                batch_id=batch_id, keep=cfg.keep_checkpoints,
+                                                batch_samples=[s.sample_id for s in samples],
+                                                trained=list(self.trained))
 
                 # --- ack
                 acked = True
@@ -311,11 +401,13 @@ class Learner:
                     continue
                 if not stats["updated"]:
                     ids = stats.get("offending_sample_ids", [])
-                    progress.warning("WARNING: batch %s not trained (%s): no update, version stays %d%s", batch_id,
-                                     stats["skipped"], self.version, f"; samples: {', '.join(ids)}" if ids else "")
+                    progress.warning("WARNING: batch %s not trained (%s): no update, %sversion stays %d%s", batch_id,
+                                     stats["skipped"], f"policy {name}'s " if name else "", self._version_of(name),
+                                     f"; samples: {', '.join(ids)}" if ids else "")
                     continue
                 now = time.monotonic()
-                row = {"step": state.step, "version": self.version, "time": time.time(), **stats,
+                policy = {"policy": name, "policy_step": state.step} if name is not None else {}
+                row = {"step": steps_done(), **policy, "version": self._version_of(name), "time": time.time(), **stats,
                        "world": ctx.world, "batch_id": batch_id, "acked": acked, "guards": dict(self.guards),
                        "wait_s": t_got - t0, "train_s": t_pub - t_got, "sync_s": t_ckpt - t_pub,
                        "checkpoint_s": now - t_ckpt, "idle_fraction": wait_total / max(1e-9, now - t_start),
@@ -338,10 +430,10 @@ class Learner:
 
                     flat = flatten({k: v for k, v in row.items() if k not in ("time", "step")})
                     for w in writers:
-                        w.write(state.step, flat)
+                        w.write(steps_done(), flat)
                 progress.info(self._line(row))
             if cfg.export_dir:
-                await asyncio.to_thread(export_hf, model, ctx, model_path, cfg.export_dir, cfg.lora)
+                await asyncio.to_thread(export_hf, model, ctx, model_path, cfg.export_dir, cfg.lora, names)
         finally:
             if source is not None:
                 await source.close()
@@ -352,9 +444,33 @@ class Learner:
             ctx.close()
         return history
 
+    def _check_policies(self, names: list[str], publishes: bool) -> None:
+        """Several policies on one base train one LoRA adapter each, sent by the adapter transport."""
+        cfg = self.cfg
+        if not cfg.lora.enabled:
+            raise SystemExit(f"agentrl learn: serve has several policies ({', '.join(names)}), each trained as its own "
+                             f"LoRA adapter on one base model: set learn.lora.rank > 0")
+        if publishes and cfg.weights.transport.kind != "adapter":
+            raise SystemExit(f"agentrl learn: serve has several policies ({', '.join(names)}); each is published as "
+                             f"its adapter alone: set weights.transport.kind = \"adapter\" (it is "
+                             f"{cfg.weights.transport.kind!r})")
+
+    @staticmethod
+    def _start_version(held: int, serving: int, publishes: bool) -> tuple[int, bool]:
+        """The version the learner's weights (``held``, those of its checkpoint, 0 for fresh ones) go
+        by when serve is at ``serving``, and whether they must be published before the first pull."""
+        if not publishes:
+            return max(serving, held), False
+        if held == serving:
+            return held, False  # serve already serves these weights (its base ones at 0)
+        # Serve restarted (older), or holds versions a dead learner published after its last
+        # checkpoint, or another run's (newer): our weights get a number serve never had.
+        return (held if held > serving else serving + 1), True
+
     @staticmethod
     def _line(row: dict[str, Any]) -> str:
-        return (f"step {row['step']} | version {row['version']} | reward {row['reward_mean']:.3f} | "
+        policy = f"policy {row['policy']} | " if "policy" in row else ""
+        return (f"step {row['step']} | {policy}version {row['version']} | reward {row['reward_mean']:.3f} | "
                 f"staleness mean {row['staleness_mean']:.2f} max {row['staleness_max']} | "
                 f"loss {row['loss']:+.4f} | is mean {row.get('is/mean', 1.0):.3f} | "
                 f"kl {row.get('mismatch/kl_k3', 0.0):.2e} | samples {row['samples']} | "
