@@ -191,3 +191,24 @@ def make_router(engine: object, model_dir: str, sessions_dir: Path | None = None
     pool = EnginePool([engine.url])  # type: ignore[attr-defined]
     return Router(pool, model_name="tiny-tools", eos_token_ids=eos_token_ids(model_dir), max_model_len=2048,
                   sessions_dir=sessions_dir, model_dir=model_dir, render=render)
+
+
+class RecordingSource:
+    """The parts of a learner's batch source (agentrl.learner.source.BatchSource) that test fakes
+    share: it publishes from the CPU, records acks in ``events`` and acknowledges every batch."""
+
+    publishes = True
+    weights_device = "cpu"
+
+    def __init__(self) -> None:
+        self.events: list[tuple[Any, ...]] = []
+
+    async def ack(self, batch_id: str) -> bool:
+        self.events.append(("ack", batch_id))
+        return True
+
+    async def release(self) -> int:
+        return 0
+
+    async def close(self) -> None:
+        pass

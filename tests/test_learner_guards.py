@@ -21,6 +21,7 @@ from aiohttp import web
 from agentrl.buffer import Buffer, BufferClient, BufferConfig, Sample, add_buffer_routes
 from agentrl.config import LearnConfig
 from agentrl.learner.trainer import Learner, learn
+from tests.conftest import RecordingSource
 from tests.test_learner_packing import make_samples
 
 TOKEN = "s3cret"
@@ -146,15 +147,12 @@ def test_a_batch_whose_ack_a_restarted_serve_refuses_is_not_trained_again(tiny_m
     assert not learner.trained  # every remembered id was confirmed consumed, then forgotten
 
 
-class Recorded:
+class Recorded(RecordingSource):
     """Fixed batches from a list; records what the learner asks for; serve's version is settable."""
-
-    publishes = True
-    weights_device = "cpu"
 
     def __init__(self, model: str, batches: list[list[Sample]], version: int = 0) -> None:
         self.model, self.batches, self.version = model, batches, version
-        self.events: list[tuple[Any, ...]] = []
+        super().__init__()
         self.i = 0
 
     async def info(self) -> dict[str, Any]:
@@ -170,16 +168,6 @@ class Recorded:
         self.events.append(("publish", version))
         self.version = version
         return {}
-
-    async def ack(self, batch_id: str) -> bool:
-        self.events.append(("ack", batch_id))
-        return True
-
-    async def release(self) -> int:
-        return 0
-
-    async def close(self) -> None:
-        pass
 
 
 def _cfg(model: str, run_dir: Path, steps: int, **kw: Any) -> LearnConfig:

@@ -22,6 +22,7 @@ from agentrl.config import LearnConfig
 from agentrl.learner.lora import LoraConfig, activate, add_adapters, of_adapter
 from agentrl.learner.trainer import learn, token_logprobs
 from agentrl.weights.config import AdapterTransportConfig, WeightsConfig
+from tests.conftest import RecordingSource
 from tests.test_learner_packing import make_samples
 
 LORA = LoraConfig(rank=4, alpha=8.0, target_modules=["q_proj", "v_proj"])
@@ -34,18 +35,15 @@ def _batch(tag: str, seed: int) -> list[Sample]:
                     reward=float(i < 2)) for i, s in enumerate(make_samples(4, seed=seed))]
 
 
-class TwoPolicies:
+class TwoPolicies(RecordingSource):
     """serve with policies "a" and "b": fixed batches per policy (none for a policy not in
     ``batches``), serve's version of each settable; records pulls, publishes and acks."""
-
-    publishes = True
-    weights_device = "cpu"
 
     def __init__(self, model: str, batches: dict[str, list[list[Sample]]], versions: dict[str, int] | None = None
                  ) -> None:
         self.model, self.batches = model, batches
         self.served = dict(versions or {"a": 0, "b": 0})
-        self.events: list[tuple[Any, ...]] = []
+        super().__init__()
         self.published: list[tuple[str, int, dict[str, torch.Tensor]]] = []
         self.pulled = {"a": 0, "b": 0}
 
@@ -69,16 +67,6 @@ class TwoPolicies:
         self.published.append((policy, version, {k: v.clone() for k, v in state.items()}))
         self.served[policy] = version
         return {}
-
-    async def ack(self, batch_id: str) -> bool:
-        self.events.append(("ack", batch_id))
-        return True
-
-    async def release(self) -> int:
-        return 0
-
-    async def close(self) -> None:
-        pass
 
 
 def _cfg(model: str, run_dir: Path, steps: int, **kw: Any) -> LearnConfig:
