@@ -223,7 +223,11 @@ def main() -> None:
     p.add_argument("--lead-s", type=float, default=2.0, help="seconds of generation before the update")
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    print(json.dumps(asyncio.run(run(args))), flush=True)  # noqa: T201 - a benchmark's output is its JSON line
+    result = asyncio.run(run(args))
+    if not result.get("streams_in_flight_at_update", 1):
+        logging.warning("no stream was still generating when the update began: the pause and stall figures "
+                        "measure an idle engine; rerun with more --max-tokens (e.g. 3000) or less --lead-s")
+    print(json.dumps(result), flush=True)  # noqa: T201 - a benchmark's output is its JSON line
 
 
 if __name__ == "__main__":
