@@ -179,3 +179,22 @@ def test_metrics_carry_each_policys_version_and_stream() -> None:
                                                                               "dropped": 1}}}})
     assert out['policy_version{policy="proposer"}'] == 3 and out['policy_version{policy="solver"}'] == 5
     assert out['buffer_policy_depth{policy="solver"}'] == 4 and out["buffer_pending"] == 7
+
+
+def test_a_producer_waiting_for_room_is_woken_by_any_streams_consumed_batch() -> None:
+    async def go() -> None:
+        buf = PolicyBuffers(BufferConfig(batch_size=2, group_size=2, max_staleness=0), {"proposer": 0, "solver": 0})
+        try:
+            await buf.put([_sample("solver", "g1", 0, i) for i in range(2)] +
+                          [_sample("proposer", "g2", 0, i) for i in range(2)])
+            assert await buf.wait_for_room(0, 0.05) == 0  # (0 + 1) x 2 per stream, both full
+            waiting = asyncio.create_task(buf.wait_for_room(0, 30.0))
+            await asyncio.sleep(0.05)
+            assert not waiting.done()
+            batch = await buf.get_batch(0, batch_size=2, policy="solver")
+            assert batch is not None and buf.ack(batch.batch_id)
+            assert await asyncio.wait_for(waiting, 5.0) == 2
+        finally:
+            buf.close()
+
+    asyncio.run(go())

@@ -621,6 +621,14 @@ class Buffer:
     def pollers(self) -> int:
         return self._pollers
 
+    @property
+    def closed(self) -> bool:
+        return self._closed_flag
+
+    def changed(self) -> asyncio.Event:
+        """An event set at the buffer's next change (a put, an ack, a drop, a release, close)."""
+        return self._event
+
     def close(self) -> None:
         self._closed_flag = True
         self._notify()

@@ -78,10 +78,10 @@ class PolicyBuffers:
         while True:
             allowance = self.in_flight_allowance(in_flight)
             left = deadline - time.monotonic()
-            if allowance or left <= 0 or any(b._closed_flag for b in self.streams.values()):
+            if allowance or left <= 0 or any(b.closed for b in self.streams.values()):
                 return allowance
             # any stream's change (a consumed batch, a drop) may make room
-            waits = [asyncio.ensure_future(b._event.wait()) for b in self.streams.values()]
+            waits = [asyncio.ensure_future(b.changed().wait()) for b in self.streams.values()]
             try:
                 await asyncio.wait(waits, timeout=left, return_when=asyncio.FIRST_COMPLETED)
             finally:
