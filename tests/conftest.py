@@ -178,6 +178,41 @@ async def hold_generations(pool: Any) -> None:
     await asyncio.gather(*(pool.control(e, "/pause", params={"mode": "keep"}) for e in pool.engines))
 
 
+async def engine_gauges(url: str) -> dict[str, float]:
+    """The vLLM engine's request gauges and generated-token count (its Prometheus ``/metrics``)."""
+    import aiohttp
+
+    async with aiohttp.ClientSession() as http, http.get(url + "/metrics") as r:
+        text = await r.text()
+    out = {"running": 0.0, "waiting": 0.0, "generated": 0.0}
+    for line in text.splitlines():
+        for key, name in (("running", "vllm:num_requests_running"), ("waiting", "vllm:num_requests_waiting"),
+                          ("generated", "vllm:generation_tokens_total")):
+            if line.startswith(name + "{") or line.startswith(name + " "):
+                out[key] += float(line.split()[-1])
+    return out
+
+
+async def until_all_decoding(url: str, n: int, tokens_each: int, timeout_s: float = 300.0) -> None:
+    """Return once the engine at ``url`` runs all ``n`` requests (none waiting) and has generated
+    ``n * tokens_each`` more tokens since: with every request scheduled in every decode step, each
+    then has tokens of its own (a total over all requests alone says nothing of any one of them,
+    and one not yet scheduled would hold no token of the version before an update)."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        g = await engine_gauges(url)
+        if g["running"] >= n and not g["waiting"]:
+            break
+        assert time.monotonic() < deadline, f"the engine never ran all {n} requests at once: {g}"
+        await asyncio.sleep(0.05)
+    start = g["generated"]
+    while (g := await engine_gauges(url))["generated"] < start + n * tokens_each:
+        assert time.monotonic() < deadline, f"the engine stopped generating: {g}"
+        await asyncio.sleep(0.05)
+
+
 async def release_generations(pool: Any) -> None:
     """Resume what :func:`hold_generations` froze (a resume of an engine that runs is a no-op)."""
     await asyncio.gather(*(pool.control(e, "/resume") for e in pool.engines))

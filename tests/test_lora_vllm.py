@@ -21,7 +21,7 @@ import aiohttp
 import pytest
 import torch
 
-from tests.conftest import agentrl_run, hold_generations, release_generations, start_vllm
+from tests.conftest import agentrl_run, hold_generations, release_generations, start_vllm, until_all_decoding
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -86,8 +86,6 @@ async def _models(url: str) -> set[str]:
 
 def test_a_request_in_flight_finishes_on_its_adapter_while_new_ones_get_the_next_and_old_ones_unload(
         lora_engine: Any, tiny_tools_model: str, tmp_path: Path) -> None:
-    from tests.test_weight_sync_vllm import _generated_tokens
-
     v1 = _policy(tiny_tools_model, tmp_path / "v1", seed=1)
     v2 = _policy(tiny_tools_model, tmp_path / "v2", seed=2)
     long = {"messages": PROMPT, "max_tokens": 900, "temperature": 1.0, "ignore_eos": True}
@@ -96,10 +94,8 @@ def test_a_request_in_flight_finishes_on_its_adapter_while_new_ones_get_the_next
     async def go() -> tuple[Any, Any, set[str], int]:
         async with _router(lora_engine.url, tiny_tools_model) as (router, updater):
             await updater.load_adapter(str(tmp_path / "v1"), 1)
-            before = await _generated_tokens(lora_engine.url)
             call = asyncio.create_task(router.chat(long, session_id="long"))
-            while await _generated_tokens(lora_engine.url) < before + 100:
-                await asyncio.sleep(0.05)
+            await until_all_decoding(lora_engine.url, 1, 100)
             # v2 must land while the long call is still generating, however fast the machine: held
             # where it is (an adapter load needs no pause, but it is allowed one) until v2 is in
             await hold_generations(router.pool)

