@@ -198,3 +198,30 @@ def test_a_producer_waiting_for_room_is_woken_by_any_streams_consumed_batch() ->
             buf.close()
 
     asyncio.run(go())
+
+
+def test_a_playing_environment_names_a_policy_per_call_and_other_model_names_are_dropped() -> None:
+    from agentrl.rollout.config import EpisodeLimits
+    from agentrl.rollout.episode import EpisodeResult, SessionModel
+
+    class Client:
+        model_name, policies = "tiny", ["proposer", "solver"]
+
+        def __init__(self) -> None:
+            self.bodies: list[dict[str, Any]] = []
+
+        async def chat(self, body: dict[str, Any], session_id: str | None = None) -> dict[str, Any]:
+            self.bodies.append(body)
+            return {"choices": [{"message": {"role": "assistant", "content": "x"}, "token_ids": [1]}]}
+
+    async def go() -> list[Any]:
+        client = Client()
+        ep = EpisodeResult("e", "g", "env", "t")
+        seat = SessionModel(client, ep, EpisodeLimits(max_turns=9), policy="solver")  # the task's policy
+        for model in ("proposer", "gpt-4o", None):
+            await seat.chat({"messages": [], **({"model": model} if model else {})})
+        plain = SessionModel(client, ep, EpisodeLimits(max_turns=9))
+        await plain.chat({"messages": [], "model": "gpt-4o"})
+        return [b.get("model") for b in client.bodies]
+
+    assert asyncio.run(go()) == ["proposer", "solver", "solver", None]

@@ -254,7 +254,10 @@ class SessionModel:
 
     def __init__(self, client: ChatClient, ep: EpisodeResult, limits: EpisodeLimits, policy: str = "") -> None:
         self.client, self.ep, self.limits = client, ep, limits
-        self.policy = policy  # the named LoRA policy every call of the episode samples from ("": the default)
+        self.policy = policy  # the named LoRA policy the episode's calls sample from ("": the default)
+        # the named policies a call may pick by its own "model" (a seat of a self-play game); any
+        # other model name an environment sends is its own business and is dropped, as before
+        self.policies = set(getattr(client, "policies", None) or ())
         self.name = client.model_name
         self.max_tokens, self.temperature = limits.max_tokens, limits.temperature
         self.refused: str | None = None  # the limit that stopped the episode, if one did
@@ -269,11 +272,12 @@ class SessionModel:
         asked = body.get("max_completion_tokens") or body.get("max_tokens") or budget
         # The learner corrects with the temperature and top_p the loop samples at: they are not the
         # environment's to change. One choice, not streamed: one sample per call.
+        named = body.get("model") if body.get("model") in self.policies else None
         body = {k: v for k, v in body.items() if k not in ("model", "stream", "stream_options", "n",
                                                             "max_completion_tokens")}
         body.update(max_tokens=min(int(asked), budget), temperature=limits.temperature, top_p=limits.top_p)
-        if self.policy:
-            body["model"] = self.policy
+        if named or self.policy:
+            body["model"] = named or self.policy
         try:
             out = await self.client.chat(body, session_id=ep.episode_id)
         except InvalidRequest as e:
