@@ -8,5 +8,5 @@ __getattr__, __dir__, __all__ = lazy(__name__, {
     "agentrl.buffer.core": ["Buffer"],
     "agentrl.buffer.http": ["BufferClient", "BufferTransportError", "add_buffer_routes"],
     "agentrl.buffer.sample": ["Sample"],
-    "agentrl.buffer.streams": ["PolicyBuffers", "sample_policy"],
+    "agentrl.buffer.streams": ["PolicyBuffers"],
 })

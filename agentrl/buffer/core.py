@@ -161,7 +161,7 @@ class Buffer:
         samples makes the rule conservative.
         """
         cap = (self.cfg.max_staleness + 1) * self.cfg.batch_size
-        allowance = max(0, cap - in_flight - len(self._entries))
+        allowance = max(0, cap - in_flight - self.pending)
         self._counters["admission_calls"] += 1
         if allowance == 0:
             self._counters["admission_refusals"] += 1
@@ -624,6 +624,18 @@ class Buffer:
     @property
     def closed(self) -> bool:
         return self._closed_flag
+
+    @property
+    def pending(self) -> int:
+        """Samples stored and not consumed yet (leased ones too): what admission counts."""
+        return len(self._entries)
+
+    def stream(self, policy: str | None) -> Buffer:
+        """The buffer a learner's request for ``policy`` reads: this one when it names none (a
+        serve of one policy); ValueError for a named one (see :class:`~agentrl.buffer.streams.PolicyBuffers`)."""
+        if policy:
+            raise ValueError(f"no policy {policy[:60]!r}: serve runs one policy (set serve.policies to name several)")
+        return self
 
     def changed(self) -> asyncio.Event:
         """An event set at the buffer's next change (a put, an ack, a drop, a release, close)."""

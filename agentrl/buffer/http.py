@@ -57,14 +57,6 @@ def add_buffer_routes(app: web.Application, buf: Buffer | PolicyBuffers, admin_t
     def bad(message: str) -> web.Response:
         return error_response(message, 400)
 
-    def stream_of(policy: str | None) -> Buffer:
-        """The buffer a learner's request reads: a named policy's stream, or the one buffer."""
-        if isinstance(buf, PolicyBuffers):
-            return buf.stream(policy)
-        if policy:
-            raise ValueError(f"no policy {policy[:60]!r}: serve runs one policy (set serve.policies to name several)")
-        return buf
-
     async def get_batch(request: web.Request) -> web.StreamResponse:
         require_admin(request)
         q = request.query
@@ -77,7 +69,7 @@ def add_buffer_routes(app: web.Application, buf: Buffer | PolicyBuffers, admin_t
             return bad(f"bad query: {e}; need learner_version (int), optional max_staleness (int), "
                        "batch_size (int), timeout_s (float), policy")
         try:
-            stream = stream_of(q.get("policy"))
+            stream = buf.stream(q.get("policy"))
         except ValueError as e:
             return bad(str(e))
         if buf.pollers >= buf.cfg.max_pollers:

@@ -26,11 +26,6 @@ from agentrl.buffer.core import Buffer
 from agentrl.buffer.sample import POLICY_KEY, Sample
 
 
-def sample_policy(sample: Sample) -> str:
-    """The policy a sample was sampled from ("" when serve runs one unnamed policy)."""
-    return str(sample.info.get(POLICY_KEY) or "")
-
-
 class PolicyBuffers:
     """One :class:`Buffer` per policy behind the single buffer's interface (see the module)."""
 
@@ -59,7 +54,7 @@ class PolicyBuffers:
     async def put(self, samples: list[Sample]) -> int:
         by_policy: dict[str, list[Sample]] = {}
         for s in samples:
-            name = sample_policy(s)
+            name = s.info.get(POLICY_KEY)  # the router names it; none: the default policy's
             by_policy.setdefault(name if name in self.streams else self.default, []).append(s)
         stored = 0
         for name, part in by_policy.items():
@@ -70,7 +65,7 @@ class PolicyBuffers:
         """Episodes that may start now: ``in_flight`` plus every stream's unconsumed samples stay
         within the sum of the streams' bounds ((max_staleness + 1) x batch_size each)."""
         cap = sum((b.cfg.max_staleness + 1) * b.cfg.batch_size for b in self.streams.values())
-        held = sum(b.stats()["pending"] for b in self.streams.values())
+        held = sum(b.pending for b in self.streams.values())
         return max(0, cap - in_flight - held)
 
     async def wait_for_room(self, in_flight: int, timeout_s: float) -> int:
@@ -103,19 +98,9 @@ class PolicyBuffers:
     def release_leases(self) -> int:
         return sum(b.release_leases() for b in self.streams.values())
 
-    def sample_state(self, sample_id: str) -> str | None:
-        for b in self.streams.values():
-            if (state := b.sample_state(sample_id)) is not None:
-                return state
-        return None
-
     @property
     def pollers(self) -> int:
         return sum(b.pollers for b in self.streams.values())
-
-    @property
-    def learner_version(self) -> int:
-        return self.streams[self.default].learner_version
 
     def stats(self) -> dict[str, Any]:
         """The streams' counters summed (``identity_holds`` when it holds in every stream; the

@@ -74,8 +74,7 @@ class RunConfig:
         if not lora.enabled:
             return
         engine.lora_rank = max(engine.lora_rank, lora.rank)
-        loaded = sum(s + 1 for s in self.serve.staleness().values()) or self.serve.buffer.max_staleness + 1
-        engine.max_loras = max(engine.max_loras, loaded)
+        engine.max_loras = max(engine.max_loras, self.serve.adapters_loaded())
         if self.learn.weights.transport.kind == "http":
             from agentrl.weights.config import AdapterTransportConfig
 

@@ -150,7 +150,7 @@ async def finish_samples(client: ChatClient, ep: EpisodeResult,
         ep.samples = [Sample([], [], [], [], episode_id=ep.episode_id, group_id=ep.group_id, env=ep.env,
                              reward=0.0, truncated=ep.truncated, error=ep.error or "NoModelCall",
                              error_kind=ep.error_kind,
-                             info={"policy": ep.info["policy"]} if ep.info.get("policy") else {})]
+                             info={POLICY_KEY: ep.info[POLICY_KEY]} if ep.info.get(POLICY_KEY) else {})]
     return summary
 
 

@@ -28,7 +28,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -110,17 +110,18 @@ class Router:
     def __init__(self, pool: EnginePool, *, model_name: str, eos_token_ids: set[int],
                  max_model_len: int, sessions_dir: Path | None = None, retries: int = 1,
                  model_dir: str | Path | None = None, render: str = "auto", ignore_seed: bool = False,
-                 max_kept_tokens: int = 64) -> None:
+                 max_kept_tokens: int = 64, policies: Sequence[str] = ()) -> None:
         """``render``: "auto" renders and derenders here when the model folder's tokenizer allows it
         and calibration against an engine agrees (else the engine's routes); "engine" always uses
         the engine's routes (three round trips per completion). ``ignore_seed``: drop requests'
         ``seed`` (counted as ``seeds_ignored``), for engines that crash on seeded requests.
         ``max_kept_tokens``: the largest kept set a recorded truncated call may sample from
-        (:class:`~agentrl.router.sampling.Capture`; 0 refuses truncation without a top_k)."""
+        (:class:`~agentrl.router.sampling.Capture`; 0 refuses truncation without a top_k).
+        ``policies``: named LoRA policies (serve.policies), the first the default: a request's
+        ``model`` picks one."""
         self.ignore_seed = ignore_seed
         self.max_kept_tokens = max_kept_tokens
-        # named LoRA policies (serve.policies), the first the default: a request's "model" picks one
-        self.policies: list[str] = []
+        self.policies = list(policies)
         self._processed: dict[str, bool] = {}  # engine name -> whether it reports processed logprobs
         self.pool = pool
         if render not in ("auto", "engine"):

@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from agentrl.buffer.behaviour import Behaviour
-from agentrl.buffer.sample import Sample, routing_array
+from agentrl.buffer.sample import POLICY_KEY, Sample, routing_array
 
 log = logging.getLogger(__name__)
 
@@ -224,7 +224,7 @@ class Session:
                 out.append(Sample(tokens, mask, logprobs, versions, episode_id=self.session_id,
                                   group_id=str(self.meta.get("group_id", "")), env=str(self.meta.get("env", "")),
                                   reward=0.0, info={"calls": chain[::-1], "finish_reason": comp.finish_reason,
-                                                    **({"policy": leaf.policy} if leaf.policy else {})},
+                                                    **({POLICY_KEY: leaf.policy} if leaf.policy else {})},
                                   behaviour=behaviour, routing=chain_routing(n, routings[::-1], last_versions[::-1])))
         return out
 

@@ -74,12 +74,11 @@ def build_router(cfg: ServeConfig, pool: EnginePool, model_path: str, run_dir: P
     from agentrl.models import eos_token_ids
     from agentrl.router import Router
 
-    router = Router(pool, model_name=cfg.model, eos_token_ids=eos_token_ids(model_path),
-                    max_model_len=cfg.engine.max_model_len, sessions_dir=run_dir / "sessions" if run_dir else None,
-                    retries=cfg.router.retries, model_dir=model_path, render=cfg.router.render,
-                    ignore_seed=drops_seeds(cfg), max_kept_tokens=cfg.router.max_kept_tokens)
-    router.policies = list(cfg.policies)
-    return router
+    return Router(pool, model_name=cfg.model, eos_token_ids=eos_token_ids(model_path),
+                  max_model_len=cfg.engine.max_model_len, sessions_dir=run_dir / "sessions" if run_dir else None,
+                  retries=cfg.router.retries, model_dir=model_path, render=cfg.router.render,
+                  ignore_seed=drops_seeds(cfg), max_kept_tokens=cfg.router.max_kept_tokens,
+                  policies=list(cfg.policies))
 
 
 def buffer_config(cfg: ServeConfig, run_dir: Path) -> Any:

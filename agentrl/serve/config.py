@@ -90,6 +90,10 @@ class ServeConfig:
         return {name: p.max_staleness if p.max_staleness >= 0 else self.buffer.max_staleness
                 for name, p in self.policies.items()}
 
+    def adapters_loaded(self) -> int:
+        """LoRA adapter versions the engines hold at once: each policy's max_staleness + 1, summed."""
+        return sum(s + 1 for s in self.staleness().values()) or self.buffer.max_staleness + 1
+
     def without_secrets(self) -> ServeConfig:
         """This config with its admin token and client keys left out (for processes that get them otherwise)."""
         return dataclasses.replace(self, admin_token="", router=dataclasses.replace(self.router, api_keys=[]))
@@ -109,7 +113,7 @@ class ServeConfig:
                               "supported yet: the teacher engine loads full weights; train without LoRA, or use a "
                               "separate teacher (scoring.teacher.url)")
         self.check_policies()
-        loaded = sum(s + 1 for s in self.staleness().values()) or self.buffer.max_staleness + 1
+        loaded = self.adapters_loaded()
         if self.engine.lora_rank and self.engine.max_loras < loaded:
             raise ConfigError(f"engine.max_loras ({self.engine.max_loras}) must be at least {loaded} (each policy's "
                               "max_staleness + 1, summed): every version a sample may still come from stays loaded "
