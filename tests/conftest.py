@@ -193,24 +193,53 @@ async def engine_gauges(url: str) -> dict[str, float]:
     return out
 
 
-async def until_all_decoding(url: str, n: int, tokens_each: int, timeout_s: float = 300.0) -> None:
-    """Return once the engine at ``url`` runs all ``n`` requests (none waiting) and has generated
-    ``n * tokens_each`` more tokens since: with every request scheduled in every decode step, each
-    then has tokens of its own (a total over all requests alone says nothing of any one of them,
-    and one not yet scheduled would hold no token of the version before an update)."""
+async def hold_under_way(router: Any, url: str, start: Any, n: int, tokens_each: int, most_each: int,
+                         tries: int = 4, timeout_s: float = 300.0) -> tuple[str, list[Any]]:
+    """Start ``n`` generations with ``start(tag)`` (it returns their tasks) through ``router`` on its
+    one engine at ``url``, and return them held (:func:`hold_generations`) once every one is under
+    way (at least ``tokens_each`` tokens each on average, all of them running in the engine's last
+    step) and none likely past ``most_each`` tokens.
+
+    No race with the machine's speed: the engine is held before the calls are sent, so they all
+    start together when it is let go, and then it runs in short bursts (a release, then a hold at
+    once) until the engine's gauges, read while it is held, say the calls are far enough. Polling
+    ``/metrics`` while the engine generates cannot do this: on a loaded 2-core machine one read took
+    2.8 s, long enough for a whole generation (CI once saw a stream at token 1,561 of 1,600 when
+    such a poll decided). A burst that still ran too far (or a call that ended) releases that try's
+    calls, lets them run out, and starts again, up to ``tries`` times, with a new ``tag``
+    (``try0``, ``try1``...) for the caller's session ids, so a discarded try's sessions are not read
+    for the held one's. The router is calibrated first: its first-call checks would wait on the held
+    engine. Returns the held try's tag and tasks."""
     import time
 
+    pool = router.pool
+    await router.calibrate(pool.engines[0])
     deadline = time.monotonic() + timeout_s
-    while True:
-        g = await engine_gauges(url)
-        if g["running"] >= n and not g["waiting"]:
-            break
-        assert time.monotonic() < deadline, f"the engine never ran all {n} requests at once: {g}"
-        await asyncio.sleep(0.05)
-    start = g["generated"]
-    while (g := await engine_gauges(url))["generated"] < start + n * tokens_each:
-        assert time.monotonic() < deadline, f"the engine stopped generating: {g}"
-        await asyncio.sleep(0.05)
+    late = []
+    for attempt in range(tries):
+        tag = f"try{attempt}"
+        await hold_generations(pool)
+        before = (await engine_gauges(url))["generated"]
+        calls = list(start(tag))
+        while sum(e.outstanding for e in pool.engines) < n and not any(c.done() for c in calls):
+            assert time.monotonic() < deadline, "the calls never reached the engine"
+            await asyncio.sleep(0.01)
+        while True:
+            await release_generations(pool)
+            await hold_generations(pool)
+            g = await engine_gauges(url)
+            each = (g["generated"] - before) / n
+            if each > most_each or any(c.done() for c in calls):
+                break
+            if g["running"] >= n and not g["waiting"] and each >= tokens_each:
+                return tag, calls
+            assert time.monotonic() < deadline, f"the engine never ran all {n} calls: {g}"
+        late.append(round(each))
+        print(f"hold_under_way: {tag} held at about {each:.0f} tokens a call, over {most_each}; again",
+              file=sys.stderr)
+        await release_generations(pool)
+        await asyncio.gather(*calls, return_exceptions=True)
+    raise AssertionError(f"each of {tries} holds came late: {late} tokens a call, {most_each} at most")
 
 
 async def release_generations(pool: Any) -> None:

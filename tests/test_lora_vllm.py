@@ -21,7 +21,7 @@ import aiohttp
 import pytest
 import torch
 
-from tests.conftest import agentrl_run, hold_generations, release_generations, start_vllm, until_all_decoding
+from tests.conftest import agentrl_run, hold_under_way, release_generations, start_vllm
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -94,11 +94,10 @@ def test_a_request_in_flight_finishes_on_its_adapter_while_new_ones_get_the_next
     async def go() -> tuple[Any, Any, set[str], int]:
         async with _router(lora_engine.url, tiny_tools_model) as (router, updater):
             await updater.load_adapter(str(tmp_path / "v1"), 1)
-            call = asyncio.create_task(router.chat(long, session_id="long"))
-            await until_all_decoding(lora_engine.url, 1, 100)
             # v2 must land while the long call is still generating, however fast the machine: held
             # where it is (an adapter load needs no pause, but it is allowed one) until v2 is in
-            await hold_generations(router.pool)
+            tag, [call] = await hold_under_way(router, lora_engine.url, lambda tag: [asyncio.create_task(
+                router.chat(long, session_id=f"{tag}-long"))], 1, tokens_each=100, most_each=600)
             try:
                 assert not call.done()
                 await updater.load_adapter(str(tmp_path / "v2"), 2)
@@ -113,7 +112,7 @@ def test_a_request_in_flight_finishes_on_its_adapter_while_new_ones_get_the_next
                     "model": "policy-v1", "token_ids": [1, 2, 3], "sampling_params": {"max_tokens": 2}}) as r:
                 refused = r.status
             after = await _models(lora_engine.url)
-            return (router.sessions["long"].samples()[0], router.sessions["short"].samples()[0],
+            return (router.sessions[f"{tag}-long"].samples()[0], router.sessions["short"].samples()[0],
                     loaded - after, refused)
 
     long_sample, short_sample, gone, refused = asyncio.run(go())

@@ -315,7 +315,7 @@ def test_tokens_an_update_caught_in_flight_are_the_new_weights_through_the_exper
     policy's through the captured experts."""
     import asyncio
 
-    from tests.conftest import hold_generations, until_all_decoding
+    from tests.conftest import hold_under_way
 
     learner, folder = _next_policy(moe_model, tmp_path / "v1", seed=1)
     # 8 x 1,400 tokens (the contexts stay under 2,048), held once all are well under way so the
@@ -328,13 +328,12 @@ def test_tokens_an_update_caught_in_flight_are_the_new_weights_through_the_exper
 
     async def go() -> tuple[list[Any], int]:
         async with _capturing_router(moe_engine.url, moe_model) as (router, updater):
-            calls = [asyncio.create_task(router.chat(body, session_id=f"cross-{i}")) for i in range(n)]
-            await until_all_decoding(moe_engine.url, n, 100)  # every one well under way
-            await hold_generations(router.pool)  # the update's own resume lets them go on
-            assert not any(c.done() for c in calls)
+            # every one well under way and none past half its length; the update's own resume lets them go on
+            tag, calls = await hold_under_way(router, moe_engine.url, lambda tag: [asyncio.create_task(
+                router.chat(body, session_id=f"{tag}-cross-{i}")) for i in range(n)], n, tokens_each=100, most_each=700)
             await updater.update_weights(str(folder), 1)
             await asyncio.gather(*calls)
-            samples = [router.sessions[f"cross-{i}"].samples()[0] for i in range(n)]
+            samples = [router.sessions[f"{tag}-cross-{i}"].samples()[0] for i in range(n)]
             assert all(((s.versions == 0) & (s.loss_mask != 0)).any() and (s.versions == 1).any() for s in samples)
             return samples, 1
 

