@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from agentrl.rollout.config import EpisodeLimits
-from agentrl.rollout.evaluate import eval_tasks, evaluate, mean_interval, wilson_interval
+from agentrl.rollout.evaluate import eval_tasks, evaluate, mean_interval, tally_by_env, wilson_interval
 from tests.router_harness import serve_router
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -40,6 +40,18 @@ def test_heldout_is_the_test_split_and_disjoint_from_training_tasks() -> None:
     assert eval_tasks("guess_number", {}, "test", 20) == held  # same tasks every time
 
 
+def test_a_mixs_evaluation_is_tallied_per_environment_too() -> None:
+    tasks = [{"id": "a", "mix_env": "arithmetic"}, {"id": "b", "mix_env": "guess_number"},
+             {"id": "c", "mix_env": "arithmetic"}, {"id": "d", "mix_env": "arithmetic"}]
+    by_env = tally_by_env(tasks, [True, False, False, True], [1.0, 0.0, 0.0, 1.0])
+    assert list(by_env) == ["arithmetic", "guess_number"]  # in the order they first appear
+    a, g = by_env["arithmetic"], by_env["guess_number"]
+    assert (a["n"], a["successes"], g["n"], g["successes"]) == (3, 2, 1, 0)
+    assert a["success_rate"] == pytest.approx(2 / 3) and a["success_ci95"] == wilson_interval(2, 3)
+    assert a["reward_mean"] == pytest.approx(2 / 3) and g["reward_ci95"] == (0.0, 0.0)
+    assert tally_by_env([{"id": "a"}], [True], [1.0]) == {}  # one environment: no breakdown
+
+
 @pytest.mark.vllm
 def test_evaluate_runs_heldout_episodes_against_a_real_router_endpoint(vllm_engine, tiny_tools_model) -> None:
     with serve_router([vllm_engine.url], tiny_tools_model, api_keys=frozenset({"client-key"})) as srv:
@@ -52,6 +64,22 @@ def test_evaluate_runs_heldout_episodes_against_a_real_router_endpoint(vllm_engi
     assert 0.0 <= result.success_ci95[0] <= result.success_rate <= result.success_ci95[1] <= 1.0
     assert result.reward_ci95[0] <= result.reward_mean <= result.reward_ci95[1]
     assert {ep["task_id"] for ep in result.episodes} == {f"test-{i}" for i in range(6)}
+
+
+@pytest.mark.vllm
+def test_evaluating_a_mix_gives_each_environment_its_own_success_rate(vllm_engine, tiny_tools_model) -> None:
+    config = {"envs": {"arithmetic": {}, "guess_number": {}}}
+    with serve_router([vllm_engine.url], tiny_tools_model) as srv:
+        result = asyncio.run(evaluate("mix", f"{srv.url}/v1", 6, split="heldout", env_config=config,
+                                      limits=EpisodeLimits(max_turns=2, max_tokens=16, temperature=1.0), concurrency=3))
+    assert result.n == 6 and result.failed == 0  # arithmetic's episodes ran in Docker sandboxes of their own
+    assert set(result.by_env) == {"arithmetic", "guess_number"}
+    assert [e["n"] for e in result.by_env.values()] == [3, 3]  # interleaved evenly
+    assert sum(e["successes"] for e in result.by_env.values()) == result.successes
+    for name, e in result.by_env.items():
+        won = [ep["success"] for ep in result.episodes if ep["mix_env"] == name]
+        assert e["successes"] == sum(won) and e["success_ci95"] == wilson_interval(sum(won), len(won))
+    assert "arithmetic: 3 tasks" in result.line() and "guess_number: 3 tasks" in result.line()
 
 
 @pytest.mark.vllm

@@ -215,6 +215,10 @@ def held_out_eval(cfg: RunConfig, url: str, label: str, run_dir: Path) -> Any:
     lo, hi = result.success_ci95
     print(f"eval {label}: success {result.success_rate:.3f} (95% CI {lo:.3f}-{hi:.3f}) over {result.n} tasks, "
           f"reward mean {result.reward_mean:.3f}, {result.failed} failed, {result.seconds:.0f} s", flush=True)
+    for name, e in result.by_env.items():  # a mix: each environment's own
+        lo, hi = e["success_ci95"]
+        print(f"eval {label}:   {name}: success {e['success_rate']:.3f} (95% CI {lo:.3f}-{hi:.3f}) over {e['n']} tasks",
+              flush=True)
     return result
 
 
@@ -266,6 +270,10 @@ def run(cfg: RunConfig) -> int:
                        success_before_ci95=[round(x, 4) for x in before.success_ci95],
                        success_after_ci95=[round(x, 4) for x in after.success_ci95],
                        reward_before=round(before.reward_mean, 4), reward_after=round(after.reward_mean, 4))
+        if before.by_env:  # a mix: each environment's success before and after, on the same tasks
+            summary["success_by_env"] = {name: [round(e["success_rate"], 4),
+                                                round(after.by_env.get(name, {}).get("success_rate", 0.0), 4)]
+                                         for name, e in before.by_env.items()}
         print(f"success on held-out tasks: {before.success_rate:.3f} before -> {after.success_rate:.3f} after "
               f"({len(history)} learner steps, {summary['wall_minutes']} min)", flush=True)
     try:

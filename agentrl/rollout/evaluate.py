@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from agentrl.env.base import MIX_TAG
 from agentrl.rollout.config import EpisodeLimits
 from agentrl.rollout.remote import OpenAIChat
 from agentrl.router.errors import RouterError
@@ -77,6 +78,9 @@ class EvalResult:
     seconds: float
     temperature: float
     episodes: list[dict[str, Any]] = field(default_factory=list)
+    # a mix's tasks (each names its environment under ``mix_env``): the same figures per environment,
+    # {name: {n, successes, success_rate, success_ci95, reward_mean, reward_ci95}}; empty otherwise
+    by_env: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def summary(self) -> dict[str, Any]:
         """Everything but the per-episode list (one JSON line)."""
@@ -85,10 +89,32 @@ class EvalResult:
     def line(self) -> str:
         lo, hi = self.success_ci95
         rlo, rhi = self.reward_ci95
-        return (f"{self.env} [{self.split}] {self.n} tasks: success {self.success_rate:.1%} "
-                f"(95% CI {lo:.1%}-{hi:.1%}) | mean reward {self.reward_mean:.3f} (95% CI {rlo:.3f}-{rhi:.3f}) | "
-                f"failed {self.failed} truncated {self.truncated} | mean turns {self.turns_mean:.2f} | "
-                f"{self.seconds:.1f} s")
+        out = (f"{self.env} [{self.split}] {self.n} tasks: success {self.success_rate:.1%} "
+               f"(95% CI {lo:.1%}-{hi:.1%}) | mean reward {self.reward_mean:.3f} (95% CI {rlo:.3f}-{rhi:.3f}) | "
+               f"failed {self.failed} truncated {self.truncated} | mean turns {self.turns_mean:.2f} | "
+               f"{self.seconds:.1f} s")
+        for name, e in self.by_env.items():
+            lo, hi = e["success_ci95"]
+            out += f"\n  {name}: {e['n']} tasks, success {e['success_rate']:.1%} (95% CI {lo:.1%}-{hi:.1%})"
+        return out
+
+
+def tally(wins: list[bool], rewards: list[float]) -> dict[str, Any]:
+    """Success and reward of a set of episodes, each with its 95% interval."""
+    n = len(wins)
+    reward_mean, rlo, rhi = mean_interval(rewards)
+    return {"n": n, "successes": sum(wins), "success_rate": sum(wins) / n if n else 0.0,
+            "success_ci95": wilson_interval(sum(wins), n), "reward_mean": reward_mean, "reward_ci95": (rlo, rhi)}
+
+
+def tally_by_env(tasks: list[dict[str, Any]], wins: list[bool], rewards: list[float]) -> dict[str, dict[str, Any]]:
+    """:func:`tally` per environment of a mix's tasks (by their ``mix_env``), in the order they first
+    appear; empty when no task names one (a single environment's evaluation)."""
+    groups: dict[str, list[int]] = {}
+    for i, task in enumerate(tasks):
+        if task.get(MIX_TAG):
+            groups.setdefault(str(task[MIX_TAG]), []).append(i)
+    return {name: tally([wins[i] for i in idx], [rewards[i] for i in idx]) for name, idx in groups.items()}
 
 
 def eval_tasks(env_name: str, env_config: dict[str, Any], split: str, n: int) -> list[dict[str, Any]]:
@@ -154,24 +180,26 @@ async def evaluate(env: str, endpoint: Any, tasks: int | list[dict[str, Any]] = 
         model_name = client.model_name
     wins = [is_success(ep, success_reward) for ep in episodes]
     rewards = [float(ep.reward) for ep in episodes]
-    reward_mean, rlo, rhi = mean_interval(rewards)
+    whole = tally(wins, rewards)
     n = len(episodes)
     rows = []
-    for ep, won in zip(episodes, wins, strict=True):
+    for ep, won, task in zip(episodes, wins, task_list, strict=True):
         row = ep.summary()
         row.pop("info", None)
         row["success"] = won
+        if task.get(MIX_TAG):
+            row[MIX_TAG] = task[MIX_TAG]
         rows.append(row)
     errors = [ep.error for ep in episodes if ep.error]
     if errors:
         log.warning("%d of %d evaluation episodes failed; first: %s", len(errors), n, errors[0])
     return EvalResult(
         env=env, split=SPLIT_ALIASES.get(split, split), endpoint=endpoint_name, model=model_name, n=n,
-        successes=sum(wins), success_rate=sum(wins) / n if n else 0.0, success_ci95=wilson_interval(sum(wins), n),
-        reward_mean=reward_mean, reward_ci95=(rlo, rhi), failed=len(errors),
+        successes=whole["successes"], success_rate=whole["success_rate"], success_ci95=whole["success_ci95"],
+        reward_mean=whole["reward_mean"], reward_ci95=whole["reward_ci95"], failed=len(errors),
         truncated=sum(bool(ep.truncated) for ep in episodes),
         turns_mean=sum(ep.turns for ep in episodes) / n if n else 0.0, seconds=time.monotonic() - t0,
-        temperature=limits.temperature, episodes=rows)
+        temperature=limits.temperature, episodes=rows, by_env=tally_by_env(task_list, wins, rewards))
 
 
 def write_result(result: EvalResult, path: str | Path) -> Path:
