@@ -37,13 +37,20 @@ def test_two_policies_train_in_one_run_with_their_own_versions_streams_and_bound
     out = agentrl_run(run, "--serve.env.name=mix", f"--serve.env.config={MIX}", "--serve.env.group_size=2",
                       "--serve.buffer.batch_size=4", "--serve.buffer.max_staleness=2",
                       "--serve.policies.proposer={}", "--serve.policies.solver.max_staleness=1",
-                      "--learn.lora.rank=8", "--learn.steps=4", "--learn.policy_wait_s=600", "--eval.tasks=0",
+                      "--learn.lora.rank=8", "--learn.steps=4", "--learn.policy_wait_s=600", "--eval.tasks=4",
                       f"--learn.export_dir={tmp_path / 'export'}")
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     summary = json.loads(out.stdout.splitlines()[-1])
     # the policies take turns (each waited for in its turn): two steps each
     assert summary["steps_by_policy"] == {"proposer": 2, "solver": 2}
     assert summary["final_versions"] == {"proposer": 2, "solver": 2}
+    # held-out evaluation, before and after, per environment (each played by its own policy) too
+    assert set(summary["success_by_env"]) == {"arithmetic", "guess_number"}
+    for label in ("before", "after"):
+        result = json.loads((run / f"eval_{label}.json").read_text())
+        assert {name: e["n"] for name, e in result["by_env"].items()} == {"arithmetic": 2, "guess_number": 2}
+        assert [summary["success_by_env"][name][label == "after"] for name in result["by_env"]] == [
+            round(e["success_rate"], 4) for e in result["by_env"].values()]
 
     rows = [json.loads(x) for x in (run / "learner.jsonl").read_text().splitlines()]
     versions: dict[str, list[int]] = defaultdict(list)
