@@ -170,6 +170,12 @@ def chart_reward(logs: RunLogs, axes: list[Any]) -> bool:
         ax1.plot(x, y, "o-", color=PALETTE[0], ms=3, lw=1.5, label="batch mean reward")
         if len(y) >= 5:
             ax1.plot(x, moving_average(y, max(3, len(y) // 10)), color=PALETTE[1], lw=2, label="moving average")
+        by_env = [r.get("reward_by_env") if isinstance(r.get("reward_by_env"), dict) else {} for r in logs.learner]
+        for i, name in enumerate(sorted({n for d in by_env for n in d})):  # a mix: each environment's own
+            pairs = [(s, float(d[name])) for s, d in zip(steps, by_env, strict=True)
+                     if isinstance(d.get(name), int | float)]
+            ax1.plot([p[0] for p in pairs], [p[1] for p in pairs], "--", color=PALETTE[(i + 2) % len(PALETTE)],
+                     lw=1, label=name)
         drew = True
     else:
         _no_data(ax1, "learner steps")

@@ -69,6 +69,20 @@ def test_an_episode_of_a_mix_is_played_by_its_tasks_environment_and_says_which()
         asyncio.run(make("mix", **MIX).reset({"id": "x", "mix_env": "shell"}))
 
 
+def test_a_mix_batchs_reward_is_given_per_environment_from_its_samples() -> None:
+    from agentrl.buffer.sample import Sample
+    from agentrl.learner.step import reward_by_env
+
+    def sample(env: str | None, reward: float) -> Sample:
+        return Sample([1], [0], [0.0], [0], episode_id="e", group_id="g", env="mix", reward=reward,
+                      info={"mix_env": env} if env else {})
+
+    batch = [sample("guess_number", 1.0), sample("arithmetic", 0.0), sample("guess_number", 0.0),
+             sample("arithmetic", 1.0), sample("arithmetic", 1.0)]
+    assert reward_by_env(batch) == {"arithmetic": pytest.approx(2 / 3), "guess_number": 0.5}
+    assert reward_by_env([sample(None, 1.0)]) == {}  # one environment: no breakdown
+
+
 def test_a_mix_episode_gets_a_sandbox_of_its_environments_image_or_none() -> None:
     assert sandbox_image_of("mix", MIX) == "agentrl/base:bookworm"  # arithmetic's: serve keeps that pool
     assert sandbox_image_of("mix", {"envs": {"guess_number": {}, "straggler": {}}}) is None

@@ -60,6 +60,8 @@ def test_two_policies_train_in_one_run_with_their_own_versions_streams_and_bound
         sync = r["engine_sync"]
         assert sync["kind"] == "adapter" and sync["policy"] == p and sync["failed"] == []
         assert r["staleness_max"] <= BOUND[p]  # the policy's own bound, against its own versions
+        # each batch held its policy's environment alone (the samples name it), reward given per environment
+        assert set(r["reward_by_env"]) == {"proposer": {"guess_number"}, "solver": {"arithmetic"}}[p]
         assert (run / "weights" / p / f"v{r['version']}" / "adapter_model.safetensors").exists()
     assert versions == {"proposer": [1, 2], "solver": [1, 2]}
 

@@ -13,7 +13,7 @@ import pytest
 
 pytest.importorskip("matplotlib")
 
-from agentrl.plot import RunLogs, moving_average, plot_run, read_jsonl  # noqa: E402
+from agentrl.plot import RunLogs, chart_reward, moving_average, plot_run, read_jsonl  # noqa: E402
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -115,6 +115,26 @@ def test_a_run_with_a_teacher_gets_its_distillation_chart(tmp_path: Path) -> Non
     paths = {p.name: p for p in plot_run(run)}
     data = paths["distill.png"].read_bytes()
     assert data.startswith(PNG_MAGIC) and len(data) > 10_000
+
+
+def test_a_mixs_reward_chart_has_a_line_per_environment(tmp_path: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    run = tmp_path / "run"
+    write_recorded_run(run)
+    rows = [json.loads(x) for x in (run / "learner.jsonl").read_text().splitlines()]
+    for i, r in enumerate(rows):  # guess_number in every other batch only
+        r["reward_by_env"] = {"arithmetic": i / len(rows), **({"guess_number": 0.5} if i % 2 else {})}
+    (run / "learner.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    fig, axes = plt.subplots(1, 2)
+    try:
+        assert chart_reward(RunLogs.read(run), list(axes))
+        lines = {line.get_label(): line for line in axes[0].get_lines()}
+        assert {"arithmetic", "guess_number"} <= set(lines)
+        assert len(lines["arithmetic"].get_xdata()) == len(rows)
+        assert len(lines["guess_number"].get_xdata()) == len(rows) // 2  # only the batches that held it
+    finally:
+        plt.close(fig)
 
 
 def test_plot_skips_charts_whose_logs_are_missing(tmp_path: Path) -> None:

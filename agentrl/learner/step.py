@@ -41,6 +41,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from agentrl.env.base import MIX_TAG
 from agentrl.learner.advantages import distilled_advantages, topk_forward_kl
 from agentrl.learner.batch import Prepared, prepare
 from agentrl.learner.config import LearnConfig
@@ -301,10 +302,24 @@ def train_step(state: TrainState, samples: Sequence[Any], cfg: LearnConfig, vers
         out["routing_replayed_tokens"] = replayed
         out["routing_own_tokens"] = sum(u["routing"][2] for u in once)  # no record: the learner routed them
         out["routing_disagreement"] = sum(u["routing"][1] for u in once) / replayed  # tokens whose own routing differed
+    by_env = reward_by_env(samples)
+    if by_env:  # a mix: each environment's mean reward in the batch too
+        out["reward_by_env"] = by_env
     out.update(teacher_stats(prep.samples, prep.masks))
     if offending:
         out["offending_sample_ids"] = offending
     return out
+
+
+def reward_by_env(samples: list[Any]) -> dict[str, float]:
+    """The mean reward of each environment's samples in a batch of a mix (by their ``mix_env``);
+    empty when no sample names one."""
+    sums: dict[str, list[float]] = {}
+    for s in samples:
+        name = s.info.get(MIX_TAG)
+        if name:
+            sums.setdefault(str(name), []).append(float(s.reward))
+    return {name: sum(v) / len(v) for name, v in sorted(sums.items())}
 
 
 def _advantages(prep: Prepared, idx: list[int], t: dict[str, Any], behaviour: torch.Tensor,

@@ -27,7 +27,7 @@ from typing import Any
 
 from agentrl.buffer.sample import POLICY_KEY, Sample
 from agentrl.env import make
-from agentrl.env.base import Played, PlayingEnv
+from agentrl.env.base import MIX_TAG, Played, PlayingEnv
 from agentrl.errors import EnvironmentFailure, ErrorKind, ScaffoldError, TransportError
 from agentrl.rollout.config import EpisodeLimits
 from agentrl.rollout.protocols import ChatClient
@@ -150,7 +150,7 @@ async def finish_samples(client: ChatClient, ep: EpisodeResult,
         ep.samples = [Sample([], [], [], [], episode_id=ep.episode_id, group_id=ep.group_id, env=ep.env,
                              reward=0.0, truncated=ep.truncated, error=ep.error or "NoModelCall",
                              error_kind=ep.error_kind,
-                             info={POLICY_KEY: ep.info[POLICY_KEY]} if ep.info.get(POLICY_KEY) else {})]
+                             info={k: ep.info[k] for k in (POLICY_KEY, MIX_TAG) if ep.info.get(k)})]
     return summary
 
 
@@ -176,6 +176,8 @@ async def _episode_body(client: ChatClient, env_name: str, task: dict[str, Any],
     policy = str(task.get(POLICY_KEY) or "")  # a named LoRA policy plays the task (serve.policies)
     if policy:
         ep.info[POLICY_KEY] = policy
+    if task.get(MIX_TAG):  # a mix's task: its environment, on the episode and its samples from the start
+        ep.info[MIX_TAG] = str(task[MIX_TAG])
     async with episode_env(env_name, env_config, sandbox_pool, ep, task) as env:
         try:
             opening = await env.reset(task)
@@ -332,7 +334,7 @@ async def _close_env(env: Any) -> None:
 def _samples(summary: SessionSummary, ep: EpisodeResult) -> list[Sample]:
     """The session's samples (numpy per-token fields, built once) with the episode's fields; a sample
     whose last call the environment rewarded on its own (a self-play seat) takes that reward."""
-    extra = {k: ep.info[k] for k in ("tools", "tool_calls") if k in ep.info}
+    extra = {k: ep.info[k] for k in ("tools", "tool_calls", MIX_TAG) if k in ep.info}
     out = []
     for s in summary.samples:
         calls = s.info["calls"]
