@@ -288,6 +288,21 @@ def test_the_episode_browser_filters_and_pages_newest_first(run_dir: Path) -> No
     run_app(run_dir, body)
 
 
+def test_a_mixs_episodes_are_browsed_and_filtered_by_their_own_environment(tmp_path: Path) -> None:
+    path = tmp_path / "episodes.jsonl"
+    rows = [{"episode_id": f"e{i}", "env": "mix", "reward": 1.0,
+             "info": {"mix_env": ("arithmetic", "guess_number", "arithmetic")[i % 3]}} for i in range(9)]
+    rows.append({"episode_id": "plain", "env": "shell", "reward": 0.0, "info": {}})
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    index = EpisodeIndex(path)
+    index.refresh()
+    assert index.facets()["envs"] == ["mix/arithmetic", "mix/guess_number", "shell"]
+    total, offsets = index.match(EpisodeFilter(env="mix/guess_number"), 0, 100)
+    assert total == 3 and {r["episode_id"] for r in index.read_rows(offsets)} == {"e1", "e4", "e7"}
+    assert index.match(EpisodeFilter(env="mix/arithmetic"), 0, 100)[0] == 6
+    assert index.match(EpisodeFilter(env="mix"), 0, 100)[0] == 0  # the whole mix is its environments
+
+
 def test_a_log_is_read_up_to_its_last_complete_line_and_then_followed(tmp_path: Path) -> None:
     path = tmp_path / "learner.jsonl"
     path.write_text('{"step": 1, "reward_mean": 0.5}\n{"step": 2, "rew')

@@ -55,6 +55,15 @@ def number(node: Any, key: str) -> float | None:
     return float(node)
 
 
+def env_label(row: dict[str, Any]) -> str:
+    """An episode line's environment as the browser shows and filters it: a mix's episodes are
+    ``mix/<environment>`` (their ``info.mix_env``), so each environment of a mix can be picked."""
+    env = str(row.get("env") or "")
+    info = row.get("info")
+    sub = info.get("mix_env") if isinstance(info, dict) else None
+    return f"{env}/{sub}" if isinstance(sub, str) and sub else env
+
+
 def learner_numbers(row: dict[str, Any]) -> dict[str, float]:
     out = {k: v for k in LEARNER_KEYS if (v := number(row, k)) is not None}
     for k in row:
@@ -262,7 +271,7 @@ class EpisodeIndex:
             self.rewards.append(number(row, "reward") or 0.0)
             self.vmin.append(min(versions, default=-1))
             self.vmax.append(max(versions, default=-1))
-            self.env.append(self.envs.code(str(row.get("env") or "")))
+            self.env.append(self.envs.code(env_label(row)))
             kind = row.get("error_kind") or ("unknown" if row.get("error") else "")
             self.kind.append(self.kinds.code(str(kind)))
             trunc = row.get("truncation") or ("unknown" if row.get("truncated") else "")

@@ -46,7 +46,7 @@ from agentrl.view.episodes import (
     sample_summary,
     token_page,
 )
-from agentrl.view.logs import EpisodeFilter, EpisodeIndex, LogTail, learner_numbers, serve_numbers
+from agentrl.view.logs import EpisodeFilter, EpisodeIndex, LogTail, env_label, learner_numbers, serve_numbers
 from agentrl.view.tokens import Detokenizer
 from agentrl.web import error_response
 
@@ -174,7 +174,7 @@ def _episode_row(r: dict[str, Any]) -> dict[str, Any]:
     """The browser's columns of one episode line (the error message cut short)."""
     versions = [v for v in r.get("versions") or [] if isinstance(v, int)]
     err = r.get("error")
-    return {"episode_id": r.get("episode_id"), "time": r.get("time"), "env": r.get("env"), "task_id": r.get("task_id"),
+    return {"episode_id": r.get("episode_id"), "time": r.get("time"), "env": env_label(r), "task_id": r.get("task_id"),
             "reward": r.get("reward"), "turns": r.get("turns"), "truncated": r.get("truncated"),
             "truncation": r.get("truncation"), "error_kind": r.get("error_kind"),
             "error": err[:200] if isinstance(err, str) else None, "completion_tokens": r.get("completion_tokens"),
