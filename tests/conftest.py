@@ -193,10 +193,10 @@ async def engine_gauges(url: str) -> dict[str, float]:
     return out
 
 
-async def hold_under_way(router: Any, url: str, start: Any, n: int, tokens_each: int, most_each: int,
+async def hold_under_way(router: Any, start: Any, n: int, tokens_each: int, most_each: int,
                          tries: int = 4, timeout_s: float = 300.0) -> tuple[str, list[Any]]:
     """Start ``n`` generations with ``start(tag)`` (it returns their tasks) through ``router`` on its
-    one engine at ``url``, and return them held (:func:`hold_generations`) once every one is under
+    one engine, and return them held (:func:`hold_generations`) once every one is under
     way (at least ``tokens_each`` tokens each on average, all of them running in the engine's last
     step) and none likely past ``most_each`` tokens.
 
@@ -213,6 +213,7 @@ async def hold_under_way(router: Any, url: str, start: Any, n: int, tokens_each:
     import time
 
     pool = router.pool
+    url = pool.engines[0].url
     await router.calibrate(pool.engines[0])
     deadline = time.monotonic() + timeout_s
     late = []

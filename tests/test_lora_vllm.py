@@ -96,7 +96,7 @@ def test_a_request_in_flight_finishes_on_its_adapter_while_new_ones_get_the_next
             await updater.load_adapter(str(tmp_path / "v1"), 1)
             # v2 must land while the long call is still generating, however fast the machine: held
             # where it is (an adapter load needs no pause, but it is allowed one) until v2 is in
-            tag, [call] = await hold_under_way(router, lora_engine.url, lambda tag: [asyncio.create_task(
+            tag, [call] = await hold_under_way(router, lambda tag: [asyncio.create_task(
                 router.chat(long, session_id=f"{tag}-long"))], 1, tokens_each=100, most_each=600)
             try:
                 assert not call.done()

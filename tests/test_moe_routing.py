@@ -329,7 +329,7 @@ def test_tokens_an_update_caught_in_flight_are_the_new_weights_through_the_exper
     async def go() -> tuple[list[Any], int]:
         async with _capturing_router(moe_engine.url, moe_model) as (router, updater):
             # every one well under way and none past half its length; the update's own resume lets them go on
-            tag, calls = await hold_under_way(router, moe_engine.url, lambda tag: [asyncio.create_task(
+            tag, calls = await hold_under_way(router, lambda tag: [asyncio.create_task(
                 router.chat(body, session_id=f"{tag}-cross-{i}")) for i in range(n)], n, tokens_each=100, most_each=700)
             await updater.update_weights(str(folder), 1)
             await asyncio.gather(*calls)

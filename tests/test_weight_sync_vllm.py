@@ -102,7 +102,7 @@ def test_generations_in_flight_survive_an_update_and_each_token_matches_the_weig
             # length, so the update lands in the middle of each however fast the machine; the update's
             # own pause and resume then let them go on under the new weights.
             tag, calls = await hold_under_way(
-                router, sync_engine.url, lambda tag: [asyncio.create_task(router.chat(
+                router, lambda tag: [asyncio.create_task(router.chat(
                     body, session_id=f"{tag}-long-{i}")) for i in range(n)], n, tokens_each=40, most_each=max_tokens // 4)
             sync = await up.update_weights(str(new), 1)
             assert up.retie_supported  # the tied LM head follows the new embedding

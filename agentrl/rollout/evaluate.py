@@ -100,7 +100,8 @@ class EvalResult:
 
 
 def tally(wins: list[bool], rewards: list[float]) -> dict[str, Any]:
-    """Success and reward of a set of episodes, each with its 95% interval."""
+    """Success and reward of a set of episodes, each with its 95% interval (:class:`EvalResult`'s
+    fields of the same names)."""
     n = len(wins)
     reward_mean, rlo, rhi = mean_interval(rewards)
     return {"n": n, "successes": sum(wins), "success_rate": sum(wins) / n if n else 0.0,
@@ -180,7 +181,6 @@ async def evaluate(env: str, endpoint: Any, tasks: int | list[dict[str, Any]] = 
         model_name = client.model_name
     wins = [is_success(ep, success_reward) for ep in episodes]
     rewards = [float(ep.reward) for ep in episodes]
-    whole = tally(wins, rewards)
     n = len(episodes)
     rows = []
     for ep, won, task in zip(episodes, wins, task_list, strict=True):
@@ -194,9 +194,8 @@ async def evaluate(env: str, endpoint: Any, tasks: int | list[dict[str, Any]] = 
     if errors:
         log.warning("%d of %d evaluation episodes failed; first: %s", len(errors), n, errors[0])
     return EvalResult(
-        env=env, split=SPLIT_ALIASES.get(split, split), endpoint=endpoint_name, model=model_name, n=n,
-        successes=whole["successes"], success_rate=whole["success_rate"], success_ci95=whole["success_ci95"],
-        reward_mean=whole["reward_mean"], reward_ci95=whole["reward_ci95"], failed=len(errors),
+        env=env, split=SPLIT_ALIASES.get(split, split), endpoint=endpoint_name, model=model_name,
+        **tally(wins, rewards), failed=len(errors),
         truncated=sum(bool(ep.truncated) for ep in episodes),
         turns_mean=sum(ep.turns for ep in episodes) / n if n else 0.0, seconds=time.monotonic() - t0,
         temperature=limits.temperature, episodes=rows, by_env=tally_by_env(task_list, wins, rewards))
