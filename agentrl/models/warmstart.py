@@ -142,11 +142,14 @@ def copy_accuracy(model_dir: str | Path, *, questions: int = 128, seed: int = 12
 
 
 def tool_use_warm_start(model_dir: str | Path, *, steps: int, batch_size: int = 8, lr: float = 1e-4,
-                        top_layers: int | None = None, seed: int = 0) -> dict[str, float]:
+                        top_layers: int | None = None, seed: int = 0, lora: dict[str, int] | None = None,
+                        adapter_dir: Path | None = None) -> dict[str, float]:
     """Fine-tune a pretrained model folder in place on generic tool-use transcripts
     (:mod:`agentrl.models.tool_use`), rendered with the folder's own chat template; with
     ``top_layers`` only that many of the last decoder layers (and the final norm) learn, which
-    makes a step several times cheaper on CPU (backward stops below them)."""
+    makes a step several times cheaper on CPU (backward stops below them). With ``lora``
+    (``rank``, ``alpha``) a LoRA adapter on those layers learns instead, is saved to ``adapter_dir``
+    and merged into the folder's weights."""
     from agentrl.models.tool_use import tool_use_transcript
 
     rng = random.Random(seed)
@@ -158,7 +161,7 @@ def tool_use_warm_start(model_dir: str | Path, *, steps: int, batch_size: int = 
         return lr * min(1.0, (s + 1) / 5) * max(0.1, 1 - s / max(1, steps))
 
     return fine_tune(model_dir, batch, steps, lr_at, seed=seed, log_every=5, top_layers=top_layers,
-                     phase=lambda s: "tool use")
+                     phase=lambda s: "tool use", lora=lora, adapter_dir=adapter_dir)
 
 
 def _masked_loss(model: Any, ids: Any, attn: Any, labels: Any) -> Any:
@@ -174,11 +177,13 @@ def _masked_loss(model: Any, ids: Any, attn: Any, labels: Any) -> Any:
 
 def fine_tune(model_dir: str | Path, batch: Callable[[Any, int], list[tuple[list[int], list[int]]]], steps: int,
               lr_at: Callable[[int], float], *, seed: int = 0, log_every: int = 50, top_layers: int | None = None,
-              phase: Callable[[int], str] = lambda s: "") -> dict[str, float]:
-    """The supervised loop both warm-starts share: ``batch(tokenizer, step)`` gives (ids, mask)
+              phase: Callable[[int], str] = lambda s: "", lora: dict[str, int] | None = None,
+              adapter_dir: Path | None = None) -> dict[str, float]:
+    """The supervised loop the warm-starts share: ``batch(tokenizer, step)`` gives (ids, mask)
     pairs, the loss is on masked-in tokens, AdamW at ``lr_at(step)`` with gradients clipped to 1
-    (on the last ``top_layers`` decoder layers and the final norm only, when given); progress is
-    logged every ``log_every`` steps and the folder saved in place at the end."""
+    (on the last ``top_layers`` decoder layers and the final norm only, when given; on a LoRA
+    adapter over those layers with ``lora``, saved to ``adapter_dir`` and merged in at the end);
+    progress is logged every ``log_every`` steps and the folder saved in place at the end."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -186,7 +191,17 @@ def fine_tune(model_dir: str | Path, batch: Callable[[Any, int], list[tuple[list
     tok = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     model.train()
-    if top_layers is not None:
+    peft_model = None
+    if lora is not None:
+        from peft import LoraConfig, get_peft_model
+
+        n = model.config.num_hidden_layers
+        layers = list(range(n - top_layers, n)) if top_layers is not None else None
+        peft_model = get_peft_model(model, LoraConfig(
+            r=lora["rank"], lora_alpha=lora["alpha"], lora_dropout=0.0, layers_to_transform=layers,
+            target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]))
+        model = peft_model.get_base_model()  # the same modules, with the adapter's layers in them
+    elif top_layers is not None:
         model.requires_grad_(False)
         for module in (*model.model.layers[-top_layers:], model.model.norm):
             module.requires_grad_(True)
@@ -207,5 +222,20 @@ def fine_tune(model_dir: str | Path, batch: Callable[[Any, int], list[tuple[list
         if step % log_every == 0 or step == steps - 1:
             log.info("warm-start step %d/%d (%s) loss %.3f (%.0f s)", step + 1, steps, phase(step), loss_val,
                      time.monotonic() - t0)
+    if peft_model is not None:
+        assert adapter_dir is not None, "a LoRA warm-start needs a folder for its adapter"
+        peft_model.save_pretrained(adapter_dir, safe_serialization=True)
+        model = peft_model.merge_and_unload()
     model.save_pretrained(model_dir, safe_serialization=True)
     return {"loss": loss_val, "seconds": time.monotonic() - t0}
+
+
+def merge_adapter(model_dir: Path, adapter_dir: Path) -> None:
+    """Merge the peft adapter at ``adapter_dir`` into the model folder ``model_dir``, in place."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    merged = PeftModel.from_pretrained(model, adapter_dir).merge_and_unload()
+    merged.save_pretrained(model_dir, safe_serialization=True)
