@@ -25,6 +25,26 @@ from typing import Any
 import pytest
 
 
+_FILE_SECONDS: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """Adds each test's set-up, call and tear-down time to its file's total (a session fixture's
+    start-up counts in the file of the first test that asked for it)."""
+    path = report.nodeid.split("::", 1)[0]
+    _FILE_SECONDS[path] = _FILE_SECONDS.get(path, 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    """The time per test file, slowest first, so a CI log says where the suite's time goes."""
+    if not _FILE_SECONDS:
+        return
+    total = sum(_FILE_SECONDS.values())
+    terminalreporter.write_sep("=", f"time per test file ({len(_FILE_SECONDS)} files, {total:.0f} s)")
+    for path, seconds in sorted(_FILE_SECONDS.items(), key=lambda kv: -kv[1]):
+        terminalreporter.write_line(f"{seconds:8.1f} s  {100 * seconds / max(total, 1e-9):5.1f}%  {path}")
+
+
 def pytest_unconfigure(config: pytest.Config) -> None:
     """Keep the run's output ending with its summary: third-party extensions report at interpreter
     shutdown (triton's nanobind prints hundreds of "leaked ..." lines to stderr after pytest's
