@@ -302,8 +302,11 @@ def parser() -> argparse.ArgumentParser:
     sv = with_config(sub.add_parser("serve", help="engines, router, agent loops, sandboxes and buffer"))
     sv.add_argument("--ray", metavar="ADDRESS", help="place engines and rollout workers as actors on this Ray "
                     "cluster (\"auto\": the local one; same as --ray.address=ADDRESS)")
-    sv.add_argument("--endpoint-only", action="store_true", help="serve the OpenAI endpoints and sessions for "
-                    "external clients, with no agent loops of its own (same as --endpoint_only=true)")
+    sv.add_argument("--endpoint-only", action="store_true", help="engines, router, buffer and weight routes, "
+                    "but no agent loops, sandboxes or rollout workers: episodes come from outside, from programs "
+                    "that open sessions (POST /admin/sessions), call /sessions/<id>/v1 and put the scored samples "
+                    "into the buffer (POST /buffer/samples), as agentrl.rollout.remote does (same as "
+                    "--endpoint_only=true)")
     sv.set_defaults(fn=cmd_serve)
     sp = with_config(sub.add_parser("learn", help="the trainer; pulls batches from serve"))
     sp.add_argument("--serve", help="serve's URL, e.g. http://HOST:8000")
