@@ -3,10 +3,19 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import uuid
 
+import psutil
 import pytest
 
-from tests.conftest import agentrl_run
+from tests.conftest import agentrl_run, free_port
 
 pytestmark = [pytest.mark.vllm, pytest.mark.docker, pytest.mark.slow]
 
@@ -34,14 +43,7 @@ def test_agentrl_run_trains_three_steps_and_prints_each(tmp_path, tiny_tools_mod
 def test_agentrl_run_starts_a_killed_serve_again_and_trains_to_the_end(tmp_path, tiny_tools_model):
     """kill -9 of the serve child mid-run: agentrl run starts serve again on the run directory (at
     the learner's version), the learner rides out the outage, and the run finishes every step."""
-    import os
-    import signal
-    import subprocess
-    import sys
-    import time
-
     from tests.chaos_harness import running_pids
-    from tests.conftest import free_port
 
     run_dir = tmp_path / "run"
     env = {k: v for k, v in os.environ.items() if k != "AGENTRL_ADMIN_TOKEN"}
@@ -71,3 +73,74 @@ def test_agentrl_run_starts_a_killed_serve_again_and_trains_to_the_end(tmp_path,
     assert summary["steps"] == 4 and summary["final_version"] == 4 and summary["serve_restarts"] == 1
     # the second serve came back at a published version, not the base weights
     assert "restored policy version" in (run_dir / "serve.log").read_text()
+
+
+def test_ctrl_c_during_training_leaves_no_process_nor_container_and_names_the_run_directory(tmp_path, tiny_tools_model):
+    """Ctrl-C in the terminal (SIGINT to ``agentrl run``'s whole foreground process group) once the
+    learner has printed a step: the run exits with 130, no process it started is left (serve, the
+    reapers, the vLLM engine), neither are its sandbox containers nor anything on its ports, and
+    it says where the run directory is."""
+    run_dir, tag = tmp_path / "run", uuid.uuid4().hex
+    router_port, engine_port = free_port(), free_port()
+    env = {k: v for k, v in os.environ.items() if k != "AGENTRL_ADMIN_TOKEN"}
+    cmd = [sys.executable, "-m", "agentrl.cli", "run", f"--serve.run_dir={run_dir}", f"--serve.router.port={router_port}",
+           f"--serve.engine.base_port={engine_port}", "--serve.model=tiny-tools", "--serve.env.group_size=2",
+           "--serve.buffer.batch_size=4", "--learn.steps=1000", "--eval.tasks=0",
+           f'--serve.sandbox.labels={{agentrl_test = "{tag}"}}']
+    # a session of its own, as a shell's foreground job: the group's SIGINT reaches it and its children only
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    lines: list[str] = []
+    stepped = threading.Event()
+
+    def read() -> None:
+        assert proc.stdout is not None
+        for raw in proc.stdout:
+            lines.append(raw.decode(errors="replace").rstrip())
+            if lines[-1].startswith("step 1 | "):
+                stepped.set()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        stepped.wait(900)
+        assert stepped.is_set() and proc.poll() is None, "\n".join(lines[-40:])
+        children = psutil.Process(proc.pid).children(recursive=True)
+        started = [(c.pid, c.create_time()) for c in children]
+        commands = [" ".join(c.cmdline()) for c in children]
+        for what in ("agentrl.cli serve", "vllm.entrypoints.openai.api_server", "agentrl.engines.reaper"):
+            assert any(what in c for c in commands), commands
+        assert containers(tag), "the run has no sandbox container to leave behind"
+        os.killpg(proc.pid, signal.SIGINT)
+        code = proc.wait(180)  # a bound for the test, not a timing claim: serve waits up to 15 s per stage
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(30)
+    reader.join(30)
+    out = "\n".join(lines)
+    assert code == 130, out[-3000:]
+    assert f"interrupted; kept {run_dir}" in out, out[-3000:]
+    left = [pid for pid, created in started if alive(pid, created)]
+    assert not left, [psutil.Process(pid).cmdline() for pid in left if psutil.pid_exists(pid)]
+    assert not containers(tag), out[-3000:]
+    for port in (router_port, engine_port):  # nothing listens there any more (closed connections may linger)
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind(("127.0.0.1", port))
+            s.listen()
+
+
+def containers(tag: str) -> list[str]:
+    """Ids of the containers carrying this test run's label, running or not."""
+    out = subprocess.run(["docker", "ps", "-aq", "--filter", f"label=agentrl_test={tag}"], capture_output=True,
+                         text=True, check=True)
+    return out.stdout.split()
+
+
+def alive(pid: int, created: float) -> bool:
+    """The process ``pid`` started at ``created`` still exists (not a later one with its pid, nor a zombie)."""
+    try:
+        p = psutil.Process(pid)
+        return p.create_time() == created and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False

@@ -1,6 +1,7 @@
 """The ``agentrl`` command. Parses and validates configuration first; heavy imports come after.
 
     agentrl run                      serve + learn on this machine (the quickstart)
+    agentrl doctor [--before-setup] [--config F] [...]   what this machine lacks for agentrl run
     agentrl serve [--config F] [--ray ADDRESS] [--section.key=value ...]
     agentrl learn --serve URL [...]
     agentrl config show {serve,learn,run} [...]
@@ -118,6 +119,17 @@ def cmd_run(args: argparse.Namespace, extra: list[str]) -> int:
         print(f"agentrl run: interrupted; kept {cfg.serve.run_dir} (logs, buffer, metrics, checkpoints)",
               file=sys.stderr, flush=True)
         return 130
+
+
+def cmd_doctor(args: argparse.Namespace, extra: list[str]) -> int:
+    """Check this machine for what ``agentrl run`` uses, as configured (--config and --section.key=value,
+    as agentrl run takes them): one line per check, ok, warning or missing, with the fix. Exits 1
+    when something required is missing. Needs only the standard library: before scripts/setup.sh,
+    run it as `python3 -m agentrl.cli doctor --before-setup`."""
+    cfg = _load(C.RunConfig, args, extra)
+    from agentrl.cli.doctor import main as doctor_main
+
+    return doctor_main(cfg, before_setup=args.before_setup)
 
 
 def cmd_config_show(args: argparse.Namespace, extra: list[str]) -> int:
@@ -297,13 +309,22 @@ def parser() -> argparse.ArgumentParser:
     sv = with_config(sub.add_parser("serve", help="engines, router, agent loops, sandboxes and buffer"))
     sv.add_argument("--ray", metavar="ADDRESS", help="place engines and rollout workers as actors on this Ray "
                     "cluster (\"auto\": the local one; same as --ray.address=ADDRESS)")
-    sv.add_argument("--endpoint-only", action="store_true", help="serve the OpenAI endpoints and sessions for "
-                    "external clients, with no agent loops of its own (same as --endpoint_only=true)")
+    sv.add_argument("--endpoint-only", action="store_true", help="engines, router, buffer and weight routes, "
+                    "but no agent loops, sandboxes or rollout workers: episodes come from outside, from programs "
+                    "that open sessions (POST /admin/sessions), call /sessions/<id>/v1 and put the scored samples "
+                    "into the buffer (POST /buffer/samples), as agentrl.rollout.remote does (same as "
+                    "--endpoint_only=true)")
     sv.set_defaults(fn=cmd_serve)
     sp = with_config(sub.add_parser("learn", help="the trainer; pulls batches from serve"))
     sp.add_argument("--serve", help="serve's URL, e.g. http://HOST:8000")
     sp.set_defaults(fn=cmd_learn)
     with_config(sub.add_parser("run", help="serve and learn on this machine")).set_defaults(fn=cmd_run)
+    dp = with_config(sub.add_parser("doctor", help="what this machine has and lacks for agentrl run, and how to get it",
+                                    description=cmd_doctor.__doc__))
+    dp.add_argument("--before-setup", action="store_true", help="what scripts/setup.sh installs or builds (Debian "
+                    "packages, .venv's packages, the Docker engine, the sandbox image, the model) is a warning, "
+                    "not missing; packages are looked up in the checkout's .venv")
+    dp.set_defaults(fn=cmd_doctor)
 
     cp = sub.add_parser("config", help="inspect configuration")
     csub = cp.add_subparsers(dest="action", required=True)

@@ -70,8 +70,12 @@ class ServeConfig:
     where the run was. ``agentrl run`` sets it from ``learn.resume`` (a fresh run starts from the
     model's own weights)."""
     endpoint_only: bool = False
-    """Serve the OpenAI endpoints, sessions and buffer for external clients with no agent loops of its
-    own (``agentrl serve --endpoint-only``); the environment is then not played here."""
+    """Start the engines, the router, the buffer and the weight routes, but no agent loops, sandboxes
+    or Ray rollout workers (``agentrl serve --endpoint-only``): nothing plays the environment here.
+    Episodes come from outside, from rollout workers or programs of one's own that open a session
+    (``POST /admin/sessions``), make their model calls at ``/sessions/<id>/v1`` (recorded token for
+    token), close it and put the scored samples into the buffer (``POST /buffer/samples``), as
+    :mod:`agentrl.rollout.remote` does; the learner trains on those."""
     engine: EngineConfig = field(default_factory=EngineConfig)
     router: RouterConfig = field(default_factory=RouterConfig)
     env: RolloutConfig = field(default_factory=RolloutConfig)
