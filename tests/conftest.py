@@ -24,7 +24,6 @@ from typing import Any
 
 import pytest
 
-
 _FILE_SECONDS: dict[str, float] = {}
 
 
