@@ -13,12 +13,15 @@ import asyncio
 import contextlib
 import json
 import sys
+import uuid
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import aiohttp
-
+from agentrl.env.base import PlayingEnv, Reset
 from agentrl.env.registry import failed_entry_points, lookup, make, registered
+
+if TYPE_CHECKING:
+    from agentrl.rollout.config import EpisodeLimits
 
 Write = Callable[[str], Any]
 
@@ -50,87 +53,158 @@ def list_envs(out: Write = sys.stdout.write, per_ecosystem: int = 0) -> int:
 
 
 def show_env(name: str, out: Write = sys.stdout.write, **config: Any) -> int:
-    """The environment's description, an example task, and (for tool environments) tools and opening."""
+    """The environment's description, an example task, and its opening (messages and tools). Exit code
+    1, with the ``error`` shown, when its tasks or its reset raise: an environment that cannot open
+    an episode cannot be trained on. An environment with a sandbox is reset without one: if that
+    raises, or its opening is not a tool environment's prompt, the opening is shown as needing the
+    sandbox (``opening``), not as an error."""
     env = make(name, **config)
-    task = next(iter(env.tasks("test")))
     info: dict[str, Any] = {"name": name, "class": f"{type(env).__module__}.{type(env).__qualname__}",
-                            "about": _summary(type(env)), "sandbox_image": env.sandbox_image,
-                            "example_task": task}
-    if not info["sandbox_image"] or hasattr(env, "prompt"):
-        with contextlib.suppress(Exception):  # an opening that needs a sandbox is shown without it
+                            "about": _summary(type(env)), "sandbox_image": env.sandbox_image}
+    try:
+        info["example_task"] = task = next(iter(env.tasks("test")))
+        if info["sandbox_image"] and not hasattr(env, "prompt"):
+            info["opening"] = "not shown: it needs the sandbox"
+        else:
             opening = asyncio.run(env.reset(task))
             info.update(messages=opening.messages, tools=opening.tools)
+    except Exception as e:
+        why = f"{'reset' if 'example_task' in info else 'tasks'} raised {type(e).__name__}: {e}"
+        if not (info["sandbox_image"] and "example_task" in info):
+            info["error"] = why
+            out(json.dumps(info, indent=2, default=str) + "\n")
+            return 1
+        info["opening"] = f"not shown: it needs the sandbox ({why})"
     out(json.dumps(info, indent=2, default=str) + "\n")
     return 0
 
 
-async def _chat(http: aiohttp.ClientSession, endpoint: str, body: dict[str, Any], api_key: str) -> dict[str, Any]:
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    async with http.post(f"{endpoint}/chat/completions", json=body, headers=headers) as r:
-        data = await r.json(content_type=None)
-        if r.status >= 400:
-            raise RuntimeError(f"the endpoint answered {r.status}: {json.dumps(data)[:500]}")
-        return data
+def _text(content: Any) -> str:
+    """A message's content as text (OpenAI content parts are joined)."""
+    if isinstance(content, list):
+        return "".join(str(p.get("text", "")) if isinstance(p, dict) else str(p) for p in content)
+    return str(content or "")
 
 
-async def _model_name(http: aiohttp.ClientSession, endpoint: str) -> str:
-    async with http.get(f"{endpoint}/models") as r:
-        return (await r.json(content_type=None))["data"][0]["id"]
+def _print_reply(out: Write, turn: int, choice: dict[str, Any]) -> dict[str, Any]:
+    msg = {k: v for k, v in choice["message"].items() if k in ("role", "content", "tool_calls") and v}
+    msg.setdefault("content", "")
+    out(f"\n-- turn {turn} ({choice.get('finish_reason')})\n[assistant] {_text(msg['content'])}\n")
+    for c in msg.get("tool_calls") or []:
+        out(f"  -> {c['function']['name']}({c['function']['arguments']})\n")
+    return msg
+
+
+class _Printed:
+    """A :class:`~agentrl.rollout.protocols.ChatClient` that prints each call of an environment that
+    plays its own episodes: what is new in the request since the model's last reply there (the
+    environment's answer, or a new player's opening), then the reply. Messages already printed as
+    the opening are not printed again."""
+
+    def __init__(self, client: Any, out: Write, opening: list[dict[str, Any]]) -> None:
+        self.client, self.out, self.opening = client, out, opening
+        self.model_name = client.model_name
+        self.calls = 0
+
+    async def begin(self, session_id: str, **kw: Any) -> None:
+        await self.client.begin(session_id, **kw)
+
+    async def end(self, session_id: str) -> Any:
+        return await self.client.end(session_id)
+
+    async def chat(self, body: dict[str, Any], session_id: str | None = None) -> dict[str, Any]:
+        messages = list(body.get("messages") or [])
+        last = max((i for i, m in enumerate(messages) if m.get("role") == "assistant"), default=-1)
+        for m in messages[last + 1:]:
+            if m not in self.opening:
+                self.out(f"[{m.get('role')}] {_text(m.get('content'))}\n")
+        reply = await self.client.chat(body, session_id=session_id)
+        self.calls += 1
+        _print_reply(self.out, self.calls, reply["choices"][0])
+        return reply
+
+
+async def _play(env: PlayingEnv, task: dict[str, Any], client: Any, opening: list[dict[str, Any]],
+                limits: EpisodeLimits, summary: dict[str, Any], out: Write) -> None:
+    """The rollout's way of playing a :class:`PlayingEnv` (its limits, its model, how the episode
+    ended), with every call printed."""
+    from agentrl.rollout.episode import EpisodeResult, SessionModel, play_episode
+
+    ep = EpisodeResult(episode_id=uuid.uuid4().hex, group_id="envs-try", env=summary["env"],
+                       task_id=str(task.get("id", "")))
+    await play_episode(env, task, SessionModel(_Printed(client, out, opening), ep, limits))
+    summary.update(turns=ep.turns, reward=ep.reward, info=ep.info,
+                   ended="terminated" if ep.terminated else f"truncated ({ep.truncation})")
+    if ep.info:
+        out(f"   info {json.dumps(ep.info, default=str)}\n")
+
+
+async def _step(env: Any, opening: Reset, client: Any, limits: EpisodeLimits, summary: dict[str, Any],
+                out: Write) -> None:
+    """The built-in loop's turns (model call, ``step``), each printed with its reward."""
+    messages = list(opening.messages)
+    for turn in range(1, limits.max_turns + 1):
+        body: dict[str, Any] = {"messages": messages, "max_tokens": limits.max_tokens,
+                                "temperature": limits.temperature}
+        if opening.tools:
+            body["tools"] = opening.tools
+        msg = _print_reply(out, turn, (await client.chat(body))["choices"][0])
+        messages.append(msg)
+        result = await env.step(msg)
+        messages.extend(result.messages)
+        for m in result.messages:
+            out(f"[{m['role']}] {_text(m.get('content'))}\n")
+        summary["turns"], summary["reward"] = turn, summary["reward"] + result.reward
+        out(f"   reward {result.reward:+.3f}" + (f" | info {json.dumps(result.info, default=str)}" if result.info else "") + "\n")
+        if result.terminated or result.truncated:
+            summary["ended"] = "terminated" if result.terminated else "truncated"
+            return
 
 
 async def try_episode(name: str, endpoint: str, *, model: str = "", task: dict[str, Any] | None = None,
                       max_turns: int = 8, max_tokens: int = 256, temperature: float = 0.7, api_key: str = "",
                       sandbox_config: Any = None, env_config: dict[str, Any] | None = None,
                       out: Write = sys.stdout.write, timeout_s: float = 300.0) -> dict[str, Any]:
-    """Play one episode of ``name`` against ``endpoint`` and print it; returns a summary."""
+    """Play one episode of ``name`` against ``endpoint`` and print it; returns a summary (``error``:
+    why the episode failed, None when it ran to an end). An environment that plays its own episodes
+    (verifiers, TextArena) plays through the rollout's own path, its calls printed as they go."""
+    from agentrl.rollout.config import EpisodeLimits
+    from agentrl.rollout.remote import OpenAIChat
+    from agentrl.sandbox.attach import attached, pool_for
+    from agentrl.sandbox.types import SandboxConfig
+
     env = make(name, **(env_config or {}))
     task = task if task is not None else next(iter(env.tasks("test")))
-    endpoint = endpoint.rstrip("/")
+    limits = EpisodeLimits(max_turns=max_turns, max_tokens=max_tokens, max_episode_tokens=max_turns * max_tokens,
+                           episode_timeout_s=timeout_s, temperature=temperature)
     summary: dict[str, Any] = {"env": name, "task_id": task.get("id"), "turns": 0, "reward": 0.0,
-                               "ended": "max_turns"}
-    async with contextlib.AsyncExitStack() as stack:
-        http = await stack.enter_async_context(aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)))
-        stack.push_async_callback(env.close)
-        from agentrl.sandbox.attach import attached, pool_for
-        from agentrl.sandbox.types import SandboxConfig
-
-        pool = await pool_for(env.sandbox_image, sandbox_config or SandboxConfig(warm=0), "envs-try")
-        if pool is not None:
-            stack.push_async_callback(pool.close)
-        await stack.enter_async_context(attached(env, pool))
-        model = model or await _model_name(http, endpoint)
-        opening = await env.reset(task)
-        messages = list(opening.messages)
-        out(f"== {name} | task {task.get('id')} | model {model} | tools: "
-            f"{', '.join(t['function']['name'] for t in opening.tools) or 'none'}\n")
-        for m in messages:
-            out(f"[{m['role']}] {m.get('content') or ''}\n")
-        for turn in range(1, max_turns + 1):
-            body: dict[str, Any] = {"model": model, "messages": messages, "max_tokens": max_tokens,
-                                    "temperature": temperature}
-            if opening.tools:
-                body["tools"] = opening.tools
-            choice = (await _chat(http, endpoint, body, api_key))["choices"][0]
-            msg = {k: v for k, v in choice["message"].items() if k in ("role", "content", "tool_calls") and v}
-            msg.setdefault("content", "")
-            messages.append(msg)
-            out(f"\n-- turn {turn} ({choice.get('finish_reason')})\n[assistant] {msg['content']}\n")
-            for c in msg.get("tool_calls") or []:
-                out(f"  -> {c['function']['name']}({c['function']['arguments']})\n")
-            result = await env.step(msg)
-            messages.extend(result.messages)
-            for m in result.messages:
-                out(f"[{m['role']}] {m.get('content') or ''}\n")
-            summary["turns"], summary["reward"] = turn, summary["reward"] + result.reward
-            out(f"   reward {result.reward:+.3f}" + (f" | info {json.dumps(result.info, default=str)}" if result.info else "") + "\n")
-            if result.terminated or result.truncated:
-                summary["ended"] = "terminated" if result.terminated else "truncated"
-                break
+                               "ended": "max_turns", "error": None}
+    try:
+        async with contextlib.AsyncExitStack() as stack, asyncio.timeout(timeout_s):
+            client = await stack.enter_async_context(OpenAIChat(endpoint, api_key=api_key, model=model,
+                                                                timeout_s=timeout_s))
+            stack.push_async_callback(env.close)
+            pool = await pool_for(env.sandbox_image, sandbox_config or SandboxConfig(warm=0), "envs-try")
+            if pool is not None:
+                stack.push_async_callback(pool.close)
+            await stack.enter_async_context(attached(env, pool, task))
+            opening = await env.reset(task)
+            out(f"== {name} | task {task.get('id')} | model {client.model_name} | tools: "
+                f"{', '.join(t['function']['name'] for t in opening.tools) or 'none'}\n")
+            for m in opening.messages:
+                out(f"[{m['role']}] {_text(m.get('content'))}\n")
+            if isinstance(env, PlayingEnv):
+                await _play(env, task, client, list(opening.messages), limits, summary, out)
+            else:
+                await _step(env, opening, client, limits, summary, out)
+    except Exception as e:
+        summary.update(ended="failed", error=f"{type(e).__name__}: {e}")
+        out(f"\n== failed after {summary['turns']} turn(s): {summary['error']}\n")
+        return summary
     out(f"\n== {summary['ended']} after {summary['turns']} turn(s), total reward {summary['reward']:.3f}\n")
     return summary
 
 
 def try_env(name: str, endpoint: str, out: Write = sys.stdout.write, **kwargs: Any) -> int:
-    """``agentrl envs try NAME --endpoint URL``: exit code 0 when the episode ran to an end."""
-    asyncio.run(try_episode(name, endpoint, out=out, **kwargs))
-    return 0
+    """``agentrl envs try NAME --endpoint URL``: exit code 0 when the episode ran to an end, 1 when it failed."""
+    return 0 if asyncio.run(try_episode(name, endpoint, out=out, **kwargs))["error"] is None else 1
