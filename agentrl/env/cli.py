@@ -1,10 +1,15 @@
 """``agentrl envs list | show NAME | try NAME --endpoint URL``: helpers for writing environments.
 
 The lead wires these into ``agentrl.cli``; each returns an exit code and writes to ``out``.
-``try`` plays one episode against any OpenAI-compatible endpoint (vLLM's ``/v1``, the router's
-``/v1`` or ``/sessions/<id>/v1``) and prints it turn by turn: what the model said, which tools it
-called, what the environment answered, rewards and why the episode ended. It is a debugging
-loop, not the training loop: it records no tokens (use ``agentrl run`` for that).
+``list`` names every registered environment and what each installed ecosystem offers. ``show``
+prints an example task and the opening (messages, tools); it exits 1 with the ``error`` when the
+environment cannot list its tasks or open an episode. ``try`` plays one episode against any
+OpenAI-compatible endpoint (vLLM's ``/v1``, the router's ``/v1`` or ``/sessions/<id>/v1``) and
+prints it turn by turn: what the model said, which tools it called, what the environment
+answered, rewards and why the episode ended. An environment that plays its own episodes
+(:class:`~agentrl.env.base.PlayingEnv`: verifiers, TextArena) is played by the rollout's own
+:func:`~agentrl.rollout.episode.play_episode`, with the same limits, each call printed as it goes.
+It is a debugging loop, not the training loop: it records no tokens (use ``agentrl run`` for that).
 """
 
 from __future__ import annotations
