@@ -100,6 +100,11 @@ def _print_reply(out: Write, turn: int, choice: dict[str, Any]) -> dict[str, Any
     return msg
 
 
+def _key(message: dict[str, Any]) -> tuple[str, str]:
+    # a game strips the opening's observation when it puts it in a player's chat: compare the text
+    return str(message.get("role")), _text(message.get("content")).strip()
+
+
 class _Printed:
     """A :class:`~agentrl.rollout.protocols.ChatClient` that prints each call of an environment that
     plays its own episodes: what is new in the request since the model's last reply there (the
@@ -107,7 +112,8 @@ class _Printed:
     the opening are not printed again."""
 
     def __init__(self, client: Any, out: Write, opening: list[dict[str, Any]]) -> None:
-        self.client, self.out, self.opening = client, out, opening
+        self.client, self.out = client, out
+        self.opening = {_key(m) for m in opening}
         self.model_name = client.model_name
         self.calls = 0
 
@@ -121,7 +127,7 @@ class _Printed:
         messages = list(body.get("messages") or [])
         last = max((i for i, m in enumerate(messages) if m.get("role") == "assistant"), default=-1)
         for m in messages[last + 1:]:
-            if m not in self.opening:
+            if _key(m) not in self.opening:
                 self.out(f"[{m.get('role')}] {_text(m.get('content'))}\n")
         reply = await self.client.chat(body, session_id=session_id)
         self.calls += 1
@@ -137,8 +143,11 @@ async def _play(env: PlayingEnv, task: dict[str, Any], client: Any, opening: lis
 
     ep = EpisodeResult(episode_id=uuid.uuid4().hex, group_id="envs-try", env=summary["env"],
                        task_id=str(task.get("id", "")))
-    await play_episode(env, task, SessionModel(_Printed(client, out, opening), ep, limits))
-    summary.update(turns=ep.turns, reward=ep.reward, info=ep.info,
+    try:
+        await play_episode(env, task, SessionModel(_Printed(client, out, opening), ep, limits))
+    finally:
+        summary["turns"] = ep.turns  # what it spent, also when it failed
+    summary.update(reward=ep.reward, info=ep.info,
                    ended="terminated" if ep.terminated else f"truncated ({ep.truncation})")
     if ep.info:
         out(f"   info {json.dumps(ep.info, default=str)}\n")
@@ -184,8 +193,9 @@ async def try_episode(name: str, endpoint: str, *, model: str = "", task: dict[s
                            episode_timeout_s=timeout_s, temperature=temperature)
     summary: dict[str, Any] = {"env": name, "task_id": task.get("id"), "turns": 0, "reward": 0.0,
                                "ended": "max_turns", "error": None}
+    deadline = asyncio.timeout(timeout_s)
     try:
-        async with contextlib.AsyncExitStack() as stack, asyncio.timeout(timeout_s):
+        async with contextlib.AsyncExitStack() as stack, deadline:
             client = await stack.enter_async_context(OpenAIChat(endpoint, api_key=api_key, model=model,
                                                                 timeout_s=timeout_s))
             stack.push_async_callback(env.close)
@@ -203,9 +213,11 @@ async def try_episode(name: str, endpoint: str, *, model: str = "", task: dict[s
             else:
                 await _step(env, opening, client, limits, summary, out)
     except Exception as e:
-        summary.update(ended="failed", error=f"{type(e).__name__}: {e}")
-        out(f"\n== failed after {summary['turns']} turn(s): {summary['error']}\n")
-        return summary
+        if not (isinstance(e, TimeoutError) and deadline.expired()):
+            summary.update(ended="failed", error=f"{type(e).__name__}: {e}")
+            out(f"\n== failed after {summary['turns']} turn(s): {summary['error']}\n")
+            return summary
+        summary["ended"] = f"truncated (timeout after {timeout_s:g} s)"  # the wall clock, as the rollout counts it
     out(f"\n== {summary['ended']} after {summary['turns']} turn(s), total reward {summary['reward']:.3f}\n")
     return summary
 
