@@ -16,6 +16,12 @@ serve process, and plays the episodes it is asked for concurrently. Its interpre
 ``python=`` in the environment's config, ``$AGENTRL_VERIFIERS_PYTHON``, this interpreter when it has
 verifiers, ``.venv-verifiers/bin/python`` in the project.
 
+Names: ``verifiers:<module>`` is found where the worker imports it from (verifiers' built-in
+tasksets, ``tasks/verifiers/``, the working directory, ``$AGENTRL_VERIFIERS_PATH``, the installed
+packages of its interpreter); a name found nowhere is refused when it is looked up, saying where it
+looked. A task's opening carries the tools verifiers' agent will offer on it (its task's and
+taskset's tool servers', listed with the tasks by the worker without starting them).
+
 Splits: verifiers tasksets have none; the last ``num_test`` tasks are held out (never trained on),
 or ``eval_taskset_args`` names the taskset arguments of a separate evaluation set.
 """
@@ -66,8 +72,16 @@ def available() -> bool:
     return interpreter() is not None
 
 
+def _search_path() -> list[tuple[str, list[Path]]]:
+    """Where the worker finds a taskset module besides verifiers' own and its installed packages, as
+    (what, folders), in the order of its ``PYTHONPATH``."""
+    extra = [Path(p) for p in os.environ.get("AGENTRL_VERIFIERS_PATH", "").split(os.pathsep) if p]
+    return [(f"tasks/{REPO_TASKSETS.name}/", [REPO_TASKSETS]), ("the working directory", [Path.cwd()]),
+            ("$AGENTRL_VERIFIERS_PATH", extra)]
+
+
 def _worker_env() -> dict[str, str]:
-    paths = [str(REPO_TASKSETS), str(Path.cwd()), os.environ.get("AGENTRL_VERIFIERS_PATH", "")]
+    paths = [str(folder) for _, folders in _search_path() for folder in folders]
     # verifiers' environment must not see agentrl's packages (another openai); its own venv has its own
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
     env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
@@ -280,13 +294,6 @@ class VerifiersEnv(PlayingEnv):
         return Played(reward=float(out["reward"]), info={"rewards": rewards, "metrics": out.get("metrics") or {}})
 
 
-def _search_path() -> list[tuple[str, list[Path]]]:
-    """Where the worker finds a taskset module besides verifiers' own, as (what, folders), in order."""
-    extra = [Path(p) for p in os.environ.get("AGENTRL_VERIFIERS_PATH", "").split(os.pathsep) if p]
-    return [(f"tasks/{REPO_TASKSETS.name}/", [REPO_TASKSETS]), ("$AGENTRL_VERIFIERS_PATH", extra),
-            ("the working directory", [Path.cwd()])]
-
-
 # Run by verifiers' interpreter with the worker's path; imports nothing (verifiers' import takes
 # seconds): verifiers' built-in tasksets, and whether the module verifiers would import is there.
 _PROBE = ("import importlib.util as u, json, os, pkgutil, sys\n"
@@ -378,7 +385,7 @@ def offered() -> list[tuple[str, str]]:
     then verifiers' built-in ones."""
     out = [(f"verifiers:{name}", f"{_summary(path) or 'verifiers taskset'} (shipped in tasks/{REPO_TASKSETS.name}/)")
            for name, path in _tasksets_in(REPO_TASKSETS)]
-    for folder in dict.fromkeys(_search_path()[1][1]):
+    for folder in dict.fromkeys(dict(_search_path())["$AGENTRL_VERIFIERS_PATH"]):
         out += [(f"verifiers:{name}", f"{_summary(path) or 'verifiers taskset'} (in {folder})")
                 for name, path in _tasksets_in(folder)]
     python = interpreter()
