@@ -17,7 +17,8 @@ import pytest
 
 import agentrl
 from agentrl.env import make
-from agentrl.env.cli import list_envs, show_env, try_episode
+from agentrl.env.cli import list_envs, show_env
+from agentrl.rollout.tryout import try_episode
 
 VF_ECHO = '''"""Say a word back: a one-turn verifiers taskset written by the test."""
 
@@ -48,7 +49,7 @@ class EchoTaskset(vf.Taskset[EchoTask, EchoConfig]):
 __all__ = ["EchoTaskset"]
 '''
 
-VF_TOOLS = '''"""Shout a word through a tool: a verifiers taskset with one tool server, written by the test."""
+VF_TOOLS = '''"""Shout a word through a tool: a verifiers taskset with a tool server, written by the test."""
 
 import verifiers.v1 as vf
 
@@ -156,8 +157,8 @@ register("BrokenCard-TAG-v0", entry_point=HighCard, default_wrappers=DEFAULT_WRA
 def cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     import os
 
-    return subprocess.run([sys.executable, "-m", "agentrl.cli", "envs", *args], capture_output=True, text=True,
-                          timeout=300, env={**os.environ, **(env or {})})
+    return subprocess.run([sys.executable, "-m", "agentrl.cli", "envs", *args], capture_output=True,
+                          text=True, timeout=300, env={**os.environ, **(env or {})})
 
 
 @pytest.fixture
@@ -183,14 +184,16 @@ def games(tmp_path: Path) -> Iterator[dict[str, str]]:
     tag = uuid.uuid4().hex[:6]
     path = tmp_path / f"high_card_{tag}.py"
     path.write_text(TA_GAMES.replace("TAG", tag))
-    yield {"file": str(path), "game": f"textarena:HighCard-{tag}-v0", "broken": f"textarena:BrokenCard-{tag}-v0"}
+    yield {"file": str(path), "game": f"textarena:HighCard-{tag}-v0",
+           "broken": f"textarena:BrokenCard-{tag}-v0"}
     agentrl.env.unregister(f"textarena:HighCard-{tag}-v0")
     agentrl.env.unregister(f"textarena:BrokenCard-{tag}-v0")
 
 
 # -- list, show ------------------------------------------------------------------------------------
 
-def test_envs_list_shows_the_verifiers_tasksets_found_on_agentrl_verifiers_path(tasksets: dict[str, str]) -> None:
+def test_envs_list_shows_the_verifiers_tasksets_found_on_agentrl_verifiers_path(
+        tasksets: dict[str, str]) -> None:
     lines: list[str] = []
     assert list_envs(lines.append) == 0
     text = "".join(lines)
@@ -211,7 +214,8 @@ def test_envs_show_of_a_verifiers_tool_environment_shows_the_tools_its_agent_is_
     assert info["about"].startswith("Shout a word through a tool")
     assert info["messages"][-1]["content"] == info["example_task"]["prompt"]
     [tool] = info["tools"]
-    assert tool["type"] == "function" and tool["function"]["name"] == "words_shout"  # <server>_<tool>, as verifiers
+    assert tool["type"] == "function"
+    assert tool["function"]["name"] == "words_shout"  # <server>_<tool>, as verifiers names it
     assert tool["function"]["description"] == "Return the text in capitals, repeated."
     params = tool["function"]["parameters"]
     assert set(params["properties"]) == {"text", "times"} and params["required"] == ["text"]
@@ -221,7 +225,8 @@ def test_envs_show_of_a_verifiers_tool_environment_shows_the_tools_its_agent_is_
 
 
 @pytest.mark.slow
-def test_the_tools_envs_show_gives_are_those_verifiers_agent_offers_the_model(tasksets: dict[str, str]) -> None:
+def test_the_tools_envs_show_gives_are_those_verifiers_agent_offers_the_model(
+        tasksets: dict[str, str]) -> None:
     from agentrl.rollout.episode import EpisodeLimits, run_episode
     from tests.test_env_adapters import ScriptedClient
 
@@ -233,7 +238,8 @@ def test_the_tools_envs_show_gives_are_those_verifiers_agent_offers_the_model(ta
             "function": {"name": "words_shout", "arguments": json.dumps({"text": "fir", "times": 2})}}
     client = ScriptedClient(lambda body: {"role": "assistant", "content": "", "tool_calls": [call]}
                             if len(body["messages"]) == 1 else "FIR FIR")
-    ep = asyncio.run(run_episode(client, name, task, group_id="g", limits=EpisodeLimits(episode_timeout_s=600)))
+    limits = EpisodeLimits(episode_timeout_s=600)
+    ep = asyncio.run(run_episode(client, name, task, group_id="g", limits=limits))
     assert ep.error is None and ep.reward == 1.0 and ep.info["tools"] == 1, ep.error
     assert [b["tools"] for b in client.bodies] == [shown, shown]  # verifiers' agent offered exactly these
     assert client.bodies[1]["messages"][-1]["content"] == "FIR FIR"  # and ran the tool it was called with
@@ -276,13 +282,15 @@ def test_envs_try_plays_a_verifiers_environment_through_the_rollouts_path(vllm_e
     name = f"verifiers:{tasksets['echo']}"
     task = make(name).tasks("test")[0]
     lines: list[str] = []
-    summary = asyncio.run(try_episode(name, f"{vllm_engine.url}/v1", max_turns=2, max_tokens=8, out=lines.append))
+    summary = asyncio.run(try_episode(name, f"{vllm_engine.url}/v1", max_turns=2, max_tokens=8,
+                                      out=lines.append))
     text = "".join(lines)
     assert summary["error"] is None and summary["ended"] == "terminated", text
     assert summary["turns"] == 1 and summary["task_id"] == task["id"]
-    assert text.startswith(f"== {name} | task {task['id']} | model tiny-tools | tools: none\n[user] {task['prompt']}\n")
+    assert text.startswith(f"== {name} | task {task['id']} | model tiny-tools | tools: none\n"
+                           f"[user] {task['prompt']}\n")
     assert "\n-- turn 1 (" in text and "[assistant] " in text
-    assert summary["info"]["rewards"] == {"said": {"score": summary["reward"], "weight": 1.0}}  # its own rubric
+    assert summary["info"]["rewards"] == {"said": {"score": summary["reward"], "weight": 1.0}}  # its rubric
     assert text.rstrip().endswith(f"== terminated after 1 turn(s), total reward {summary['reward']:.3f}")
 
 
@@ -297,7 +305,9 @@ def test_envs_try_plays_a_textarena_game_and_prints_both_players_turns(vllm_engi
     assert text.count("You are Player 0 in High Card") == 1  # the opening, not printed again at its call
     assert text.count("You are Player 1 in High Card") == 1  # the second player's chat, before its call
     assert "\n-- turn 1 (" in text and "\n-- turn 2 (" in text and "\n-- turn 3 (" not in text
-    assert '"seats": [0, 1]' in text and text.rstrip().endswith("== terminated after 2 turn(s), total reward 0.000")
+    assert '"seats": [0, 1]' in text
+    assert text.rstrip().endswith("== terminated after 2 turn(s), total reward 0.000")
     cut = cli("try", games["game"], "--import", games["file"], "--endpoint", f"{vllm_engine.url}/v1",
               "--max-turns", "1", "--max-tokens", "8")
-    assert cut.returncode == 0 and "== truncated (max_turns) after 1 turn(s)" in cut.stdout, cut.stdout + cut.stderr
+    assert cut.returncode == 0, cut.stdout + cut.stderr
+    assert "== truncated (max_turns) after 1 turn(s)" in cut.stdout

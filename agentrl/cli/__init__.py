@@ -181,8 +181,10 @@ def _envs(args: argparse.Namespace, env_cli: Any) -> int:
     if args.action == "show":
         return env_cli.show_env(args.name, **config)
     _setup_logging(args.verbose)
-    return env_cli.try_env(args.name, args.endpoint, model=args.model, max_turns=args.max_turns,
-                           max_tokens=args.max_tokens, temperature=args.temperature, env_config=config)
+    from agentrl.rollout.tryout import try_env
+
+    return try_env(args.name, args.endpoint, model=args.model, max_turns=args.max_turns,
+                   max_tokens=args.max_tokens, temperature=args.temperature, env_config=config)
 
 
 def _no_settings(command: str, extra: list[str]) -> None:

@@ -38,7 +38,8 @@ from agentrl.sandbox.types import SandboxError
 
 log = logging.getLogger(__name__)
 
-__all__ = ["BuiltinLoop", "EpisodeLimits", "EpisodeResult", "SessionModel", "error_kind", "play_episode", "run_episode"]
+__all__ = ["BuiltinLoop", "EpisodeLimits", "EpisodeResult", "SessionModel", "error_kind", "play_episode",
+           "run_episode"]
 
 _MESSAGE_KEYS = ("role", "content", "tool_calls")
 

@@ -96,8 +96,8 @@ async def listing(env: Any, tasks: list[Any]) -> dict[str, Any]:
             sets[key] = len(tool_sets)
             tool_sets.append(await tool_schemas([*t.toolsets(t.config), *shared]))
         tools_of.append(sets[key])
-    return {"tasks": [t.data.model_dump(mode="json", exclude_none=True) for t in tasks], "tool_sets": tool_sets,
-            "tools_of": tools_of}
+    return {"tasks": [t.data.model_dump(mode="json", exclude_none=True) for t in tasks],
+            "tool_sets": tool_sets, "tools_of": tools_of}
 
 
 def list_tasks(spec: dict[str, Any]) -> dict[str, Any]:

@@ -274,7 +274,8 @@ class VerifiersEnv(PlayingEnv):
             messages.extend(m for m in prompt if isinstance(m, dict))
         # the tools verifiers' agent will offer (its task's tool servers'): what `envs show` shows and
         # what an episode counts as offered
-        listed = await asyncio.to_thread(list_tasks, self.python, json.dumps(self._spec_of(task), sort_keys=True))
+        spec_json = json.dumps(self._spec_of(task), sort_keys=True)
+        listed = await asyncio.to_thread(list_tasks, self.python, spec_json)
         tools = listed.tools[int(task["idx"])]
         return Reset(messages=messages, tools=list(tools))
 
@@ -322,18 +323,27 @@ def _find(taskset_id: str) -> Path | None:
     python = interpreter()
     if python is None:
         raise AdapterError("no Python with verifiers: see docs/environments.md (a .venv-verifiers)")
-    r = subprocess.run([python, "-P", "-c", _PROBE, module], capture_output=True, text=True, env=_worker_env(),
-                       timeout=120)
-    try:
-        probe = json.loads(r.stdout.strip().splitlines()[-1])
-    except (ValueError, IndexError):
-        raise AdapterError(f"could not ask {python} for verifiers' tasksets: {r.stderr.strip()[-300:]}") from None
+    probe = _probe(python, module)
+    if probe is None:
+        raise AdapterError(f"could not ask {python} whether verifiers has a taskset {taskset_id!r}")
     if probe["found"]:
         return None
-    where = "; ".join(f"{what} ({os.pathsep.join(map(str, folders)) or 'unset'})" for what, folders in _search_path())
-    raise AdapterError(f"verifiers has no taskset {taskset_id!r}: no module {module!r} in verifiers' built-in "
-                       f"tasksets ({', '.join(probe['builtin']) or 'none'}), {where}, or {python}'s installed "
-                       f"packages; put its folder on $AGENTRL_VERIFIERS_PATH (`agentrl envs list` shows what is found)")
+    where = "; ".join(f"{what} ({os.pathsep.join(map(str, folders)) or 'unset'})"
+                      for what, folders in _search_path())
+    raise AdapterError(f"verifiers has no taskset {taskset_id!r}: no module {module!r} in verifiers' "
+                       f"built-in tasksets ({', '.join(probe['builtin']) or 'none'}), {where}, or {python}'s "
+                       "installed packages; put its folder on $AGENTRL_VERIFIERS_PATH (`agentrl envs list` "
+                       "shows what is found)")
+
+
+def _probe(python: str, module: str) -> dict[str, Any] | None:
+    """Run :data:`_PROBE` (None: it answered nothing readable)."""
+    r = subprocess.run([python, "-P", "-c", _PROBE, module], capture_output=True, text=True, timeout=120,
+                       env=_worker_env())
+    with contextlib.suppress(ValueError, IndexError):
+        return json.loads(r.stdout.strip().splitlines()[-1])
+    log.warning("%s could not list verifiers' tasksets: %s", python, r.stderr.strip()[-300:])
+    return None
 
 
 def environment_class(rest: str) -> type[VerifiersEnv]:
@@ -383,16 +393,14 @@ def _tasksets_in(folder: Path) -> list[tuple[str, Path]]:
 def offered() -> list[tuple[str, str]]:
     """Shipped tasksets, those on ``$AGENTRL_VERIFIERS_PATH`` (modules there that import verifiers),
     then verifiers' built-in ones."""
-    out = [(f"verifiers:{name}", f"{_summary(path) or 'verifiers taskset'} (shipped in tasks/{REPO_TASKSETS.name}/)")
+    shipped = f"shipped in tasks/{REPO_TASKSETS.name}/"
+    out = [(f"verifiers:{name}", f"{_summary(path) or 'verifiers taskset'} ({shipped})")
            for name, path in _tasksets_in(REPO_TASKSETS)]
     for folder in dict.fromkeys(dict(_search_path())["$AGENTRL_VERIFIERS_PATH"]):
         out += [(f"verifiers:{name}", f"{_summary(path) or 'verifiers taskset'} (in {folder})")
                 for name, path in _tasksets_in(folder)]
     python = interpreter()
     if python:
-        r = subprocess.run([python, "-P", "-c", _PROBE, ""], capture_output=True, text=True, env=_worker_env(),
-                           timeout=120)
-        with contextlib.suppress(ValueError, IndexError):
-            out += [(f"verifiers:{n}", "taskset built into verifiers")
-                    for n in json.loads(r.stdout.strip().splitlines()[-1])["builtin"]]
+        probe = _probe(python, "")
+        out += [(f"verifiers:{n}", "taskset built into verifiers") for n in (probe or {}).get("builtin", [])]
     return out
