@@ -1,4 +1,5 @@
-"""`agentrl envs list | show` helpers (the `try` helper runs against real vLLM in test_environments_vllm)."""
+"""`agentrl envs list | show` helpers (`try`, agentrl.rollout.tryout, runs against real vLLM in
+test_environments_vllm and test_env_cli_ecosystems)."""
 
 from __future__ import annotations
 

@@ -168,7 +168,7 @@ def test_a_three_turn_tool_episode_is_exactly_the_tokens_the_engine_received_and
 
 
 def test_envs_try_plays_one_episode_turn_by_turn_against_an_openai_endpoint(vllm_engine: Any) -> None:
-    from agentrl.env.cli import try_episode
+    from agentrl.rollout.tryout import try_episode
 
     lines: list[str] = []
     summary = asyncio.run(try_episode("guess_number", f"{vllm_engine.url}/v1", max_turns=2, max_tokens=16,

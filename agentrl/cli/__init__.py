@@ -189,19 +189,21 @@ def cmd_envs(args: argparse.Namespace, extra: list[str]) -> int:
 def _envs(args: argparse.Namespace, env_cli: Any) -> int:
     if args.action == "list":
         return env_cli.list_envs()
-    if args.action == "show":
-        import json
+    import json
 
-        try:
-            config = json.loads(args.env_config)
-        except ValueError as e:
-            raise C.ConfigError(f"--config is not JSON: {e}") from None
-        if not isinstance(config, dict):
-            raise C.ConfigError(f"--config must be a JSON object of keyword arguments, not {args.env_config!r}")
+    try:
+        config = json.loads(args.env_config)
+    except ValueError as e:
+        raise C.ConfigError(f"--config is not JSON: {e}") from None
+    if not isinstance(config, dict):
+        raise C.ConfigError(f"--config must be a JSON object of keyword arguments, not {args.env_config!r}")
+    if args.action == "show":
         return env_cli.show_env(args.name, **config)
     _setup_logging(args.verbose)
-    return env_cli.try_env(args.name, args.endpoint, model=args.model, max_turns=args.max_turns,
-                           max_tokens=args.max_tokens, temperature=args.temperature)
+    from agentrl.rollout.tryout import try_env
+
+    return try_env(args.name, args.endpoint, model=args.model, max_turns=args.max_turns,
+                   max_tokens=args.max_tokens, temperature=args.temperature, env_config=config)
 
 
 def _no_settings(command: str, extra: list[str]) -> None:
@@ -371,6 +373,8 @@ def parser() -> argparse.ArgumentParser:
     et.add_argument("--max-turns", type=int, default=6)
     et.add_argument("--max-tokens", type=int, default=256)
     et.add_argument("--temperature", type=float, default=1.0)
+    et.add_argument("--config", dest="env_config", default="{}", metavar="JSON",
+                    help="the environment's keyword arguments as JSON (as env.config)")
     et.set_defaults(fn=cmd_envs)
 
     st = sub.add_parser("status", help="engines, versions, episodes in flight, buffer, sandboxes, throughput",

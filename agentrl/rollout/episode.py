@@ -38,7 +38,8 @@ from agentrl.sandbox.types import SandboxError
 
 log = logging.getLogger(__name__)
 
-__all__ = ["BuiltinLoop", "EpisodeLimits", "EpisodeResult", "error_kind", "run_episode"]
+__all__ = ["BuiltinLoop", "EpisodeLimits", "EpisodeResult", "SessionModel", "error_kind", "play_episode",
+           "run_episode"]
 
 _MESSAGE_KEYS = ("role", "content", "tool_calls")
 
@@ -186,7 +187,7 @@ async def _episode_body(client: ChatClient, env_name: str, task: dict[str, Any],
         messages = list(opening.messages)
         ep.info["tools"] = len(opening.tools)  # offered: with none ever called, nothing is learned about them
         if isinstance(env, PlayingEnv):
-            await _play_episode(env, task, SessionModel(client, ep, limits, policy))
+            await play_episode(env, task, SessionModel(client, ep, limits, policy))
             return
         while True:
             if ep.turns >= limits.max_turns:
@@ -296,9 +297,10 @@ class SessionModel:
         return out
 
 
-async def _play_episode(env: PlayingEnv, task: dict[str, Any], model: SessionModel) -> None:
-    """Let ``env`` play; record how it ended. A limit reached is a truncation, an engine failure
-    behind a call keeps its kind, anything else the environment raised is its failure."""
+async def play_episode(env: PlayingEnv, task: dict[str, Any], model: SessionModel) -> None:
+    """Let ``env`` play (``reset`` was called with ``task``); record how it ended on ``model.ep``. A
+    limit reached is a truncation, an engine failure behind a call keeps its kind, anything else the
+    environment raised is its failure. (``agentrl envs try`` plays through here too.)"""
     ep = model.ep
     try:
         played = await env.play(task, model)

@@ -5,7 +5,8 @@ own virtual environment (``.venv-verifiers``), in this process, started by
 :mod:`agentrl.env.adapters.verifiers`. It imports only the standard library and verifiers (never
 agentrl) and speaks JSON lines on stdin/stdout:
 
-- ``{"id", "op": "tasks", "env": {...}}`` -> ``{"id", "tasks": [wire task data, ...]}``
+- ``{"id", "op": "tasks", "env": {...}}`` -> ``{"id", "tasks": [wire task data, ...], "tool_sets": [[OpenAI
+  tool, ...], ...], "tools_of": [index into tool_sets per task]}`` (the tools each task's agent is offered);
 - ``{"id", "op": "rollout", "env": {...}, "idx": n, "base_url", "api_key", "model"}`` -> ``{"id",
   "reward", "rewards", "metrics", "errors", "ok", "turns"}``: verifiers' own ``Env.run_episode`` on
   the task, its agent talking to ``base_url`` (agentrl's relay into the episode's router session),
@@ -64,11 +65,46 @@ def resolve(spec: dict[str, Any]) -> Any:
     return vf.resolve_env_config(raw)
 
 
-def list_tasks(spec: dict[str, Any]) -> list[dict[str, Any]]:
+async def tool_schemas(servers: list[Any]) -> list[dict[str, Any]]:
+    """The tools an agent is offered for these verifiers tool servers, in the OpenAI shape verifiers'
+    harnesses build (``harnesses/utils/mcp.py``, ``connect_mcp``): each server's MCP tools, named
+    ``<server>_<tool>`` (bare when its ``TOOL_PREFIX`` is None). Read from the servers' registrations,
+    without starting them."""
+    from mcp.server.mcpserver import MCPServer
+
+    out: list[dict[str, Any]] = []
+    for server in servers:
+        mcp = MCPServer(server.server_name or type(server).__name__)
+        server.register(mcp)
+        for tool in await mcp.list_tools():
+            name = f"{server.server_name}_{tool.name}" if server.server_name else tool.name
+            out.append({"type": "function", "function": {"name": name, "description": tool.description or "",
+                                                         "parameters": tool.input_schema}})
+    return out
+
+
+async def listing(env: Any, tasks: list[Any]) -> dict[str, Any]:
+    """The tasks' wire data and the tools each one's agent is offered (its task's tool servers, then the
+    taskset's shared ones), each distinct tool list once."""
+    shared = env.taskset.toolsets(env.taskset.config)
+    sets: dict[str, int] = {}
+    tool_sets: list[list[dict[str, Any]]] = []
+    tools_of: list[int] = []
+    for t in tasks:
+        key = f"{type(t).__module__}.{type(t).__qualname__}:{t.config.model_dump_json()}"
+        if key not in sets:
+            sets[key] = len(tool_sets)
+            tool_sets.append(await tool_schemas([*t.toolsets(t.config), *shared]))
+        tools_of.append(sets[key])
+    return {"tasks": [t.data.model_dump(mode="json", exclude_none=True) for t in tasks],
+            "tool_sets": tool_sets, "tools_of": tools_of}
+
+
+def list_tasks(spec: dict[str, Any]) -> dict[str, Any]:
     import verifiers.v1 as vf
 
     env = vf.load_environment(resolve(spec))
-    return [t.data.model_dump(mode="json", exclude_none=True) for t in env.taskset.take(int(spec.get("max_tasks", 100_000)))]
+    return asyncio.run(listing(env, list(env.taskset.take(int(spec.get("max_tasks", 100_000))))))
 
 
 class Worker:
@@ -91,8 +127,8 @@ class Worker:
             return self.envs[key]
 
     async def tasks(self, req: dict[str, Any]) -> dict[str, Any]:
-        _, tasks = await self.env(req["env"])
-        return {"tasks": [t.data.model_dump(mode="json", exclude_none=True) for t in tasks]}
+        env, tasks = await self.env(req["env"])
+        return await listing(env, tasks)
 
     async def rollout(self, req: dict[str, Any]) -> dict[str, Any]:
         import verifiers.v1 as vf

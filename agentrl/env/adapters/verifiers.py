@@ -16,12 +16,19 @@ serve process, and plays the episodes it is asked for concurrently. Its interpre
 ``python=`` in the environment's config, ``$AGENTRL_VERIFIERS_PYTHON``, this interpreter when it has
 verifiers, ``.venv-verifiers/bin/python`` in the project.
 
+Names: ``verifiers:<module>`` is found where the worker imports it from (verifiers' built-in
+tasksets, ``tasks/verifiers/``, the working directory, ``$AGENTRL_VERIFIERS_PATH``, the installed
+packages of its interpreter); a name found nowhere is refused when it is looked up, saying where it
+looked. A task's opening carries the tools verifiers' agent will offer on it (its task's and
+taskset's tool servers', listed with the tasks by the worker without starting them).
+
 Splits: verifiers tasksets have none; the last ``num_test`` tasks are held out (never trained on),
 or ``eval_taskset_args`` names the taskset arguments of a separate evaluation set.
 """
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import contextlib
 import ctypes
@@ -35,7 +42,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from agentrl.env.adapters import AdapterError
 from agentrl.env.base import Model, Played, PlayingEnv, Reset
@@ -65,8 +72,16 @@ def available() -> bool:
     return interpreter() is not None
 
 
+def _search_path() -> list[tuple[str, list[Path]]]:
+    """Where the worker finds a taskset module besides verifiers' own and its installed packages, as
+    (what, folders), in the order of its ``PYTHONPATH``."""
+    extra = [Path(p) for p in os.environ.get("AGENTRL_VERIFIERS_PATH", "").split(os.pathsep) if p]
+    return [(f"tasks/{REPO_TASKSETS.name}/", [REPO_TASKSETS]), ("the working directory", [Path.cwd()]),
+            ("$AGENTRL_VERIFIERS_PATH", extra)]
+
+
 def _worker_env() -> dict[str, str]:
-    paths = [str(REPO_TASKSETS), str(Path.cwd()), os.environ.get("AGENTRL_VERIFIERS_PATH", "")]
+    paths = [str(folder) for _, folders in _search_path() for folder in folders]
     # verifiers' environment must not see agentrl's packages (another openai); its own venv has its own
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
     env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
@@ -78,14 +93,22 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
+class Listing(NamedTuple):
+    """A taskset's tasks (wire data) and the OpenAI tools each one's agent is offered."""
+
+    tasks: tuple[dict[str, Any], ...]
+    tools: tuple[list[dict[str, Any]], ...]
+
+
 @functools.lru_cache(maxsize=32)
-def list_tasks(python: str, spec_json: str) -> tuple[dict[str, Any], ...]:
-    """The taskset's tasks (wire data), listed once per process by a one-shot worker."""
+def list_tasks(python: str, spec_json: str) -> Listing:
+    """The taskset's tasks and their tools, listed once per process by a one-shot worker."""
     r = subprocess.run([python, "-P", str(WORKER), "tasks", spec_json], capture_output=True, text=True,
                        env=_worker_env(), timeout=600)
     if r.returncode != 0:
         raise AdapterError(f"verifiers could not load {json.loads(spec_json)['taskset']!r}: {r.stderr.strip()[-1500:]}")
-    return tuple(json.loads(r.stdout.strip().splitlines()[-1]))
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    return Listing(tuple(out["tasks"]), tuple(out["tool_sets"][i] for i in out["tools_of"]))
 
 
 class _Worker:
@@ -223,7 +246,10 @@ class VerifiersEnv(PlayingEnv):
         self.task: dict[str, Any] = {}
 
     def _listed(self, spec: dict[str, Any]) -> tuple[dict[str, Any], ...]:
-        return list_tasks(self.python, json.dumps(spec, sort_keys=True))
+        return list_tasks(self.python, json.dumps(spec, sort_keys=True)).tasks
+
+    def _spec_of(self, task: dict[str, Any]) -> dict[str, Any]:
+        return self.eval_spec if (self.eval_spec is not None and task.get("split") == "test") else self.spec
 
     def tasks(self, split: str = "train") -> list[dict[str, Any]]:
         if self.eval_spec is not None:
@@ -246,12 +272,17 @@ class VerifiersEnv(PlayingEnv):
             messages.append({"role": "user", "content": prompt})
         elif isinstance(prompt, list):
             messages.extend(m for m in prompt if isinstance(m, dict))
-        return Reset(messages=messages)
+        # the tools verifiers' agent will offer (its task's tool servers'): what `envs show` shows and
+        # what an episode counts as offered
+        spec_json = json.dumps(self._spec_of(task), sort_keys=True)
+        listed = await asyncio.to_thread(list_tasks, self.python, spec_json)
+        tools = listed.tools[int(task["idx"])]
+        return Reset(messages=messages, tools=list(tools))
 
     async def play(self, task: dict[str, Any], model: Model) -> Played:
         from agentrl.env.adapters.relay import serve_model
 
-        spec = self.eval_spec if (self.eval_spec is not None and task.get("split") == "test") else self.spec
+        spec = self._spec_of(task)
         worker = _worker(self.python)
         async with serve_model(model) as (base_url, api_key):
             out = await worker.call("rollout", env=spec, idx=int(task["idx"]), base_url=base_url, api_key=api_key,
@@ -264,20 +295,112 @@ class VerifiersEnv(PlayingEnv):
         return Played(reward=float(out["reward"]), info={"rewards": rewards, "metrics": out.get("metrics") or {}})
 
 
+# Run by verifiers' interpreter with the worker's path; imports nothing (verifiers' import takes
+# seconds): verifiers' built-in tasksets, and whether the module verifiers would import is there.
+_PROBE = ("import importlib.util as u, json, os, pkgutil, sys\n"
+          "v = u.find_spec('verifiers')\n"
+          "d = os.path.join(os.path.dirname(v.origin), 'v1', 'tasksets') if v and v.origin else ''\n"
+          "builtin = sorted(m.name for m in pkgutil.iter_modules([d])) if d else []\n"
+          "m = sys.argv[1]\n"
+          "found = bool(m) and (m in builtin or u.find_spec(m.split('.')[0]) is not None)\n"
+          "print(json.dumps({'builtin': builtin, 'found': found}))")
+
+
+def _module_of(taskset_id: str) -> str:
+    """The module verifiers imports for a taskset id (``verifiers.v1.utils.loaders._import_plugin``)."""
+    return taskset_id.rsplit("/", 1)[-1].split("@", 1)[0].replace("-", "_").lower()
+
+
+def _find(taskset_id: str) -> Path | None:
+    """The taskset module's file when it is in one of agentrl's folders (None: verifiers' own or an
+    installed one); :class:`AdapterError`, saying where it looked, when it is nowhere."""
+    module = _module_of(taskset_id)
+    top = module.split(".")[0]
+    for _, folders in _search_path():
+        for path in (p for f in folders for p in (f / top / "__init__.py", f / f"{top}.py")):
+            if path.is_file():
+                return path
+    python = interpreter()
+    if python is None:
+        raise AdapterError("no Python with verifiers: see docs/environments.md (a .venv-verifiers)")
+    probe = _probe(python, module)
+    if probe is None:
+        raise AdapterError(f"could not ask {python} whether verifiers has a taskset {taskset_id!r}")
+    if probe["found"]:
+        return None
+    where = "; ".join(f"{what} ({os.pathsep.join(map(str, folders)) or 'unset'})"
+                      for what, folders in _search_path())
+    raise AdapterError(f"verifiers has no taskset {taskset_id!r}: no module {module!r} in verifiers' "
+                       f"built-in tasksets ({', '.join(probe['builtin']) or 'none'}), {where}, or {python}'s "
+                       "installed packages; put its folder on $AGENTRL_VERIFIERS_PATH (`agentrl envs list` "
+                       "shows what is found)")
+
+
+def _probe(python: str, module: str) -> dict[str, Any] | None:
+    """Run :data:`_PROBE` (None: it answered nothing readable)."""
+    r = subprocess.run([python, "-P", "-c", _PROBE, module], capture_output=True, text=True, timeout=120,
+                       env=_worker_env())
+    with contextlib.suppress(ValueError, IndexError):
+        return json.loads(r.stdout.strip().splitlines()[-1])
+    log.warning("%s could not list verifiers' tasksets: %s", python, r.stderr.strip()[-300:])
+    return None
+
+
 def environment_class(rest: str) -> type[VerifiersEnv]:
     if not rest or not all(part.isidentifier() for part in rest.replace("-", "_").split(".")):
         raise AdapterError(f"verifiers:{rest}: name a taskset module, e.g. verifiers:vf_arith")
+    path = _find(rest)
+    about = (_summary(path) if path is not None else "") or f"verifiers environment {rest}"
     return type(f"Verifiers_{rest.replace('-', '_').replace('.', '_')}", (VerifiersEnv,),
-                {"taskset_id": rest, "__module__": __name__, "__doc__": f"verifiers environment {rest}"})
+                {"taskset_id": rest, "__module__": __name__, "__doc__": about})
+
+
+def _parsed(path: Path) -> ast.Module | None:
+    with contextlib.suppress(OSError, SyntaxError, ValueError, UnicodeDecodeError):
+        return ast.parse(path.read_text(encoding="utf-8"))
+    return None
+
+
+def _summary(path: Path) -> str:
+    """The first line of a module's docstring, read without importing it."""
+    tree = _parsed(path)
+    doc = ast.get_docstring(tree) if tree is not None else None
+    return doc.strip().splitlines()[0] if doc and doc.strip() else ""
+
+
+def _imports_verifiers(path: Path) -> bool:
+    for node in ast.walk(_parsed(path) or ast.Module(body=[], type_ignores=[])):
+        names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+            [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []
+        if any(n == "verifiers" or n.startswith("verifiers.") for n in names):
+            return True
+    return False
+
+
+def _tasksets_in(folder: Path) -> list[tuple[str, Path]]:
+    """The modules in ``folder`` that import verifiers (a package: any of its first 50 files), by name,
+    with the file whose docstring describes them."""
+    found = []
+    for path in sorted([*folder.glob("*/__init__.py"), *folder.glob("*.py")]):
+        package = path.name == "__init__.py"
+        name = path.parent.name if package else path.stem
+        files = list(itertools.islice(path.parent.rglob("*.py"), 50)) if package else [path]
+        if name.isidentifier() and any(map(_imports_verifiers, files)):
+            found.append((name, path))
+    return found
 
 
 def offered() -> list[tuple[str, str]]:
-    out = [(f"verifiers:{p.parent.name}", f"verifiers taskset shipped in tasks/{REPO_TASKSETS.name}/")
-           for p in sorted(REPO_TASKSETS.glob("*/__init__.py"))]
+    """Shipped tasksets, those on ``$AGENTRL_VERIFIERS_PATH`` (modules there that import verifiers),
+    then verifiers' built-in ones."""
+    shipped = f"shipped in tasks/{REPO_TASKSETS.name}/"
+    out = [(f"verifiers:{name}", f"{_summary(path) or 'verifiers taskset'} ({shipped})")
+           for name, path in _tasksets_in(REPO_TASKSETS)]
+    for folder in dict.fromkeys(dict(_search_path())["$AGENTRL_VERIFIERS_PATH"]):
+        out += [(f"verifiers:{name}", f"{_summary(path) or 'verifiers taskset'} (in {folder})")
+                for name, path in _tasksets_in(folder)]
     python = interpreter()
     if python:
-        r = subprocess.run([python, "-c", "import pkgutil, verifiers.v1.tasksets as t; "
-                            "print(' '.join(m.name for m in pkgutil.iter_modules(t.__path__)))"],
-                           capture_output=True, text=True, env=_worker_env(), timeout=120)
-        out += [(f"verifiers:{n}", "taskset built into verifiers") for n in r.stdout.split()]
+        probe = _probe(python, "")
+        out += [(f"verifiers:{n}", "taskset built into verifiers") for n in (probe or {}).get("builtin", [])]
     return out
