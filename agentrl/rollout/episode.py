@@ -28,7 +28,7 @@ from typing import Any
 from agentrl.buffer.sample import POLICY_KEY, Sample
 from agentrl.env import make
 from agentrl.env.base import MIX_TAG, Played, PlayingEnv
-from agentrl.errors import EnvironmentFailure, ErrorKind, ScaffoldError, TransportError
+from agentrl.errors import AgentrlError, EnvironmentFailure, ErrorKind, ScaffoldError, TransportError
 from agentrl.rollout.config import EpisodeLimits
 from agentrl.rollout.protocols import ChatClient
 from agentrl.router.errors import EngineError, InvalidRequest, RouterError
@@ -241,7 +241,7 @@ async def _episode_body(client: ChatClient, env_name: str, task: dict[str, Any],
                 return
 
 
-class LimitReached(Exception):
+class LimitReached(AgentrlError):
     """A playing environment asked for a call beyond the episode's turn or token budget."""
 
     def __init__(self, truncation: str) -> None:

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from agentrl.env.base import MIX_TAG
-from agentrl.errors import ConfigError, TransportError
+from agentrl.errors import AgentrlError, ConfigError, TransportError
 from agentrl.scoring.config import JudgeConfig, ScoringConfig
 from agentrl.scoring.registry import Scorer, Splitter, get_scorer, splitter_of, whole_turn
 
@@ -97,7 +97,7 @@ def place_turn_rewards(samples: list[Any], rewards: Any, weight: float, split: S
     return float(np.mean(rewards)) if len(rewards) else 0.0
 
 
-class ScoringFailure(Exception):
+class ScoringFailure(AgentrlError):
     """One scorer could not score one episode (the message says which and why); ``outage`` when
     its endpoint could not be reached or answered 5xx / 429 after its retries."""
 
