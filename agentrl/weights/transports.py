@@ -60,13 +60,22 @@ class WeightTransport(Protocol):
 
     device: Literal["cpu", "cuda"]  # where the learner gathers the full weights it passes to publish()
 
-    async def publish(self, state: Mapping[str, Any], version: int) -> dict[str, Any]:
-        """Get ``state`` into the engines as ``version``; serve's result (see the module's invariants)."""
+    async def publish(self, state: Mapping[str, Any], version: int, policy: str | None = None) -> dict[str, Any]:
+        """Get ``state`` into the engines as ``version`` of ``policy`` (None: the one policy of a
+        run without named policies); serve's result (see the module's invariants). Named policies
+        are LoRA adapters: only :class:`AdapterTransport` carries one, the others refuse it."""
         ...
 
     async def close(self) -> None:
         """Release what the transport holds (connections, a communicator); publish is not called after."""
         ...
+
+
+def _one_policy(transport: WeightTransport, policy: str | None) -> None:
+    """Refuse a named policy where the transport sends the whole model (it has one policy only)."""
+    if policy is not None:
+        raise ConfigError(f"{type(transport).__name__} sends the whole model, one policy; named policy "
+                          f"{policy!r} is a LoRA adapter: set weights.transport.kind = \"adapter\"")
 
 
 class HttpTransport:
@@ -79,9 +88,10 @@ class HttpTransport:
         self.serve_url = serve_url.rstrip("/")
         self.admin_token = admin_token
 
-    async def publish(self, state: Mapping[str, Any], version: int) -> dict[str, Any]:
+    async def publish(self, state: Mapping[str, Any], version: int, policy: str | None = None) -> dict[str, Any]:
         from agentrl.weights.transfer import publish, serialize_state_dict
 
+        _one_policy(self, policy)
         data = await asyncio.to_thread(serialize_state_dict, dict(state))  # off the loop: it copies every tensor
         c = self.cfg
         return await publish(data, version, self.serve_url, self.admin_token, timeout_s=c.timeout_s,
@@ -122,7 +132,8 @@ class NcclTransport:
                                            packed_num_buffers=c.packed_buffers, timeout_s=c.timeout_s)
         return self.sender
 
-    async def publish(self, state: Mapping[str, Any], version: int) -> dict[str, Any]:
+    async def publish(self, state: Mapping[str, Any], version: int, policy: str | None = None) -> dict[str, Any]:
+        _one_policy(self, policy)
         return await self._sender().publish(state.items(), version)
 
     async def close(self) -> None:
@@ -213,11 +224,12 @@ class DeltaTransport:
             self.dtype = dtype
         return self.dtype
 
-    async def publish(self, state: Mapping[str, Any], version: int) -> dict[str, Any]:
+    async def publish(self, state: Mapping[str, Any], version: int, policy: str | None = None) -> dict[str, Any]:
         from agentrl.weights import delta
         from agentrl.weights.errors import DeltaRefused, EnginesFailed, WeightTransferError
         from agentrl.weights.transfer import publish, serialize_state_dict
 
+        _one_policy(self, policy)
         c = self.cfg
         send = {"timeout_s": c.timeout_s, "attempts": c.attempts, "chunk_bytes": c.chunk_bytes,
                 "parallel": c.parallel_chunks}
