@@ -1,4 +1,4 @@
-"""Host side of the exec agent's protocol (see agent.py): framed literal requests over one byte stream.
+"""Host side of the exec daemon's protocol (see execd.py): framed literal requests over one byte stream.
 
 Invariants: every request gets a fresh id and one future; when the stream ends or breaks, every
 pending future fails with SandboxError and the channel stays closed. A call that outlives its
@@ -24,9 +24,9 @@ log = logging.getLogger(__name__)
 
 
 @cache
-def agent_source() -> str:
-    """The agent's source, passed to ``python3 -c`` so that any image with python3 can run it."""
-    return (Path(__file__).with_name("agent.py")).read_text()
+def execd_source() -> str:
+    """The exec daemon's source, passed to ``python3 -c`` so that any image with python3 can run it."""
+    return (Path(__file__).with_name("execd.py")).read_text()
 
 
 class AgentTimeout(SandboxError):
@@ -52,7 +52,7 @@ class AgentChannel:
 
     async def wait_ready(self, timeout: float) -> dict[str, Any]:
         """The agent's first message. Raises SandboxError when it refused to run (it could not
-        protect itself from the commands it would run, see agent.py) or did not start in time."""
+        protect itself from the commands it would run, see execd.py) or did not start in time."""
         try:
             msg = await asyncio.wait_for(asyncio.shield(self._ready), timeout)
         except TimeoutError:
