@@ -47,7 +47,7 @@ async def _one(engine_url: str, name: str, spec: dict[str, str], episodes: int, 
     cfg.env.max_turns, cfg.env.max_tokens = 3, 32
     cfg.buffer.batch_size, cfg.buffer.max_staleness = episodes, 100
     if spec.get("agent") or spec.get("command"):
-        cfg.scaffold = parse(ScaffoldConfig, spec, "scaffold")  # the tagged union picks the kind from the key given
+        cfg.scaffold = parse(ScaffoldConfig, spec, "scaffold")  # the tagged union picks the kind by key
     serve = Serve(cfg)
     try:
         await serve.start()

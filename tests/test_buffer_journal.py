@@ -54,7 +54,8 @@ def test_a_compacted_journal_is_its_snapshot_then_the_pending_puts(tmp_path: Pat
 def test_a_record_that_does_not_decode_is_counted_and_its_neighbours_apply(tmp_path: Path) -> None:
     log = Log(tmp_path, "flush")
     list(log.recover())
-    log.append([frame(Kind.DROP, b"{not json"), frame(Kind.DROP, b'{"reason": "stale", "sample_ids": ["x"]}')])
+    log.append([frame(Kind.DROP, b"{not json"),
+                frame(Kind.DROP, b'{"reason": "stale", "sample_ids": ["x"]}')])
     log.close()
     seen: list[Record] = []
     recovery = Journal(tmp_path, "flush").replay(lambda r: seen.append(r) or 1)

@@ -464,9 +464,10 @@ class Buffer:
         assert self._journal is not None
         rec = self._journal.replay(self._apply)
         self._rebuild()
-        self._counters.update(recovered_samples=len(self._entries), corrupt_regions_skipped=rec.corrupt_regions,
-                              corrupt_bytes_skipped=rec.skipped_bytes, truncated_tail_bytes=rec.truncated_bytes,
-                              orphan_log_ids=rec.orphan_ids)
+        self._counters.update(recovered_samples=len(self._entries), orphan_log_ids=rec.orphan_ids,
+                              corrupt_regions_skipped=rec.corrupt_regions,
+                              corrupt_bytes_skipped=rec.skipped_bytes,
+                              truncated_tail_bytes=rec.truncated_bytes)
         if rec.unreadable:
             self._counters["unreadable_records"] += rec.unreadable
         log.info("buffer: recovered %d pending samples from %s (produced %d, consumed %d, dropped %d)",

@@ -140,8 +140,8 @@ class Journal:
         self._log.append([frame(Kind.ACK, payload.encode())])
 
     def drop(self, drops: Iterable[Dropped]) -> None:
-        self._log.append([frame(Kind.DROP, json.dumps({"reason": d.reason, "sample_ids": d.sample_ids}).encode())
-                          for d in drops])
+        records = [json.dumps({"reason": d.reason, "sample_ids": d.sample_ids}).encode() for d in drops]
+        self._log.append([frame(Kind.DROP, r) for r in records])
 
     def compact(self, state: dict[str, Any], pending: Iterable[Entry]) -> None:
         """Replace the log with ``state`` and the PUTs of the ``pending`` samples, atomically."""

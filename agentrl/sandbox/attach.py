@@ -62,7 +62,8 @@ class ImagePools:
             await pool.close()
 
 
-async def pool_for(image: str | None, cfg: SandboxConfig | None, instance_id: str) -> SandboxPool | ImagePools | None:
+async def pool_for(image: str | None, cfg: SandboxConfig | None,
+                   instance_id: str) -> SandboxPool | ImagePools | None:
     """A started :class:`~agentrl.sandbox.pool.SandboxPool` of ``image`` with ``cfg``'s limits, an
     :class:`ImagePools` when ``image`` lists several, or None when the environment needs no sandbox."""
     if not image:

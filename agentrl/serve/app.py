@@ -91,11 +91,12 @@ class Serve:
         self.pool: EnginePool | None = None
         self.updater: EngineUpdater | None = None
         self.router: Router | None = None
-        self.sandbox_pool: SandboxPool | ImagePools | None = None  # None also when the environment needs no sandbox
+        # None also when the environment needs no sandbox
+        self.sandbox_pool: SandboxPool | ImagePools | None = None
         self.buffer: Buffer | PolicyBuffers | None = None
         self.weights: WeightReceiver | None = None  # the default policy's uploads
         self.policy_weights: dict[str, WeightReceiver] = {}  # named LoRA policies: policy -> its receiver
-        self.orchestrator: Orchestrator | None = None  # the agent loops here; None under Ray (the workers play)
+        self.orchestrator: Orchestrator | None = None  # the agent loops here; None under Ray (workers play)
         self.cluster: RayCluster | None = None  # with ray.address
         self.teacher_engine: TeacherEngine | None = None  # a teacher serve launches
         self._runner: web.AppRunner | None = None

@@ -154,7 +154,8 @@ def build_producer(cfg: ServeConfig, client: ChatClient, sandbox_pool: SandboxPo
 def build_orchestrator(cfg: ServeConfig, producer: EpisodeProducer, sink: BufferSink, *, run_dir: Path | None = None,
                        max_episodes: int | None = None, max_concurrency: int | None = None,
                        policy_version: Callable[[], int] | None = None,
-                       episode_log: Callable[[dict[str, Any]], Any] | None = None, teacher: Teacher | None = None,
+                       episode_log: Callable[[dict[str, Any]], Any] | None = None,
+                       teacher: Teacher | None = None,
                        judge_endpoint: tuple[str, str, str] | None = None) -> Orchestrator:
     from agentrl.rollout.frontier import TaskFrontier
     from agentrl.rollout.orchestrator import Orchestrator

@@ -40,7 +40,7 @@ import asyncio
 import logging
 import socket
 from collections.abc import Callable, Mapping
-from typing import Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 from urllib.parse import urlsplit
 
 from agentrl.errors import ConfigError
@@ -52,6 +52,10 @@ from agentrl.weights.config import (
     NcclTransportConfig,
 )
 
+if TYPE_CHECKING:
+    from agentrl.learner.lora import LoraConfig
+    from agentrl.weights.nccl import NCCLWeightSender
+
 log = logging.getLogger(__name__)
 
 
@@ -60,7 +64,8 @@ class WeightTransport(Protocol):
 
     device: Literal["cpu", "cuda"]  # where the learner gathers the full weights it passes to publish()
 
-    async def publish(self, state: Mapping[str, Any], version: int, policy: str | None = None) -> dict[str, Any]:
+    async def publish(self, state: Mapping[str, Any], version: int,
+                      policy: str | None = None) -> dict[str, Any]:
         """Get ``state`` into the engines as ``version`` of ``policy`` (None: the one policy of a
         run without named policies); serve's result (see the module's invariants). Named policies
         are LoRA adapters: only :class:`AdapterTransport` carries one, the others refuse it."""
@@ -88,7 +93,8 @@ class HttpTransport:
         self.serve_url = serve_url.rstrip("/")
         self.admin_token = admin_token
 
-    async def publish(self, state: Mapping[str, Any], version: int, policy: str | None = None) -> dict[str, Any]:
+    async def publish(self, state: Mapping[str, Any], version: int,
+                      policy: str | None = None) -> dict[str, Any]:
         from agentrl.weights.transfer import publish, serialize_state_dict
 
         _one_policy(self, policy)
@@ -117,9 +123,9 @@ class NcclTransport:
         self.cfg = cfg
         self.serve_url = serve_url.rstrip("/")
         self.admin_token = admin_token
-        self.sender: Any = None  # agentrl.weights.nccl.NCCLWeightSender, made on first publish
+        self.sender: NCCLWeightSender | None = None  # made on first publish
 
-    def _sender(self) -> Any:
+    def _sender(self) -> NCCLWeightSender:
         from agentrl.weights.nccl import NCCLWeightSender, require_nccl
 
         require_nccl()  # before anything else: a clear error, never a rendezvous that cannot complete
@@ -132,7 +138,8 @@ class NcclTransport:
                                            packed_num_buffers=c.packed_buffers, timeout_s=c.timeout_s)
         return self.sender
 
-    async def publish(self, state: Mapping[str, Any], version: int, policy: str | None = None) -> dict[str, Any]:
+    async def publish(self, state: Mapping[str, Any], version: int,
+                      policy: str | None = None) -> dict[str, Any]:
         _one_policy(self, policy)
         return await self._sender().publish(state.items(), version)
 
@@ -150,8 +157,8 @@ class AdapterTransport:
 
     device: Literal["cpu", "cuda"] = "cpu"
 
-    def __init__(self, cfg: AdapterTransportConfig, serve_url: str, admin_token: str, lora: Any = None,
-                 base_model: str = "") -> None:
+    def __init__(self, cfg: AdapterTransportConfig, serve_url: str, admin_token: str,
+                 lora: LoraConfig | None = None, base_model: str = "") -> None:
         self.cfg = cfg
         self.serve_url = serve_url.rstrip("/")
         self.admin_token = admin_token
@@ -159,7 +166,8 @@ class AdapterTransport:
         self.base_model = base_model
         self.last_bytes = 0  # the size of the last version sent (what the learner reports)
 
-    async def publish(self, state: Mapping[str, Any], version: int, policy: str | None = None) -> dict[str, Any]:
+    async def publish(self, state: Mapping[str, Any], version: int,
+                      policy: str | None = None) -> dict[str, Any]:
         """``policy``: a named policy's adapter (the learner's adapter of that name, sent to that
         policy's routes); None: the one policy's (the learner's adapter ``default``)."""
         from agentrl.weights.adapters import ADAPTER, adapter_config, adapter_state, pack_adapter
@@ -224,7 +232,8 @@ class DeltaTransport:
             self.dtype = dtype
         return self.dtype
 
-    async def publish(self, state: Mapping[str, Any], version: int, policy: str | None = None) -> dict[str, Any]:
+    async def publish(self, state: Mapping[str, Any], version: int,
+                      policy: str | None = None) -> dict[str, Any]:
         from agentrl.weights import delta
         from agentrl.weights.errors import DeltaRefused, EnginesFailed, WeightTransferError
         from agentrl.weights.transfer import publish, serialize_state_dict
@@ -274,8 +283,8 @@ TRANSPORTS: dict[str, Callable[..., WeightTransport]] = {
 
 
 def make_transport(cfg: HttpTransportConfig | NcclTransportConfig | AdapterTransportConfig | DeltaTransportConfig,
-                   serve_url: str,
-                   admin_token: str, *, lora: Any = None, base_model: str = "") -> WeightTransport:
+                   serve_url: str, admin_token: str, *, lora: LoraConfig | None = None,
+                   base_model: str = "") -> WeightTransport:
     """The learner's transport for ``weights.transport`` (``cfg``), publishing to serve at ``serve_url``;
     ``lora`` / ``base_model``: what the adapter transport describes its adapters with."""
     kind = getattr(cfg, "kind", None)
