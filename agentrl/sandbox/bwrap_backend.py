@@ -35,7 +35,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 from agentrl.sandbox.backend import SandboxBackend, Slot, process_start_ticks
-from agentrl.sandbox.channel import AgentChannel, execd_source
+from agentrl.sandbox.channel import ExecChannel, execd_source
 from agentrl.sandbox.types import SandboxConfig, SandboxError
 
 log = logging.getLogger(__name__)
@@ -268,7 +268,7 @@ class BubblewrapBackend(SandboxBackend):
                 raise SandboxError(f"could not start bwrap: {e}") from e
             self._procs[sid] = proc
             assert proc.stdout is not None and proc.stdin is not None
-            channel = AgentChannel(_chunks(proc.stdout), proc.stdin, sid)
+            channel = ExecChannel(_chunks(proc.stdout), proc.stdin, sid)
             try:
                 await channel.wait_ready(self.cfg.start_timeout_s)
             except BaseException as e:

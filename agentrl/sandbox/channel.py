@@ -2,7 +2,7 @@
 
 Invariants: every request gets a fresh id and one future; when the stream ends or breaks, every
 pending future fails with SandboxError and the channel stays closed. A call that outlives its
-timeout raises `AgentTimeout` (the caller treats the sandbox as broken and replaces it).
+timeout raises `ExecdTimeout` (the caller treats the sandbox as broken and replaces it).
 """
 
 from __future__ import annotations
@@ -29,12 +29,12 @@ def execd_source() -> str:
     return (Path(__file__).with_name("execd.py")).read_text()
 
 
-class AgentTimeout(SandboxError):
-    """The agent did not answer in time: it is hung or its sandbox is starved."""
+class ExecdTimeout(SandboxError):
+    """The exec daemon did not answer in time: it is hung or its sandbox is starved."""
 
 
-class AgentChannel:
-    """Talks to one agent. `chunks` yields the agent's stdout bytes; `writer` is its stdin."""
+class ExecChannel:
+    """Talks to one exec daemon. `chunks` yields its stdout bytes; `writer` is its stdin."""
 
     def __init__(self, chunks: AsyncIterator[bytes], writer: asyncio.StreamWriter, name: str) -> None:
         self.name = name
@@ -56,7 +56,7 @@ class AgentChannel:
         try:
             msg = await asyncio.wait_for(asyncio.shield(self._ready), timeout)
         except TimeoutError:
-            raise AgentTimeout(f"sandbox {self.name}: agent did not start within {timeout:.0f}s") from None
+            raise ExecdTimeout(f"sandbox {self.name}: agent did not start within {timeout:.0f}s") from None
         if not msg.get("ready"):
             raise SandboxError(f"sandbox {self.name}: agent refused to start: {msg.get('error')}")
         return msg
@@ -75,7 +75,8 @@ class AgentChannel:
             await self._writer.drain()
             return await asyncio.wait_for(asyncio.shield(fut), wait)
         except TimeoutError:
-            raise AgentTimeout(f"sandbox {self.name}: agent gave no answer to {op!r} in {wait:.1f}s") from None
+            raise ExecdTimeout(f"sandbox {self.name}: agent gave no answer to {op!r} in {wait:.1f}s"
+                               ) from None
         except (ConnectionError, OSError) as e:
             self._fail(f"connection to agent lost ({e!r})")
             raise SandboxError(f"sandbox {self.name}: connection to agent lost: {e!r}") from e
