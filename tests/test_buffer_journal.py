@@ -44,11 +44,13 @@ def test_a_compacted_journal_is_its_snapshot_then_the_pending_puts(tmp_path: Pat
     j.replay(lambda r: 0)
     j.put([entry(0), entry(1)])
     j.ack(Acked("b1", ["s0"], 3, {1: 1}))
-    j.compact({"consumed": 1}, [entry(1)])
+    snap = Snapshot(produced=1, consumed=1, dropped={"stale": 0}, staleness={1: 1}, closed=["g0"],
+                    terminal=[("s0", "consumed")], acked=["b1"], group_episodes=[("g0", ["e0"])])
+    j.compact(snap, [entry(1)])
     j.close()
     records, j = read_back(tmp_path)
     j.close()
-    assert records == [Snapshot({"consumed": 1}), Put(entry(1))]
+    assert records == [snap, Put(entry(1))]
 
 
 def test_a_record_that_does_not_decode_is_counted_and_its_neighbours_apply(tmp_path: Path) -> None:
@@ -61,3 +63,19 @@ def test_a_record_that_does_not_decode_is_counted_and_its_neighbours_apply(tmp_p
     recovery = Journal(tmp_path, "flush").replay(lambda r: seen.append(r) or 1)
     assert recovery.unreadable == 1 and recovery.orphan_ids == 1
     assert seen == [Dropped("stale", ["x"])]
+
+
+def test_a_snapshot_written_before_group_episodes_were_kept_reads_back(tmp_path: Path) -> None:
+    import json
+
+    old = {"produced": 3, "consumed": 2, "dropped": {"stale": 1}, "staleness": {"0": 2}, "closed": ["g"],
+           "terminal": [["a", "consumed"]], "acked": ["b"]}
+    log = Log(tmp_path, "flush")
+    list(log.recover())
+    log.append([frame(Kind.STATE, json.dumps(old).encode())])
+    log.close()
+    records, j = read_back(tmp_path)
+    j.close()
+    assert records == [Snapshot(produced=3, consumed=2, dropped={"stale": 1}, staleness={0: 2}, closed=["g"],
+                                terminal=[("a", "consumed")], acked=["b"], group_episodes=[])]
+    assert json.loads(records[0].to_json()) == {**old, "group_episodes": []}

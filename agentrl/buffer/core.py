@@ -483,7 +483,7 @@ class Buffer:
                 self._store(e)
             return 0
         if isinstance(record, Snapshot):
-            self._load_state(record.state)
+            self._load_snapshot(record)
             return 0
         known = [i for i in record.sample_ids if i in self._entries]
         acked = isinstance(record, Acked)
@@ -514,25 +514,24 @@ class Buffer:
                 unit.partial = len(unit.episodes) < self.cfg.group_size
         self._drop(drops)
 
-    def _state(self) -> dict[str, Any]:
-        return {"produced": self._produced - len(self._entries), "consumed": self._consumed,
-                "dropped": dict(self._dropped), "staleness": {str(k): v for k, v in self._staleness.items()},
-                "closed": list(self._closed), "terminal": list(self._terminal.items()),
-                "acked": list(self._acked), "group_episodes": list(self._group_episodes.items())}
+    def _snapshot(self) -> Snapshot:
+        return Snapshot(self._produced - len(self._entries), self._consumed, dict(self._dropped),
+                        dict(self._staleness), list(self._closed), list(self._terminal.items()),
+                        list(self._acked), list(self._group_episodes.items()))
 
-    def _load_state(self, d: dict[str, Any]) -> None:
-        self._produced += d["produced"]
-        self._consumed += d["consumed"]
-        self._dropped.update(d["dropped"])
-        self._staleness.update({int(k): v for k, v in d["staleness"].items()})
-        for g in d["closed"]:
+    def _load_snapshot(self, snap: Snapshot) -> None:
+        self._produced += snap.produced
+        self._consumed += snap.consumed
+        self._dropped.update(snap.dropped)
+        self._staleness.update(snap.staleness)
+        for g in snap.closed:
             self._closed.add(g)
-        for i, s in d["terminal"]:
-            self._terminal.add(i, s)
-        for b in d["acked"]:
+        for i, state in snap.terminal:
+            self._terminal.add(i, state)
+        for b in snap.acked:
             self._acked.add(b)
-        for g, episodes in d.get("group_episodes", []):  # logs compacted before it was kept: none
-            self._group_episodes.add(g, list(episodes))
+        for g, episodes in snap.group_episodes:
+            self._group_episodes.add(g, episodes)
 
     def _maybe_compact(self) -> None:
         # Not while a put is between writing its records and admitting them: the rewrite would
@@ -542,7 +541,7 @@ class Buffer:
         size = self._journal.size
         if size < self.cfg.compact_bytes or size < 2 * self._live_bytes:
             return
-        self._journal.compact(self._state(), self._entries.values())
+        self._journal.compact(self._snapshot(), self._entries.values())
         self._counters["compactions"] += 1
         log.info("buffer: compacted log from %d to %d bytes", size, self._journal.size)
 

@@ -12,7 +12,7 @@ Invariants:
 - Replay yields records in log order and never raises on bad bytes: a record that does not
   decode, or that its consumer cannot apply, is counted in :attr:`Recovery.unreadable`, logged,
   and skipped; the records around it still apply.
-- A compacted log starts with one STATE record (the counters and memory of consumed ids the
+- A compacted log starts with one STATE record (a :class:`Snapshot`: the counters and memory of ids the
   pending samples do not carry) followed by a PUT per pending sample; the rewrite is atomic.
 """
 
@@ -60,9 +60,31 @@ class Dropped:
 
 @dataclass(frozen=True, slots=True)
 class Snapshot:
-    """What compaction carried over: the buffer's own ``_state()`` dict, applied as it was written."""
+    """What compaction carries over that the pending samples' PUTs do not: the counters, and the
+    memory of finished samples, batches and groups (each list oldest first)."""
 
-    state: dict[str, Any]
+    produced: int  # samples no longer pending (the pending ones count again from their PUTs)
+    consumed: int
+    dropped: dict[str, int]  # reason -> samples
+    staleness: dict[int, int]  # staleness -> consumed samples that had it
+    closed: list[str]  # group ids no longer taking members
+    terminal: list[tuple[str, str]]  # (sample id, "consumed" | "dropped:<reason>")
+    acked: list[str]  # batch ids
+    group_episodes: list[tuple[str, list[str]]]  # (group id, the episode ids it sent)
+
+    def to_json(self) -> bytes:
+        return json.dumps({"produced": self.produced, "consumed": self.consumed, "dropped": self.dropped,
+                           "staleness": {str(k): v for k, v in self.staleness.items()},
+                           "closed": self.closed, "terminal": self.terminal, "acked": self.acked,
+                           "group_episodes": self.group_episodes}).encode()
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> Snapshot:
+        staleness = {int(k): v for k, v in d["staleness"].items()}
+        return cls(d["produced"], d["consumed"], dict(d["dropped"]), staleness, list(d["closed"]),
+                   [(i, s) for i, s in d["terminal"]], list(d["acked"]),
+                   # logs compacted before group_episodes was kept have none
+                   [(g, list(episodes)) for g, episodes in d.get("group_episodes", [])])
 
 
 Record = Put | Acked | Dropped | Snapshot
@@ -87,7 +109,7 @@ def _decode(kind: Kind, payload: bytes) -> Record:
                          arrival, payload))
     d = json.loads(payload)
     if kind == Kind.STATE:
-        return Snapshot(d)
+        return Snapshot.from_json(d)
     if kind == Kind.ACK:
         return Acked(d["batch_id"], d["sample_ids"], d["learner_version"],
                      {int(k): v for k, v in d["staleness"].items()})
@@ -143,9 +165,9 @@ class Journal:
         records = [json.dumps({"reason": d.reason, "sample_ids": d.sample_ids}).encode() for d in drops]
         self._log.append([frame(Kind.DROP, r) for r in records])
 
-    def compact(self, state: dict[str, Any], pending: Iterable[Entry]) -> None:
-        """Replace the log with ``state`` and the PUTs of the ``pending`` samples, atomically."""
-        records = [frame(Kind.STATE, json.dumps(state).encode())]
+    def compact(self, snapshot: Snapshot, pending: Iterable[Entry]) -> None:
+        """Replace the log with ``snapshot`` and the PUTs of the ``pending`` samples, atomically."""
+        records = [frame(Kind.STATE, snapshot.to_json())]
         records += [frame(Kind.PUT, e.payload) for e in pending]
         self._log.rewrite(records)
 
