@@ -19,8 +19,6 @@ _PENDING = {
     "agentrl.env.registry.DuplicateEnvironmentError",
     "agentrl.env.registry.UserCodeError",
     "agentrl.env.adapters.AdapterError",
-    # an aiohttp response raised to answer 401, not an error of agentrl's own
-    "agentrl.web.Unauthorized",
 }
 
 
