@@ -463,13 +463,14 @@ class Buffer:
     def _recover(self) -> None:
         assert self._journal is not None
         rec = self._journal.replay(self._apply)
-        self._rebuild()
-        self._counters.update(recovered_samples=len(self._entries), orphan_log_ids=rec.orphan_ids,
-                              corrupt_regions_skipped=rec.corrupt_regions,
-                              corrupt_bytes_skipped=rec.skipped_bytes,
-                              truncated_tail_bytes=rec.truncated_bytes)
         if rec.unreadable:
             self._counters["unreadable_records"] += rec.unreadable
+        self._rebuild()
+        self._counters.update(recovered_samples=len(self._entries),
+                              corrupt_regions_skipped=rec.corrupt_regions,
+                              corrupt_bytes_skipped=rec.skipped_bytes,
+                              truncated_tail_bytes=rec.truncated_bytes,
+                              orphan_log_ids=rec.orphan_ids)
         log.info("buffer: recovered %d pending samples from %s (produced %d, consumed %d, dropped %d)",
                  len(self._entries), self._journal.path, self._produced, self._consumed,
                  sum(self._dropped.values()))
