@@ -31,3 +31,14 @@ async def to_the_end(aw: Awaitable[T]) -> T:
     if cancelled:
         raise asyncio.CancelledError
     return result
+
+
+async def wait_at_most(event: asyncio.Event, timeout_s: float) -> None:
+    """Wait for ``event`` at most ``timeout_s``. Not ``asyncio.wait_for``: on Python 3.11 it swallows a
+    cancellation that arrives as the event is set, so the orchestrator (waiting for the buffer's
+    room) could not be stopped."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            await event.wait()
+    except TimeoutError:
+        pass

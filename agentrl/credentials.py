@@ -20,12 +20,14 @@ import os
 import secrets
 from pathlib import Path
 
+from agentrl.errors import AgentrlError
+
 log = logging.getLogger(__name__)
 
 SECRET_KEYS = frozenset({"admin_token", "api_keys", "api_key"})  # last part of a setting's name
 
 
-class SecretError(ValueError):
+class SecretError(AgentrlError, ValueError):
     """A secret was given where anyone could read it, or its file cannot be read."""
 
 

@@ -16,6 +16,8 @@ from typing import Any
 
 from aiohttp import web
 
+from agentrl.errors import AgentrlError
+
 log = logging.getLogger(__name__)
 
 ADMIN_TOKEN = web.AppKey("agentrl_admin_token", str)
@@ -46,8 +48,9 @@ def error_response(message: str, status: int, *, headers: dict[str, str] | None 
     return web.json_response(error_body(message, status, **kw), status=status, headers=headers)
 
 
-class Unauthorized(web.HTTPUnauthorized):
-    """A missing or wrong admin token (answered 401 in the one error shape)."""
+class Unauthorized(web.HTTPUnauthorized, AgentrlError):
+    """A missing or wrong admin token (answered 401 in the one error shape). An aiohttp answer
+    first (its middleware turns it into the 401), and one of agentrl's refusals like any other."""
 
 
 def require_admin(request: web.Request) -> None:

@@ -36,7 +36,7 @@ SCAFFOLDS = {
 
 async def _one(engine_url: str, name: str, spec: dict[str, str], episodes: int, group: int) -> dict[str, Any]:
     from agentrl.config import ServeConfig, parse
-    from agentrl.rollout.config import Scaffold
+    from agentrl.rollout.config import ScaffoldConfig
     from agentrl.serve import Serve
 
     run_dir = Path(tempfile.mkdtemp(prefix=f"bench-scaffold-{name}-"))
@@ -47,7 +47,7 @@ async def _one(engine_url: str, name: str, spec: dict[str, str], episodes: int, 
     cfg.env.max_turns, cfg.env.max_tokens = 3, 32
     cfg.buffer.batch_size, cfg.buffer.max_staleness = episodes, 100
     if spec.get("agent") or spec.get("command"):
-        cfg.scaffold = parse(Scaffold, spec, "scaffold")  # the tagged union picks the kind from the key given
+        cfg.scaffold = parse(ScaffoldConfig, spec, "scaffold")  # the tagged union picks the kind by key
     serve = Serve(cfg)
     try:
         await serve.start()

@@ -338,7 +338,7 @@ def test_containers_are_locked_down() -> None:
                 info = await DockerAPI(SandboxConfig().resolved_docker_host()).inspect(sb.id)
                 assert info is not None
                 hc = info["HostConfig"]
-                # No --init: the agent is pid 1 itself, so no init holds its channel (agent.py).
+                # No --init: the agent is pid 1 itself, so no init holds its channel (execd.py).
                 assert hc["NetworkMode"] == "none" and hc["ReadonlyRootfs"] and not hc["Init"]
                 assert "/proc/sys" in hc["ReadonlyPaths"]
                 assert hc["CapDrop"] == ["ALL"] and "no-new-privileges" in hc["SecurityOpt"]

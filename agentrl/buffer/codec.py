@@ -70,6 +70,7 @@ import numpy as np
 
 from agentrl.buffer.behaviour import PARAMS, Behaviour
 from agentrl.buffer.sample import Sample
+from agentrl.errors import AgentrlError
 
 FORMAT_VERSION = 5
 BATCH_MAGIC = b"ARB1"
@@ -94,7 +95,7 @@ _HEADS = {RECORD_MAGIC: (2, _HEAD), BEHAVIOUR_MAGIC: (3, _HEAD3), ROUTING_MAGIC:
 _NP = len(PARAMS)
 
 
-class CodecError(ValueError):
+class CodecError(AgentrlError, ValueError):
     """Bytes that are not a sample or batch this version can read."""
 
 

@@ -33,7 +33,6 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 import uuid
@@ -41,10 +40,9 @@ from collections import Counter, OrderedDict
 from dataclasses import replace
 from typing import Any
 
-from agentrl.aio import to_the_end
+from agentrl.aio import to_the_end, wait_at_most
 from agentrl.buffer.codec import (
     Batch,
-    CodecError,
     decode_sample,
     encode_batch_records,
     encode_with_prefix,
@@ -52,7 +50,8 @@ from agentrl.buffer.codec import (
     read_header,
 )
 from agentrl.buffer.config import BufferConfig
-from agentrl.buffer.log import HEADER_BYTES, Kind, Log, frame, frame_header
+from agentrl.buffer.journal import Acked, Dropped, Journal, Put, Record, Snapshot
+from agentrl.buffer.log import HEADER_BYTES
 from agentrl.buffer.sample import Sample
 from agentrl.buffer.units import ARRIVAL, Bounded, Entry, Group, Lease, Unit
 from agentrl.errors import INFRASTRUCTURE
@@ -62,16 +61,6 @@ log = logging.getLogger(__name__)
 _NO_FLOOR = 1 << 62
 _CLOSING = ("stale", "partial_group", "uniform_group", "infrastructure")  # drops that close their group
 
-
-async def _wait(event: asyncio.Event, timeout_s: float) -> None:
-    """Wait for ``event`` at most ``timeout_s``. Not ``asyncio.wait_for``: on Python 3.11 it swallows a
-    cancellation that arrives as the event is set, so the orchestrator (waiting for room) could not
-    be stopped."""
-    try:
-        async with asyncio.timeout(timeout_s):
-            await event.wait()
-    except TimeoutError:
-        pass
 
 class Buffer:
     def __init__(self, cfg: BufferConfig) -> None:
@@ -99,9 +88,9 @@ class Buffer:
         self._put_lock = asyncio.Lock()
         self._event = asyncio.Event()
         self._closed_flag = False
-        self._log: Log | None = None
+        self._journal: Journal | None = None
         if cfg.path is not None and cfg.durable:
-            self._log = Log(cfg.path, cfg.sync)
+            self._journal = Journal(cfg.path, cfg.sync)
             self._recover()
 
     # ------------------------------------------------------------------ producer side
@@ -142,16 +131,13 @@ class Buffer:
 
     def _encode_and_write(self, samples: list[Sample], now: float) -> list[Entry]:
         entries = []
-        frames = []
         for s in samples:
             if s.error is not None and self.cfg.error_reward is not None and s.reward != self.cfg.error_reward:
                 s = replace(s, reward=self.cfg.error_reward)
             payload, head = encode_with_prefix(s, prefix=ARRIVAL.pack(now))
             entries.append(Entry(s.sample_id, s.episode_id, s.group_id, head["min_version"], now, payload))
-            if self._log is not None:
-                frames += (frame_header(Kind.PUT, payload), payload)
-        if self._log is not None:
-            self._log.append(frames)
+        if self._journal is not None:
+            self._journal.put(entries)
         return entries
 
     def in_flight_allowance(self, in_flight: int) -> int:
@@ -180,7 +166,7 @@ class Buffer:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     break
-                await _wait(self._event, left)
+                await wait_at_most(self._event, left)
                 allowance = self.in_flight_allowance(in_flight)
         finally:
             self._counters["admission_wait_ms"] += int(1000 * (time.monotonic() - t0))
@@ -235,7 +221,7 @@ class Buffer:
                 wake = self._next_timer()
                 if wake is not None:
                     left = min(left, max(wake - time.time(), 0.001))
-                await _wait(event, left)
+                await wait_at_most(event, left)
         finally:
             self._pollers -= 1
 
@@ -277,11 +263,8 @@ class Buffer:
             self._counters["acks_rejected"] += 1
             return False
         ids = lease.ids
-        if self._log is not None:
-            payload = json.dumps({"batch_id": batch_id, "sample_ids": ids,
-                                  "learner_version": lease.learner_version,
-                                  "staleness": {str(k): v for k, v in lease.staleness.items()}})
-            self._log.append([frame(Kind.ACK, payload.encode())])
+        if self._journal is not None:
+            self._journal.ack(Acked(batch_id, ids, lease.learner_version, dict(lease.staleness)))
         del self._leases[batch_id]
         self._acked.add(batch_id)
         for i in ids:
@@ -453,9 +436,8 @@ class Buffer:
     def _drop(self, drops: dict[str, list[str]]) -> None:
         if not any(drops.values()):
             return
-        if self._log is not None:
-            self._log.append([frame(Kind.DROP, json.dumps({"reason": r, "sample_ids": ids}).encode())
-                              for r, ids in drops.items() if ids])
+        if self._journal is not None:
+            self._journal.drop([Dropped(r, ids) for r, ids in drops.items() if ids])
         for reason, ids in drops.items():
             for i in ids:
                 gid = self._entries[i].group_id
@@ -479,50 +461,46 @@ class Buffer:
     # ------------------------------------------------------------------ durability
 
     def _recover(self) -> None:
-        assert self._log is not None
-        orphans = 0
-        for kind, payload in self._log.recover():
-            try:
-                orphans += self._replay(kind, payload)
-            except (CodecError, ValueError, KeyError, TypeError) as e:
-                self._counters["unreadable_records"] += 1
-                log.warning("buffer: skipping an unreadable %s record in %s: %s", kind.name, self._log.path, e)
+        assert self._journal is not None
+        rec = self._journal.replay(self._apply)
+        if rec.unreadable:
+            self._counters["unreadable_records"] += rec.unreadable
         self._rebuild()
-        rep = self._log.report
-        self._counters.update(recovered_samples=len(self._entries), corrupt_regions_skipped=rep.corrupt_regions,
-                              corrupt_bytes_skipped=rep.skipped_bytes, truncated_tail_bytes=rep.truncated_bytes,
-                              orphan_log_ids=orphans)
+        self._counters.update(recovered_samples=len(self._entries),
+                              corrupt_regions_skipped=rec.corrupt_regions,
+                              corrupt_bytes_skipped=rec.skipped_bytes,
+                              truncated_tail_bytes=rec.truncated_bytes,
+                              orphan_log_ids=rec.orphan_ids)
         log.info("buffer: recovered %d pending samples from %s (produced %d, consumed %d, dropped %d)",
-                 len(self._entries), self._log.path, self._produced, self._consumed, sum(self._dropped.values()))
+                 len(self._entries), self._journal.path, self._produced, self._consumed,
+                 sum(self._dropped.values()))
 
-    def _replay(self, kind: Kind, payload: bytes) -> int:
-        """Apply one log record to the state; returns how many sample ids it named that are unknown
-        (their PUT was lost to corruption: they are counted nowhere, which keeps the identity)."""
-        if kind == Kind.PUT:
-            (arrival,) = ARRIVAL.unpack_from(payload, 0)
-            head = read_header(memoryview(payload)[ARRIVAL.size :])
-            sid = head["sample_id"]
-            if sid not in self._entries and sid not in self._terminal:
-                self._store(Entry(sid, head["episode_id"], head["group_id"], head["min_version"], arrival, payload))
+    def _apply(self, record: Record) -> int:
+        """Apply one journal record to the state; returns how many sample ids it named that are
+        unknown (their PUT was lost to corruption: they are counted nowhere, which keeps the identity)."""
+        if isinstance(record, Put):
+            e = record.entry
+            if e.sample_id not in self._entries and e.sample_id not in self._terminal:
+                self._store(e)
             return 0
-        if kind == Kind.STATE:
-            self._load_state(json.loads(payload))
+        if isinstance(record, Snapshot):
+            self._load_snapshot(record)
             return 0
-        d = json.loads(payload)
-        known = [i for i in d["sample_ids"] if i in self._entries]
+        known = [i for i in record.sample_ids if i in self._entries]
+        acked = isinstance(record, Acked)
         for i in known:
             gid = self._entries[i].group_id
-            if kind == Kind.ACK or d["reason"] in _CLOSING:
+            if acked or record.reason in _CLOSING:
                 self._closed.add(gid)
-            self._forget(i, "consumed" if kind == Kind.ACK else "dropped:" + d["reason"])
-        if kind == Kind.ACK:
+            self._forget(i, "consumed" if acked else "dropped:" + record.reason)
+        if isinstance(record, Acked):
             self._consumed += len(known)
-            self._acked.add(d["batch_id"])
-            self._learner_version = max(self._learner_version, d["learner_version"])
-            self._staleness.update({int(k): v for k, v in d["staleness"].items()})
+            self._acked.add(record.batch_id)
+            self._learner_version = max(self._learner_version, record.learner_version)
+            self._staleness.update(record.staleness)
         else:
-            self._dropped[d["reason"]] += len(known)
-        return len(d["sample_ids"]) - len(known)
+            self._dropped[record.reason] += len(known)
+        return len(record.sample_ids) - len(known)
 
     def _rebuild(self) -> None:
         """Regroup the recovered pending samples, in arrival order."""
@@ -537,39 +515,36 @@ class Buffer:
                 unit.partial = len(unit.episodes) < self.cfg.group_size
         self._drop(drops)
 
-    def _state(self) -> dict[str, Any]:
-        return {"produced": self._produced - len(self._entries), "consumed": self._consumed,
-                "dropped": dict(self._dropped), "staleness": {str(k): v for k, v in self._staleness.items()},
-                "closed": list(self._closed), "terminal": list(self._terminal.items()),
-                "acked": list(self._acked), "group_episodes": list(self._group_episodes.items())}
+    def _snapshot(self) -> Snapshot:
+        return Snapshot(self._produced - len(self._entries), self._consumed, dict(self._dropped),
+                        dict(self._staleness), list(self._closed), list(self._terminal.items()),
+                        list(self._acked), list(self._group_episodes.items()))
 
-    def _load_state(self, d: dict[str, Any]) -> None:
-        self._produced += d["produced"]
-        self._consumed += d["consumed"]
-        self._dropped.update(d["dropped"])
-        self._staleness.update({int(k): v for k, v in d["staleness"].items()})
-        for g in d["closed"]:
+    def _load_snapshot(self, snap: Snapshot) -> None:
+        self._produced += snap.produced
+        self._consumed += snap.consumed
+        self._dropped.update(snap.dropped)
+        self._staleness.update(snap.staleness)
+        for g in snap.closed:
             self._closed.add(g)
-        for i, s in d["terminal"]:
-            self._terminal.add(i, s)
-        for b in d["acked"]:
+        for i, state in snap.terminal:
+            self._terminal.add(i, state)
+        for b in snap.acked:
             self._acked.add(b)
-        for g, episodes in d.get("group_episodes", []):  # logs compacted before it was kept: none
-            self._group_episodes.add(g, list(episodes))
+        for g, episodes in snap.group_episodes:
+            self._group_episodes.add(g, episodes)
 
     def _maybe_compact(self) -> None:
         # Not while a put is between writing its records and admitting them: the rewrite would
         # leave out records of samples not yet in memory.
-        if self._log is None or self._put_lock.locked():
+        if self._journal is None or self._put_lock.locked():
             return
-        size = self._log.size
+        size = self._journal.size
         if size < self.cfg.compact_bytes or size < 2 * self._live_bytes:
             return
-        records = [frame(Kind.STATE, json.dumps(self._state()).encode())]
-        records += [frame(Kind.PUT, e.payload) for e in self._entries.values()]
-        self._log.rewrite(records)
+        self._journal.compact(self._snapshot(), self._entries.values())
         self._counters["compactions"] += 1
-        log.info("buffer: compacted log from %d to %d bytes", size, self._log.size)
+        log.info("buffer: compacted log from %d to %d bytes", size, self._journal.size)
 
     # ------------------------------------------------------------------ observation
 
@@ -601,7 +576,7 @@ class Buffer:
             "staleness_consumed": {str(k): v for k, v in sorted(self._staleness.items())},
             "pollers": self._pollers,
             "learner_version": self._learner_version,
-            "log_bytes": self._log.size if self._log is not None else 0,
+            "log_bytes": self._journal.size if self._journal is not None else 0,
             **dict(self._counters),
         }
 
@@ -644,5 +619,5 @@ class Buffer:
     def close(self) -> None:
         self._closed_flag = True
         self._notify()
-        if self._log is not None:
-            self._log.close()
+        if self._journal is not None:
+            self._journal.close()

@@ -17,8 +17,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from agentrl.errors import AgentrlError
 
-class StatusError(RuntimeError):
+
+class StatusError(AgentrlError, RuntimeError):
     """serve could not be reached, refused the token, or answered something that is not a status."""
 
 

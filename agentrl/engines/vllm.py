@@ -28,6 +28,7 @@ import aiohttp
 
 from agentrl.engines.config import EngineOptions
 from agentrl.engines.reaper import child_group, kill_group, stop_process
+from agentrl.errors import AgentrlError
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +76,7 @@ class _LogWatch:
         return found
 
 
-class EngineStartError(RuntimeError):
+class EngineStartError(AgentrlError, RuntimeError):
     """The engine process exited or did not become healthy in time."""
 
 

@@ -20,12 +20,14 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+from agentrl.errors import AgentrlError
+
 log = logging.getLogger(__name__)
 
 Task = dict[str, Any]
 
 
-class TaskSourceError(ValueError):
+class TaskSourceError(AgentrlError, ValueError):
     """A task source could not be read (bad file, bad record, missing optional package)."""
 
 

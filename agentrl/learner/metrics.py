@@ -20,6 +20,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any, Protocol
 
+from agentrl.errors import AgentrlError
+
 log = logging.getLogger(__name__)
 
 # The gauges every learner exposes (and their help text); any other numeric metric of a step is
@@ -36,7 +38,7 @@ HEADLINE = {
 }
 
 
-class MissingExtra(RuntimeError):
+class MissingExtra(AgentrlError, RuntimeError):
     """An optional writer was asked for but its package is not installed."""
 
 

@@ -133,7 +133,7 @@ class ServeSource:
         from agentrl.weights import EnginesFailed, WeightTransferError
 
         try:
-            if policy is not None:  # that policy's adapter (the adapter transport alone takes a policy)
+            if policy is not None:  # a named policy: its adapter (the adapter transport alone carries one)
                 return await self.transport.publish(state, version, policy=policy)
             return await self.transport.publish(state, version)
         except EnginesFailed as e:

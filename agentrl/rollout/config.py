@@ -75,7 +75,8 @@ class ProgramScaffold:
     a few such, plus its episode's OPENAI_* and AGENTRL_* variables; never serve's secrets)."""
 
 
-Scaffold = LoopScaffold | FunctionScaffold | ProgramScaffold
+# the config of who plays; the player itself is :data:`agentrl.rollout.scaffold.Scaffold`
+ScaffoldConfig = LoopScaffold | FunctionScaffold | ProgramScaffold
 
 
 @dataclass

@@ -23,18 +23,21 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from agentrl.buffer.sample import POLICY_KEY, Sample
 from agentrl.env import make
 from agentrl.env.base import MIX_TAG, Played, PlayingEnv
-from agentrl.errors import EnvironmentFailure, ErrorKind, ScaffoldError, TransportError
+from agentrl.errors import AgentrlError, EnvironmentFailure, ErrorKind, ScaffoldError, TransportError
 from agentrl.rollout.config import EpisodeLimits
 from agentrl.rollout.protocols import ChatClient
 from agentrl.router.errors import EngineError, InvalidRequest, RouterError
 from agentrl.router.sessions import SessionSummary
-from agentrl.sandbox.attach import attached
+from agentrl.sandbox.attach import ImagePools, attached
 from agentrl.sandbox.types import SandboxError
+
+if TYPE_CHECKING:
+    from agentrl.sandbox.pool import SandboxPool
 
 log = logging.getLogger(__name__)
 
@@ -111,7 +114,8 @@ def _clean(message: dict[str, Any]) -> dict[str, Any]:
 
 
 async def run_episode(client: ChatClient, env_name: str, task: dict[str, Any], *, group_id: str,
-                      env_config: dict[str, Any] | None = None, sandbox_pool: Any = None,
+                      env_config: dict[str, Any] | None = None,
+                      sandbox_pool: SandboxPool | ImagePools | None = None,
                       limits: EpisodeLimits | None = None) -> EpisodeResult:
     limits = limits or EpisodeLimits()
     ep = EpisodeResult(episode_id=uuid.uuid4().hex, group_id=group_id, env=env_name,
@@ -156,8 +160,9 @@ async def finish_samples(client: ChatClient, ep: EpisodeResult,
 
 
 @contextlib.asynccontextmanager
-async def episode_env(env_name: str, env_config: dict[str, Any], sandbox_pool: Any,
-                      ep: EpisodeResult, task: dict[str, Any] | None = None) -> AsyncIterator[Any]:
+async def episode_env(env_name: str, env_config: dict[str, Any],
+                      sandbox_pool: SandboxPool | ImagePools | None, ep: EpisodeResult,
+                      task: dict[str, Any] | None = None) -> AsyncIterator[Any]:
     """The episode's environment, with its sandbox attached when it names an image; both are
     released on the way out, cancellation included. A failure to build one is EnvironmentFailure."""
     try:
@@ -173,7 +178,8 @@ async def episode_env(env_name: str, env_config: dict[str, Any], sandbox_pool: A
 
 
 async def _episode_body(client: ChatClient, env_name: str, task: dict[str, Any], env_config: dict[str, Any],
-                        sandbox_pool: Any, limits: EpisodeLimits, ep: EpisodeResult) -> None:
+                        sandbox_pool: SandboxPool | ImagePools | None, limits: EpisodeLimits,
+                        ep: EpisodeResult) -> None:
     policy = str(task.get(POLICY_KEY) or "")  # a named LoRA policy plays the task (serve.policies)
     if policy:
         ep.info[POLICY_KEY] = policy
@@ -242,7 +248,7 @@ async def _episode_body(client: ChatClient, env_name: str, task: dict[str, Any],
                 return
 
 
-class LimitReached(Exception):
+class LimitReached(AgentrlError):
     """A playing environment asked for a call beyond the episode's turn or token budget."""
 
     def __init__(self, truncation: str) -> None:
@@ -360,7 +366,7 @@ class EpisodeLoop:
     env_name: str
     env_config: dict[str, Any]
     limits: EpisodeLimits
-    sandbox_pool: Any = None
+    sandbox_pool: SandboxPool | ImagePools | None = None
 
     async def __call__(self, task: dict[str, Any], group_id: str) -> EpisodeResult:
         raise NotImplementedError

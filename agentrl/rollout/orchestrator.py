@@ -92,7 +92,7 @@ class Orchestrator:
         self._tasks: set[asyncio.Task] = set()
         self._started = 0
         self._infra_failures = 0  # consecutive episodes that failed at an infrastructure boundary
-        self.frontier = frontier  # needs a sink with group_progress (serve's own buffer)
+        self.frontier = frontier  # needs a sink that is a GroupLedger (serve's own buffer)
         self._cursor = 0  # index in the task stream of the next task drawn
         self.resumed = {"groups": 0, "episodes": 0}
 

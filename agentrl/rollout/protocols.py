@@ -7,6 +7,9 @@
 - :class:`BufferSink`: where finished episodes' samples go, with admission control. Serve's
   buffer in-process (:class:`agentrl.buffer.Buffer`) or over HTTP
   (:class:`agentrl.rollout.remote.RemoteBuffer`).
+- :class:`GroupLedger`: a sink that remembers, across restarts, how many of each group's episodes
+  it took: serve's own buffer (:class:`agentrl.buffer.Buffer`, :class:`agentrl.buffer.PolicyBuffers`),
+  not one over HTTP. Only with one can the rollout keep a task frontier and resume open groups.
 - :class:`EpisodeProducer`: who plays one episode of a task: the built-in agent loop
   (:class:`agentrl.rollout.episode.BuiltinLoop`) or an external scaffold
   (:class:`agentrl.rollout.scaffold.ScaffoldLoop`). One call: ``await producer(task, group_id)``.
@@ -16,7 +19,7 @@ The orchestrator and the builder see only these.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
     from agentrl.buffer.sample import Sample
@@ -44,6 +47,12 @@ class BufferSink(Protocol):
 
     async def put(self, samples: list[Sample]) -> int:
         """Store an episode's samples (idempotent by sample id); how many were new."""
+
+
+@runtime_checkable
+class GroupLedger(Protocol):
+    async def group_progress(self, group_id: str) -> int:
+        """How many of the group's episodes the sink took, or the group size once it is closed."""
 
 
 class EpisodeProducer(Protocol):

@@ -18,10 +18,16 @@ import asyncio
 import contextlib
 import dataclasses
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from agentrl.errors import EnvironmentFailure
 from agentrl.sandbox.types import SandboxConfig
+
+if TYPE_CHECKING:
+    from agentrl.sandbox.handle import Sandbox
+    from agentrl.sandbox.pool import SandboxPool
+
+E = TypeVar("E")  # an environment: anything with ``sandbox_image`` (and a ``sandbox`` to set)
 
 
 class ImagePools:
@@ -30,10 +36,10 @@ class ImagePools:
 
     def __init__(self, images: list[str], cfg: SandboxConfig, instance_id: str) -> None:
         self.images, self.cfg, self.instance_id = images, cfg, instance_id
-        self.pools: dict[str, Any] = {}
+        self.pools: dict[str, SandboxPool] = {}
         self._lock = asyncio.Lock()
 
-    async def pool(self, image: str) -> Any:
+    async def pool(self, image: str) -> SandboxPool:
         if image not in self.images:
             raise EnvironmentFailure(f"image {image!r} is not one of the environment's declared images")
         async with self._lock:
@@ -47,7 +53,7 @@ class ImagePools:
             return self.pools[image]
 
     @contextlib.asynccontextmanager
-    async def acquire(self, image: str) -> AsyncIterator[Any]:
+    async def acquire(self, image: str) -> AsyncIterator[Sandbox]:
         async with (await self.pool(image)).acquire() as sandbox:
             yield sandbox
 
@@ -56,7 +62,8 @@ class ImagePools:
             await pool.close()
 
 
-async def pool_for(image: str | None, cfg: SandboxConfig | None, instance_id: str) -> Any:
+async def pool_for(image: str | None, cfg: SandboxConfig | None,
+                   instance_id: str) -> SandboxPool | ImagePools | None:
     """A started :class:`~agentrl.sandbox.pool.SandboxPool` of ``image`` with ``cfg``'s limits, an
     :class:`ImagePools` when ``image`` lists several, or None when the environment needs no sandbox."""
     if not image:
@@ -72,7 +79,8 @@ async def pool_for(image: str | None, cfg: SandboxConfig | None, instance_id: st
 
 
 @contextlib.asynccontextmanager
-async def attached(env: Any, pool: Any, task: dict[str, Any] | None = None) -> AsyncIterator[Any]:
+async def attached(env: E, pool: SandboxPool | ImagePools | None,
+                   task: dict[str, Any] | None = None) -> AsyncIterator[E]:
     """``env`` with a sandbox from ``pool`` as ``env.sandbox`` when it declares an image (else as it is);
     the sandbox goes back to the pool on the way out, cancellation included. Where the image
     depends on the task (``env.sandbox_image_for(task)``: one of several, or none for a task of a

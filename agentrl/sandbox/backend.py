@@ -1,6 +1,6 @@
 """The backend interface (what Docker and bubblewrap each implement) and process-ownership helpers.
 
-A backend makes and destroys raw sandboxes: an id plus an `AgentChannel` to the exec agent running
+A backend makes and destroys raw sandboxes: an id plus an `ExecChannel` to the exec daemon (execd) running
 inside. Pooling, reuse and accounting live above it, in pool.py.
 
 Invariants: every sandbox a backend creates is findable from the owning instance id (Docker labels,
@@ -16,7 +16,7 @@ import socket
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
-from agentrl.sandbox.channel import AgentChannel
+from agentrl.sandbox.channel import ExecChannel
 from agentrl.sandbox.types import SandboxConfig
 
 
@@ -25,7 +25,7 @@ class Slot:
     """One live sandbox as the pool holds it, across the episodes that reuse it."""
 
     id: str
-    channel: AgentChannel
+    channel: ExecChannel
     uses: int = 0
     extra: dict = field(default_factory=dict)
 

@@ -14,7 +14,7 @@ Invariants:
   the kernel checks by uid, /proc/sys/kernel/core_pattern among them, becomes writable.)
 - /proc/sys and /dev are read-only; /dev/shm and /dev/mqueue are the sandbox's own mounts, which
   the agent empties at reset. Nested user namespaces are refused (`--disable-userns`).
-- The agent is pid 1 (`--as-pid-1`): no bwrap init holds its stdin/stdout (see agent.py).
+- The agent is pid 1 (`--as-pid-1`): no bwrap init holds its stdin/stdout (see execd.py).
 - `--die-with-parent`: if the owning process dies, every sandbox it started dies with it.
 - Each sandbox's cgroup lives under `agentrl/<owner pid>.<owner start ticks>/`, so a later process
   can find and remove what a dead owner left (`reap_stale`).
@@ -35,7 +35,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 from agentrl.sandbox.backend import SandboxBackend, Slot, process_start_ticks
-from agentrl.sandbox.channel import AgentChannel, agent_source
+from agentrl.sandbox.channel import ExecChannel, execd_source
 from agentrl.sandbox.types import SandboxConfig, SandboxError
 
 log = logging.getLogger(__name__)
@@ -232,7 +232,7 @@ class BubblewrapBackend(SandboxBackend):
         if oom_file is not None:
             argv += ["--ro-bind", str(oom_file), "/run/agentrl/oom", "--setenv", "AGENTRL_OOM_FILE", "/run/agentrl/oom"]
         argv += ["--remount-ro", "/"]  # bwrap's root tmpfs would otherwise be writable (and ours)
-        return [*argv, "--", self._python, "-u", "-I", "-c", agent_source()]
+        return [*argv, "--", self._python, "-u", "-I", "-c", execd_source()]
 
     async def create(self) -> Slot:
         async with self._create_sem:
@@ -268,7 +268,7 @@ class BubblewrapBackend(SandboxBackend):
                 raise SandboxError(f"could not start bwrap: {e}") from e
             self._procs[sid] = proc
             assert proc.stdout is not None and proc.stdin is not None
-            channel = AgentChannel(_chunks(proc.stdout), proc.stdin, sid)
+            channel = ExecChannel(_chunks(proc.stdout), proc.stdin, sid)
             try:
                 await channel.wait_ready(self.cfg.start_timeout_s)
             except BaseException as e:

@@ -1,8 +1,8 @@
-"""Host side of the exec agent's protocol (see agent.py): framed literal requests over one byte stream.
+"""Host side of the exec daemon's protocol (see execd.py): framed literal requests over one byte stream.
 
 Invariants: every request gets a fresh id and one future; when the stream ends or breaks, every
 pending future fails with SandboxError and the channel stays closed. A call that outlives its
-timeout raises `AgentTimeout` (the caller treats the sandbox as broken and replaces it).
+timeout raises `ExecdTimeout` (the caller treats the sandbox as broken and replaces it).
 """
 
 from __future__ import annotations
@@ -24,17 +24,17 @@ log = logging.getLogger(__name__)
 
 
 @cache
-def agent_source() -> str:
-    """The agent's source, passed to ``python3 -c`` so that any image with python3 can run it."""
-    return (Path(__file__).with_name("agent.py")).read_text()
+def execd_source() -> str:
+    """The exec daemon's source, passed to ``python3 -c`` so that any image with python3 can run it."""
+    return (Path(__file__).with_name("execd.py")).read_text()
 
 
-class AgentTimeout(SandboxError):
-    """The agent did not answer in time: it is hung or its sandbox is starved."""
+class ExecdTimeout(SandboxError):
+    """The exec daemon did not answer in time: it is hung or its sandbox is starved."""
 
 
-class AgentChannel:
-    """Talks to one agent. `chunks` yields the agent's stdout bytes; `writer` is its stdin."""
+class ExecChannel:
+    """Talks to one exec daemon. `chunks` yields its stdout bytes; `writer` is its stdin."""
 
     def __init__(self, chunks: AsyncIterator[bytes], writer: asyncio.StreamWriter, name: str) -> None:
         self.name = name
@@ -52,11 +52,11 @@ class AgentChannel:
 
     async def wait_ready(self, timeout: float) -> dict[str, Any]:
         """The agent's first message. Raises SandboxError when it refused to run (it could not
-        protect itself from the commands it would run, see agent.py) or did not start in time."""
+        protect itself from the commands it would run, see execd.py) or did not start in time."""
         try:
             msg = await asyncio.wait_for(asyncio.shield(self._ready), timeout)
         except TimeoutError:
-            raise AgentTimeout(f"sandbox {self.name}: agent did not start within {timeout:.0f}s") from None
+            raise ExecdTimeout(f"sandbox {self.name}: agent did not start within {timeout:.0f}s") from None
         if not msg.get("ready"):
             raise SandboxError(f"sandbox {self.name}: agent refused to start: {msg.get('error')}")
         return msg
@@ -75,7 +75,8 @@ class AgentChannel:
             await self._writer.drain()
             return await asyncio.wait_for(asyncio.shield(fut), wait)
         except TimeoutError:
-            raise AgentTimeout(f"sandbox {self.name}: agent gave no answer to {op!r} in {wait:.1f}s") from None
+            raise ExecdTimeout(f"sandbox {self.name}: agent gave no answer to {op!r} in {wait:.1f}s"
+                               ) from None
         except (ConnectionError, OSError) as e:
             self._fail(f"connection to agent lost ({e!r})")
             raise SandboxError(f"sandbox {self.name}: connection to agent lost: {e!r}") from e

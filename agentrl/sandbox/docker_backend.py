@@ -24,7 +24,7 @@ import time
 from typing import Any
 
 from agentrl.sandbox.backend import SandboxBackend, Slot, owner_is_dead, owner_labels
-from agentrl.sandbox.channel import AgentChannel, agent_source
+from agentrl.sandbox.channel import ExecChannel, execd_source
 from agentrl.sandbox.docker_api import DockerAPI, remove_by_label
 from agentrl.sandbox.types import SandboxConfig, SandboxError
 
@@ -60,7 +60,7 @@ class DockerBackend(SandboxBackend):
         tmpfs = f"rw,exec,size={cfg.work_size_mb}m,mode=1777"
         return {
             "Image": cfg.image,
-            "Cmd": ["python3", "-u", "-I", "-c", agent_source()],
+            "Cmd": ["python3", "-u", "-I", "-c", execd_source()],
             "User": cfg.user,
             # No WorkingDir: with it, Docker re-creates /work as root 0755 over the tmpfs mode.
             # The agent chdirs to /work itself.
@@ -116,7 +116,7 @@ class DockerBackend(SandboxBackend):
             cid = await asyncio.shield(_tracked(self.api.create(self.container_spec()), self._creating))
             try:
                 chunks, writer = await self.api.attach(cid)
-                channel = AgentChannel(chunks, writer, cid[:12])
+                channel = ExecChannel(chunks, writer, cid[:12])
                 await self.api.start(cid)
                 await channel.wait_ready(self.cfg.start_timeout_s)
             except BaseException:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from agentrl.sandbox.backend import Slot
-from agentrl.sandbox.channel import AgentTimeout
+from agentrl.sandbox.channel import ExecdTimeout
 from agentrl.sandbox.stats import PoolStats
 from agentrl.sandbox.types import ExecResult, SandboxConfig, SandboxError
 
@@ -65,7 +65,7 @@ class Sandbox:
         self.inflight += 1
         try:
             msg = await self._slot.channel.call(op, wait, **fields)
-        except AgentTimeout:
+        except ExecdTimeout:
             self.taint = f"agent did not answer {op!r}"
             if op != "exec":  # exec reports it as a timed-out ExecResult instead
                 self._stats.infra_errors += 1
@@ -93,7 +93,7 @@ class Sandbox:
         try:
             msg = await self._call("exec", limit + AGENT_GRACE_S, cmd=_cmd(cmd), timeout=limit, cwd=cwd,
                                    env=env or {}, stdin=data, max_output=self._cfg.max_output_bytes)
-        except AgentTimeout:
+        except ExecdTimeout:
             # The agent itself is stuck (or starved): report a timeout; the pool replaces the box.
             self._stats.timeouts += 1
             return ExecResult(124, "", "sandbox agent did not answer; command abandoned\n",

@@ -17,14 +17,19 @@ import os
 import re
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from agentrl.env.base import MIX_TAG
-from agentrl.errors import ConfigError, TransportError
+from agentrl.errors import AgentrlError, ConfigError, TransportError
 from agentrl.scoring.config import JudgeConfig, ScoringConfig
 from agentrl.scoring.registry import Scorer, Splitter, get_scorer, splitter_of, whole_turn
+
+if TYPE_CHECKING:
+    from agentrl.buffer.sample import Sample
+    from agentrl.rollout.episode import EpisodeResult
+    from agentrl.scoring.teacher import Teacher
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +37,7 @@ _GRADE = re.compile(r"-?\d+")
 _LINE = re.compile(r"^\s*(?:answer\s*)?(\d+)\s*[:.)=-]\s*(-?\d+)", re.IGNORECASE)
 
 
-def _turn_spans(samples: list[Any]) -> list[tuple[int, int, int]]:
+def _turn_spans(samples: list[Sample]) -> list[tuple[int, int, int]]:
     """(sample index, start, end) of each generated turn: the runs of a nonzero loss mask, sample
     after sample, in order."""
     spans = []
@@ -43,13 +48,13 @@ def _turn_spans(samples: list[Any]) -> list[tuple[int, int, int]]:
     return spans
 
 
-def generated_turns(episode: Any) -> list[list[int]]:
+def generated_turns(episode: EpisodeResult) -> list[list[int]]:
     """The token ids of each turn the model generated in ``episode``, in order: what a per-turn
     scorer returns one reward for (decode them with the served model's tokenizer)."""
     return [episode.samples[i].token_ids[a:b].tolist() for i, a, b in _turn_spans(episode.samples)]
 
 
-def _segment_spans(samples: list[Any], split: Splitter) -> list[tuple[int, int, int]]:
+def _segment_spans(samples: list[Sample], split: Splitter) -> list[tuple[int, int, int]]:
     """(sample index, start, end) of each segment: every generated turn cut at the end offsets
     ``split`` gives for it (the turn's end always one). Raises ValueError on offsets that are not
     increasing whole numbers within the turn."""
@@ -69,14 +74,15 @@ def _segment_spans(samples: list[Any], split: Splitter) -> list[tuple[int, int, 
     return spans
 
 
-def generated_segments(episode: Any, split: Splitter) -> list[list[int]]:
+def generated_segments(episode: EpisodeResult, split: Splitter) -> list[list[int]]:
     """The token ids of each segment of the turns the model generated in ``episode``, in order, as
     ``split`` cuts them (:func:`~agentrl.scoring.registry.split_text`, ...): what a scorer
     registered with that ``split`` returns one reward for."""
     return [episode.samples[i].token_ids[a:b].tolist() for i, a, b in _segment_spans(episode.samples, split)]
 
 
-def place_turn_rewards(samples: list[Any], rewards: Any, weight: float, split: Splitter = whole_turn) -> float:
+def place_turn_rewards(samples: list[Sample], rewards: Any, weight: float,
+                       split: Splitter = whole_turn) -> float:
     """A process scorer's ``rewards`` (times ``weight``), one per segment (per generated turn unless
     ``split`` cuts the turns finer), added to the samples' ``token_rewards`` on the last token of
     each segment. The generated turns are the runs of a nonzero loss mask, sample after sample, in
@@ -97,7 +103,7 @@ def place_turn_rewards(samples: list[Any], rewards: Any, weight: float, split: S
     return float(np.mean(rewards)) if len(rewards) else 0.0
 
 
-class ScoringFailure(Exception):
+class ScoringFailure(AgentrlError):
     """One scorer could not score one episode (the message says which and why); ``outage`` when
     its endpoint could not be reached or answered 5xx / 429 after its retries."""
 
@@ -140,7 +146,7 @@ class Judge:
         grades = "|".join(str(g) for g in range(cfg.scale, -1, -1))  # longest first: 10 before 1
         self._grades = f"(?:{grades})"
 
-    async def __call__(self, task: dict[str, Any], episode: Any) -> float:
+    async def __call__(self, task: dict[str, Any], episode: EpisodeResult) -> float:
         c = self.cfg
         prompt = _fill(c.rubric, task=task_text(task), answer=episode.answer or "(no answer)", scale=str(c.scale))
         text = await self._ask(prompt, {"choice": [str(g) for g in range(c.scale + 1)]}, c.max_tokens)
@@ -187,7 +193,7 @@ class _Group:
     (failed ones included); the one judge call's grades are shared by the members."""
 
     expected: int
-    arrived: list[Any] = field(default_factory=list)
+    arrived: list[EpisodeResult] = field(default_factory=list)
     complete: asyncio.Event = field(default_factory=asyncio.Event)
     call: asyncio.Future | None = None  # the judge's call, made once for the members present
     graded: list[str] = field(default_factory=list)  # episode ids in the order the judge saw them
@@ -198,7 +204,7 @@ class ScoringStage:
     fail it with kind ``scoring``. At most ``concurrency`` episodes are scored at once."""
 
     def __init__(self, cfg: ScoringConfig, scorers: dict[str, tuple[Scorer, float]] | None = None, *,
-                 group_size: int = 1, teacher: Any = None, env_name: str = "",
+                 group_size: int = 1, teacher: Teacher | None = None, env_name: str = "",
                  judge_endpoint: tuple[str, str, str] | None = None) -> None:
         """``teacher``: the teacher scorer when it is not ``cfg.teacher.url``'s (self-distillation's).
         ``judge_endpoint``: (base URL, key, model) of serve's own engine, for ``cfg.judge.engine``.
@@ -247,7 +253,8 @@ class ScoringStage:
         self.per_scorer: dict[str, dict[str, float]] = {
             name: {"calls": 0, "failures": 0, "seconds": 0.0, "reward_sum": 0.0} for name in scorers}
 
-    async def __call__(self, task: dict[str, Any], episode: Any, members: int | None = None) -> None:
+    async def __call__(self, task: dict[str, Any], episode: EpisodeResult,
+                       members: int | None = None) -> None:
         """Score ``episode``; ``members``: how many episodes its group plays here (a group judge
         waits for them; default the configured group size)."""
         group = self._arrive(episode, members) if self.group_judge is not None else None
@@ -300,7 +307,7 @@ class ScoringStage:
                 if self.env_of.get(name, env) == env and not (name == "teacher" and env in self.cfg.teachers)}
 
     # -- group mode: a group's members graded together, in one judge call ----------------------------
-    def _arrive(self, episode: Any, members: int | None) -> _Group:
+    def _arrive(self, episode: EpisodeResult, members: int | None) -> _Group:
         gid = episode.group_id
         group = self._groups.get(gid)
         if group is None:
@@ -331,7 +338,7 @@ class ScoringStage:
         finally:
             self.counters["waiting_for_group"] -= 1
 
-    async def _graded_in_group(self, task: dict[str, Any], episode: Any) -> float:
+    async def _graded_in_group(self, task: dict[str, Any], episode: EpisodeResult) -> float:
         group = self._member_of.pop(episode.episode_id)
         if group.call is None:  # the first member here asks the judge for the whole group
             assert self.group_judge is not None
@@ -352,7 +359,7 @@ class ScoringStage:
                 total += weight * value
         return total
 
-    async def _one(self, name: str, fn: Scorer, task: dict[str, Any], episode: Any) -> float:
+    async def _one(self, name: str, fn: Scorer, task: dict[str, Any], episode: EpisodeResult) -> float:
         stats = self.per_scorer[name]
         stats["calls"] += 1
         t0 = time.monotonic()

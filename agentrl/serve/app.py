@@ -21,13 +21,26 @@ import signal
 import socket
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
 from agentrl.credentials import find_api_keys, settle_admin_token
 from agentrl.serve.config import ServeConfig, redacted
 from agentrl.web import listen_when_free
+
+if TYPE_CHECKING:
+    from agentrl.buffer import Buffer, PolicyBuffers
+    from agentrl.engines.vllm import VLLMEngine
+    from agentrl.rollout.orchestrator import Orchestrator
+    from agentrl.router import EnginePool, Router
+    from agentrl.sandbox.attach import ImagePools
+    from agentrl.sandbox.pool import SandboxPool
+    from agentrl.serve.local import LocalEngines
+    from agentrl.serve.ray import RayCluster
+    from agentrl.serve.teacher_engine import TeacherEngine
+    from agentrl.view.routes import ViewState
+    from agentrl.weights import EngineUpdater, WeightReceiver
 
 log = logging.getLogger(__name__)
 _progress = logging.getLogger("agentrl.progress")
@@ -63,18 +76,29 @@ def weights_cap(model_path: str) -> int:
 
 
 class Serve:
+    """One serve process. Its parts are None until ``start`` has built them (in the order of the
+    module doc); ``close`` stops those that were built, so a start that failed half way cleans up."""
+
     def __init__(self, cfg: ServeConfig) -> None:
         self.cfg = cfg
         self.run_dir = Path(cfg.run_dir)
-        self.local: Any = None  # agentrl.serve.local.LocalEngines when serve launched its engines
-        self.pool: Any = None
-        self.router: Any = None
-        self.sandbox_pool: Any = None
-        self.buffer: Any = None
-        self.policy_weights: dict[str, Any] = {}  # named LoRA policies: policy -> its WeightReceiver
-        self.orchestrator: Any = None  # the agent loops here; None under Ray (the workers play)
-        self.cluster: Any = None  # agentrl.serve.ray.RayCluster with ray.address
-        self.teacher_engine: Any = None  # agentrl.serve.teacher_engine.TeacherEngine: a teacher serve launches
+        self.admin_token = ""
+        self.api_keys: frozenset[str] = frozenset()
+        self.view: ViewState | None = None
+        self.model_path: str | None = None  # the model's folder, once resolved
+        self.engine_key = ""  # the key of the engines serve launches ("" for engine.urls)
+        self.local: LocalEngines | None = None  # when serve launched its engines
+        self.pool: EnginePool | None = None
+        self.updater: EngineUpdater | None = None
+        self.router: Router | None = None
+        # None also when the environment needs no sandbox
+        self.sandbox_pool: SandboxPool | ImagePools | None = None
+        self.buffer: Buffer | PolicyBuffers | None = None
+        self.weights: WeightReceiver | None = None  # the default policy's uploads
+        self.policy_weights: dict[str, WeightReceiver] = {}  # named LoRA policies: policy -> its receiver
+        self.orchestrator: Orchestrator | None = None  # the agent loops here; None under Ray (workers play)
+        self.cluster: RayCluster | None = None  # with ray.address
+        self.teacher_engine: TeacherEngine | None = None  # a teacher serve launches
         self._runner: web.AppRunner | None = None
         self._rollout_task: asyncio.Task | None = None
         self._metrics_task: asyncio.Task | None = None
@@ -88,7 +112,7 @@ class Serve:
         return f"http://{self.cfg.router.host}:{self.cfg.router.port}"
 
     @property
-    def engines(self) -> list[Any]:
+    def engines(self) -> list[VLLMEngine]:
         """The engine processes serve launched (none with ``engine.urls`` or under Ray)."""
         return self.local.engines if self.local is not None else []
 
@@ -110,7 +134,7 @@ class Serve:
         from agentrl.view import serve_view
 
         # the read-only web view, on the start-up app and the real one (the model folder once known)
-        self.view = serve_view(self.run_dir, self.admin_token, lambda: getattr(self, "model_path", None))
+        self.view = serve_view(self.run_dir, self.admin_token, lambda: self.model_path)
         await self._serve_startup_status()
         self._phase(f"preparing the model {cfg.model}")
         self.model_path = await asyncio.to_thread(resolve_model, cfg.model)

@@ -13,18 +13,27 @@ import dataclasses
 import json
 import os
 import secrets
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from agentrl.rollout.config import FunctionScaffold, ProgramScaffold
+from agentrl.rollout.protocols import GroupLedger
 from agentrl.serve.config import ServeConfig
 
 if TYPE_CHECKING:
+    from agentrl.buffer import Buffer, PolicyBuffers
+    from agentrl.buffer.config import BufferConfig
     from agentrl.engines.vllm import EngineSpec
     from agentrl.rollout.orchestrator import Orchestrator
     from agentrl.rollout.protocols import BufferSink, ChatClient, EpisodeProducer
+    from agentrl.rollout.scaffold import Scaffold
     from agentrl.router import EnginePool, Router
+    from agentrl.sandbox.attach import ImagePools
+    from agentrl.sandbox.pool import SandboxPool
     from agentrl.scoring.stage import ScoringStage
+    from agentrl.scoring.teacher import Teacher
+    from agentrl.serve.local import RestartPolicy
 
 
 def import_user_code(cfg: ServeConfig) -> None:
@@ -53,7 +62,7 @@ def engine_specs(cfg: ServeConfig, model_path: str, api_key: str = "") -> list[E
             for i in range(cfg.engine.count)]
 
 
-def restart_policy(cfg: ServeConfig) -> Any:
+def restart_policy(cfg: ServeConfig) -> RestartPolicy:
     """How serve relaunches an engine it launched that died (the ``engine`` section's restart fields)."""
     from agentrl.serve.local import RestartPolicy
 
@@ -81,12 +90,12 @@ def build_router(cfg: ServeConfig, pool: EnginePool, model_path: str, run_dir: P
                   policies=list(cfg.policies))
 
 
-def buffer_config(cfg: ServeConfig, run_dir: Path) -> Any:
+def buffer_config(cfg: ServeConfig, run_dir: Path) -> BufferConfig:
     """The buffer's config: the ``buffer`` section, its log under the run directory, groups of ``env.group_size``."""
     return dataclasses.replace(cfg.buffer, path=str(run_dir / "buffer"), group_size=cfg.env.group_size)
 
 
-def build_buffer(cfg: ServeConfig, run_dir: Path) -> Any:
+def build_buffer(cfg: ServeConfig, run_dir: Path) -> Buffer | PolicyBuffers:
     """The buffer: one, or one stream per named policy (:class:`~agentrl.buffer.PolicyBuffers`)."""
     from agentrl.buffer import Buffer, PolicyBuffers
 
@@ -102,14 +111,14 @@ def sandbox_image(cfg: ServeConfig) -> str | None:
     return sandbox_image_of(cfg.env.name, cfg.env.config)
 
 
-async def build_sandbox_pool(cfg: ServeConfig, instance: str) -> Any:
+async def build_sandbox_pool(cfg: ServeConfig, instance: str) -> SandboxPool | ImagePools | None:
     """A started sandbox pool for the configured environment, or None when it needs no sandbox."""
     from agentrl.sandbox.attach import pool_for
 
     return await pool_for(sandbox_image(cfg), cfg.sandbox, f"{instance}-{os.getpid()}-{secrets.token_hex(3)}")
 
 
-def load_scaffold_of(cfg: ServeConfig) -> Any:
+def load_scaffold_of(cfg: ServeConfig) -> Scaffold | None:
     """The configured external scaffold (loaded now, so a bad one fails before engines start), or None."""
     from agentrl.rollout.scaffold import load_scaffold
 
@@ -128,8 +137,8 @@ def scaffold_url(cfg: ServeConfig) -> str:
     return f"http://{host}:{cfg.router.port}"
 
 
-def build_producer(cfg: ServeConfig, client: ChatClient, sandbox_pool: Any, *, scaffold: Any = None,
-                   router_url: str = "") -> EpisodeProducer:
+def build_producer(cfg: ServeConfig, client: ChatClient, sandbox_pool: SandboxPool | ImagePools | None, *,
+                   scaffold: Scaffold | None = None, router_url: str = "") -> EpisodeProducer:
     """Who plays the episodes: the built-in agent loop, or the configured scaffold behind a session."""
     from agentrl.rollout.episode import BuiltinLoop
     from agentrl.rollout.scaffold import ScaffoldLoop
@@ -144,16 +153,19 @@ def build_producer(cfg: ServeConfig, client: ChatClient, sandbox_pool: Any, *, s
 
 def build_orchestrator(cfg: ServeConfig, producer: EpisodeProducer, sink: BufferSink, *, run_dir: Path | None = None,
                        max_episodes: int | None = None, max_concurrency: int | None = None,
-                       policy_version: Any = None, episode_log: Any = None, teacher: Any = None,
+                       policy_version: Callable[[], int] | None = None,
+                       episode_log: Callable[[dict[str, Any]], Any] | None = None,
+                       teacher: Teacher | None = None,
                        judge_endpoint: tuple[str, str, str] | None = None) -> Orchestrator:
     from agentrl.rollout.frontier import TaskFrontier
     from agentrl.rollout.orchestrator import Orchestrator
 
     e = cfg.env
     # serve's own rollout keeps a task frontier beside its buffer (a restart skips and repeats
-    # nothing); rollout workers on other machines share serve's buffer over HTTP and keep none
+    # nothing); rollout workers on other machines share serve's buffer over HTTP, which is no
+    # GroupLedger, and keep none
     frontier = None
-    if run_dir is not None and hasattr(sink, "group_progress"):
+    if run_dir is not None and isinstance(sink, GroupLedger):
         stream = json.dumps({"env": e.name, "config": e.config}, sort_keys=True, default=str)
         frontier = TaskFrontier(run_dir / "rollout_frontier.jsonl", fresh=not cfg.restore, stream=stream)
     return Orchestrator(producer, sink, env_name=e.name, env_config=dict(e.config), group_size=e.group_size,
@@ -164,7 +176,7 @@ def build_orchestrator(cfg: ServeConfig, producer: EpisodeProducer, sink: Buffer
                         scoring=build_scoring(cfg, teacher, judge_endpoint))
 
 
-def build_scoring(cfg: ServeConfig, teacher: Any = None,
+def build_scoring(cfg: ServeConfig, teacher: Teacher | None = None,
                   judge_endpoint: tuple[str, str, str] | None = None) -> ScoringStage | None:
     """The scoring stage ``serve.scoring`` describes, or None when it names no scorer (the
     environment's reward alone, inline, as without the stage). ``teacher``: the teacher scorer

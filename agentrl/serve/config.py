@@ -3,7 +3,7 @@
 engine -> :class:`~agentrl.engines.config.EngineConfig`, router ->
 :class:`~agentrl.router.config.RouterConfig`, env -> :class:`~agentrl.rollout.config.RolloutConfig`
 (an :class:`~agentrl.rollout.config.EpisodeLimits`), scaffold -> a tagged union
-(:data:`~agentrl.rollout.config.Scaffold`), sandbox -> :class:`~agentrl.sandbox.types.SandboxConfig`,
+(:data:`~agentrl.rollout.config.ScaffoldConfig`), sandbox -> :class:`~agentrl.sandbox.types.SandboxConfig`,
 buffer -> :class:`~agentrl.buffer.config.BufferConfig`, scoring ->
 :class:`~agentrl.scoring.config.ScoringConfig`, ray -> :class:`RayConfig`. The builder
 (:mod:`agentrl.serve.build`) hands each section to its component as it is; the few fields a
@@ -21,7 +21,7 @@ from typing import Any
 from agentrl.buffer.config import BufferConfig
 from agentrl.engines.config import EngineConfig
 from agentrl.errors import ConfigError
-from agentrl.rollout.config import LoopScaffold, RolloutConfig, Scaffold
+from agentrl.rollout.config import LoopScaffold, RolloutConfig, ScaffoldConfig
 from agentrl.router.config import RouterConfig
 from agentrl.sandbox.types import SandboxConfig
 from agentrl.scoring.config import ScoringConfig
@@ -79,7 +79,7 @@ class ServeConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
     router: RouterConfig = field(default_factory=RouterConfig)
     env: RolloutConfig = field(default_factory=RolloutConfig)
-    scaffold: Scaffold = field(default_factory=LoopScaffold)
+    scaffold: ScaffoldConfig = field(default_factory=LoopScaffold)
     sandbox: SandboxConfig = field(default_factory=SandboxConfig)
     buffer: BufferConfig = field(default_factory=BufferConfig)
     scoring: ScoringConfig = field(default_factory=ScoringConfig)

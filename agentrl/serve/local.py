@@ -36,9 +36,13 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from agentrl.engines.vllm import EngineSpec, EngineStartError, VLLMEngine, wait_ports_free
+
+if TYPE_CHECKING:
+    from agentrl.router import EnginePool
+    from agentrl.router.pool import Engine
 
 log = logging.getLogger(__name__)
 
@@ -101,7 +105,7 @@ class Supervisor:
     ``engines``, ``mark_down``, ``health`` and ``version`` (:class:`~agentrl.router.pool.EnginePool`).
     """
 
-    def __init__(self, engines: list[Any], pool: Any, policy: RestartPolicy) -> None:
+    def __init__(self, engines: list[VLLMEngine], pool: EnginePool, policy: RestartPolicy) -> None:
         self.engines, self.pool, self.policy = engines, pool, policy
         now = time.monotonic()
         self.watches = [Watch(up_since=now) for _ in engines]
@@ -196,7 +200,7 @@ class Supervisor:
                         watch.last_recovery_s, watch.restarts)
             return
 
-    async def _rejoined(self, member: Any, timeout_s: float) -> None:
+    async def _rejoined(self, member: Engine, timeout_s: float) -> None:
         """Until the pool's health check has re-admitted the engine (at the current version)."""
         deadline = time.monotonic() + timeout_s
         while not member.healthy:
@@ -236,7 +240,7 @@ class LocalEngines:
         await asyncio.gather(*(e.start(timeout_s) for e in self.engines))
         return self.urls
 
-    def supervise(self, pool: Any, policy: RestartPolicy) -> None:
+    def supervise(self, pool: EnginePool, policy: RestartPolicy) -> None:
         """Relaunch an engine that dies (see the module's docstring); ``pool.engines[i]`` is engine i."""
         self.supervisor = Supervisor(self.engines, pool, policy)
         self.supervisor.start()

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from agentrl.buffer.sample import Sample
+from agentrl.errors import AgentrlError
 from agentrl.router.sessions import CallRecord, Session
 
 log = logging.getLogger(__name__)
@@ -33,7 +34,7 @@ MAX_TEXT = 20_000
 MAX_TOKENS_PER_PAGE = 20_000
 
 
-class TooLarge(ValueError):
+class TooLarge(AgentrlError, ValueError):
     """A session file too large to show in one piece."""
 
 

@@ -40,7 +40,7 @@ import asyncio
 import logging
 import socket
 from collections.abc import Callable, Mapping
-from typing import Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 from urllib.parse import urlsplit
 
 from agentrl.errors import ConfigError
@@ -52,6 +52,10 @@ from agentrl.weights.config import (
     NcclTransportConfig,
 )
 
+if TYPE_CHECKING:
+    from agentrl.learner.lora import LoraConfig
+    from agentrl.weights.nccl import NCCLWeightSender
+
 log = logging.getLogger(__name__)
 
 
@@ -60,13 +64,23 @@ class WeightTransport(Protocol):
 
     device: Literal["cpu", "cuda"]  # where the learner gathers the full weights it passes to publish()
 
-    async def publish(self, state: Mapping[str, Any], version: int) -> dict[str, Any]:
-        """Get ``state`` into the engines as ``version``; serve's result (see the module's invariants)."""
+    async def publish(self, state: Mapping[str, Any], version: int,
+                      policy: str | None = None) -> dict[str, Any]:
+        """Get ``state`` into the engines as ``version`` of ``policy`` (None: the one policy of a
+        run without named policies); serve's result (see the module's invariants). Named policies
+        are LoRA adapters: only :class:`AdapterTransport` carries one, the others refuse it."""
         ...
 
     async def close(self) -> None:
         """Release what the transport holds (connections, a communicator); publish is not called after."""
         ...
+
+
+def _one_policy(transport: WeightTransport, policy: str | None) -> None:
+    """Refuse a named policy where the transport sends the whole model (it has one policy only)."""
+    if policy is not None:
+        raise ConfigError(f"{type(transport).__name__} sends the whole model, one policy; named policy "
+                          f"{policy!r} is a LoRA adapter: set weights.transport.kind = \"adapter\"")
 
 
 class HttpTransport:
@@ -79,9 +93,11 @@ class HttpTransport:
         self.serve_url = serve_url.rstrip("/")
         self.admin_token = admin_token
 
-    async def publish(self, state: Mapping[str, Any], version: int) -> dict[str, Any]:
+    async def publish(self, state: Mapping[str, Any], version: int,
+                      policy: str | None = None) -> dict[str, Any]:
         from agentrl.weights.transfer import publish, serialize_state_dict
 
+        _one_policy(self, policy)
         data = await asyncio.to_thread(serialize_state_dict, dict(state))  # off the loop: it copies every tensor
         c = self.cfg
         return await publish(data, version, self.serve_url, self.admin_token, timeout_s=c.timeout_s,
@@ -107,9 +123,9 @@ class NcclTransport:
         self.cfg = cfg
         self.serve_url = serve_url.rstrip("/")
         self.admin_token = admin_token
-        self.sender: Any = None  # agentrl.weights.nccl.NCCLWeightSender, made on first publish
+        self.sender: NCCLWeightSender | None = None  # made on first publish
 
-    def _sender(self) -> Any:
+    def _sender(self) -> NCCLWeightSender:
         from agentrl.weights.nccl import NCCLWeightSender, require_nccl
 
         require_nccl()  # before anything else: a clear error, never a rendezvous that cannot complete
@@ -122,7 +138,9 @@ class NcclTransport:
                                            packed_num_buffers=c.packed_buffers, timeout_s=c.timeout_s)
         return self.sender
 
-    async def publish(self, state: Mapping[str, Any], version: int) -> dict[str, Any]:
+    async def publish(self, state: Mapping[str, Any], version: int,
+                      policy: str | None = None) -> dict[str, Any]:
+        _one_policy(self, policy)
         return await self._sender().publish(state.items(), version)
 
     async def close(self) -> None:
@@ -139,8 +157,8 @@ class AdapterTransport:
 
     device: Literal["cpu", "cuda"] = "cpu"
 
-    def __init__(self, cfg: AdapterTransportConfig, serve_url: str, admin_token: str, lora: Any = None,
-                 base_model: str = "") -> None:
+    def __init__(self, cfg: AdapterTransportConfig, serve_url: str, admin_token: str,
+                 lora: LoraConfig | None = None, base_model: str = "") -> None:
         self.cfg = cfg
         self.serve_url = serve_url.rstrip("/")
         self.admin_token = admin_token
@@ -148,7 +166,8 @@ class AdapterTransport:
         self.base_model = base_model
         self.last_bytes = 0  # the size of the last version sent (what the learner reports)
 
-    async def publish(self, state: Mapping[str, Any], version: int, policy: str | None = None) -> dict[str, Any]:
+    async def publish(self, state: Mapping[str, Any], version: int,
+                      policy: str | None = None) -> dict[str, Any]:
         """``policy``: a named policy's adapter (the learner's adapter of that name, sent to that
         policy's routes); None: the one policy's (the learner's adapter ``default``)."""
         from agentrl.weights.adapters import ADAPTER, adapter_config, adapter_state, pack_adapter
@@ -213,11 +232,13 @@ class DeltaTransport:
             self.dtype = dtype
         return self.dtype
 
-    async def publish(self, state: Mapping[str, Any], version: int) -> dict[str, Any]:
+    async def publish(self, state: Mapping[str, Any], version: int,
+                      policy: str | None = None) -> dict[str, Any]:
         from agentrl.weights import delta
         from agentrl.weights.errors import DeltaRefused, EnginesFailed, WeightTransferError
         from agentrl.weights.transfer import publish, serialize_state_dict
 
+        _one_policy(self, policy)
         c = self.cfg
         send = {"timeout_s": c.timeout_s, "attempts": c.attempts, "chunk_bytes": c.chunk_bytes,
                 "parallel": c.parallel_chunks}
@@ -262,8 +283,8 @@ TRANSPORTS: dict[str, Callable[..., WeightTransport]] = {
 
 
 def make_transport(cfg: HttpTransportConfig | NcclTransportConfig | AdapterTransportConfig | DeltaTransportConfig,
-                   serve_url: str,
-                   admin_token: str, *, lora: Any = None, base_model: str = "") -> WeightTransport:
+                   serve_url: str, admin_token: str, *, lora: LoraConfig | None = None,
+                   base_model: str = "") -> WeightTransport:
     """The learner's transport for ``weights.transport`` (``cfg``), publishing to serve at ``serve_url``;
     ``lora`` / ``base_model``: what the adapter transport describes its adapters with."""
     kind = getattr(cfg, "kind", None)

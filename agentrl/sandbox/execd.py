@@ -1,4 +1,4 @@
-"""The in-sandbox exec agent: a small stdlib-only server that runs inside every sandbox.
+"""The in-sandbox exec daemon (execd): a small stdlib-only server that runs inside every sandbox.
 
 Role: the host starts it as the sandbox's main process (``python3 -u -c <this file's source>``) and
 talks to it over the process's stdin/stdout, so a tool call costs one round trip on an already open
