@@ -100,12 +100,20 @@ def test_doctor_says_a_taken_port_is_missing(tmp_path: Path, built: str) -> None
 def test_doctor_says_an_unbuilt_model_is_missing_and_how_to_build_it(tmp_path: Path, built: str) -> None:
     cache = tmp_path / "cache"
     cache.mkdir()
-    code, lines, out = doctor(tmp_path, env={"AGENTRL_HOME": str(cache)})
+    # smollm2 is converted from its PyPI wheel, never shipped (the tiny models are: see the next test)
+    code, lines, out = doctor(tmp_path, "--serve.model=smollm2", env={"AGENTRL_HOME": str(cache)})
     assert code == 1, out
     assert missing(lines) == {"model"}, out
     line = lines["model"][1]
-    assert f"tiny-tools is not built in {cache}/models/tiny-tools" in line, line
-    assert "serve builds it on first use" in line and "fix: agentrl model build tiny-tools" in line
+    assert f"smollm2 is not built in {cache}/models/smollm2-135m" in line, line
+    assert "serve builds it on first use" in line and "fix: agentrl model build smollm2" in line
+
+
+def test_doctor_finds_a_shipped_model_that_is_not_in_the_cache_yet(tmp_path: Path, built: str) -> None:
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    code, lines, out = doctor(tmp_path, env={"AGENTRL_HOME": str(cache)})
+    assert lines["model"][0] == "ok" and "tiny-tools is shipped with agentrl" in lines["model"][1], out
 
 
 def test_doctor_says_a_run_directory_under_a_file_cannot_be_made(tmp_path: Path, built: str) -> None:
