@@ -127,7 +127,7 @@ def ship(name: str, built: Path) -> Path:
     shutil.rmtree(tmp, ignore_errors=True)
     if (built / ADAPTER_DIR).is_dir():
         tmp.mkdir(parents=True)
-        shutil.copytree(built / ADAPTER_DIR, tmp / ADAPTER_DIR)
+        shutil.copytree(built / ADAPTER_DIR, tmp / ADAPTER_DIR, ignore=shutil.ignore_patterns("README.md"))
         shutil.copy2(built / recipe_stamp(name)[0], tmp)
     else:
         shutil.copytree(built, tmp, ignore=shutil.ignore_patterns("*.lock", ".*"))
