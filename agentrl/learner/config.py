@@ -130,6 +130,7 @@ class LearnConfig:
     min_lr_ratio: float = 0.0  # floor of the decay, as a fraction of lr
     grad_clip: float = 1.0  # max global gradient norm (0: no clipping)
     micro_batch_tokens: int = 8192  # tokens per packed row; one row per forward/backward pass
+    head_chunk_tokens: int = 1024  # positions per chunk of the LM head's logits (agentrl.learner.head); 0: whole rows
     activation_checkpointing: bool = False  # recompute decoder-layer activations in backward (less memory)
     precision: Literal["auto", "bf16", "fp32"] = "auto"  # auto: bf16 compute + fp32 master weights on GPU, fp32 on CPU
     loss: Loss = field(default_factory=PGLoss)
@@ -162,6 +163,8 @@ class LearnConfig:
             raise ConfigError("lr must be positive")
         if self.micro_batch_tokens < 2:
             raise ConfigError("micro_batch_tokens must be at least 2")
+        if self.head_chunk_tokens < 0:
+            raise ConfigError("head_chunk_tokens must be >= 0 (0: the whole row's logits at once)")
         if self.warmup_steps < 0 or self.decay_steps < 0 or self.checkpoint_every < 0:
             raise ConfigError("warmup_steps, decay_steps and checkpoint_every must not be negative")
         if self.batch_size < 0 or self.max_staleness < -1:
