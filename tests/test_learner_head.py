@@ -43,7 +43,8 @@ def _random_plan(rows: int, vocab: int, targets: torch.Tensor, seed: int) -> Row
                      pen_count=torch.randint(0, 3, (pairs.shape[0],), generator=g).float(), pen_params=params)
 
 
-def _objective(logp, entropy, topk, coef):
+def _objective(logp: torch.Tensor, entropy: torch.Tensor, topk: torch.Tensor, coef: tuple) -> torch.Tensor:
+    """A scalar that weighs every per-position term differently, so each one's gradient counts."""
     return (coef[0] * logp).sum() + (coef[1] * entropy).sum() + (coef[2] * topk).sum()
 
 
@@ -126,7 +127,7 @@ def test_the_tiny_models_packed_forward_is_the_same_chunked_as_unchunked_with_it
     assert model.get_output_embeddings().weight is model.get_input_embeddings().weight  # tied
     samples = _with_topk(_behaviour_samples(5, seed=3), k=4, seed=4)
 
-    def run(chunk: int):
+    def run(chunk: int) -> tuple:
         model.zero_grad(set_to_none=True)
         out = packed_forward(model, samples, topk=True, chunk_tokens=chunk)
         mask = torch.from_numpy(np.stack([np.pad(np.asarray(s.loss_mask[1:], dtype=np.float32),
