@@ -14,7 +14,7 @@ Invariants:
   temperatures and its tokens' kept sets, :mod:`agentrl.learner.replay`) per position, so its
   logprobs are of the distribution the engine sampled and equal to each sample's own replay
   whatever it is packed with; a sample without a behaviour, or with neutral sampling, gets plain
-  ``log_softmax`` (what ``token_logprobs`` computes), bit for bit.
+  ``log_softmax`` (what ``token_logprobs`` computes; to fp32 rounding, since the head runs in chunks).
 - ``routing_replayed`` routes each packed token of an MoE model through the experts its sample
   recorded (:mod:`agentrl.learner.routing`); tokens without a record, and samples without a
   routing, are routed by the learner. Routing is per token, so packing does not change it.
