@@ -129,7 +129,15 @@ class LearnConfig:
     decay_steps: int = 0  # after warm-up, linear decay to min_lr_ratio * lr over this many steps (0: constant)
     min_lr_ratio: float = 0.0  # floor of the decay, as a fraction of lr
     grad_clip: float = 1.0  # max global gradient norm (0: no clipping)
-    micro_batch_tokens: int = 8192  # tokens per packed row; one row per forward/backward pass
+    micro_batch_tokens: int = 2048
+    """Tokens per packed row; one row per forward/backward pass. The activations of a row grow with its
+    tokens: SmolLM2-135M full fine-tuning peaked at 5.35 GB for one 2,048-token step (6.56 GB with the
+    unchunked LM head), where 8,192 tokens were OOM-killed at 24 GB before the chunked head; 8,192 tokens
+    fit in 6.63 GB with activation_checkpointing, 2.72 GB adding MALLOC_MMAP_THRESHOLD_=1048576 to the
+    environment (benchmarks/learner_memory.py, docs/learner.md)."""
+    head_chunk_tokens: int = 1024
+    """Positions per chunk of the LM head (agentrl.learner.head): about three [chunk, vocabulary] fp32
+    tensors exist at once (0.6 GB for SmolLM2's 49,152-token vocabulary); 0: the whole row's logits."""
     activation_checkpointing: bool = False  # recompute decoder-layer activations in backward (less memory)
     precision: Literal["auto", "bf16", "fp32"] = "auto"  # auto: bf16 compute + fp32 master weights on GPU, fp32 on CPU
     loss: Loss = field(default_factory=PGLoss)
@@ -162,6 +170,8 @@ class LearnConfig:
             raise ConfigError("lr must be positive")
         if self.micro_batch_tokens < 2:
             raise ConfigError("micro_batch_tokens must be at least 2")
+        if self.head_chunk_tokens < 0:
+            raise ConfigError("head_chunk_tokens must be >= 0 (0: the whole row's logits at once)")
         if self.warmup_steps < 0 or self.decay_steps < 0 or self.checkpoint_every < 0:
             raise ConfigError("warmup_steps, decay_steps and checkpoint_every must not be negative")
         if self.batch_size < 0 or self.max_staleness < -1:

@@ -14,13 +14,14 @@ Invariants:
   temperatures and its tokens' kept sets, :mod:`agentrl.learner.replay`) per position, so its
   logprobs are of the distribution the engine sampled and equal to each sample's own replay
   whatever it is packed with; a sample without a behaviour, or with neutral sampling, gets plain
-  ``log_softmax`` (what ``token_logprobs`` computes), bit for bit.
+  ``log_softmax`` (what ``token_logprobs`` computes; to fp32 rounding, since the head runs in chunks).
 - ``routing_replayed`` routes each packed token of an MoE model through the experts its sample
   recorded (:mod:`agentrl.learner.routing`); tokens without a record, and samples without a
   routing, are routed by the learner. Routing is per token, so packing does not change it.
 - Packing is a pure function of the token counts: every rank computes the same rows.
-- Logprobs are a log-softmax over fp32 logits (``.float()`` is a no-op for the fp32 logits the
-  learner's model produces; under bf16 FSDP its LM head computes in fp32, ``dist.load_model``).
+- Logprobs are a log-softmax over fp32 logits (the learner's LM head is fp32, also under bf16 FSDP,
+  ``dist.load_model``), computed a chunk of positions at a time (:mod:`agentrl.learner.head`): the
+  [N, V] logits of a whole row never exist at once.
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ import torch
 from torch import Tensor
 
 from agentrl.buffer.sample import ROUTING_DTYPES
-from agentrl.learner.replay import RowReplay, replayed_logprobs
+from agentrl.learner.head import CHUNK_TOKENS, row_terms
+from agentrl.learner.replay import RowReplay
 from agentrl.learner.routing import ReplayStats, replay_routing
 
 
@@ -130,62 +132,54 @@ def unpack_index(lengths: Sequence[int], device: torch.device | str = "cpu") -> 
 
 
 def packed_logprobs(model: Any, samples: Sequence[Any], device: torch.device | str = "cpu",
-                    replay: bool = True) -> Tensor:
+                    replay: bool = True, chunk_tokens: int = CHUNK_TOKENS) -> Tensor:
     """Next-token logprobs of ``samples`` packed into one row: :func:`packed_forward`'s ``logp``."""
-    return packed_forward(model, samples, device, replay).logp
+    return packed_forward(model, samples, device, replay, chunk_tokens=chunk_tokens).logp
 
 
 @dataclass
 class Forward:
-    """One packed forward pass: ``logp`` [S, T-1], each sampled token's logprob; ``topk`` [S, T-1,
-    k], the plain log-softmax of the teacher's top-k tokens at each position (0 where the sample
-    has none), when asked for."""
+    """One packed forward pass: ``logp`` [S, T-1], each sampled token's logprob; ``entropy`` [S, T-1],
+    the entropy of the distribution it was drawn from; ``topk`` [S, T-1, k], the plain log-softmax of
+    the teacher's top-k tokens at each position (0 where the sample has none), when asked for."""
 
     logp: Tensor
+    entropy: Tensor
     topk: Tensor | None = None
 
 
 def packed_forward(model: Any, samples: Sequence[Any], device: torch.device | str = "cpu",
-                   replay: bool = True, topk: bool = False) -> Forward:
+                   replay: bool = True, topk: bool = False, chunk_tokens: int = CHUNK_TOKENS) -> Forward:
     """Next-token logprobs of ``samples`` packed into one row, unpacked to [S, T-1] (fp32), under
     each sample's behaviour distribution (``replay=False``: plain log-softmax, as the learner
-    computed before samples recorded their sampling).
+    computed before samples recorded their sampling). The LM head runs ``chunk_tokens`` positions
+    at a time (:mod:`agentrl.learner.head`; 0: the whole row's logits at once).
 
     For samples without a behaviour, equal (to float rounding) to ``token_logprobs(model,
     **pad_batch(samples))`` on the valid positions; zero past each sample's end.
     """
     ids, pos = packed_inputs(samples, device)
-    logits = model(input_ids=ids, position_ids=pos, attention_mask=None, use_cache=False).logits
     plan = RowReplay.build(samples, device) if replay else RowReplay()
-    if plan.empty:
-        logp = torch.log_softmax(logits[0, :-1].float(), dim=-1)
-        row = logp.gather(-1, ids[0, 1:].unsqueeze(-1)).squeeze(-1)  # [N-1]; boundary entries unused
-    else:
-        row = replayed_logprobs(logits[0, :-1].float(), ids[0, 1:], plan)
+    terms = row_terms(model, ids, pos, plan, _topk_ids(samples, device) if topk else None, chunk_tokens)
     index, valid = unpack_index([len(s.token_ids) for s in samples], device)
-    out = Forward(torch.where(valid, row[index], torch.zeros((), dtype=row.dtype, device=row.device)))
-    if topk:
-        out.topk = _topk_logprobs(logits[0, :-1], samples, index, valid, device)
-    return out
+
+    def unpack(row: Tensor) -> Tensor:  # [N-1, ...] -> [S, T-1, ...]; boundary entries unused
+        mask = valid.reshape(*valid.shape, *[1] * (row.dim() - 1))
+        return torch.where(mask, row[index], torch.zeros((), dtype=row.dtype, device=row.device))
+
+    return Forward(unpack(terms.logp), unpack(terms.entropy), None if terms.topk is None else unpack(terms.topk))
 
 
-def _topk_logprobs(logits: Tensor, samples: Sequence[Any], index: Tensor, valid: Tensor,
-                   device: torch.device | str) -> Tensor:
-    """The student's log-softmax (temperature 1, the whole vocabulary) of each position's teacher
-    top-k tokens, [S, T-1, k], from the packed row's logits [N-1, V]; 0 where none. The k logits
-    less their log-sum-exp: no second [N-1, V] log-softmax beside the one the sampled tokens'
-    logprobs take."""
+def _topk_ids(samples: Sequence[Any], device: torch.device | str) -> Tensor:
+    """The teacher's top-k ids at each position of the packed row, [N-1, k] (-1 where none): packed
+    position j predicts token j + 1, whose top-k these are."""
     ids = torch.full((sum(len(s.token_ids) for s in samples), topk_width(samples)), -1, dtype=torch.long)
     at = 0
     for s in samples:
         if s.teacher_topk_ids is not None:
             ids[at : at + len(s.token_ids), : s.teacher_topk_ids.shape[1]] = torch.from_numpy(s.teacher_topk_ids)
         at += len(s.token_ids)
-    ids = ids[1:].to(device)  # packed position j predicts token j + 1, whose top-k these are
-    logits = logits.float()
-    picked = logits.gather(-1, ids.clamp(min=0)) - torch.logsumexp(logits, dim=-1, keepdim=True)
-    picked = torch.where(ids >= 0, picked, torch.zeros((), dtype=picked.dtype, device=picked.device))
-    return torch.where(valid.unsqueeze(-1), picked[index], torch.zeros((), dtype=picked.dtype, device=picked.device))
+    return ids[1:].to(device)
 
 
 def packed_routing(samples: Sequence[Any], device: torch.device | str = "cpu") -> Tensor | None:

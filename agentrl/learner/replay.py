@@ -113,6 +113,26 @@ class RowReplay:
             out.pen_params = torch.from_numpy(params).to(device)
         return out
 
+    def rows(self, start: int, stop: int) -> RowReplay:
+        """The replay of positions ``[start, stop)`` alone, counted from ``start``: what a chunk of
+        the row's positions needs (:mod:`agentrl.learner.head`)."""
+        out = RowReplay()
+        if self.temperature is not None:
+            out.temperature = self.temperature[start:stop]
+        if self.kept_rows is not None:
+            assert self.kept_ids is not None and self.kept_valid is not None
+            sel = (self.kept_rows >= start) & (self.kept_rows < stop)
+            if bool(sel.any()):
+                out.kept_rows, out.kept_ids, out.kept_valid = self.kept_rows[sel] - start, self.kept_ids[sel], \
+                    self.kept_valid[sel]
+        if self.pen_rows is not None:
+            assert self.pen_cols is not None and self.pen_count is not None and self.pen_params is not None
+            sel = (self.pen_rows >= start) & (self.pen_rows < stop)
+            if bool(sel.any()):
+                out.pen_rows, out.pen_cols = self.pen_rows[sel] - start, self.pen_cols[sel]
+                out.pen_count, out.pen_params = self.pen_count[sel], self.pen_params[sel]
+        return out
+
 
 def _penalty_entries(tokens: np.ndarray, start: int, length: int, offset: int,
                      pen: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -139,19 +159,26 @@ def behaviour_logits(logits: Tensor, plan: RowReplay) -> Tensor:
     z = logits
     if plan.pen_rows is not None:
         assert plan.pen_cols is not None and plan.pen_count is not None and plan.pen_params is not None
-        zp = z[plan.pen_rows, plan.pen_cols]
-        r = plan.pen_params[:, 2]
-        zp = zp * torch.where(zp > 0, 1.0 / r, r)
-        zp = zp - plan.pen_params[:, 1] * plan.pen_count - plan.pen_params[:, 0] * (plan.pen_count > 0)
+        zp, _ = penalised(z[plan.pen_rows, plan.pen_cols], plan)
         z = z.index_put((plan.pen_rows, plan.pen_cols), zp)
     if plan.temperature is not None:
         z = z / plan.temperature.unsqueeze(-1)
     return z
 
 
+def penalised(zp: Tensor, plan: RowReplay) -> tuple[Tensor, Tensor]:
+    """Step 1 of the module doc on the logits ``zp`` [M] of the plan's (position, token) pairs: the
+    penalised logits, and their slope d(penalised) / d(zp) (the repetition factor; the rest is a shift)."""
+    assert plan.pen_count is not None and plan.pen_params is not None
+    r = plan.pen_params[:, 2]
+    slope = torch.where(zp > 0, 1.0 / r, r)
+    zp = zp * slope
+    return zp - plan.pen_params[:, 1] * plan.pen_count - plan.pen_params[:, 0] * (plan.pen_count > 0), slope
+
+
 def replayed_logprobs(logits: Tensor, targets: Tensor, plan: RowReplay) -> Tensor:
     """The behaviour logprob of each target [R] under the learner's logits [R, V] (fp32)."""
-    _check_vocab(logits, plan)
+    check_vocab(logits.shape[-1], plan)
     z = behaviour_logits(logits, plan)
     logp = torch.log_softmax(z, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     if plan.kept_rows is None:
@@ -166,7 +193,7 @@ def replayed_logprobs(logits: Tensor, targets: Tensor, plan: RowReplay) -> Tenso
 def replayed_log_softmax(logits: Tensor, plan: RowReplay) -> Tensor:
     """The whole replayed distribution [R, V] (-inf outside each kept set): for checks and
     measurements; :func:`replayed_logprobs` computes its targets' entries without the [R, V] mask."""
-    _check_vocab(logits, plan)
+    check_vocab(logits.shape[-1], plan)
     z = behaviour_logits(logits, plan)
     if plan.kept_rows is not None:
         assert plan.kept_ids is not None and plan.kept_valid is not None
@@ -176,7 +203,8 @@ def replayed_log_softmax(logits: Tensor, plan: RowReplay) -> Tensor:
     return torch.log_softmax(z, dim=-1)
 
 
-def _check_vocab(logits: Tensor, plan: RowReplay) -> None:
+def check_vocab(vocab: int, plan: RowReplay) -> None:
+    """Refuse a plan that names a token id outside a vocabulary of ``vocab`` logits."""
     for ids in (plan.kept_ids, plan.pen_cols):
-        if ids is not None and ids.numel() and int(ids.max()) >= logits.shape[-1]:
-            raise ValueError(f"a recorded token id {int(ids.max())} is outside the model's {logits.shape[-1]} logits")
+        if ids is not None and ids.numel() and int(ids.max()) >= vocab:
+            raise ValueError(f"a recorded token id {int(ids.max())} is outside the model's {vocab} logits")

@@ -142,7 +142,8 @@ def _dummy_pass(state: TrainState, backward: bool) -> None:
         out.backward()
 
 
-def _old_logprobs(state: TrainState, prep: Prepared, plan: list[list[list[int]]]) -> dict[tuple[int, int], Any]:
+def _old_logprobs(state: TrainState, prep: Prepared, plan: list[list[list[int]]],
+                  chunk_tokens: int) -> dict[tuple[int, int], Any]:
     """pi_old of every row this rank trains, keyed (minibatch, row): no grad, eval mode (no dropout)."""
     ctx = state.ctx
     out: dict[tuple[int, int], Any] = {}
@@ -155,7 +156,7 @@ def _old_logprobs(state: TrainState, prep: Prepared, plan: list[list[list[int]]]
                     continue
                 mb = [prep.samples[j] for j in rows[mine[i]]]
                 with routing_replayed(state.model, mb, ctx.device):
-                    out[(m, mine[i])] = packed_logprobs(state.model, mb, ctx.device)
+                    out[(m, mine[i])] = packed_logprobs(state.model, mb, ctx.device, chunk_tokens=chunk_tokens)
     return out
 
 
@@ -184,7 +185,7 @@ def _update(state: TrainState, cfg: LearnConfig, prep: Prepared, rows: list[list
         row_routing = ReplayStats()
         topk = bool(loss_cfg.distill_topk_coef) and "teacher_topk" in t
         with routing_replayed(model, mb, ctx.device, row_routing):  # held through backward: a recompute replays too
-            forward = packed_forward(model, mb, ctx.device, topk=topk)
+            forward = packed_forward(model, mb, ctx.device, topk=topk, chunk_tokens=cfg.head_chunk_tokens)
             logp = forward.logp
             routed[0] += row_routing.tokens  # read now: a recompute in backward counts again
             routed[1] += row_routing.tokens_differed
@@ -203,6 +204,8 @@ def _update(state: TrainState, cfg: LearnConfig, prep: Prepared, rows: list[list
                 scored = scored & (t["mask"].to(ctx.device) != 0)
                 loss = loss + loss_cfg.distill_topk_coef * aggregate(kl, scored, loss_cfg.agg, 1.0, norm_tokens)
                 st["distill/topk_kl"] = masked_mean(kl.detach(), scored)
+            # the policy's entropy on the trained tokens, of the distribution each was sampled from
+            st["entropy"] = masked_mean(forward.entropy.detach(), t["mask"].to(ctx.device) != 0)
             (loss * ctx.world).backward()
         value = float(loss.detach())
         if not math.isfinite(value):
@@ -262,7 +265,7 @@ def train_step(state: TrainState, samples: Sequence[Any], cfg: LearnConfig, vers
                                                       cfg.micro_batch_tokens)] for part in parts]
     updates = epochs * len(plan)
     recompute = loss_cfg.kind in NEEDS_OLD and updates > 1 and getattr(loss_cfg, "proximal", "recompute") == "recompute"
-    old = _old_logprobs(state, prep, plan) if recompute else {}
+    old = _old_logprobs(state, prep, plan, cfg.head_chunk_tokens) if recompute else {}
     lr = state.scheduler.get_last_lr()[0]
     done: list[dict[str, Any]] = []
     for _ in range(epochs):
