@@ -62,7 +62,10 @@ def child(name: str, tokens: int, chunk: int, checkpointing: bool) -> None:
     from agentrl.buffer.sample import Sample
     from agentrl.learner.config import LearnConfig
     from agentrl.learner.dist import Dist, load_model
+    from agentrl.learner.heap import map_large_blocks
     from agentrl.learner.step import build_state, train_step
+
+    map_large_blocks()  # as the learner's process does (agentrl/learner/heap.py)
 
     path = _model_path(name)
     torch.manual_seed(0)

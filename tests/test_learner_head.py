@@ -145,3 +145,15 @@ def test_the_tiny_models_packed_forward_is_the_same_chunked_as_unchunked_with_it
     assert set(got_grads) == set(want_grads) and "model.embed_tokens.weight" in got_grads
     for name, g in got_grads.items():
         assert (g - want_grads[name]).abs().max() < TOL * max(1.0, float(want_grads[name].abs().max())), name
+
+
+def test_the_learner_maps_large_blocks_on_their_own_unless_the_environment_says_otherwise(monkeypatch):
+    import platform
+
+    from agentrl.learner.heap import map_large_blocks
+
+    if platform.libc_ver()[0] != "glibc":
+        pytest.fail("these machines run glibc; the setting is glibc's")
+    assert map_large_blocks() is True
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "4194304")  # the user's own setting is left alone
+    assert map_large_blocks() is False

@@ -133,8 +133,9 @@ class LearnConfig:
     """Tokens per packed row; one row per forward/backward pass. The activations of a row grow with its
     tokens: SmolLM2-135M full fine-tuning peaked at 5.35 GB for one 2,048-token step (6.56 GB with the
     unchunked LM head), where 8,192 tokens were OOM-killed at 24 GB before the chunked head; 8,192 tokens
-    fit in 6.63 GB with activation_checkpointing, 2.72 GB adding MALLOC_MMAP_THRESHOLD_=1048576 to the
-    environment (benchmarks/learner_memory.py, docs/learner.md)."""
+    fit in 6.63 GB with activation_checkpointing and glibc's default allocator settings, 2.72 GB with
+    blocks over 1 MB mapped on their own, which the learner sets at start-up (agentrl/learner/heap.py;
+    benchmarks/learner_memory.py, docs/learner.md)."""
     head_chunk_tokens: int = 1024
     """Positions per chunk of the LM head (agentrl.learner.head): about three [chunk, vocabulary] fp32
     tensors exist at once (0.6 GB for SmolLM2's 49,152-token vocabulary); 0: the whole row's logits."""

@@ -190,6 +190,10 @@ class Learner:
     async def run(self) -> list[dict[str, Any]]:
         import torch
 
+        from agentrl.learner.heap import map_large_blocks
+
+        map_large_blocks()  # freed activations go back to the system (agentrl/learner/heap.py)
+
         from agentrl.learner.checkpoint import (
             export_hf,
             latest_checkpoint,
