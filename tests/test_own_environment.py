@@ -2,9 +2,11 @@
 
 The test follows the README: the example environment is written to a file in a folder of its own
 (not on ``sys.path``, not a package), and ``agentrl run`` is given it with ``--serve.env.import``
-and the model the README names for an environment of one's own. Three learner steps later the
-environment's tool has been called and at least one group's rewards differ (a non-zero advantage
-spread), i.e. the run had something to learn from.
+and the model the README names for an environment of one's own, at the README's defaults (groups of
+8, batches of 32). The model cache starts without ``smollm2-tools``: the run installs the project's
+shipped warm-start (merged into SmolLM2) and trains nothing before its first step. Two learner steps
+later the environment's tool has been called and at least one group's rewards differ (a non-zero
+advantage spread), i.e. the run had something to learn from.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from agentrl.models import resolve_model, shipped
 from tests.conftest import free_port
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -42,15 +45,23 @@ def test_the_readme_environment_trains_from_a_file_outside_the_project(tmp_path:
     user_dir.mkdir()
     (user_dir / "reverse_word.py").write_text(code)
     run_dir = tmp_path / "run"
+    # a model cache holding SmolLM2 (converted from its wheel once per machine) but not smollm2-tools
+    home = tmp_path / "home"
+    (home / "models").mkdir(parents=True)
+    (home / "models" / "smollm2-135m").symlink_to(resolve_model("smollm2"))
     env = {k: v for k, v in os.environ.items() if k != "AGENTRL_ADMIN_TOKEN"}
     env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1])  # agentrl itself, not the user's folder
+    env["AGENTRL_HOME"] = str(home)
     cmd = [sys.executable, "-m", "agentrl.cli", "run", *options, f"--serve.run_dir={run_dir}",
            f"--serve.router.port={free_port()}", f"--serve.engine.base_port={free_port()}",
-           "--serve.env.group_size=4", "--serve.buffer.batch_size=8", "--learn.steps=3", "--eval.tasks=0"]
+           "--learn.steps=2", "--eval.tasks=0"]
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=user_dir, timeout=1500)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     summary = json.loads(out.stdout.splitlines()[-1])
-    assert summary["steps"] == 3 and summary["final_version"] == 3
+    assert summary["steps"] == 2 and summary["final_version"] == 2
+    serve_log = (run_dir / "serve.log").read_text()
+    assert "installed the shipped smollm2-tools" in serve_log and "warm-start step" not in serve_log
+    assert shipped.is_current("smollm2-tools", home / "models" / "smollm2-tools")
 
     episodes = [json.loads(line) for line in (run_dir / "episodes.jsonl").read_text().splitlines()]
     assert episodes and all(e["error"] is None for e in episodes), [e["error"] for e in episodes if e["error"]]
@@ -58,7 +69,7 @@ def test_the_readme_environment_trains_from_a_file_outside_the_project(tmp_path:
     groups: dict[str, list[float]] = defaultdict(list)
     for e in episodes:
         groups[e["group_id"]].append(e["reward"])
-    spread = [g for g in groups.values() if len(g) == 4 and max(g) > min(g)]
+    spread = [g for g in groups.values() if len(g) == 8 and max(g) > min(g)]
     assert spread, f"no group had rewards that differ: {dict(groups)}"
     steps = [json.loads(line) for line in (run_dir / "learner.jsonl").read_text().splitlines()]
     assert any(s["advantage_abs_mean"] > 0 for s in steps), steps
