@@ -5,6 +5,6 @@ from agentrl._lazy import lazy
 __getattr__, __dir__, __all__ = lazy(__name__, {
     "agentrl.router.core": ["Router"],
     "agentrl.router.errors": ["EngineError", "InvalidRequest", "RouterError"],
-    "agentrl.router.pool": ["EnginePool"],
+    "agentrl.engines.pool": ["EnginePool"],
     "agentrl.router.server": ["make_app"],
 })

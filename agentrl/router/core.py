@@ -35,6 +35,7 @@ from typing import Any, TypeVar
 
 import aiohttp
 
+from agentrl.engines.pool import DEFAULT_POLICY, Engine, EnginePool, parse_version
 from agentrl.router.chat_parity import (
     TokenText,
     blank_text,
@@ -46,7 +47,6 @@ from agentrl.router.chat_parity import (
 from agentrl.router.errors import EngineError, InvalidRequest, NotFound, RouterError
 from agentrl.router.experts import ExpertCapture
 from agentrl.router.metrics import RouterMetrics
-from agentrl.router.pool import DEFAULT_POLICY, Engine, EnginePool, parse_version
 from agentrl.router.render import EngineRenderer, LocalRenderer, Renderer, cap_to_room
 from agentrl.router.sampling import Capture, applied, check_processed, neutral, truncates
 from agentrl.router.sessions import (

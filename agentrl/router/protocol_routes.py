@@ -23,10 +23,10 @@ from typing import Any
 
 from aiohttp import web
 
+from agentrl.engines.pool import dumps
 from agentrl.router import messages as anthropic
 from agentrl.router import responses as oai
 from agentrl.router.errors import RouterError
-from agentrl.router.pool import dumps
 from agentrl.router.responses_stream import ResponsesEvents
 from agentrl.router.server import ROUTER_KEY, _check_client, _json_body, _session_of
 from agentrl.router.streaming import open_stream

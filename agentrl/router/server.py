@@ -30,10 +30,10 @@ from typing import Any
 from aiohttp import web
 
 from agentrl.buffer.codec import Batch, encode_batch
+from agentrl.engines.pool import dumps, loads
 from agentrl.router.core import Router, SessionLimits
 from agentrl.router.errors import InvalidRequest, NotFound, RouterError, Unauthorized
 from agentrl.router.metrics import metrics_text
-from agentrl.router.pool import dumps, loads
 from agentrl.router.sessions import valid_session_id
 from agentrl.router.streaming import open_stream
 from agentrl.web import ADMIN_TOKEN, bearer, error_middleware, require_admin, token_matches
