@@ -27,17 +27,13 @@ from agentrl.engines.pool import dumps
 from agentrl.router import messages as anthropic
 from agentrl.router import responses as oai
 from agentrl.router.errors import RouterError
+from agentrl.router.http import ROUTER_KEY, check_client, json_body, json_response, session_of
 from agentrl.router.responses_stream import ResponsesEvents
-from agentrl.router.server import ROUTER_KEY, _check_client, _json_body, _session_of
 from agentrl.router.streaming import open_stream
 
 log = logging.getLogger(__name__)
 
 STORE_KEY = web.AppKey("response_store", oai.ResponseStore)
-
-
-def _json(obj: Any, status: int = 200) -> web.Response:
-    return web.Response(body=dumps(obj), status=status, content_type="application/json")
 
 
 async def _sse(request: web.Request, events: AsyncIterator[dict[str, Any]], stream: Any) -> web.StreamResponse:
@@ -64,11 +60,11 @@ def _as_input_param(e: RouterError) -> RouterError:
 
 # -- Responses ------------------------------------------------------------------------------------
 async def create_response(request: web.Request) -> web.StreamResponse:
-    _check_client(request)
+    check_client(request)
     router = request.app[ROUTER_KEY]
     store = request.app[STORE_KEY]
-    sid = _session_of(request)
-    body, policy = router.named_policy(await _json_body(request))
+    sid = session_of(request)
+    body, policy = router.named_policy(await json_body(request))
     turn = oai.parse_request(body, router.model_name, store, sid, router.max_model_len)
     if policy:  # a named LoRA policy: the chat call names it (Router.policy_of)
         turn.chat["model"] = policy
@@ -88,20 +84,20 @@ async def create_response(request: web.Request) -> web.StreamResponse:
         raise _as_input_param(e) from None
     resp = oai.from_chat(turn, out, router.model_name)
     oai.remember(store, turn, resp, out["choices"][0]["message"], sid)
-    return _json(resp)
+    return json_response(resp)
 
 
 async def get_response(request: web.Request) -> web.Response:
-    _check_client(request)
-    return _json(oai.retrieve(request.app[STORE_KEY], request.match_info["response_id"], _session_of(request)))
+    check_client(request)
+    return json_response(oai.retrieve(request.app[STORE_KEY], request.match_info["response_id"], session_of(request)))
 
 
 async def delete_response(request: web.Request) -> web.Response:
-    _check_client(request)
+    check_client(request)
     rid = request.match_info["response_id"]
-    oai.retrieve(request.app[STORE_KEY], rid, _session_of(request))
-    request.app[STORE_KEY].delete(rid, _session_of(request))
-    return _json({"id": rid, "object": "response", "deleted": True})
+    oai.retrieve(request.app[STORE_KEY], rid, session_of(request))
+    request.app[STORE_KEY].delete(rid, session_of(request))
+    return json_response({"id": rid, "object": "response", "deleted": True})
 
 
 # -- Messages -------------------------------------------------------------------------------------
@@ -114,22 +110,22 @@ async def anthropic_errors(request: web.Request, handler: Any) -> web.StreamResp
     try:
         return await handler(request)
     except RouterError as e:
-        return _json(anthropic.error_body(e), status=e.status)
+        return json_response(anthropic.error_body(e), status=e.status)
     except web.HTTPException as e:
         if e.status < 400:
             raise
         kind = "not_found_error" if e.status == 404 else "invalid_request_error"
-        return _json({"type": "error", "error": {"type": kind, "message": e.reason or "error"}}, status=e.status)
+        return json_response({"type": "error", "error": {"type": kind, "message": e.reason or "error"}}, status=e.status)
     except Exception:
         log.exception("unhandled error on %s %s", request.method, request.path)
-        return _json({"type": "error", "error": {"type": "api_error", "message": "internal server error"}}, status=500)
+        return json_response({"type": "error", "error": {"type": "api_error", "message": "internal server error"}}, status=500)
 
 
 async def create_message(request: web.Request) -> web.StreamResponse:
-    _check_client(request)
+    check_client(request)
     router = request.app[ROUTER_KEY]
-    sid = _session_of(request)
-    body, policy = router.named_policy(await _json_body(request))
+    sid = session_of(request)
+    body, policy = router.named_policy(await json_body(request))
     chat = anthropic.parse_request(body, router.model_name, router.max_model_len)
     if policy:  # a named LoRA policy: the chat call names it (Router.policy_of)
         chat["model"] = policy
@@ -137,20 +133,20 @@ async def create_message(request: web.Request) -> web.StreamResponse:
         stream = await open_stream(router, "chat", dict(chat, stream=True), sid, route="messages")
         return await _sse(request, anthropic.MessageEvents(stream, router.model_name).events(), stream)
     out = await router.chat(chat, session_id=sid, route="messages")
-    return _json(anthropic.message_object(out, router.model_name))
+    return json_response(anthropic.message_object(out, router.model_name))
 
 
 async def count_tokens(request: web.Request) -> web.Response:
     """The prompt's length as the model sees it (rendered as a message call would be, nothing generated)."""
-    _check_client(request)
+    check_client(request)
     router = request.app[ROUTER_KEY]
-    chat = anthropic.parse_request(await _json_body(request), router.model_name, router.max_model_len,
+    chat = anthropic.parse_request(await json_body(request), router.model_name, router.max_model_len,
                                    count_only=True)
     body = router.validate(chat)
-    engine = router.pool.pick(_session_of(request))
+    engine = router.pool.pick(session_of(request))
     renderer = await router.renderer_for(engine, body)
     ids = (await renderer.render(engine, body)).ids
-    return _json({"input_tokens": len(ids)})
+    return json_response({"input_tokens": len(ids)})
 
 
 def add_protocol_routes(app: web.Application, store: oai.ResponseStore | None = None) -> None:
