@@ -1,5 +1,7 @@
 """What every HTTP route of the router shares: the app's keys, who the client is (API key, admin token,
-session), the request's JSON body, JSON answers, and the OpenAI-shaped error middleware.
+session), the request's JSON body, JSON answers, the OpenAI-shaped error middleware, and the two
+server-sent-event framings the dialects stream in (OpenAI's ``data:`` lines ending in ``[DONE]``;
+typed ``event:`` + ``data:`` pairs, which the Responses and Messages APIs share).
 
 The app (``server``) and every dialect's routes import this module; it imports neither, so the routes
 of a wire protocol never reach into the app's module. Invariant: a session id is checked
@@ -8,6 +10,9 @@ of a wire protocol never reach into the app's module. Invariant: a session id is
 
 from __future__ import annotations
 
+import json
+import logging
+from collections.abc import AsyncIterator
 from typing import Any
 
 from aiohttp import web
@@ -16,7 +21,10 @@ from agentrl.engines.pool import dumps, loads
 from agentrl.router.core import Router
 from agentrl.router.errors import InvalidRequest, RouterError, Unauthorized
 from agentrl.router.sessions import valid_session_id
+from agentrl.router.streaming import Stream
 from agentrl.web import ADMIN_TOKEN, bearer, token_matches
+
+log = logging.getLogger(__name__)
 
 ROUTER_KEY = web.AppKey("router", Router)
 API_KEYS = web.AppKey("api_keys", frozenset)
@@ -77,3 +85,47 @@ async def json_body(request: web.Request) -> Any:
 
 def json_response(obj: Any, status: int = 200) -> web.Response:
     return web.Response(body=dumps(obj), status=status, content_type="application/json")
+
+
+def _dumps(obj: Any) -> str:
+    return json.dumps(obj, separators=(",", ":"))
+
+
+async def data_sse(request: web.Request, stream: Stream) -> web.StreamResponse:
+    """OpenAI's framing: ``data: <chunk>`` per chunk, then ``data: [DONE]``; an error after the stream
+    started goes in-band in the OpenAI error shape. The call is recorded however the stream ends."""
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    events = stream.events()
+    try:
+        await resp.prepare(request)
+        try:
+            async for chunk in events:
+                await resp.write(b"data: " + _dumps(chunk).encode() + b"\n\n")
+        except RouterError as e:  # the engine failed mid-stream: tell the client in-band
+            log.warning("stream failed after it started: %s", e.message)
+            await resp.write(b"data: " + _dumps(e.body()).encode() + b"\n\n")
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+    except (ConnectionResetError, ConnectionError):
+        log.info("a streaming client went away; recorded what was produced")
+    finally:
+        await events.aclose()
+        await stream.close()  # records the call whatever happened
+    return resp
+
+
+async def typed_sse(request: web.Request, events: AsyncIterator[dict[str, Any]],
+                    stream: Stream) -> web.StreamResponse:
+    """Typed events, ``event: <type>`` + ``data: <json>`` (the Responses and Messages framing); the
+    dialect's ``events`` put any error in its own shape. The call is recorded however it ends."""
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    try:
+        await resp.prepare(request)
+        async for ev in events:
+            await resp.write(b"event: " + ev["type"].encode() + b"\ndata: " + dumps(ev) + b"\n\n")
+        await resp.write_eof()
+    except (ConnectionResetError, ConnectionError):
+        log.info("a streaming client went away; recorded what was produced")
+    finally:
+        await stream.close()
+    return resp

@@ -1,7 +1,8 @@
-"""The router's HTTP face: OpenAI-compatible routes, sessions, health, metrics, admin control.
+"""The router's HTTP app: the dialects' routes, sessions, health, metrics, admin control.
 
-OpenAI routes: ``/v1/chat/completions``, ``/v1/completions``, ``/v1/models`` and the same under
-``/sessions/<id>/v1/...`` (a scaffold's base URL). A session can also be named by the
+Model routes come from the dialects (:mod:`agentrl.router.dialects`: ``/v1/chat/completions``,
+``/v1/completions``, ``/v1/responses``, ``/v1/messages``), with ``/v1/models`` here, all of them also
+under ``/sessions/<id>/v1/...`` (a scaffold's base URL). A session can also be named by the
 ``X-Agentrl-Session`` header or by an API key of the form ``sess-<id>``. ``stream: true`` answers
 with server-sent events. Control routes under ``/admin`` need the admin token.
 
@@ -30,9 +31,9 @@ from typing import Any
 from aiohttp import web
 
 from agentrl.buffer.codec import Batch, encode_batch
-from agentrl.engines.pool import dumps
 from agentrl.router.core import Router, SessionLimits
-from agentrl.router.errors import InvalidRequest, NotFound, RouterError, Unauthorized
+from agentrl.router.dialects import chat, completions, messages, responses
+from agentrl.router.errors import InvalidRequest, NotFound, Unauthorized
 from agentrl.router.http import (
     API_KEYS,
     ROUTER_KEY,
@@ -40,11 +41,8 @@ from agentrl.router.http import (
     errors_middleware,
     is_admin,
     json_body,
-    session_of,
 )
 from agentrl.router.metrics import metrics_text
-from agentrl.router.protocol_routes import add_protocol_routes
-from agentrl.router.streaming import open_stream
 from agentrl.web import ADMIN_TOKEN, bearer, error_middleware, require_admin
 
 log = logging.getLogger(__name__)
@@ -55,56 +53,6 @@ METRICS_EXTRA: web.AppKey[Any] = web.AppKey("metrics_extra")
 
 def _dumps(obj: Any) -> str:
     return json.dumps(obj, separators=(",", ":"))
-
-
-async def _completion_route(request: web.Request, kind: str) -> web.StreamResponse:
-    check_client(request)
-    router = request.app[ROUTER_KEY]
-    sid = session_of(request)
-    limit = router.max_request_bytes
-    if kind == "chat" and limit and request.content_length is not None and request.content_length > limit:
-        # so much text cannot fit the context whatever it says: refused before it is read or parsed,
-        # and the connection closed (draining the rest of the body would cost the loop as much)
-        resp = InvalidRequest(f"the request has {request.content_length} bytes: more than a prompt that fits "
-                              f"this model's context can take ({limit})", param="messages",
-                              code="context_length_exceeded").response()
-        resp.force_close()
-        return resp
-    body = await json_body(request)
-    if isinstance(body, dict) and body.get("stream") is True:
-        return await _stream(request, await open_stream(router, kind, body, sid))
-    fn = router.chat if kind == "chat" else router.complete
-    out = await fn(body, session_id=sid)
-    return web.Response(body=dumps(out), content_type="application/json")
-
-
-async def _stream(request: web.Request, stream: Any) -> web.StreamResponse:
-    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-    events = stream.events()
-    try:
-        await resp.prepare(request)
-        try:
-            async for chunk in events:
-                await resp.write(b"data: " + _dumps(chunk).encode() + b"\n\n")
-        except RouterError as e:  # the engine failed mid-stream: tell the client in-band
-            log.warning("stream failed after it started: %s", e.message)
-            await resp.write(b"data: " + _dumps(e.body()).encode() + b"\n\n")
-        await resp.write(b"data: [DONE]\n\n")
-        await resp.write_eof()
-    except (ConnectionResetError, ConnectionError):
-        log.info("a streaming client went away; recorded what was produced")
-    finally:
-        await events.aclose()
-        await stream.close()  # records the call whatever happened
-    return resp
-
-
-async def chat_completions(request: web.Request) -> web.StreamResponse:
-    return await _completion_route(request, "chat")
-
-
-async def completions(request: web.Request) -> web.StreamResponse:
-    return await _completion_route(request, "completion")
 
 
 async def own_records(request: web.Request) -> web.Response:
@@ -196,11 +144,7 @@ def add_router_routes(app: web.Application, router: Router, *, admin_token: str 
     app[ROUTER_KEY] = router
     app[ADMIN_TOKEN] = admin_token
     app[API_KEYS] = api_keys
-    app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/v1/models", models)
-    app.router.add_post("/v1/completions", completions)
-    app.router.add_post("/sessions/{session_id}/v1/chat/completions", chat_completions)
-    app.router.add_post("/sessions/{session_id}/v1/completions", completions)
     app.router.add_get("/sessions/{session_id}/records", own_records)
     app.router.add_get("/sessions/{session_id}/v1/models", models)
     app.router.add_get("/health", health)
@@ -208,7 +152,8 @@ def add_router_routes(app: web.Application, router: Router, *, admin_token: str 
     app.router.add_get("/admin/sessions/{sid}/samples", session_samples)
     app.router.add_post("/admin/sessions/{sid}/close", close_session)
     app.router.add_get("/admin/engines", engines_status)
-    add_protocol_routes(app)
+    for dialect in (chat, completions, responses, messages):
+        dialect.add_routes(app)
 
 
 def make_app(router: Router, *, admin_token: str = "", api_keys: frozenset[str] = frozenset(),

@@ -1,0 +1,28 @@
+"""The OpenAI text Completions dialect: ``POST /v1/completions`` and the same under every session's
+base URL.
+
+The body goes to :meth:`~agentrl.router.core.Router.complete` as it is (the engine renders a text
+prompt itself); ``stream: true`` answers in OpenAI's ``data:`` framing; errors are the OpenAI shape.
+"""
+
+from __future__ import annotations
+
+from aiohttp import web
+
+from agentrl.router.http import ROUTER_KEY, check_client, data_sse, json_body, json_response, session_of
+from agentrl.router.streaming import open_stream
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    check_client(request)
+    router = request.app[ROUTER_KEY]
+    sid = session_of(request)
+    body = await json_body(request)
+    if isinstance(body, dict) and body.get("stream") is True:
+        return await data_sse(request, await open_stream(router, "completion", body, sid))
+    return json_response(await router.complete(body, session_id=sid))
+
+
+def add_routes(app: web.Application) -> None:
+    for prefix in ("", "/sessions/{session_id}"):
+        app.router.add_post(f"{prefix}/v1/completions", completions)
