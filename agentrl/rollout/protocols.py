@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 if TYPE_CHECKING:
     from agentrl.buffer.sample import Sample
     from agentrl.rollout.episode import EpisodeResult
-    from agentrl.router.core import SessionLimits
+    from agentrl.router.session_store import SessionLimits
     from agentrl.router.sessions import SessionSummary
 
 

@@ -31,7 +31,7 @@ from typing import Any
 from aiohttp import web
 
 from agentrl.buffer.codec import Batch, encode_batch
-from agentrl.router.core import Router, SessionLimits
+from agentrl.router.core import Router
 from agentrl.router.dialects import chat, completions, messages, responses
 from agentrl.router.errors import InvalidRequest, NotFound, Unauthorized
 from agentrl.router.http import (
@@ -43,6 +43,7 @@ from agentrl.router.http import (
     json_body,
 )
 from agentrl.router.metrics import metrics_text
+from agentrl.router.session_store import SessionLimits
 from agentrl.web import ADMIN_TOKEN, bearer, error_middleware, require_admin
 
 log = logging.getLogger(__name__)

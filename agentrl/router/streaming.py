@@ -29,8 +29,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from agentrl.engines.pool import Engine
+from agentrl.router.call import Prepared
 from agentrl.router.chat_parity import skips_special, tool_finish_reason
-from agentrl.router.core import Prepared, Router
+from agentrl.router.core import Router
 from agentrl.router.errors import RouterError
 from agentrl.router.stream_derender import EngineChoiceStream, LocalChoiceStream
 
