@@ -194,7 +194,12 @@ class Router:
         session = self.store.sessions.get(session_id)
         summary = None if session is None else self.store.summary(session)
         self.close_session(session_id)
+        await self.store.flush()  # the episode's log is complete once it is reported
         return summary
+
+    def close(self) -> None:
+        """Write the session log's queued records and stop its writer (an at-exit hook does it too)."""
+        self.store.close_log()
 
     @staticmethod
     def _cap(sampling: dict[str, Any], cap: int) -> None:

@@ -6,6 +6,8 @@ it, and in ``<sessions_dir>/<id>.jsonl`` when the router has one. Invariants: a 
 checked before it names a file; a session's limits (:class:`SessionLimits`) are kept until it is
 closed, so a call beyond its model-call or token budget is refused with a 400 whose code names the
 limit (``max_turns_exceeded``, ``max_tokens_exceeded``) and the limit is reported in its summary.
+The log files are written off the event loop (:class:`~agentrl.router.session_log.SessionLog`);
+:meth:`SessionStore.flush` waits until what was recorded is on disk.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from agentrl.router.errors import InvalidRequest, NotFound
+from agentrl.router.session_log import SessionLog
 from agentrl.router.sessions import Session, SessionSummary, valid_session_id
 
 
@@ -34,8 +37,10 @@ class SessionStore:
         self.sessions_dir = sessions_dir
         self.sessions: dict[str, Session] = {}
         self.limits: dict[str, SessionLimits] = {}
+        self.log: SessionLog | None = None
         if sessions_dir is not None:
             sessions_dir.mkdir(parents=True, exist_ok=True)
+            self.log = SessionLog()
 
     def open(self, session_id: str | None = None, limits: SessionLimits | None = None, **meta: Any) -> Session:
         """The session ``session_id`` (a new id when None), opened now unless it is open already."""
@@ -48,7 +53,7 @@ class SessionStore:
         if sid in self.sessions:
             return self.sessions[sid]
         path = self.sessions_dir / f"{sid}.jsonl" if self.sessions_dir else None
-        s = Session(sid, log_path=path, meta=meta)
+        s = Session(sid, log_path=path, meta=meta, writer=self.log)
         self.sessions[sid] = s
         return s
 
@@ -61,6 +66,16 @@ class SessionStore:
     def close(self, session_id: str) -> Session | None:
         self.limits.pop(session_id, None)
         return self.sessions.pop(session_id, None)
+
+    async def flush(self) -> None:
+        """Wait until every record written so far is in its session's log file."""
+        if self.log is not None:
+            await self.log.flush()
+
+    def close_log(self) -> None:
+        """Write what is queued and stop the log's writer thread."""
+        if self.log is not None:
+            self.log.close()
 
     def summary(self, session: Session) -> SessionSummary:
         """A session's samples and what it spent, with the limit that refused a call (if one did)."""
