@@ -1,4 +1,6 @@
-"""The OpenAI-compatible router: engine pool, exact trajectory capture, sessions."""
+"""The router: the capture core (exact trajectory capture, sessions; ``core``), its wire protocols
+(``dialects``) and the HTTP app (``server``). ``EnginePool`` is exported here for the router's
+callers; it lives in ``agentrl.engines.pool``, below the router."""
 
 from agentrl._lazy import lazy
 
