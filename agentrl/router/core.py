@@ -197,6 +197,10 @@ class Router:
         await self.store.flush()  # the episode's log is complete once it is reported
         return summary
 
+    async def flush_log(self) -> None:
+        """Wait until every call recorded so far is in its session's log file."""
+        await self.store.flush()
+
     def close(self) -> None:
         """Write the session log's queued records and stop its writer (an at-exit hook does it too)."""
         self.store.close_log()

@@ -155,6 +155,12 @@ def add_router_routes(app: web.Application, router: Router, *, admin_token: str 
     app.router.add_get("/admin/engines", engines_status)
     for dialect in (chat, completions, responses, messages):
         dialect.add_routes(app)
+    app.on_cleanup.append(_flush_session_log)
+
+
+async def _flush_session_log(app: web.Application) -> None:
+    """An app that stops has its calls' records on disk (they are written off the loop, a little later)."""
+    await app[ROUTER_KEY].flush_log()
 
 
 def make_app(router: Router, *, admin_token: str = "", api_keys: frozenset[str] = frozenset(),
