@@ -17,8 +17,11 @@ the router); a top-level module (``agentrl.errors``) is its own.
 from __future__ import annotations
 
 import ast
+from collections.abc import Iterable, Mapping
 from functools import cache
 from pathlib import Path
+
+from tests.test_layout import _type_checking, cycles, reachable
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "agentrl"
@@ -56,12 +59,6 @@ def module_name(path: Path) -> str:
 @cache
 def modules() -> dict[str, Path]:
     return {module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
-
-
-def _type_checking(node: ast.If) -> bool:
-    t = node.test
-    return (isinstance(t, ast.Name) and t.id == "TYPE_CHECKING") or (
-        isinstance(t, ast.Attribute) and t.attr == "TYPE_CHECKING")
 
 
 @cache
@@ -136,49 +133,9 @@ def package_graph() -> dict[str, set[str]]:
     return graph
 
 
-def cycles(graph: dict[str, set[str]] | dict[str, frozenset[str]]) -> list[list[str]]:
-    """Strongly connected components with more than one node (Tarjan), each sorted, in sorted order."""
-    index: dict[str, int] = {}
-    low: dict[str, int] = {}
-    stack: list[str] = []
-    on: set[str] = set()
-    out: list[list[str]] = []
-
-    def strong(v: str) -> None:
-        index[v] = low[v] = len(index)
-        stack.append(v)
-        on.add(v)
-        for w in sorted(graph.get(v, ())):
-            if w not in index:
-                strong(w)
-                low[v] = min(low[v], low[w])
-            elif w in on:
-                low[v] = min(low[v], index[w])
-        if low[v] == index[v]:
-            comp = []
-            while True:
-                w = stack.pop()
-                on.discard(w)
-                comp.append(w)
-                if w == v:
-                    break
-            if len(comp) > 1:
-                out.append(sorted(comp))
-
-    for v in sorted(graph):
-        if v not in index:
-            strong(v)
-    return sorted(out)
-
-
-def reachable(graph: dict[str, frozenset[str]], start: str) -> set[str]:
-    seen, todo = set(), [start]
-    while todo:
-        for nxt in graph.get(todo.pop(), ()):
-            if nxt not in seen:
-                seen.add(nxt)
-                todo.append(nxt)
-    return seen
+def sorted_cycles(graph: Mapping[str, Iterable[str]]) -> list[list[str]]:
+    """:func:`tests.test_layout.cycles` (Tarjan), the components in a fixed order."""
+    return sorted(cycles({k: set(v) for k, v in graph.items()}))
 
 
 def test_the_graph_reads_lazy_exports_and_relative_imports() -> None:
@@ -187,17 +144,17 @@ def test_the_graph_reads_lazy_exports_and_relative_imports() -> None:
     assert "agentrl.router.core" in graph["agentrl.serve.build"]  # `from agentrl.router import Router`, lazily
     assert _absolute("agentrl.router.dialects.chat", False, 1, "http") == "agentrl.router.dialects.http"
     assert _absolute("agentrl.router.dialects", True, 2, "core") == "agentrl.router.core"
-    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert sorted_cycles({"a": {"b"}, "b": {"a"}, "c": {"d"}, "d": {"c"}}) == [["a", "b"], ["c", "d"]]
 
 
 def test_no_module_imports_itself_back() -> None:
-    assert cycles(module_graph()) == KNOWN_MODULE_CYCLES
+    assert sorted_cycles(module_graph()) == KNOWN_MODULE_CYCLES
 
 
 def test_no_package_imports_itself_back() -> None:
     graph = package_graph()
     assert graph["agentrl.router"] and graph["agentrl.learner"], "the graph was built"
-    assert cycles(graph) == KNOWN_PACKAGE_CYCLES
+    assert sorted_cycles(graph) == KNOWN_PACKAGE_CYCLES
 
 
 def test_the_capture_core_imports_no_dialect() -> None:

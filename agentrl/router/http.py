@@ -66,6 +66,13 @@ def check_client(request: web.Request) -> None:
     raise Unauthorized("invalid API key", code="invalid_api_key")
 
 
+def model_call(request: web.Request) -> tuple[Router, str | None]:
+    """What a model route reads first: the client may call (:func:`check_client`), the router, and the
+    session the call names."""
+    check_client(request)
+    return request.app[ROUTER_KEY], session_of(request)
+
+
 @web.middleware
 async def errors_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
     """The router's own errors in their OpenAI shape; anything else falls to :func:`agentrl.web.error_middleware`."""

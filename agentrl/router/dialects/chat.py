@@ -13,14 +13,12 @@ from __future__ import annotations
 from aiohttp import web
 
 from agentrl.router.errors import InvalidRequest
-from agentrl.router.http import ROUTER_KEY, check_client, data_sse, json_body, json_response, session_of
+from agentrl.router.http import data_sse, json_body, json_response, model_call
 from agentrl.router.streaming import open_stream
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
-    check_client(request)
-    router = request.app[ROUTER_KEY]
-    sid = session_of(request)
+    router, sid = model_call(request)
     limit = router.max_request_bytes
     if limit and request.content_length is not None and request.content_length > limit:
         # so much text cannot fit the context whatever it says: refused before it is read or parsed,

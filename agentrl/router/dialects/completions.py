@@ -9,18 +9,16 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from agentrl.router.http import ROUTER_KEY, check_client, data_sse, json_body, json_response, session_of
+from agentrl.router.http import data_sse, json_body, json_response, model_call
 from agentrl.router.streaming import open_stream
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
-    check_client(request)
-    router = request.app[ROUTER_KEY]
-    sid = session_of(request)
+    router, sid = model_call(request)
     body = await json_body(request)
-    if isinstance(body, dict) and body.get("stream") is True:
-        return await data_sse(request, await open_stream(router, "completion", body, sid))
-    return json_response(await router.complete(body, session_id=sid))
+    streamed = isinstance(body, dict) and body.get("stream") is True
+    return await data_sse(request, await open_stream(router, "completion", body, sid)) if streamed \
+        else json_response(await router.complete(body, session_id=sid))
 
 
 def add_routes(app: web.Application) -> None:
