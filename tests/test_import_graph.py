@@ -89,29 +89,22 @@ def imports_of(module: str) -> set[str]:
     """The ``agentrl`` modules ``module`` imports (see the module docstring for what counts)."""
     path = modules()[module]
     known = modules()
+    tree = ast.parse(path.read_text())
+    # what runs only under a type checker: the body of every ``if TYPE_CHECKING:`` (its else runs)
+    hidden = {id(n) for t in ast.walk(tree) if isinstance(t, ast.If) and _type_checking(t)
+              for b in t.body for n in ast.walk(b)}
     out: set[str] = set()
-
-    def visit(node: ast.AST) -> None:
-        if isinstance(node, ast.If) and _type_checking(node):
-            for child in node.orelse:
-                visit(child)
-            return
+    for node in ast.walk(tree):
+        if id(node) in hidden:
+            continue
         if isinstance(node, ast.Import):
             out.update(a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom):
             src = _absolute(module, path.name == "__init__.py", node.level, node.module) if node.level \
                 else node.module or ""
             for a in node.names:
-                if f"{src}.{a.name}" in known:
-                    out.add(f"{src}.{a.name}")
-                elif a.name in lazy_exports(src):
-                    out.add(lazy_exports(src)[a.name])
-                else:
-                    out.add(src)
-        for child in ast.iter_child_nodes(node):
-            visit(child)
-
-    visit(ast.parse(path.read_text()))
+                full = f"{src}.{a.name}"
+                out.add(full if full in known else lazy_exports(src).get(a.name, src))
     return {m for m in out if m in known and m != module}
 
 

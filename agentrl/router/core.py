@@ -117,22 +117,6 @@ class Router:
         self.seeds.ignore = ignore
 
     @property
-    def max_kept_tokens(self) -> int:
-        return self.behaviour.max_kept_tokens
-
-    @max_kept_tokens.setter
-    def max_kept_tokens(self, n: int) -> None:
-        self.behaviour.max_kept_tokens = n
-
-    @property
-    def sessions_dir(self) -> Path | None:
-        return self.store.sessions_dir
-
-    @property
-    def session_limits(self) -> dict[str, SessionLimits]:
-        return self.store.limits
-
-    @property
     def local(self) -> LocalRenderer | None:
         """The local renderer, None with ``render="engine"`` (or a model folder it cannot load)."""
         return self.renderers.local
