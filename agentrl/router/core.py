@@ -78,7 +78,7 @@ class Router:
         (:class:`~agentrl.router.sampling.Capture`; 0 refuses truncation without a top_k).
         ``policies``: named LoRA policies (serve.policies), the first the default: a request's
         ``model`` picks one."""
-        self.pool = pool
+        self._pool = pool
         self.model_name = model_name
         self.eos_token_ids = set(eos_token_ids)
         self.max_model_len = max_model_len
@@ -108,6 +108,16 @@ class Router:
         self.max_request_bytes = 6 * self.max_prompt_chars + (1 << 20)
 
     # -- the parts, by the names callers and tests read and set ----------------------------------
+    @property
+    def pool(self) -> EnginePool:
+        return self._pool
+
+    @pool.setter
+    def pool(self, pool: EnginePool) -> None:
+        """A pool set later (a test's second pool) is the one calibration and the processed-logprobs
+        check call, as the router's own calls do; the engine renderer keeps the pool it was made with."""
+        self._pool = self.renderers.pool = self.behaviour.pool = pool
+
     @property
     def ignore_seed(self) -> bool:
         return self.seeds.ignore
