@@ -62,7 +62,7 @@ async def weight_receiver(engine_url: str, root: Path, port: int = 0) -> AsyncIt
     receiver's routes on loopback (``port``, 0: a free one); yields (pool, updater, serve's URL)."""
     from aiohttp import web
 
-    from agentrl.router.pool import EnginePool
+    from agentrl.engines.pool import EnginePool
     from agentrl.weights import EngineUpdater, WeightReceiver
 
     pool = EnginePool([engine_url], health_interval_s=3600)

@@ -113,8 +113,8 @@ async def parity(url: str, served: str, model: Any, tokens: int, max_tokens: int
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
+    from agentrl.engines.pool import adapter_name
     from agentrl.engines.vllm import EngineSpec, VLLMEngine
-    from agentrl.router.pool import adapter_name
     from agentrl.weights import publish
 
     model_dir = resolve(args.model)

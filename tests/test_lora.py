@@ -113,7 +113,7 @@ def test_an_adapter_upload_unpacks_into_the_folder_vllm_loads_and_anything_else_
 
 
 def test_an_adapter_version_is_loaded_beside_the_last_with_no_pause_and_old_ones_unloaded() -> None:
-    from agentrl.router.pool import adapter_name
+    from agentrl.engines.pool import adapter_name
     from tests.test_weight_sync import _close, _pool
 
     async def go() -> None:

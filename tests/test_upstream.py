@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from agentrl.router.upstream import Upstream, UpstreamClosed, UpstreamProtocolError
+from agentrl.engines.upstream import Upstream, UpstreamClosed, UpstreamProtocolError
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter, dict[str, Any]], Awaitable[None]]
 

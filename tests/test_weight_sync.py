@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from agentrl.router.pool import EnginePool
+from agentrl.engines.pool import EnginePool
 from agentrl.web import start_on_loopback
 from agentrl.weights import EnginesFailed, EngineUpdater, WeightGroupStale, WeightReceiver, publish
 

@@ -37,10 +37,10 @@ def test_the_learner_broadcasts_new_weights_over_nccl_and_the_engine_serves_them
     from aiohttp import web
     from transformers import AutoModelForCausalLM
 
+    from agentrl.engines.pool import EnginePool
     from agentrl.engines.vllm import EngineSpec, VLLMEngine
     from agentrl.learner.dist import Dist, full_state_dict
     from agentrl.learner.trainer import token_logprobs
-    from agentrl.router.pool import EnginePool
     from agentrl.weights import (
         EngineUpdater,
         NcclTransport,

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 if TYPE_CHECKING:
     from agentrl.buffer.sample import Sample
     from agentrl.rollout.episode import EpisodeResult
-    from agentrl.router.core import SessionLimits
+    from agentrl.router.session_store import SessionLimits
     from agentrl.router.sessions import SessionSummary
 
 

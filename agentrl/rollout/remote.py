@@ -30,8 +30,8 @@ from typing import Any
 from agentrl.buffer.codec import CodecError, decode_batch
 from agentrl.client import ServeClient
 from agentrl.errors import TransportError
-from agentrl.router.core import SessionLimits
 from agentrl.router.errors import EngineError, InvalidRequest
+from agentrl.router.session_store import SessionLimits
 from agentrl.router.sessions import SessionSummary
 
 log = logging.getLogger(__name__)

@@ -48,7 +48,7 @@ from agentrl.errors import EnvironmentFailure, ScaffoldError
 from agentrl.rollout.config import EpisodeLimits
 from agentrl.rollout.episode import EpisodeLoop, EpisodeResult, episode_env, finish_samples, record_failure
 from agentrl.rollout.protocols import ChatClient
-from agentrl.router.core import SessionLimits
+from agentrl.router.session_store import SessionLimits
 from agentrl.router.sessions import SessionSummary
 
 log = logging.getLogger(__name__)

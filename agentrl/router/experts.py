@@ -20,8 +20,8 @@ from typing import Any
 
 import aiohttp
 
+from agentrl.engines.pool import Engine, EnginePool
 from agentrl.router.errors import EngineError
-from agentrl.router.pool import Engine, EnginePool
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,8 @@
-"""The router's HTTP face: OpenAI-compatible routes, sessions, health, metrics, admin control.
+"""The router's HTTP app: the dialects' routes, sessions, health, metrics, admin control.
 
-OpenAI routes: ``/v1/chat/completions``, ``/v1/completions``, ``/v1/models`` and the same under
-``/sessions/<id>/v1/...`` (a scaffold's base URL). A session can also be named by the
+Model routes come from the dialects (:mod:`agentrl.router.dialects`: ``/v1/chat/completions``,
+``/v1/completions``, ``/v1/responses``, ``/v1/messages``), with ``/v1/models`` here, all of them also
+under ``/sessions/<id>/v1/...`` (a scaffold's base URL). A session can also be named by the
 ``X-Agentrl-Session`` header or by an API key of the form ``sess-<id>``. ``stream: true`` answers
 with server-sent events. Control routes under ``/admin`` need the admin token.
 
@@ -30,132 +31,36 @@ from typing import Any
 from aiohttp import web
 
 from agentrl.buffer.codec import Batch, encode_batch
-from agentrl.router.core import Router, SessionLimits
-from agentrl.router.errors import InvalidRequest, NotFound, RouterError, Unauthorized
+from agentrl.router.core import Router
+from agentrl.router.dialects import chat, completions, messages, responses
+from agentrl.router.errors import InvalidRequest, NotFound, Unauthorized
+from agentrl.router.http import (
+    API_KEYS,
+    ROUTER_KEY,
+    check_client,
+    errors_middleware,
+    is_admin,
+    json_body,
+)
 from agentrl.router.metrics import metrics_text
-from agentrl.router.pool import dumps, loads
-from agentrl.router.sessions import valid_session_id
-from agentrl.router.streaming import open_stream
-from agentrl.web import ADMIN_TOKEN, bearer, error_middleware, require_admin, token_matches
+from agentrl.router.session_store import SessionLimits
+from agentrl.web import ADMIN_TOKEN, bearer, error_middleware, require_admin
 
 log = logging.getLogger(__name__)
 
-ROUTER_KEY = web.AppKey("router", Router)
 # More /metrics series from whoever hosts the router (serve: its rollout, scoring and buffer)
 METRICS_EXTRA: web.AppKey[Any] = web.AppKey("metrics_extra")
-API_KEYS = web.AppKey("api_keys", frozenset)
-_bearer = bearer
-
-
-def client_key(request: web.Request) -> str | None:
-    """The client's key: ``Authorization: Bearer``, or Anthropic's ``x-api-key`` header."""
-    return _bearer(request) or request.headers.get("x-api-key")
-
-
-def _session_of(request: web.Request) -> str | None:
-    sid = request.match_info.get("session_id") or request.headers.get("X-Agentrl-Session")
-    key = client_key(request)
-    if sid is None and key and key.startswith("sess-"):
-        sid = key[5:]
-    if sid is not None and not valid_session_id(sid):  # before any work: it would name a file
-        raise InvalidRequest("a session id has 1-128 letters, digits, '_', '-' or inner '.' (no path), "
-                             f"not {sid[:60]!r}", param="session_id", code="invalid_session_id")
-    return sid
-
-
-def _is_admin(request: web.Request, key: str) -> bool:
-    return token_matches(key, request.app[ADMIN_TOKEN])
-
-
-def _check_client(request: web.Request) -> None:
-    keys = request.app[API_KEYS]
-    if not keys:
-        return
-    key = client_key(request) or ""
-    if key in keys or _is_admin(request, key):
-        return
-    sid = _session_of(request)
-    if sid is not None and sid in request.app[ROUTER_KEY].sessions:
-        return  # a session the admin opened: its base URL / key is the credential
-    raise Unauthorized("invalid API key", code="invalid_api_key")
-
-
-@web.middleware
-async def errors_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
-    """The router's own errors in their OpenAI shape; anything else falls to :func:`agentrl.web.error_middleware`."""
-    try:
-        return await handler(request)
-    except RouterError as e:
-        return e.response()
-
-
-async def _json_body(request: web.Request) -> Any:
-    raw = await request.read()
-    try:
-        return loads(raw)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise InvalidRequest(f"the request body is not valid JSON: {e}") from None
 
 
 def _dumps(obj: Any) -> str:
     return json.dumps(obj, separators=(",", ":"))
 
 
-async def _completion_route(request: web.Request, kind: str) -> web.StreamResponse:
-    _check_client(request)
-    router = request.app[ROUTER_KEY]
-    sid = _session_of(request)
-    limit = router.max_request_bytes
-    if kind == "chat" and limit and request.content_length is not None and request.content_length > limit:
-        # so much text cannot fit the context whatever it says: refused before it is read or parsed,
-        # and the connection closed (draining the rest of the body would cost the loop as much)
-        resp = InvalidRequest(f"the request has {request.content_length} bytes: more than a prompt that fits "
-                              f"this model's context can take ({limit})", param="messages",
-                              code="context_length_exceeded").response()
-        resp.force_close()
-        return resp
-    body = await _json_body(request)
-    if isinstance(body, dict) and body.get("stream") is True:
-        return await _stream(request, await open_stream(router, kind, body, sid))
-    fn = router.chat if kind == "chat" else router.complete
-    out = await fn(body, session_id=sid)
-    return web.Response(body=dumps(out), content_type="application/json")
-
-
-async def _stream(request: web.Request, stream: Any) -> web.StreamResponse:
-    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-    events = stream.events()
-    try:
-        await resp.prepare(request)
-        try:
-            async for chunk in events:
-                await resp.write(b"data: " + _dumps(chunk).encode() + b"\n\n")
-        except RouterError as e:  # the engine failed mid-stream: tell the client in-band
-            log.warning("stream failed after it started: %s", e.message)
-            await resp.write(b"data: " + _dumps(e.body()).encode() + b"\n\n")
-        await resp.write(b"data: [DONE]\n\n")
-        await resp.write_eof()
-    except (ConnectionResetError, ConnectionError):
-        log.info("a streaming client went away; recorded what was produced")
-    finally:
-        await events.aclose()
-        await stream.close()  # records the call whatever happened
-    return resp
-
-
-async def chat_completions(request: web.Request) -> web.StreamResponse:
-    return await _completion_route(request, "chat")
-
-
-async def completions(request: web.Request) -> web.StreamResponse:
-    return await _completion_route(request, "completion")
-
-
 async def own_records(request: web.Request) -> web.Response:
     """A session's own call records: needs ``sess-<id>`` of that very session, or the admin token."""
     sid = request.match_info["session_id"]
-    key = _bearer(request) or ""
-    if not (_is_admin(request, key) or (key.startswith("sess-") and hmac.compare_digest(key[5:], sid))):
+    key = bearer(request) or ""
+    if not (is_admin(request, key) or (key.startswith("sess-") and hmac.compare_digest(key[5:], sid))):
         raise Unauthorized("a session's records need its own key (Authorization: Bearer sess-<id>)",
                            code="invalid_api_key")
     s = request.app[ROUTER_KEY].sessions.get(sid)
@@ -165,7 +70,7 @@ async def own_records(request: web.Request) -> web.Response:
 
 
 async def models(request: web.Request) -> web.Response:
-    _check_client(request)
+    check_client(request)
     r = request.app[ROUTER_KEY]
     return web.json_response({"object": "list", "data": [
         {"id": name, "object": "model", "created": 0, "owned_by": "agentrl", "max_model_len": r.max_model_len}
@@ -182,7 +87,7 @@ async def health(request: web.Request) -> web.Response:
 async def create_session(request: web.Request) -> web.Response:
     """Open a session (a rollout worker elsewhere, or a scaffold host): ``{"session_id", "meta", "limits"}``."""
     require_admin(request)
-    body = await _json_body(request) if request.can_read_body else {}
+    body = await json_body(request) if request.can_read_body else {}
     if not isinstance(body, dict):
         raise InvalidRequest("the body must be an object")
     try:
@@ -240,11 +145,7 @@ def add_router_routes(app: web.Application, router: Router, *, admin_token: str 
     app[ROUTER_KEY] = router
     app[ADMIN_TOKEN] = admin_token
     app[API_KEYS] = api_keys
-    app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/v1/models", models)
-    app.router.add_post("/v1/completions", completions)
-    app.router.add_post("/sessions/{session_id}/v1/chat/completions", chat_completions)
-    app.router.add_post("/sessions/{session_id}/v1/completions", completions)
     app.router.add_get("/sessions/{session_id}/records", own_records)
     app.router.add_get("/sessions/{session_id}/v1/models", models)
     app.router.add_get("/health", health)
@@ -252,9 +153,14 @@ def add_router_routes(app: web.Application, router: Router, *, admin_token: str 
     app.router.add_get("/admin/sessions/{sid}/samples", session_samples)
     app.router.add_post("/admin/sessions/{sid}/close", close_session)
     app.router.add_get("/admin/engines", engines_status)
-    from agentrl.router.protocol_routes import add_protocol_routes  # it uses this module's auth helpers
+    for dialect in (chat, completions, responses, messages):
+        dialect.add_routes(app)
+    app.on_cleanup.append(_flush_session_log)
 
-    add_protocol_routes(app)
+
+async def _flush_session_log(app: web.Application) -> None:
+    """An app that stops has its calls' records on disk (they are written off the loop, a little later)."""
+    await app[ROUTER_KEY].flush_log()
 
 
 def make_app(router: Router, *, admin_token: str = "", api_keys: frozenset[str] = frozenset(),

@@ -35,6 +35,7 @@ import numpy as np
 
 from agentrl.buffer.behaviour import Behaviour
 from agentrl.buffer.sample import POLICY_KEY, Sample, routing_array
+from agentrl.router.session_log import SessionLog
 
 log = logging.getLogger(__name__)
 
@@ -147,6 +148,7 @@ class Session:
     log_path: Path | None = None
     meta: dict[str, Any] = field(default_factory=dict)
     model_failures: int = 0  # calls that failed for want of a working engine
+    writer: SessionLog | None = field(default=None, repr=False, compare=False)  # the router's log writer
 
     def summary(self, refused: str | None = None) -> SessionSummary:
         comps = [c for r in self.records for c in r.completions]
@@ -156,10 +158,17 @@ class Session:
                               last, refused, self.model_failures)
 
     def record(self, rec: CallRecord) -> None:
+        """Add ``rec`` and append it to the session's log, as the call completes (a crashed scaffold
+        leaves data): through the router's writer thread when the session has one (off the event
+        loop, in order), else here."""
         self.records.append(rec)
         if self.log_path is not None:
-            with open(self.log_path, "a") as f:  # written as calls complete: a crashed scaffold leaves data
-                f.write(rec.to_json() + "\n")
+            line = rec.to_json()  # now: the record is the call's, as it completed
+            if self.writer is not None:
+                self.writer.append(self.log_path, line)
+            else:
+                with open(self.log_path, "a") as f:
+                    f.write(line + "\n")
 
     def find_parent(self, messages: list[dict[str, Any]], policy: str | None = None) -> tuple[CallRecord, int] | None:
         """The latest call whose messages + returned reply are a prefix of ``messages`` (already

@@ -28,10 +28,11 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from agentrl.engines.pool import Engine
+from agentrl.router.call import Prepared
 from agentrl.router.chat_parity import skips_special, tool_finish_reason
-from agentrl.router.core import Prepared, Router
+from agentrl.router.core import Router
 from agentrl.router.errors import RouterError
-from agentrl.router.pool import Engine
 from agentrl.router.stream_derender import EngineChoiceStream, LocalChoiceStream
 
 log = logging.getLogger(__name__)

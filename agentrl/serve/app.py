@@ -403,7 +403,7 @@ class Serve:
                 await asyncio.gather(t, return_exceptions=True)
         # then each part that was started, in this order, by its own closing method (sync or async)
         parts = ((self._runner, "cleanup"), (self._listener, "close"), (self.sandbox_pool, "close"),
-                 (self.pool, "close"), (self.buffer, "close"), (self.local, "stop"), (self.teacher_engine, "close"),
+                 (self.router, "close"), (self.pool, "close"), (self.buffer, "close"), (self.local, "stop"), (self.teacher_engine, "close"),
                  (self.cluster, "close"))
         for part, method in parts:
             if part is not None and inspect.isawaitable(done := getattr(part, method)()):

@@ -24,11 +24,12 @@ from agentrl.serve.config import ServeConfig
 if TYPE_CHECKING:
     from agentrl.buffer import Buffer, PolicyBuffers
     from agentrl.buffer.config import BufferConfig
+    from agentrl.engines.pool import EnginePool
     from agentrl.engines.vllm import EngineSpec
     from agentrl.rollout.orchestrator import Orchestrator
     from agentrl.rollout.protocols import BufferSink, ChatClient, EpisodeProducer
     from agentrl.rollout.scaffold import Scaffold
-    from agentrl.router import EnginePool, Router
+    from agentrl.router import Router
     from agentrl.sandbox.attach import ImagePools
     from agentrl.sandbox.pool import SandboxPool
     from agentrl.scoring.stage import ScoringStage
@@ -73,7 +74,7 @@ def restart_policy(cfg: ServeConfig) -> RestartPolicy:
 
 def build_pool(cfg: ServeConfig, urls: list[str], api_key: str = "") -> EnginePool:
     """The engine pool; ``api_key``: the key of the engines serve launched (none for ``engine.urls``)."""
-    from agentrl.router import EnginePool
+    from agentrl.engines.pool import EnginePool
 
     return EnginePool(urls, request_timeout_s=cfg.router.request_timeout_s, health_failures=cfg.router.health_failures,
                       api_key=api_key)

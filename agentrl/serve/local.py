@@ -102,7 +102,7 @@ class Supervisor:
 
     ``engines`` need ``alive()``, ``launch()``, ``await start(timeout_s)``, ``kill()``, ``proc``,
     ``spec.port`` and ``url`` (:class:`~agentrl.engines.vllm.VLLMEngine`); ``pool`` needs
-    ``engines``, ``mark_down``, ``health`` and ``version`` (:class:`~agentrl.router.pool.EnginePool`).
+    ``engines``, ``mark_down``, ``health`` and ``version`` (:class:`~agentrl.engines.pool.EnginePool`).
     """
 
     def __init__(self, engines: list[VLLMEngine], pool: EnginePool, policy: RestartPolicy) -> None:

@@ -70,7 +70,7 @@ class TeacherEngine:
         """Launch the teacher engine and wait until it serves the base model (version 0). It is
         supervised as serve's own engines are: one that dies is relaunched and reloads the teacher's
         version before it answers again."""
-        from agentrl.router import EnginePool
+        from agentrl.engines.pool import EnginePool
         from agentrl.weights import EngineUpdater
 
         await self.local.wait_ports_free()

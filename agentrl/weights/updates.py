@@ -4,7 +4,7 @@ Role: the choreography every update runs on each engine (stage -> pause(keep) ->
 prefix cache and stamp the version -> resume), its load steps (a file reload followed by the tied
 LM head's re-tie; an NCCL receive), forming the NCCL weight-transfer group, and bringing an engine
 that was out back to the current version. :class:`EngineUpdater` works over an
-:class:`~agentrl.router.pool.EnginePool` through the pool's public calls (``control``, ``answers``,
+:class:`~agentrl.engines.pool.EnginePool` through the pool's public calls (``control``, ``answers``,
 ``mark_down``) and installs itself as the pool's ``on_rejoin`` hook: the router never imports
 this package. serve's :class:`~agentrl.weights.transfer.WeightReceiver` drives it. A LoRA policy's
 versions take another path (:meth:`EngineUpdater.load_adapter`): each is loaded as its own adapter
@@ -36,8 +36,8 @@ from typing import Any
 
 import aiohttp
 
-from agentrl.router.errors import EngineError
-from agentrl.router.pool import DEFAULT_POLICY, Engine, EnginePool, adapter_name
+from agentrl.engines.errors import EngineError
+from agentrl.engines.pool import DEFAULT_POLICY, Engine, EnginePool, adapter_name
 from agentrl.weights.errors import WeightGroupStale, WeightUpdateFailed
 
 log = logging.getLogger(__name__)

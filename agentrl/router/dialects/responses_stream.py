@@ -19,8 +19,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from agentrl.router.errors import RouterError
-from agentrl.router.responses import (
+from agentrl.router.dialects.responses_translate import (
     ResponsesTurn,
     call_item,
     logprob_items,
@@ -29,6 +28,7 @@ from agentrl.router.responses import (
     response_object,
     usage,
 )
+from agentrl.router.errors import RouterError
 
 
 class ResponsesEvents:

@@ -1,10 +1,15 @@
-"""The Anthropic Messages API (``/v1/messages``) on the router's one capture path.
+"""The Anthropic Messages dialect (``POST /v1/messages``, ``stream: true``: Anthropic's events;
+``POST /v1/messages/count_tokens``; at the top level and under every session's base URL) on the
+router's one capture path.
 
 A Messages request is validated as the Anthropic API validates it and translated into a chat
 request (:func:`parse_request`) that the router's chat path runs: render -> token-in generate ->
 derender -> record, with the same exact capture and stitching as chat calls. The reply is
 translated back (:func:`message_object`; streamed: :class:`MessageEvents`), and every error is
-Anthropic's shape, ``{"type": "error", "error": {"type", "message"}}`` (:func:`error_body`).
+Anthropic's shape, ``{"type": "error", "error": {"type", "message"}}`` (:func:`error_body`): every
+answer on these routes that is not a message, from bad JSON to an engine outage (the
+:func:`anthropic_errors` middleware). Clients authenticate with ``x-api-key`` (the Anthropic SDK's
+header) or ``Authorization: Bearer``; a session is named as on the chat routes.
 
 Translation, as vLLM 0.32's own Messages server does it (facts, not its code): ``system`` (a
 string or text blocks, joined) is a leading system message; a user message's ``tool_result``
@@ -26,12 +31,19 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
 import secrets
 from collections.abc import AsyncIterator
 from typing import Any
 
+from aiohttp import web
+
 from agentrl.router.errors import InvalidRequest, RouterError
+from agentrl.router.http import ROUTER_KEY, check_client, json_body, json_response, session_of, typed_sse
+from agentrl.router.streaming import open_stream
 from agentrl.router.validate import typed_tools
+
+log = logging.getLogger(__name__)
 
 # The SDK's request fields that change nothing the router renders or samples are accepted
 # (cache_control, metadata, ...); temperature / top_p / top_k are not in the 2.x SDK's signature
@@ -371,3 +383,60 @@ class MessageEvents:
         if ch.get("finish_reason"):
             self.finish, self.matched = ch["finish_reason"], ch.get("stop_reason")
         return out
+
+
+# -- routes ---------------------------------------------------------------------------------------
+@web.middleware
+async def anthropic_errors(request: web.Request, handler: Any) -> web.StreamResponse:
+    """Every error on the Messages routes in Anthropic's shape (the app's own middlewares give the
+    OpenAI shape to the other routes)."""
+    if not request.path.rstrip("/").endswith(("/v1/messages", "/v1/messages/count_tokens")):
+        return await handler(request)
+    try:
+        return await handler(request)
+    except RouterError as e:
+        return json_response(error_body(e), status=e.status)
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        kind = "not_found_error" if e.status == 404 else "invalid_request_error"
+        return json_response({"type": "error", "error": {"type": kind, "message": e.reason or "error"}},
+                             status=e.status)
+    except Exception:
+        log.exception("unhandled error on %s %s", request.method, request.path)
+        return json_response({"type": "error", "error": {"type": "api_error", "message": "internal server error"}},
+                             status=500)
+
+
+async def create_message(request: web.Request) -> web.StreamResponse:
+    check_client(request)
+    router = request.app[ROUTER_KEY]
+    sid = session_of(request)
+    body, policy = router.named_policy(await json_body(request))
+    chat = parse_request(body, router.model_name, router.max_model_len)
+    if policy:  # a named LoRA policy: the chat call names it (Router.policy_of)
+        chat["model"] = policy
+    if body.get("stream") is True:
+        stream = await open_stream(router, "chat", dict(chat, stream=True), sid, route="messages")
+        return await typed_sse(request, MessageEvents(stream, router.model_name).events(), stream)
+    out = await router.chat(chat, session_id=sid, route="messages")
+    return json_response(message_object(out, router.model_name))
+
+
+async def count_tokens(request: web.Request) -> web.Response:
+    """The prompt's length as the model sees it (rendered as a message call would be, nothing generated)."""
+    check_client(request)
+    router = request.app[ROUTER_KEY]
+    chat = parse_request(await json_body(request), router.model_name, router.max_model_len, count_only=True)
+    body = router.validate(chat)
+    engine = router.pool.pick(session_of(request))
+    renderer = await router.renderer_for(engine, body)
+    ids = (await renderer.render(engine, body)).ids
+    return json_response({"input_tokens": len(ids)})
+
+
+def add_routes(app: web.Application) -> None:
+    app.middlewares.append(anthropic_errors)
+    for prefix in ("", "/sessions/{session_id}"):
+        app.router.add_post(f"{prefix}/v1/messages", create_message)
+        app.router.add_post(f"{prefix}/v1/messages/count_tokens", count_tokens)

@@ -8,7 +8,8 @@ a connection is taken out; a background checker re-adds it when it answers again
 The pool knows the policy version its engines serve (``version``, reported by the router) but not
 how a version gets into them: that is the weight updater's (``agentrl.weights.updates``), which
 drives the engines' control routes through :meth:`EnginePool.control` and installs ``on_rejoin``.
-The router package never imports the weights package.
+Both the router and the weight updater import this module; it imports neither of them (the errors
+it raises, in the OpenAI error shape the router answers with, are ``agentrl.engines.errors``).
 """
 
 from __future__ import annotations
@@ -22,8 +23,8 @@ from typing import Any
 
 import aiohttp
 
-from agentrl.router.errors import EngineError, InvalidRequest, NoEngineAvailable
-from agentrl.router.upstream import Upstream, UpstreamClosed, UpstreamProtocolError
+from agentrl.engines.errors import EngineError, InvalidRequest, NoEngineAvailable
+from agentrl.engines.upstream import Upstream, UpstreamClosed, UpstreamProtocolError
 
 log = logging.getLogger(__name__)
 

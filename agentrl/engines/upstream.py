@@ -1,4 +1,4 @@
-"""A small keep-alive HTTP/1.1 client for the router's hot path: one JSON POST to an engine.
+"""A small keep-alive HTTP/1.1 client for the engine pool's hot path: one JSON POST to an engine.
 
 Every completion makes one such call (token-in generate), so its cost is the router's cost:
 aiohttp's client took about 150 us of CPU per call here, an ``asyncio.StreamReader`` client about

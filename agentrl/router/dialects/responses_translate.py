@@ -1,10 +1,11 @@
-"""The OpenAI Responses API (``/v1/responses``) on the router's one capture path.
+"""The OpenAI Responses API's translation (the dialect's routes are :mod:`.responses`): requests to
+chat calls, chat answers to responses, and the store behind ``previous_response_id``.
 
 A Responses request is translated into a chat request (:func:`parse_request`) and run by the
 router's chat path: render -> token-in generate -> derender -> record, so every call is captured
 with exact prompt and completion ids, behaviour logprobs and per-token versions, and calls that
 extend each other are stitched into one sample exactly as chat calls are. The reply is translated
-back (:func:`response_object`; streamed: :mod:`agentrl.router.responses_stream`).
+back (:func:`response_object`; streamed: :mod:`agentrl.router.dialects.responses_stream`).
 
 Translation, as vLLM 0.32's own Responses server does it (facts, not its code): ``instructions``
 is a leading system message; ``input`` a string is one user message; input items become chat

@@ -1,0 +1,54 @@
+"""The session log's writer: records reach their files off the event loop, in the order they were
+recorded, and all of them once a flush or a close returns."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+
+from agentrl.router.session_log import SessionLog
+
+
+def test_lines_are_written_in_order_per_file_once_a_flush_returns(tmp_path) -> None:
+    writer = SessionLog()
+    paths = [tmp_path / f"s{i}.jsonl" for i in range(3)]
+
+    async def main() -> None:
+        for n in range(600):
+            writer.append(paths[n % 3], json.dumps({"n": n}))
+        await writer.flush()
+
+    asyncio.run(main())
+    for i, path in enumerate(paths):
+        assert [json.loads(x)["n"] for x in path.read_text().splitlines()] == list(range(i, 600, 3))
+    writer.close()
+
+
+def test_the_writes_happen_on_the_writer_thread_not_the_callers(tmp_path, monkeypatch) -> None:
+    import agentrl.router.session_log as session_log
+
+    threads: list[str] = []
+    real = session_log._append
+
+    def spy(path, line) -> None:
+        threads.append(threading.current_thread().name)
+        real(path, line)
+
+    monkeypatch.setattr(session_log, "_append", spy)
+    writer = SessionLog()
+    writer.append(tmp_path / "s.jsonl", "{}")
+    writer.close()
+    assert threads == ["session-log"]
+    assert (tmp_path / "s.jsonl").read_text() == "{}\n"
+
+
+def test_close_writes_what_was_queued_and_later_lines_are_still_written(tmp_path) -> None:
+    writer = SessionLog()
+    path = tmp_path / "s.jsonl"
+    for n in range(50):
+        writer.append(path, str(n))
+    writer.close()
+    writer.close()  # idempotent
+    writer.append(path, "50")  # after close: written at once, after the rest
+    assert path.read_text().splitlines() == [str(n) for n in range(51)]
