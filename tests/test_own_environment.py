@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from agentrl.models import resolve_model, shipped
+from agentrl.models import recipe_stamp, resolve_model, shipped
 from tests.conftest import free_port
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -61,7 +61,7 @@ def test_the_readme_environment_trains_from_a_file_outside_the_project(tmp_path:
     assert summary["steps"] == 2 and summary["final_version"] == 2
     serve_log = (run_dir / "serve.log").read_text()
     assert "installed the shipped smollm2-tools" in serve_log and "warm-start step" not in serve_log
-    assert shipped.is_current("smollm2-tools", home / "models" / "smollm2-tools")
+    assert shipped.is_current(home / "models" / "smollm2-tools", recipe_stamp("smollm2-tools"))
 
     episodes = [json.loads(line) for line in (run_dir / "episodes.jsonl").read_text().splitlines()]
     assert episodes and all(e["error"] is None for e in episodes), [e["error"] for e in episodes if e["error"]]

@@ -25,7 +25,7 @@ def test_every_shipped_model_carries_the_stamp_of_its_current_recipe(tmp_path, m
     monkeypatch.setenv("AGENTRL_HOME", str(tmp_path))
     assert shipped.shipped_names() == SHIPPED_NAMES
     for name in SHIPPED_NAMES:
-        file, wanted = shipped.recipe_stamp(name)
+        file, wanted = models.recipe_stamp(name)
         stamp = shipped.read_stamp(shipped.SHIPPED / name, file)
         stale = {k: (stamp.get(k), v) for k, v in wanted.items() if stamp.get(k) != v}
         assert not stale, (f"the shipped {name} was made by another recipe (shipped, now): {stale}; rebuild and "
@@ -43,7 +43,7 @@ def test_a_shipped_model_is_installed_into_an_empty_cache_without_building(tmp_p
     out = Path(models.resolve_model("tiny-tools"))
     assert out == tmp_path / "models" / "tiny-tools"
     assert _digest(out) == _digest(shipped.SHIPPED / "tiny-tools")
-    assert shipped.is_current("tiny-tools", out)
+    assert shipped.is_current(out, models.recipe_stamp("tiny-tools"))
     assert [p.name for p in out.parent.iterdir() if not p.name.endswith(".lock")] == ["tiny-tools"]
 
 
@@ -60,7 +60,7 @@ def test_a_shipped_model_made_by_another_recipe_is_not_used_and_the_model_is_bui
     out = Path(models.resolve_model("tiny"))
     assert "made by another recipe" in caplog.text
     assert _digest(out) == _digest(real)  # built here by the recipe (deterministic), not copied
-    assert shipped.is_current("tiny", out)
+    assert shipped.is_current(out, models.recipe_stamp("tiny"))
 
 
 def test_rebuild_builds_from_the_recipe_here_even_when_the_cache_holds_the_model(tmp_path, monkeypatch):
@@ -110,4 +110,4 @@ def test_model_build_prints_the_installed_folder(tmp_path, name):
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     folder = Path(out.stdout.strip())
-    assert folder == tmp_path / "models" / name and shipped.is_current(name, folder)
+    assert folder == tmp_path / "models" / name and shipped.is_current(folder, models.recipe_stamp(name))

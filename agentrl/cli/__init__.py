@@ -142,13 +142,13 @@ def cmd_model_build(args: argparse.Namespace, extra: list[str]) -> int:
     _setup_logging(args.verbose)
     from pathlib import Path
 
-    from agentrl.models import resolve_model
+    from agentrl.models import recipe_stamp, resolve_model
 
     path = resolve_model(args.name, rebuild=args.rebuild)
     if args.ship:
         from agentrl.models.shipped import ship
 
-        print(f"shipped {args.name} in {ship(args.name, Path(path))}", file=sys.stderr)
+        print(f"shipped {args.name} in {ship(args.name, Path(path), recipe_stamp(args.name))}", file=sys.stderr)
     print(path)
     return 0
 

@@ -3,7 +3,7 @@ already running at given URLs.
 
 :class:`EngineOptions` are the launch options every engine of a run shares; :class:`EngineConfig`
 is the ``engine`` section of serve's config tree (how many, on which ports, or which URLs) and
-builds the per-process :class:`~agentrl.engines.vllm.EngineSpec` for engine ``i``
+builds the per-process :class:`EngineSpec` (its command line and environment) for engine ``i``
 (:meth:`EngineConfig.spec`), so serve, ``serve --ray`` and tests launch engines from one place.
 Only the standard library is imported here.
 """
@@ -11,11 +11,11 @@ Only the standard library is imported here.
 from __future__ import annotations
 
 import dataclasses
+import os
+import sys
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
-
-if TYPE_CHECKING:
-    from agentrl.engines.vllm import EngineSpec
+from pathlib import Path
+from typing import Literal
 
 
 @dataclass(kw_only=True)
@@ -68,7 +68,64 @@ class EngineConfig(EngineOptions):
 
     def spec(self, index: int, model: str, served_name: str, host: str = "127.0.0.1") -> EngineSpec:
         """The launch spec of engine ``index`` (port ``base_port + index``) serving ``model``."""
-        from agentrl.engines.vllm import EngineSpec
-
         options = {f.name: getattr(self, f.name) for f in dataclasses.fields(EngineOptions)}
         return EngineSpec(model=model, served_name=served_name, host=host, port=self.base_port + index, **options)
+
+
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the --max-lora-rank values vLLM 0.32 accepts
+
+
+@dataclass(kw_only=True)
+class EngineSpec(EngineOptions):
+    """How to launch one vLLM engine: what it serves and where, plus the run's engine options."""
+
+    model: str
+    served_name: str = "agentrl"
+    host: str = "127.0.0.1"
+    port: int = 8100
+    env: dict[str, str] = field(default_factory=dict)  # extra environment variables for the engine process
+    api_key: str = ""  # with a key, the engine answers only requests that carry it (agentrl.engines.guard)
+
+    def command(self) -> list[str]:
+        cmd = [
+            sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+            "--model", self.model, "--served-model-name", self.served_name,
+            "--host", self.host, "--port", str(self.port),
+            "--dtype", self.dtype, "--max-model-len", str(self.max_model_len),
+            "--enable-scale-out", "--enable-auto-tool-choice", "--tool-call-parser", self.tool_parser,
+            "--disable-uvicorn-access-log",
+            # Logprobs of the distribution the sampler drew from (after penalties, temperature,
+            # min_p, top-k/top-p), not of the raw logits: the behaviour logprobs the learner corrects
+            # with. Model defaults on or off by choice, never by accident (engine.generation_config).
+            "--logprobs-mode", "processed_logprobs", "--generation-config", self.generation_config,
+            "--max-logprobs", str(self.max_logprobs),
+            # Re-ties a tied LM head after in-place reloads (vLLM 0.32 leaves the old head otherwise).
+            "--worker-extension-cls", "agentrl.weights.vllm_ext.WeightSyncExtension",
+        ]
+        if self.enforce_eager:
+            cmd.append("--enforce-eager")
+        if self.lora_rank > 0:  # each policy version its own adapter; a little room in the CPU cache
+            rank = next(r for r in LORA_RANKS if r >= self.lora_rank) if self.lora_rank <= LORA_RANKS[-1] \
+                else self.lora_rank
+            cmd += ["--enable-lora", "--max-lora-rank", str(rank), "--max-loras", str(self.max_loras),
+                    "--max-cpu-loras", str(self.max_loras + 2)]
+        if self.api_key:  # the key itself travels in the environment, never on the command line
+            cmd += ["--middleware", "agentrl.engines.guard.EngineGuard"]
+        return cmd + list(self.extra_args)
+
+    def environment(self, cache_root: Path) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update(VLLM_SERVER_DEV_MODE="1", VLLM_CACHE_ROOT=str(cache_root))
+        if self.lora_rank > 0:  # the load/unload routes serve adds adapter versions through
+            env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "true"
+        if not self.gpu:
+            env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(self.kv_cache_gb))))
+            cores = f"0-{(os.cpu_count() or 1) - 1}" if self.cpu_cores == "all" else self.cpu_cores
+            if cores:  # vLLM's OpenMP threads spin: leave a core free when a learner shares the machine
+                env.setdefault("VLLM_CPU_OMP_THREADS_BIND", cores)
+                env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+        env.update(self.env)
+        env.pop("AGENTRL_ENGINE_KEY", None)
+        if self.api_key:
+            env["AGENTRL_ENGINE_KEY"] = self.api_key
+        return env

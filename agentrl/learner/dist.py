@@ -31,6 +31,8 @@ from typing import Any
 
 import torch
 
+from agentrl.learner.dropout import disable_dropout
+
 log = logging.getLogger(__name__)
 
 
@@ -157,29 +159,6 @@ def load_model(model_path: str, ctx: Dist, *, precision: str = "auto", activatio
     fully_shard(model, mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=torch.float32,
                                                                  reduce_dtype=torch.float32))
     return model
-
-
-def disable_dropout(model: torch.nn.Module) -> int:
-    """Set every dropout probability of ``model`` to 0 (``nn.Dropout`` modules and the float
-    ``*dropout`` / ``*pdrop`` attributes transformers' attention reads); returns how many were
-    non-zero."""
-    changed = 0
-    for module in model.modules():
-        if isinstance(module, torch.nn.Dropout):
-            changed += module.p > 0
-            module.p = 0.0
-            continue
-        for name, value in list(vars(module).items()):
-            if isinstance(value, float) and (name.endswith("dropout") or name.endswith("pdrop")):
-                changed += value > 0
-                setattr(module, name, 0.0)
-    config = getattr(model, "config", None)
-    for name in ("attention_dropout", "hidden_dropout", "dropout"):
-        if isinstance(getattr(config, name, None), float):
-            setattr(config, name, 0.0)
-    if changed:
-        log.info("dropout off in %d place(s): the learner's logprobs are those of the sampling policy", changed)
-    return changed
 
 
 def tied_names(model: torch.nn.Module) -> set[str]:

@@ -152,7 +152,7 @@ def perturbed_model(model_dir: str, cfg: LoraConfig, *, seed: int, b_std: float)
     import torch
     from transformers import AutoModelForCausalLM
 
-    from agentrl.learner.dist import disable_dropout
+    from agentrl.learner.dropout import disable_dropout
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     disable_dropout(model)

@@ -44,9 +44,32 @@ def resolve_model(name: str, *, rebuild: bool = False) -> str:
     with exclusive_build(out):
         if rebuild:
             shipped.drop_stamp(out)
-        elif not shipped.is_current(name, out):
-            shipped.install(name, out)
+        elif not shipped.is_current(out, recipe_stamp(name)):
+            shipped.install(name, out, recipe_stamp(name), MERGES.get(name))
         return str(BUILDERS[name](out))
+
+
+def recipe_stamp(name: str) -> tuple[str, dict[str, Any]]:
+    """The stamp file a built ``name`` folder carries and the keys (with values) its recipe fixes: a
+    folder whose stamp holds them all is a finished build by the current recipe."""
+    if name not in BUILDERS:
+        raise KeyError(f"{name!r} is not a built-in model (built-in: {', '.join(sorted(BUILDERS))})")
+    if name == "tiny":
+        from agentrl.models.tiny import tiny_recipe
+
+        return "agentrl_recipe.json", tiny_recipe()
+    if name == "tiny-moe":
+        from agentrl.models.moe import MOE_RECIPE
+
+        return "agentrl_recipe.json", MOE_RECIPE
+    if name in ("smollm2", "smollm2-135m"):
+        from agentrl.models.smollm2 import PACKAGE
+
+        return "agentrl_smollm2.json", {"source": PACKAGE}
+    stamps: dict[str, Callable[[], dict[str, Any]]] = {
+        "tiny-tools": tiny_tools_stamp, "tiny-arith": tiny_arith_stamp, "tiny-agent": tiny_agent_stamp,
+        "smollm2-tools": smollm2_tools_stamp}
+    return "agentrl_warmstart.json", stamps[name]()
 
 
 def _tiny(out: Path) -> Path:
@@ -278,6 +301,9 @@ def merge_smollm2_tools(shipped: Path, tmp: Path) -> None:
     shutil.copytree(shipped / ADAPTER_DIR, tmp / ADAPTER_DIR)
     shutil.copy2(shipped / "agentrl_warmstart.json", tmp)
 
+
+# the built-in models the project ships as an adapter, and how each is put together from it
+MERGES: dict[str, Callable[[Path, Path], None]] = {"smollm2-tools": merge_smollm2_tools}
 
 BUILDERS.update({
     "tiny": _tiny, "tiny-tools": build_tiny_tools_model, "tiny-moe": _tiny_moe,

@@ -33,30 +33,6 @@ STAMP_FILES = ("agentrl_warmstart.json", "agentrl_recipe.json", "agentrl_smollm2
 ADAPTER_DIR = "warmstart_adapter"  # smollm2-tools' warm-start as a peft adapter, inside its folder
 
 
-def recipe_stamp(name: str) -> tuple[str, dict[str, Any]]:
-    """The stamp file a built ``name`` folder carries and the keys (with values) its recipe fixes."""
-    from agentrl import models
-
-    if name == "tiny":
-        from agentrl.models.tiny import tiny_recipe
-
-        return "agentrl_recipe.json", tiny_recipe()
-    if name == "tiny-moe":
-        from agentrl.models.moe import MOE_RECIPE
-
-        return "agentrl_recipe.json", MOE_RECIPE
-    if name in ("smollm2", "smollm2-135m"):
-        from agentrl.models.smollm2 import PACKAGE
-
-        return "agentrl_smollm2.json", {"source": PACKAGE}
-    stamps: dict[str, Callable[[], dict[str, Any]]] = {
-        "tiny-tools": models.tiny_tools_stamp, "tiny-arith": models.tiny_arith_stamp,
-        "tiny-agent": models.tiny_agent_stamp, "smollm2-tools": models.smollm2_tools_stamp}
-    if name not in stamps:
-        raise KeyError(f"{name!r} is not a built-in model (built-in: {', '.join(sorted(models.BUILDERS))})")
-    return "agentrl_warmstart.json", stamps[name]()
-
-
 def read_stamp(folder: Path, file: str) -> dict[str, Any]:
     path = folder / file
     try:
@@ -69,9 +45,10 @@ def matches(stamp: dict[str, Any], wanted: dict[str, Any]) -> bool:
     return bool(stamp) and all(stamp.get(k) == v for k, v in wanted.items())
 
 
-def is_current(name: str, folder: Path) -> bool:
-    """Whether ``folder`` holds a finished build of ``name`` by its current recipe."""
-    file, wanted = recipe_stamp(name)
+def is_current(folder: Path, stamp: tuple[str, dict[str, Any]]) -> bool:
+    """Whether ``folder`` holds a finished build by the recipe whose ``stamp`` (stamp file, the keys and
+    values it must hold) is given: :func:`agentrl.models.recipe_stamp`."""
+    file, wanted = stamp
     return matches(read_stamp(folder, file), wanted)
 
 
@@ -79,35 +56,31 @@ def shipped_names() -> list[str]:
     return sorted(p.name for p in SHIPPED.iterdir() if p.is_dir()) if SHIPPED.is_dir() else []
 
 
-def install(name: str, out: Path) -> bool:
-    """Put the shipped build of ``name`` at ``out`` if one is shipped and made by the current recipe.
+def install(name: str, out: Path, stamp: tuple[str, dict[str, Any]],
+            merge: Callable[[Path, Path], None] | None = None) -> bool:
+    """Put the shipped build of ``name`` at ``out`` if one is shipped and made by the recipe whose
+    ``stamp`` is given; an adapter-shipped model is put together by ``merge(shipped, folder)``.
     Returns whether it did; the caller then builds ``name`` here if not."""
     src = SHIPPED / name
     if not src.is_dir():
         return False
-    file, wanted = recipe_stamp(name)
-    if not matches(read_stamp(src, file), wanted):
+    if not is_current(src, stamp):
         log.warning("the shipped %s was made by another recipe than this code's: building it here instead "
                     "(re-ship it with `agentrl model build --rebuild --ship %s`)", name, name)
         return False
     tmp = out.with_name(out.name + ".installing")
     shutil.rmtree(tmp, ignore_errors=True)
     if (src / ADAPTER_DIR).is_dir():
+        if merge is None:
+            raise ValueError(f"the shipped {name} is an adapter, and nothing was given to merge it")
         log.info("merging the shipped %s warm-start adapter into its base model", name)
-        _merge_adapter(name, src, tmp)
+        merge(src, tmp)
     else:
         shutil.copytree(src, tmp)
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
     log.info("installed the shipped %s in %s", name, out)
     return True
-
-
-def _merge_adapter(name: str, src: Path, tmp: Path) -> None:
-    from agentrl import models
-
-    merge: dict[str, Callable[[Path, Path], None]] = {"smollm2-tools": models.merge_smollm2_tools}
-    merge[name](src, tmp)
 
 
 def drop_stamp(folder: Path) -> None:
@@ -117,10 +90,10 @@ def drop_stamp(folder: Path) -> None:
         (folder / file).unlink(missing_ok=True)
 
 
-def ship(name: str, built: Path) -> Path:
+def ship(name: str, built: Path, stamp: tuple[str, dict[str, Any]]) -> Path:
     """Copy the build of ``name`` at ``built`` into the shipped folders (an adapter-shipped model: its
-    adapter and stamp only)."""
-    if not is_current(name, built):
+    adapter and stamp only); ``stamp`` is its recipe's (:func:`agentrl.models.recipe_stamp`)."""
+    if not is_current(built, stamp):
         raise ValueError(f"{built} is not a build of {name} by the current recipe: nothing shipped")
     dst = SHIPPED / name
     tmp = dst.with_name(dst.name + ".shipping")
@@ -128,7 +101,7 @@ def ship(name: str, built: Path) -> Path:
     if (built / ADAPTER_DIR).is_dir():
         tmp.mkdir(parents=True)
         shutil.copytree(built / ADAPTER_DIR, tmp / ADAPTER_DIR, ignore=shutil.ignore_patterns("README.md"))
-        shutil.copy2(built / recipe_stamp(name)[0], tmp)
+        shutil.copy2(built / stamp[0], tmp)
     else:
         shutil.copytree(built, tmp, ignore=shutil.ignore_patterns("*.lock", ".*"))
     shutil.rmtree(dst, ignore_errors=True)

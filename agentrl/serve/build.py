@@ -24,8 +24,8 @@ from agentrl.serve.config import ServeConfig
 if TYPE_CHECKING:
     from agentrl.buffer import Buffer, PolicyBuffers
     from agentrl.buffer.config import BufferConfig
+    from agentrl.engines.config import EngineSpec
     from agentrl.engines.pool import EnginePool
-    from agentrl.engines.vllm import EngineSpec
     from agentrl.rollout.orchestrator import Orchestrator
     from agentrl.rollout.protocols import BufferSink, ChatClient, EpisodeProducer
     from agentrl.rollout.scaffold import Scaffold
