@@ -45,14 +45,14 @@ PHASE = re.compile(r"^\[(setup|quickstart)\] phase (\w+) took (\d+) s")
 
 def make_fresh() -> None:
     """Remove what setup installs, as on a new machine (needs root; stops the Docker engine)."""
-    print("removing docker.io, debootstrap, bubblewrap and the agentrl images", file=sys.stderr, flush=True)
+    print("removing docker.io (with containerd and runc), debootstrap, bubblewrap and the agentrl images", file=sys.stderr, flush=True)
     images = subprocess.run(["docker", "images", "-q", "--filter", "reference=agentrl/*"], capture_output=True,
                             text=True).stdout.split()
     if images:
         subprocess.run(["docker", "rmi", "-f", *images], capture_output=True)
     subprocess.run(["pkill", "-x", "dockerd"], capture_output=True)
     time.sleep(2)
-    subprocess.run(["apt-get", "remove", "-y", "-qq", "docker.io", "debootstrap", "bubblewrap"],
+    subprocess.run(["apt-get", "remove", "-y", "-qq", "docker.io", "containerd", "runc", "debootstrap", "bubblewrap"],
                    capture_output=True, env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"}, check=True)
 
 
