@@ -42,6 +42,14 @@ def missing(lines: dict[str, tuple[str, str]]) -> set[str]:
     return {name for name, (status, _) in lines.items() if status == "missing"}
 
 
+def only_missing(check: str, tmp_path: Path, *settings: str, env: dict[str, str] | None = None) -> str:
+    """``agentrl doctor`` with ``settings`` exits 1 with ``check`` the only line marked missing: that line."""
+    code, lines, out = doctor(tmp_path, *settings, env=env)
+    assert code == 1, out
+    assert missing(lines) == {check}, out
+    return lines[check][1]
+
+
 @pytest.fixture
 def built(tiny_tools_model: str) -> str:
     """The tiny-tools model is in the cache, so that only what a test breaks is missing."""
@@ -79,10 +87,8 @@ def test_a_missing_docker_engine_is_a_warning_where_bubblewrap_stands_in(tmp_pat
 def test_doctor_says_bubblewrap_is_missing_when_it_is_not_on_path(tmp_path: Path, built: str) -> None:
     empty = tmp_path / "bin"
     empty.mkdir()
-    code, lines, out = doctor(tmp_path, "--serve.sandbox.backend=bubblewrap", env={"PATH": str(empty)})
-    assert code == 1, out
-    assert missing(lines) == {"bubblewrap"}, out
-    assert "'bwrap' is not on PATH" in lines["bubblewrap"][1] and "apt-get install bubblewrap" in lines["bubblewrap"][1]
+    line = only_missing("bubblewrap", tmp_path, "--serve.sandbox.backend=bubblewrap", env={"PATH": str(empty)})
+    assert "'bwrap' is not on PATH" in line and "apt-get install bubblewrap" in line
 
 
 def test_doctor_says_a_taken_port_is_missing(tmp_path: Path, built: str) -> None:
@@ -90,10 +96,7 @@ def test_doctor_says_a_taken_port_is_missing(tmp_path: Path, built: str) -> None
         listener.bind(("127.0.0.1", 0))
         listener.listen()
         port = listener.getsockname()[1]
-        code, lines, out = doctor(tmp_path, f"--serve.router.port={port}")
-    assert code == 1, out
-    assert missing(lines) == {"ports"}, out
-    line = lines["ports"][1]
+        line = only_missing("ports", tmp_path, f"--serve.router.port={port}")
     assert f"127.0.0.1:{port} (router.port) cannot be bound" in line and "--serve.router.port=N" in line
 
 
@@ -101,10 +104,7 @@ def test_doctor_says_an_unbuilt_model_is_missing_and_how_to_build_it(tmp_path: P
     cache = tmp_path / "cache"
     cache.mkdir()
     # smollm2 is converted from its PyPI wheel, never shipped (the tiny models are: see the next test)
-    code, lines, out = doctor(tmp_path, "--serve.model=smollm2", env={"AGENTRL_HOME": str(cache)})
-    assert code == 1, out
-    assert missing(lines) == {"model"}, out
-    line = lines["model"][1]
+    line = only_missing("model", tmp_path, "--serve.model=smollm2", env={"AGENTRL_HOME": str(cache)})
     assert f"smollm2 is not built in {cache}/models/smollm2-135m" in line, line
     assert "serve builds it on first use" in line and "fix: agentrl model build smollm2" in line
 
@@ -118,10 +118,8 @@ def test_doctor_finds_a_shipped_model_that_is_not_in_the_cache_yet(tmp_path: Pat
 
 def test_doctor_says_a_run_directory_under_a_file_cannot_be_made(tmp_path: Path, built: str) -> None:
     (tmp_path / "a-file").write_text("")
-    code, lines, out = doctor(tmp_path, f"--serve.run_dir={tmp_path / 'a-file' / 'run'}")
-    assert code == 1, out
-    assert missing(lines) == {"run dir"}, out
-    assert f"{tmp_path / 'a-file'} is not a folder" in lines["run dir"][1]
+    line = only_missing("run dir", tmp_path, f"--serve.run_dir={tmp_path / 'a-file' / 'run'}")
+    assert f"{tmp_path / 'a-file'} is not a folder" in line
 
 
 @contextlib.contextmanager
@@ -140,18 +138,14 @@ def tmpfs(path: Path, options: str) -> Iterator[Path]:
 
 def test_doctor_says_a_read_only_run_directory_is_missing(tmp_path: Path, built: str) -> None:
     with tmpfs(tmp_path / "ro", "ro,size=64m") as ro:
-        code, lines, out = doctor(tmp_path, f"--serve.run_dir={ro / 'run'}")
-    assert code == 1, out
-    assert missing(lines) == {"run dir"}, out
-    assert f"cannot write in {ro} (Read-only file system)" in lines["run dir"][1]
+        line = only_missing("run dir", tmp_path, f"--serve.run_dir={ro / 'run'}")
+    assert f"cannot write in {ro} (Read-only file system)" in line
 
 
 def test_doctor_says_a_run_directory_on_a_nearly_full_disk_is_missing(tmp_path: Path, built: str) -> None:
     with tmpfs(tmp_path / "small", "size=16m") as small:
-        code, lines, out = doctor(tmp_path, f"--serve.run_dir={small / 'run'}")
-    assert code == 1, out
-    assert missing(lines) == {"run dir"}, out
-    assert "less than 256 MiB" in lines["run dir"][1]
+        line = only_missing("run dir", tmp_path, f"--serve.run_dir={small / 'run'}")
+    assert "less than 256 MiB" in line
 
 
 def test_doctor_runs_on_the_standard_library_alone_before_setup(tmp_path: Path) -> None:
