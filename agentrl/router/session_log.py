@@ -31,7 +31,8 @@ _STOP = None  # the queue item that ends the writer thread
 
 class SessionLog:
     def __init__(self) -> None:
-        self._queue: queue.Queue[tuple[Path, str] | None] = queue.Queue()
+        # a record to append, a flush marker (set once everything queued before it is written), or _STOP
+        self._queue: queue.Queue[tuple[Path, str] | threading.Event | None] = queue.Queue()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()  # one thread started, however many first appends race
         self._closed = False
@@ -47,9 +48,12 @@ class SessionLog:
         self._queue.put((path, line))
 
     async def flush(self) -> None:
-        """Wait (off the loop) until every line appended so far is written."""
-        if self._thread is not None:
-            await asyncio.to_thread(self._queue.join)
+        """Wait (off the loop) until every line appended so far is written: a marker behind them, so
+        lines other sessions append meanwhile do not hold it up."""
+        if self._thread is not None and not self._closed:
+            written = threading.Event()
+            self._queue.put(written)
+            await asyncio.to_thread(written.wait)
 
     def close(self) -> None:
         """Write what is queued and stop the writer thread (idempotent)."""
@@ -59,6 +63,10 @@ class SessionLog:
         if self._thread is not None:
             self._queue.put(_STOP)
             self._thread.join()
+            while not self._queue.empty():  # a flush marker queued behind the stop: nothing is left to wait for
+                item = self._queue.get_nowait()
+                if isinstance(item, threading.Event):
+                    item.set()
 
     def _start(self) -> None:
         with self._lock:
@@ -72,6 +80,9 @@ class SessionLog:
             try:
                 if item is _STOP:
                     return
+                if isinstance(item, threading.Event):
+                    item.set()
+                    continue
                 path, line = item
                 try:
                     _append(path, line)
