@@ -21,20 +21,22 @@ import time
 from collections import deque
 from urllib.parse import urlsplit
 
+from agentrl.errors import AgentrlError
+
 IDLE_S = 4.0  # uvicorn (vLLM) closes idle keep-alive connections after 5 s
 MAX_HEAD = 64 * 1024
 UNTIL_CLOSE = -2  # a status line and headers longer than this are not an engine's answer
 
 
-class UpstreamClosed(ConnectionError):
+class UpstreamClosed(AgentrlError, ConnectionError):
     """The connection was refused, reset or closed before a whole response arrived."""
 
 
-class UpstreamProtocolError(Exception):
+class UpstreamProtocolError(AgentrlError):
     """The engine answered something that is not a well-formed HTTP/1.1 response."""
 
 
-class _StaleConnection(Exception):
+class _StaleConnection(AgentrlError):
     """A connection that failed before any response byte (reused: retry; fresh: the engine is gone)."""
 
 

@@ -31,6 +31,8 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any, TypeVar
 
+from agentrl.errors import AgentrlError
+
 log = logging.getLogger(__name__)
 
 ENTRY_POINT_GROUP = "agentrl.environments"
@@ -41,14 +43,14 @@ _LOADED_ENTRY_POINTS: set[tuple[str, str]] = set()
 T = TypeVar("T")
 
 
-class UnknownEnvironmentError(KeyError):
+class UnknownEnvironmentError(AgentrlError, KeyError):
     """No environment is registered under the name asked for."""
 
     def __str__(self) -> str:
         return str(self.args[0])
 
 
-class DuplicateEnvironmentError(ValueError):
+class DuplicateEnvironmentError(AgentrlError, ValueError):
     """A second, different object tried to register under a taken name."""
 
 
@@ -160,7 +162,7 @@ def import_user_code(spec: str) -> ModuleType:
         raise UserCodeError(f"importing {spec!r} raised {type(e).__name__}: {e}") from e
 
 
-class UserCodeError(ImportError):
+class UserCodeError(AgentrlError, ImportError):
     """A module or file named to import (``env.import``) could not be imported; the message says why."""
 
 

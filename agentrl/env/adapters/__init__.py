@@ -22,6 +22,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from agentrl.errors import AgentrlError
+
 log = logging.getLogger(__name__)
 
 
@@ -67,7 +69,7 @@ ECOSYSTEMS: dict[str, Ecosystem] = {e.prefix: e for e in (
 ALIASES = {"reasoning-gym": "reasoning_gym", "rg": "reasoning_gym", "ta": "textarena", "vf": "verifiers"}
 
 
-class AdapterError(KeyError):
+class AdapterError(AgentrlError, KeyError):
     """A ``prefix:name`` could not be resolved: the ecosystem is missing or has no such environment."""
 
     def __str__(self) -> str:
