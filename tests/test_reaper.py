@@ -93,3 +93,27 @@ def test_what_a_reaper_killed_with_kill_9_leaves_is_ended_from_its_noted_group(t
     assert _alive(grandchild)  # another session: it outlives the reaper
     assert kill_group(group)
     assert _wait_gone(grandchild, 10)
+
+
+def test_a_child_that_exits_on_sigterm_is_not_held_for_the_grace_period(tmp_path):
+    """The reaper returns once its child has exited, not at the end of the grace (an hour here):
+    the escalation must see the exit it is waiting for."""
+    script = f"trap 'exit 3' TERM; echo $$ > {tmp_path}/child.pid; sleep 600 & wait"
+    reaper = subprocess.Popen([sys.executable, "-m", "agentrl.engines.reaper", "--", "sh", "-c", script],
+                              env=dict(os.environ, AGENTRL_REAPER_GRACE_S="3600"))
+    child = _read_pid(tmp_path / "child.pid")
+    reaper.send_signal(signal.SIGTERM)
+    assert reaper.wait(timeout=120) == 3  # the child's own exit code: it went on SIGTERM
+    assert not _alive(child)
+
+
+def test_the_command_is_stopped_when_its_reaper_is_killed_with_kill_9(tmp_path):
+    """A process-group kill of whoever launched the reaper takes the reaper down with no chance to
+    forward anything: its command gets SIGTERM from the kernel and stops itself."""
+    script = f"trap 'echo stopped > {tmp_path}/stopped; exit 0' TERM; echo $$ > {tmp_path}/child.pid; sleep 600 & wait"
+    reaper = subprocess.Popen([sys.executable, "-m", "agentrl.engines.reaper", "--", "sh", "-c", script])
+    child = _read_pid(tmp_path / "child.pid")
+    reaper.send_signal(signal.SIGKILL)
+    reaper.wait()
+    assert _wait_gone(child, 30), "the command outlived its reaper"
+    assert (tmp_path / "stopped").read_text().strip() == "stopped"  # by its own SIGTERM handler

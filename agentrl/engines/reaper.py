@@ -8,7 +8,8 @@ it SIGKILLs the group at once (an engine being replaced has nothing left to fini
 code is the child's, or 128 + N when a signal N killed the child (as a shell reports it), so whoever
 launched it can tell a ``kill -9`` (137) from an error exit.
 :func:`stop_process` is the launching side's stop (SIGTERM, a wait, SIGKILL). A reaper killed
-with ``kill -9`` cannot pass anything on, so the launching side notes the group with
+with ``kill -9`` cannot pass anything on: the kernel sends its command SIGTERM (PR_SET_PDEATHSIG
+is set for the command too), and the launching side, when it is still alive, notes the group with
 :func:`child_group` while the reaper runs and ends what is left with :func:`kill_group`.
 """
 
@@ -58,10 +59,13 @@ def child_group(reaper_pid: int) -> int | None:
 def kill_group(pgid: int | None) -> bool:
     """SIGKILL what is left of a command's process group, e.g. after its reaper itself was killed
     with ``kill -9`` (the group then outlives it: it is another session). True if any was left."""
-    if pgid is None:
-        return False
+    return pgid is not None and signal_group(pgid, signal.SIGKILL)
+
+
+def signal_group(pgid: int, sig: int) -> bool:
+    """Send ``sig`` to process group ``pgid``; False if no process of it is left (or ours to signal)."""
     try:
-        os.killpg(pgid, signal.SIGKILL)
+        os.killpg(pgid, sig)
     except (ProcessLookupError, PermissionError):
         return False
     return True
@@ -74,43 +78,34 @@ def main(argv: list[str]) -> int:
     _die_with_parent()
     if os.getppid() != parent:  # the parent died before prctl took effect
         return 1
-    child = subprocess.Popen(argv, start_new_session=True)
-    stopping = False
+    # the command gets SIGTERM if the reaper itself is killed with kill -9 (e.g. with its own parent,
+    # by a process-group kill of `agentrl run`): nothing else would be left to stop it
+    child = subprocess.Popen(argv, start_new_session=True, preexec_fn=_die_with_parent)
+    deadline: float | None = None  # once stopping: when the group gets SIGKILL if still there
 
     def stop(signum: int, _frame: object) -> None:
-        nonlocal stopping
-        if stopping:
-            return
-        stopping = True
-        try:
-            os.killpg(child.pid, signal.SIGTERM)
-        except ProcessLookupError:
-            return
-        deadline = time.monotonic() + GRACE_S
-        while time.monotonic() < deadline and child.poll() is None:
-            time.sleep(0.1)
-        try:
-            os.killpg(child.pid, signal.SIGKILL)  # also any grandchildren still alive
-        except ProcessLookupError:
-            pass
+        nonlocal deadline
+        if deadline is None:
+            deadline = time.monotonic() + GRACE_S
+            signal_group(child.pid, signal.SIGTERM)
 
     def kill_now(signum: int, _frame: object) -> None:
-        nonlocal stopping
-        stopping = True
-        try:
-            os.killpg(child.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        nonlocal deadline
+        deadline = time.monotonic()
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
     signal.signal(signal.SIGUSR1, kill_now)
-    code = child.wait()
-    if not stopping:
+    # The escalation lives in this loop, not in the handlers: a handler runs inside the wait it
+    # interrupted, where the child cannot be polled (it would always seem alive: the whole grace).
+    while True:
         try:
-            os.killpg(child.pid, signal.SIGKILL)  # the engine died: leave none of its children
-        except ProcessLookupError:
-            pass
+            code = child.wait(timeout=0.2)
+            break
+        except subprocess.TimeoutExpired:
+            if deadline is not None and time.monotonic() >= deadline:
+                signal_group(child.pid, signal.SIGKILL)
+    signal_group(child.pid, signal.SIGKILL)  # whatever the child left in its group
     return code if code >= 0 else 128 - code
 
 
