@@ -27,6 +27,7 @@ import aiohttp
 from agentrl.engines.config import LORA_RANKS, EngineOptions, EngineSpec  # noqa: F401 (their home before)
 from agentrl.engines.reaper import child_group, kill_group, stop_process
 from agentrl.errors import AgentrlError
+from agentrl.models import home as agentrl_home
 
 log = logging.getLogger(__name__)
 
@@ -137,9 +138,11 @@ class VLLMEngine:
         self._log_start = logf.tell()  # an earlier run's lines are not this start-up's
         cmd = [sys.executable, "-m", "agentrl.engines.reaper", "--", *self.spec.command()]
         log.info("starting engine on port %d: %s", self.spec.port, " ".join(self.spec.command()[2:]))
+        # One vLLM cache for every run of this machine (beside the models): its model-class
+        # inspection, cached there, is a 10-20 s subprocess on each start-up otherwise.
         self.proc = subprocess.Popen(
             cmd, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            env=self.spec.environment(self.log_path.parent / "vllm-cache"),
+            env=self.spec.environment(agentrl_home() / "vllm-cache"),
         )
         logf.close()
         _LIVE.add(self.proc)
