@@ -1,11 +1,16 @@
 """Lazy package exports: ``from agentrl.router import Router`` works, while ``import agentrl.router.config``
-(what the CLI does to parse settings) does not pull in aiohttp, numpy or torch."""
+(what the CLI does to parse settings) does not pull in aiohttp, numpy or torch; and the other side of
+it, :func:`import_ahead`: a heavy import started early, while the process waits on something else."""
 
 from __future__ import annotations
 
 import importlib
+import logging
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 
 def lazy(package: str, modules: Mapping[str, Sequence[str]]
@@ -24,3 +29,19 @@ def lazy(package: str, modules: Mapping[str, Sequence[str]]
         return sorted(where)
 
     return __getattr__, __dir__, sorted(where)
+
+
+def import_ahead(module: str, *names: str) -> None:
+    """Import ``module`` (and its ``names``: a lazy package loads each on first use) in a daemon
+    thread, e.g. transformers while vLLM engines start. Only imports, nothing to undo; a failure is
+    left to the code that imports it for real, which reports it with its own context."""
+
+    def load() -> None:
+        try:
+            loaded = importlib.import_module(module)
+            for name in names:
+                getattr(loaded, name)
+        except Exception as e:
+            log.debug("importing %s ahead failed: %s", module, e)
+
+    threading.Thread(target=load, name=f"import-{module}", daemon=True).start()

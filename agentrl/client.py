@@ -96,6 +96,10 @@ class ServeClient:
                     body = await r.read()
                     status, headers = r.status, dict(r.headers)
             except (aiohttp.ClientError, TimeoutError, OSError) as e:
+                if (task := asyncio.current_task()) is not None and task.cancelling():
+                    # the caller was cancelled (Ctrl-C, shutdown) and the HTTP stack turned it into an
+                    # error (aiohttp's timeout context can, when its own timeout fires in the same step): stop
+                    raise asyncio.CancelledError from e
                 what = "timed out" if isinstance(e, TimeoutError) else f"{type(e).__name__}: {e}"
                 err = TransportError(f"{method} {url}: {what}")
             else:

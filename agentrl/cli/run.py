@@ -23,6 +23,7 @@ import dataclasses
 import json
 import logging
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -31,6 +32,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from agentrl._lazy import import_ahead
 from agentrl.config import RunConfig, ServeConfig, to_toml
 from agentrl.engines.reaper import child_group, kill_group, stop_process
 
@@ -114,6 +116,10 @@ class ServeChild:
             in_row, started = in_row + 1, time.monotonic()
             self.relaunched += 1
             self.start()
+
+    def stop_relaunching(self) -> None:
+        """Relaunch serve no more (Ctrl-C: the terminal's SIGINT reached serve too, which is stopping)."""
+        self._stopping.set()
 
     def log_tail(self, n: int = 25) -> str:
         """The last ``n`` lines serve's latest launch wrote to serve.log."""
@@ -238,8 +244,17 @@ def run(cfg: RunConfig) -> int:
                                     run_dir=cfg.serve.run_dir, admin_token=cfg.learn.admin_token or token)
     log.info("starting serve (log: %s)", run_dir / "serve.log")
     serve_child.start()
+    import_ahead("transformers", "AutoModelForCausalLM")  # the learner's model stack, while serve starts
     t0 = time.monotonic()
     before = after = None
+
+    def interrupted(signum: int, frame: Any) -> None:
+        # Ctrl-C: serve must not be relaunched (it got the SIGINT too), and the learner stops where it
+        # is, not where its event loop next checks for a cancellation (an HTTP call can swallow one)
+        serve_child.stop_relaunching()
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGINT, interrupted)
     try:
         wait_for_serve(learn_cfg.serve, serve_child, cfg.serve.engine.start_timeout_s + 120)
         serve_child.supervise()
@@ -256,6 +271,7 @@ def run(cfg: RunConfig) -> int:
             raise SystemExit(f"agentrl run: {serve_child.failed}") from None
         raise
     finally:
+        signal.signal(signal.SIGINT, previous)
         serve_child.stop()
     summary = {"steps": len(history), "final_version": history[-1]["version"] if history else 0,
                "serve_restarts": serve_child.relaunched,

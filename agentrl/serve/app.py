@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
+from agentrl._lazy import import_ahead
 from agentrl.credentials import find_api_keys, settle_admin_token
 from agentrl.serve.config import ServeConfig, redacted
 from agentrl.web import listen_when_free
@@ -138,6 +139,7 @@ class Serve:
         await self._serve_startup_status()
         self._phase(f"preparing the model {cfg.model}")
         self.model_path = await asyncio.to_thread(resolve_model, cfg.model)
+        import_ahead("transformers", "AutoTokenizer")  # the router's tokenizer stack, while the engines start
 
         urls = list(cfg.engine.urls)
         # engines serve launches answer only serve (a key per run); running ones (engine.urls) are theirs
@@ -406,8 +408,11 @@ class Serve:
                  (self.router, "close"), (self.pool, "close"), (self.buffer, "close"), (self.local, "stop"), (self.teacher_engine, "close"),
                  (self.cluster, "close"))
         for part, method in parts:
+            t0 = time.monotonic()
             if part is not None and inspect.isawaitable(done := getattr(part, method)()):
                 await done
+            if (took := time.monotonic() - t0) > 1.0:  # a slow shutdown names what it waited for
+                log.info("shutdown: %s.%s took %.1f s", type(part).__name__, method, took)
 
 
 async def serve_forever(cfg: ServeConfig) -> None:
