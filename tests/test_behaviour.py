@@ -52,15 +52,16 @@ def test_a_sampled_token_outside_its_kept_set_or_spans_that_overlap_are_refused(
         sample(Behaviour.from_calls(4, [], TOKENS[:4]))
 
 
-def test_a_sample_with_a_behaviour_round_trips_through_a_format_3_record():
+def test_a_sample_with_a_behaviour_round_trips_through_a_record_with_a_behaviour_section():
     s = sample(two_calls())
     record, meta = encode_sample(s)
-    assert read_header(record)["v"] == meta["v"] == 3
+    assert read_header(record)["v"] == meta["v"] == 6 and read_header(record)["sections"] == ["behaviour"]
     back = decode_sample(record)
     assert back == s and back.behaviour == s.behaviour
-    # 36 bytes per call, 2 bytes per kept id below 2**16, a few runs: the cost of the record
+    # 36 bytes per call, 2 bytes per kept id below 2**16, a few runs: the cost of the record, beyond the
+    # section table (a count, an entry, the name padded: 4 + 12 + 12 bytes) and the section's 16-byte head
     plain, _ = encode_sample(sample(None))
-    assert len(record) - len(plain) == 16 + 2 * 36 + 8 * 3 + 2 * 9 + 2
+    assert len(record) - len(plain) == 4 + 12 + 12 + 16 + 2 * 36 + 8 * 3 + 2 * 9 + 2
 
 
 def test_kept_ids_beyond_a_u16_travel_as_int32():
@@ -68,7 +69,8 @@ def test_kept_ids_beyond_a_u16_travel_as_int32():
     tokens[3] = 100_000
     b = Behaviour.from_calls(10, [(3, 1, {"top_k": 2}, [[100_000, 7]])], tokens)
     record, _ = encode_sample(sample(b, tokens))
-    assert read_header(record)["w"] == 4
+    ((name, offset, _),) = read_header(record)["table"]
+    assert name == "behaviour" and int.from_bytes(record[offset + 12 : offset + 16], "little") == 4  # width
     assert decode_sample(record).behaviour == b
 
 

@@ -1,5 +1,5 @@
 """A sample's per-token float sections (teacher logprobs, token rewards, the teacher's top-k): the
-fields' invariants and their format-5 bytes in the buffer, alone, together, and beside a behaviour
+fields' invariants and their bytes in the buffer's records, alone, together, and beside a behaviour
 and a routing."""
 
 from __future__ import annotations
@@ -31,14 +31,14 @@ def test_teacher_logprobs_cover_every_token_as_float32():
         sample(TEACHER[:-1])
 
 
-def test_a_sample_with_teacher_logprobs_round_trips_through_a_format_5_record():
+def test_a_sample_with_teacher_logprobs_round_trips_through_a_record_with_a_teacher_section():
     s = sample()
     record, meta = encode_sample(s)
-    assert record[:4] == b"ARS5" and read_header(record)["v"] == meta["v"] == 5
+    assert record[:4] == b"ARS6" and read_header(record)["v"] == meta["v"] == 6
     back = decode_sample(record)
     assert back == s and back.teacher_logprobs.flags.writeable
     assert np.isnan(back.teacher_logprobs[:3]).all() and back.info["teacher"] == {"name": "tiny-agent", "version": 0}
-    plain, _ = encode_sample(sample(None))  # 4 bytes a token and 32 header bytes beyond format 2
+    plain, _ = encode_sample(sample(None))  # 4 bytes a token, and 32 bytes of section table beyond format 2
     assert plain[:4] == b"ARS2" and len(record) - len(plain) == 32 + 4 * len(TOKENS)
 
 
@@ -52,14 +52,16 @@ def test_teacher_logprobs_travel_with_a_behaviour_and_a_routing():
         assert (back.routing is None) == (s.routing is None)
 
 
-def test_a_cut_teacher_section_is_a_codec_error():
+def test_a_cut_teacher_section_is_a_codec_error_and_an_unknown_one_is_skipped():
     record, _ = encode_sample(sample())
     with pytest.raises(CodecError, match="expected"):
         decode_sample(record[:-4])
     bad = bytearray(record)
-    bad[80:84] = (8).to_bytes(4, "little")  # the float-sections mask: an unknown bit
-    with pytest.raises(CodecError, match="unknown float sections 0x8"):
-        decode_sample(bytes(bad))
+    at = bytes(bad).index(b"teacher_logprobs")
+    bad[at : at + 16] = b"teacher_entropy_"  # a section this reader does not know
+    assert read_header(bytes(bad))["sections"] == ["teacher_entropy_"]
+    back = decode_sample(bytes(bad))
+    assert back.teacher_logprobs is None and back == replace(sample(None), sample_id=back.sample_id)
 
 
 def test_token_rewards_travel_beside_the_teacher_logprobs_in_the_same_format():
@@ -68,9 +70,9 @@ def test_token_rewards_travel_beside_the_teacher_logprobs_in_the_same_format():
     both = replace(sample(), token_rewards=rewards)
     alone = replace(sample(None), token_rewards=rewards)
     plain, _ = encode_sample(sample(None))
-    for s, sections in ((both, 2), (alone, 1)):
+    for s, table in ((both, 4 + 2 * 12 + 32), (alone, 4 + 12 + 16)):  # a count, entries, names padded
         record, meta = encode_sample(s)
-        assert meta["v"] == 5 and len(record) - len(plain) == 32 + 4 * len(TOKENS) * sections
+        assert meta["v"] == 6 and len(record) - len(plain) == table + 4 * len(TOKENS) * len(s.sections)
         back = decode_sample(record)
         assert back == s and back.token_rewards[[5, 9]].tolist() == [0.5, -1.0]
         assert (back.teacher_logprobs is None) == (s.teacher_logprobs is None)
@@ -92,11 +94,11 @@ def test_the_teachers_top_k_round_trips_beside_the_other_sections():
               replace(sample(None), teacher_topk_ids=ids, teacher_topk_logprobs=lps,
                       behaviour=Behaviour.from_calls(10, [(3, 3, {"temperature": 0.7}, None)], TOKENS))):
         record, meta = encode_sample(s)
-        assert meta["v"] == 5 and read_header(record)["floats"] & 4
+        assert meta["v"] == 6 and "teacher_topk" in read_header(record)["sections"]
         back = decode_sample(record)
         assert back == s and back.teacher_topk_ids.tolist() == ids.tolist() and back.teacher_topk_ids.flags.writeable
     alone, _ = encode_sample(replace(sample(None), teacher_topk_ids=ids, teacher_topk_logprobs=lps))
-    assert len(alone) - len(plain) == 32 + 4 + 8 * 3 * len(TOKENS)  # k, then 8 bytes a token per rank
+    assert len(alone) - len(plain) == 28 + 4 + 8 * 3 * len(TOKENS)  # table, k, then 8 bytes a token per rank
 
 
 def test_the_teachers_top_k_fields_go_together_over_every_token():

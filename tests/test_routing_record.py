@@ -39,16 +39,18 @@ def test_a_routing_covers_every_token_and_is_uint8_or_int16():
 
 
 @pytest.mark.parametrize("wide", [False, True])
-def test_a_sample_with_a_routing_round_trips_through_a_format_4_record(wide: bool):
+def test_a_sample_with_a_routing_round_trips_through_a_record_with_a_routing_section(wide: bool):
     s = sample(recorded(wide))
     record, meta = encode_sample(s)
-    assert record[:4] == b"ARS4" and read_header(record)["v"] == meta["v"] == 4
+    assert record[:4] == b"ARS6" and read_header(record)["v"] == meta["v"] == 6
+    assert read_header(record)["sections"] == ["routing"]
     back = decode_sample(record)
     assert back == s and back.routing.dtype == s.routing.dtype and back.routing.flags.writeable
-    # a byte (or two) per token, layer and expert slot, beyond the format-2 record and 12 header bytes
+    # a byte (or two) per token, layer and expert slot, beyond the format-2 record, the section table
+    # (a count, an entry, the name padded: 4 + 12 + 8 bytes) and the section's 12-byte head
     plain, _ = encode_sample(sample(None))
     width = 2 if wide else 1
-    assert len(record) - len(plain) == 28 + len(TOKENS) * 3 * 2 * width + (-(len(TOKENS) * 6 * width) % 4)
+    assert len(record) - len(plain) == 36 + len(TOKENS) * 3 * 2 * width + (-(len(TOKENS) * 6 * width) % 4)
 
 
 def test_a_routing_and_a_behaviour_travel_together():
@@ -58,10 +60,11 @@ def test_a_routing_and_a_behaviour_travel_together():
     assert back == s and back.behaviour == b
 
 
-def test_samples_without_a_routing_keep_their_formats():
+def test_samples_without_a_routing_have_no_routing_section():
     assert encode_sample(sample(None))[0][:4] == b"ARS2"
     b = Behaviour.from_calls(10, [(3, 3, {"temperature": 0.7}, None)], TOKENS)
-    assert encode_sample(sample(None, b))[0][:4] == b"ARS3"
+    record = encode_sample(sample(None, b))[0]
+    assert record[:4] == b"ARS6" and read_header(record)["sections"] == ["behaviour"]
 
 
 def test_a_cut_or_inconsistent_routing_section_is_a_codec_error():
@@ -69,7 +72,8 @@ def test_a_cut_or_inconsistent_routing_section_is_a_codec_error():
     with pytest.raises(CodecError, match="expected"):
         decode_sample(record[:-4])
     bad = bytearray(record)
-    bad[76:80] = (3).to_bytes(4, "little")  # an expert-id width of 3 bytes
+    ((_, offset, _),) = read_header(record)["table"]
+    bad[offset + 8 : offset + 12] = (3).to_bytes(4, "little")  # an expert-id width of 3 bytes
     with pytest.raises(CodecError, match="expert ids of 3 bytes"):
         decode_sample(bytes(bad))
 

@@ -34,7 +34,8 @@ from typing import Any
 import numpy as np
 
 from agentrl.buffer.behaviour import Behaviour
-from agentrl.buffer.sample import POLICY_KEY, Sample, routing_array
+from agentrl.buffer.sample import POLICY_KEY, Sample
+from agentrl.buffer.sections.routing import routing_array
 from agentrl.router.session_log import SessionLog
 
 log = logging.getLogger(__name__)
