@@ -36,11 +36,11 @@ DIALECTS = "agentrl.router.dialects"
 # The router modules above the capture core: the app that composes core and dialects, and the HTTP
 # helpers every route shares. Every other ``agentrl.router`` module is the capture core.
 ROUTER_APP = {"agentrl.router", "agentrl.router.server", "agentrl.router.http"}
-# Modules that exist for one kind of policy only (LoRA adapters). The learner's loop imports these
-# today (``trainer.py`` activates adapters and merges them for publishing); the policy-set rework of
-# issue #35 removes that. Listed so the test says what holds now and fails when it changes.
+# Modules that exist for one kind of policy only (LoRA adapters). The learner's loop imports none of
+# them: the policy set (``agentrl.learner.policies``) activates adapters and merges them for
+# publishing (issue #35). Listed so the test says what holds now and fails when it changes.
 POLICY_SPECIFIC = {"agentrl.learner.lora", "agentrl.weights.adapters"}
-LOOP_IMPORTS_TODAY = {"agentrl.learner.lora"}
+LOOP_IMPORTS_TODAY: set[str] = set()
 
 
 def module_name(path: Path) -> str:
@@ -156,6 +156,6 @@ def test_the_engine_pool_imports_neither_the_router_nor_the_weight_sync() -> Non
     assert not {m for m in reached if m.startswith(("agentrl.router", "agentrl.weights"))}, reached
 
 
-def test_the_learners_loop_imports_no_policy_specific_module_but_the_lora_one_it_still_does() -> None:
+def test_the_learners_loop_imports_no_policy_specific_module() -> None:
     direct = module_graph()["agentrl.learner.trainer"] & POLICY_SPECIFIC
     assert direct == LOOP_IMPORTS_TODAY

@@ -24,7 +24,7 @@ import hashlib
 import logging
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -32,12 +32,16 @@ from torch import Tensor
 
 from agentrl.learner.advantages import episode_advantages, process_advantages
 
-__all__ = ["Prepared", "prepare", "shared_completion_masks", "usable_samples"]
+if TYPE_CHECKING:
+    from agentrl.buffer.sample import Sample
+    from agentrl.learner.config import LossConfig
+
+__all__ = ["TrainBatch", "prepare", "shared_completion_masks", "usable_samples"]
 
 log = logging.getLogger(__name__)
 
 
-def usable_samples(samples: Sequence[Any]) -> list[Any]:
+def usable_samples(samples: Sequence[Sample]) -> list[Sample]:
     """Samples that carry a gradient: no error, and at least one generated token after the first."""
     return [s for s in samples if s.error is None and len(s.token_ids) > 1
             and np.count_nonzero(np.asarray(s.loss_mask)[1:])]
@@ -49,7 +53,7 @@ def _runs(mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return edges[0::2], edges[1::2]
 
 
-def shared_completion_masks(samples: Sequence[Any]) -> tuple[list[np.ndarray], int]:
+def shared_completion_masks(samples: Sequence[Sample]) -> tuple[list[np.ndarray], int]:
     """Loss masks (int32 copies) in which a completion shared by several samples counts once.
 
     Every run of generated tokens in a sample is one call's completion, in the order of the
@@ -89,8 +93,8 @@ def shared_completion_masks(samples: Sequence[Any]) -> tuple[list[np.ndarray], i
 
 
 @dataclass
-class Prepared:
-    samples: list[Any]  # the samples that train: at least one counted token after the first
+class TrainBatch:
+    samples: list[Sample]  # the samples that train: at least one counted token after the first
     masks: list[np.ndarray]  # their loss masks (int32, the samples' length) after every mask here
     advantages: Tensor  # [len(samples)] float32: their episodes' advantages
     candidates: int = 0  # usable samples before the shared-completion and overlong masks
@@ -98,7 +102,7 @@ class Prepared:
     process: list[np.ndarray | None] | None = None  # per sample, its tokens' process advantages (None: none)
 
 
-def prepare(samples: Sequence[Any], loss: Any) -> Prepared:
+def prepare(samples: Sequence[Sample], loss: LossConfig) -> TrainBatch:
     """The step's inputs for ``samples`` under ``loss`` (a ``LossConfig``); see the module's invariants."""
     usable = usable_samples(samples)
     rewards = torch.tensor([float(s.reward) for s in usable], dtype=torch.float32)
@@ -128,4 +132,4 @@ def prepare(samples: Sequence[Any], loss: Any) -> Prepared:
         process = [rtg[i] for i in keep]
         trained = [r[m != 0] for r, m in zip(rtg, masks, strict=True) if r is not None]
         stats["process_advantage_abs_mean"] = float(np.abs(np.concatenate(trained)).mean()) if trained else 0.0
-    return Prepared([usable[i] for i in keep], [masks[i] for i in keep], adv[keep], len(usable), stats, process)
+    return TrainBatch([usable[i] for i in keep], [masks[i] for i in keep], adv[keep], len(usable), stats, process)

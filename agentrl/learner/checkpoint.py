@@ -9,7 +9,7 @@ Layout of ``checkpoint_dir``::
       meta.json             step, policy version, batch_id of the batch trained at this step and
                             its sample ids, and the ids of samples of earlier batches trained into
                             these weights whose ack was refused; with several policies
-                            (:func:`save_policies`) each one's version and step count instead
+                            each one's version and step count instead
     latest                  name of the newest complete checkpoint (replaced atomically)
 
 Invariants:
@@ -26,9 +26,13 @@ Invariants:
 - Model and optimizer state are sharded (DCP reshards on load, so a checkpoint written by N
   ranks loads on M); one process without torchrun reads and writes the same format. With LoRA
   only the trainable adapters and their optimizer state are written (the base is the model's own).
-- Several policies on one base (one adapter each): every adapter, and each policy's optimizer
-  (``optim/<policy>``), schedule, step count and version; the checkpoint's step is all policies'
-  steps together.
+- One save and one load over the policy set (:class:`agentrl.learner.policies.PolicySet`; a single
+  policy is a set of one), each keeping the two layouts checkpoints have always had: one unnamed
+  policy (``optim``, ``scheduler``, ``version`` in ``meta.json``); several policies on one base
+  (one adapter each): every adapter, and each policy's optimizer (``optim/<policy>``), schedule
+  (``schedulers/<policy>``), step count and version (``policies`` in ``meta.json``). The
+  checkpoint's step is all policies' steps together. A checkpoint of one kind does not load into
+  a set of the other.
 """
 
 from __future__ import annotations
@@ -42,12 +46,14 @@ import shutil
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from agentrl.learner.dist import Dist, full_state_dict, tied_names
-from agentrl.learner.step import TrainState
+
+if TYPE_CHECKING:
+    from agentrl.learner.policies import PolicySet
 
 log = logging.getLogger(__name__)
 
@@ -58,9 +64,11 @@ class Resumed:
     version: int
     batch_id: str | None
     path: Path
-    trained: list[str] = field(default_factory=list)  # samples of earlier batches in these weights, ack refused
+    # samples of earlier batches in these weights whose ack was refused
+    trained: list[str] = field(default_factory=list)
     batch_samples: list[str] = field(default_factory=list)  # the sample ids of batch_id
     next_policy: str | None = None  # several policies: the one the next pull asks first
+    versions: dict[str | None, int] = field(default_factory=dict)  # each restored policy's (None: the one)
 
 
 def _rng_state() -> dict[str, Any]:
@@ -103,7 +111,8 @@ def latest_checkpoint(checkpoint_dir: str | Path) -> Path | None:
         p = root / pointer.read_text().strip()
         if (p / "meta.json").exists():
             return p
-    done = sorted(p for p in root.glob("step_*") if not p.name.endswith(".tmp") and (p / "meta.json").exists())
+    done = sorted(p for p in root.glob("step_*")
+                  if not p.name.endswith(".tmp") and (p / "meta.json").exists())
     return done[-1] if done else None
 
 
@@ -131,103 +140,70 @@ def _commit(ctx: Dist, root: Path, tmp: Path, meta: dict[str, Any], keep: int) -
         pointer.write_text(name)
         os.replace(pointer, root / "latest")
         if keep > 0:
-            for old in sorted(p for p in root.glob("step_*") if p.is_dir() and p != final)[:-(keep - 1) or None]:
+            older = sorted(p for p in root.glob("step_*") if p.is_dir() and p != final)
+            for old in older[:-(keep - 1) or None]:
                 shutil.rmtree(old, ignore_errors=True)
     ctx.barrier()
     return final
 
 
-def save_checkpoint(state: TrainState, checkpoint_dir: str | Path, *, version: int, batch_id: str | None,
-                    keep: int = 2, batch_samples: Sequence[str] = (), trained: Sequence[str] = ()) -> Path:
-    """Write a complete checkpoint of ``state`` (collective: every rank calls it). ``batch_samples``:
-    the sample ids of ``batch_id``; ``trained``: ids of samples of earlier batches trained into these
-    weights whose ack the buffer refused (both rank 0's)."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict
+def save_checkpoint(policies: PolicySet, checkpoint_dir: str | Path, *, batch_id: str | None, keep: int = 2,
+                    batch_samples: Sequence[str] = (), trained: Sequence[str] = (),
+                    next_policy: str | None = None) -> Path:
+    """Write a complete checkpoint of every policy of ``policies`` (collective: every rank calls
+    it), named after the steps of all policies together. ``batch_samples``: the sample ids of
+    ``batch_id``; ``trained``: ids of samples of earlier batches trained into these weights whose
+    ack the buffer refused (both rank 0's); ``next_policy``: the policy the next pull asks first.
 
-    ctx = state.ctx
-    root = Path(checkpoint_dir)
-    tmp = _begin(ctx, root, f"step_{state.step:06d}")
-    msd, osd = get_state_dict(state.model, state.optimizer, options=_options(state.model))
-    msd = _trained(state.model, msd)
-    dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(tmp))
-    torch.save({"rng": _rng_state(), "scheduler": state.scheduler.state_dict()}, tmp / f"rank_{ctx.rank}.pt")
-    meta = {"step": state.step, "version": version, "batch_id": batch_id, "world": ctx.world,
-            "batch_sample_ids": list(batch_samples), "trained_sample_ids": list(trained)}
-    if state.lora is not None:  # what the offline export rebuilds the adapters with
-        meta["lora"] = dataclasses.asdict(state.lora)
-    final = _commit(ctx, root, tmp, meta, keep)
-    if ctx.is_main:
-        log.info("checkpoint %s (version %d, batch %s)", final, version, batch_id)
-    return final
-
-
-def load_checkpoint(state: TrainState, path: str | Path) -> Resumed:
-    """Restore model, optimizer, scheduler, step and RNG from ``path`` (collective)."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-
-    path = Path(path)
-    meta = json.loads((path / "meta.json").read_text())
-    if meta.get("policies"):
-        raise SystemExit(f"{path} is a checkpoint of several policies ({', '.join(meta['policies'])}); this learner "
-                         f"trains one: resume it with serve's same policies, or start a fresh checkpoint_dir")
-    options = _options(state.model)
-    msd, osd = get_state_dict(state.model, state.optimizer, options=options)
-    msd = _trained(state.model, msd)
-    dcp.load({"model": msd, "optim": osd}, checkpoint_id=str(path))
-    set_state_dict(state.model, state.optimizer, model_state_dict=msd, optim_state_dict=osd, options=options)
-    own = path / f"rank_{state.ctx.rank}.pt"
-    extra = torch.load(own if own.exists() else path / "rank_0.pt", weights_only=False)
-    state.scheduler.load_state_dict(extra["scheduler"])
-    _set_rng_state(extra["rng"])
-    state.step = int(meta["step"])
-    log.info("resumed from %s: step %d, version %d", path, meta["step"], meta["version"])
-    return Resumed(step=int(meta["step"]), version=int(meta["version"]), batch_id=meta.get("batch_id"), path=path,
-                   trained=list(meta.get("trained_sample_ids", [])), batch_samples=list(meta.get("batch_sample_ids", [])))
-
-
-# ---------------------------------------------------------------------- several policies on one base model
-
-
-def save_policies(states: dict[str, TrainState], checkpoint_dir: str | Path, *, versions: dict[str, int],
-                  batch_id: str | None, keep: int = 2, batch_samples: Sequence[str] = (),
-                  trained: Sequence[str] = (), next_policy: str | None = None) -> Path:
-    """A checkpoint of several policies' adapters on one model (collective): every adapter (the
-    model's trainable state), each policy's optimizer (once it has stepped: an optimizer without
-    state would be given one by DCP's zero-gradient step, changing its later updates), schedule,
-    step count and version. Named after the steps of all policies together."""
+    One layout per kind of set, both as they always were: one unnamed policy keeps its optimizer
+    at ``optim`` and its schedule at ``scheduler``; named policies keep every adapter, and each
+    one's optimizer at ``optim/<policy>`` (once it has stepped: an optimizer without state would be
+    given one by DCP's zero-gradient step, changing its later updates) and schedule at
+    ``schedulers/<policy>``, their versions and step counts in ``meta.json``'s ``policies``."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
-    first = next(iter(states.values()))
-    ctx, model = first.ctx, first.model
+    ctx, model = policies.ctx, policies.model
     options = _options(model)
     root = Path(checkpoint_dir)
-    step = sum(s.step for s in states.values())
+    step = policies.steps_done()
     tmp = _begin(ctx, root, f"step_{step:06d}")
     msd = _trained(model, get_model_state_dict(model, options=options))
-    optimized = [n for n, s in states.items() if s.step > 0]  # the same on every rank
-    osd = {n: get_optimizer_state_dict(model, states[n].optimizer, options=options) for n in optimized}
-    dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(tmp))
-    torch.save({"rng": _rng_state(), "schedulers": {n: s.scheduler.state_dict() for n, s in states.items()}},
-               tmp / f"rank_{ctx.rank}.pt")
-    meta = {"step": step, "batch_id": batch_id, "world": ctx.world, "batch_sample_ids": list(batch_samples),
-            "trained_sample_ids": list(trained), "lora": dataclasses.asdict(first.lora) if first.lora else None,
-            "next_policy": next_policy,
-            "policies": {n: {"version": versions[n], "step": s.step, "optimized": n in optimized}
-                         for n, s in states.items()}}
+    optimized = [p for p in policies if p.state.step > 0 or not policies.named]  # the same on every rank
+    osd = {p.name: get_optimizer_state_dict(model, p.state.optimizer, options=options) for p in optimized}
+    schedulers = {p.name: p.state.scheduler.state_dict() for p in policies}
+    lora = dataclasses.asdict(policies.lora) if policies.lora is not None and policies.lora.enabled else None
+    meta: dict[str, Any] = {"step": step}
+    if policies.named:
+        dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(tmp))
+        torch.save({"rng": _rng_state(), "schedulers": schedulers}, tmp / f"rank_{ctx.rank}.pt")
+    else:
+        (one,) = policies
+        dcp.save({"model": msd, "optim": osd[None]}, checkpoint_id=str(tmp))
+        torch.save({"rng": _rng_state(), "scheduler": schedulers[None]}, tmp / f"rank_{ctx.rank}.pt")
+        meta["version"] = one.version
+    meta |= {"batch_id": batch_id, "world": ctx.world, "batch_sample_ids": list(batch_samples),
+             "trained_sample_ids": list(trained)}
+    if policies.named:
+        meta |= {"lora": lora, "next_policy": next_policy,
+                 "policies": {p.name: {"version": p.version, "step": p.state.step,
+                                       "optimized": p in optimized} for p in policies}}
+    elif lora is not None:  # what the offline export rebuilds the adapters with
+        meta["lora"] = lora
     final = _commit(ctx, root, tmp, meta, keep)
     if ctx.is_main:
-        log.info("checkpoint %s (%s; batch %s)", final,
-                 ", ".join(f"{n} at version {v}" for n, v in versions.items()), batch_id)
+        log.info("checkpoint %s (%s; batch %s)" if policies.named else "checkpoint %s (%s, batch %s)", final,
+                 ", ".join(f"{p.name} at version {p.version}" if p.name else f"version {p.version}"
+                           for p in policies), batch_id)
     return final
 
 
-def load_policies(states: dict[str, TrainState], path: str | Path) -> tuple[Resumed, dict[str, int]]:
-    """Restore every policy of ``states`` that ``path`` holds (adapter, optimizer, schedule, step)
-    and the RNG (collective); returns the checkpoint's batch bookkeeping and each restored policy's
-    version. A policy the checkpoint lacks starts fresh; one it holds that ``states`` lacks is left."""
+def load_checkpoint(policies: PolicySet, path: str | Path) -> Resumed:
+    """Restore every policy of ``policies`` that ``path`` holds (weights or adapter, optimizer,
+    schedule, step) and the RNG (collective); returns the checkpoint's batch bookkeeping and each
+    restored policy's version. A named policy the checkpoint lacks starts fresh; one it holds that
+    the set lacks is left. A checkpoint of one policy does not load into named ones, nor the other
+    way round."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (
         get_model_state_dict,
@@ -240,37 +216,49 @@ def load_policies(states: dict[str, TrainState], path: str | Path) -> tuple[Resu
 
     path = Path(path)
     meta = json.loads((path / "meta.json").read_text())
-    saved = meta.get("policies")
-    if not saved:
+    ctx, model = policies.ctx, policies.model
+    saved: dict[str | None, dict[str, Any]] = meta.get("policies") or {}
+    if saved and not policies.named:
+        raise SystemExit(f"{path} is a checkpoint of several policies ({', '.join(map(str, saved))}); this "
+                         f"learner trains one: resume it with serve's same policies, or start a fresh "
+                         f"checkpoint_dir")
+    if policies.named and not saved:
         raise SystemExit(f"{path} is a checkpoint of one policy; this learner trains several "
-                         f"({', '.join(states)}): start a fresh checkpoint_dir")
-    first = next(iter(states.values()))
-    ctx, model = first.ctx, first.model
-    names = [n for n in states if n in saved]
-    if set(saved) - set(names) or set(states) - set(names):
+                         f"({', '.join(policies.names)}): start a fresh checkpoint_dir")
+    if not saved:  # one policy: its version and step are the checkpoint's
+        saved = {None: {"version": meta["version"], "step": meta["step"], "optimized": True}}
+    names = [p.name for p in policies if p.name in saved]
+    if policies.named and (set(saved) - set(names) or set(policies.names) - set(names)):
         log.warning("checkpoint %s holds policies %s; resuming %s, fresh: %s", path, sorted(saved), names,
-                    sorted(set(states) - set(names)) or "none")
+                    sorted(set(policies.names) - set(names)) or "none")
     options = _options(model)
-    msd = {k: v for k, v in _trained(model, get_model_state_dict(model, options=options)).items()
-           if any(of_adapter(k, n) for n in names)}
+    msd = _trained(model, get_model_state_dict(model, options=options))
+    if policies.named:
+        msd = {k: v for k, v in msd.items() if any(of_adapter(k, n) for n in names if n is not None)}
     optimized = [n for n in names if saved[n].get("optimized")]
-    osd = {n: get_optimizer_state_dict(model, states[n].optimizer, options=options) for n in optimized}
-    dcp.load({"model": msd, "optim": osd}, checkpoint_id=str(path))
-    set_model_state_dict(model, msd, options=dataclasses.replace(options, strict=False))
+    osd = {n: get_optimizer_state_dict(model, policies.of(n).state.optimizer, options=options)
+           for n in optimized}
+    dcp.load({"model": msd, "optim": osd if policies.named else osd[None]}, checkpoint_id=str(path))
+    set_model_state_dict(model, msd, options=options)
     for n in optimized:
-        set_optimizer_state_dict(model, states[n].optimizer, osd[n], options=options)
+        set_optimizer_state_dict(model, policies.of(n).state.optimizer, osd[n], options=options)
     own = path / f"rank_{ctx.rank}.pt"
     extra = torch.load(own if own.exists() else path / "rank_0.pt", weights_only=False)
+    schedulers = extra["schedulers"] if policies.named else {None: extra["scheduler"]}
     for n in names:
-        states[n].scheduler.load_state_dict(extra["schedulers"][n])
-        states[n].step = int(saved[n]["step"])
+        policies.of(n).state.scheduler.load_state_dict(schedulers[n])
+        policies.of(n).state.step = int(saved[n]["step"])
     _set_rng_state(extra["rng"])
     versions = {n: int(saved[n]["version"]) for n in names}
-    log.info("resumed from %s: step %d, %s", path, meta["step"], ", ".join(f"{n} at version {v}" for n, v in versions.items()))
-    resumed = Resumed(step=int(meta["step"]), version=0, batch_id=meta.get("batch_id"), path=path,
-                      trained=list(meta.get("trained_sample_ids", [])),
-                      batch_samples=list(meta.get("batch_sample_ids", [])), next_policy=meta.get("next_policy"))
-    return resumed, versions
+    if policies.named:
+        log.info("resumed from %s: step %d, %s", path, meta["step"],
+                 ", ".join(f"{n} at version {v}" for n, v in versions.items()))
+    else:
+        log.info("resumed from %s: step %d, version %d", path, meta["step"], meta["version"])
+    return Resumed(step=int(meta["step"]), version=int(meta.get("version", 0)), batch_id=meta.get("batch_id"),
+                   path=path, trained=list(meta.get("trained_sample_ids", [])),
+                   batch_samples=list(meta.get("batch_sample_ids", [])), next_policy=meta.get("next_policy"),
+                   versions=versions)
 
 
 def save_hf(state_dict: dict[str, torch.Tensor], model_path: str, out: str | Path) -> Path:
@@ -334,7 +322,8 @@ def export_checkpoint(checkpoint: str | Path, model_path: str, out: str | Path) 
         from agentrl.learner.lora import LoraConfig, add_adapters, save_adapter
 
         lora, names = LoraConfig(**meta["lora"]), list(meta["policies"])
-        model = add_adapters(AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32), lora, names=names)
+        base = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+        model = add_adapters(base, lora, names=names)
         trains = {n for n, p in model.named_parameters() if p.requires_grad}
         sd = {k: v for k, v in model.state_dict().items() if k in trains}
         dcp.load({"model": sd}, checkpoint_id=str(checkpoint))
@@ -346,7 +335,8 @@ def export_checkpoint(checkpoint: str | Path, model_path: str, out: str | Path) 
 
         lora = LoraConfig(**meta["lora"])
         model = add_adapters(AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32), lora)
-        sd = {k: v for k, v in model.state_dict().items() if k in {n for n, p in model.named_parameters() if p.requires_grad}}
+        trains = {n for n, p in model.named_parameters() if p.requires_grad}
+        sd = {k: v for k, v in model.state_dict().items() if k in trains}
         dcp.load({"model": sd}, checkpoint_id=str(checkpoint))
         model.load_state_dict(sd, strict=False)
         state = full_state_dict(model, Dist())

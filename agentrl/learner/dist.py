@@ -128,7 +128,10 @@ def load_model(model_path: str, ctx: Dist, *, precision: str = "auto", activatio
     adapter per policy (empty: the one adapter of a single policy)."""
     from transformers import AutoModelForCausalLM
 
+    from agentrl.learner.attention import use_packed_attention
+
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    use_packed_attention(model)  # a packed row's samples attend one at a time: no [N, N] mask
     disable_dropout(model)  # before the adapters: their own dropout is learn.lora.dropout
     if lora is not None and lora.enabled:
         from agentrl.learner.lora import add_adapters

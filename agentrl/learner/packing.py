@@ -5,8 +5,9 @@ padding, and turn the row's logprobs back into one right-padded row per sample.
 
 Invariants:
 - Position ids restart at 0 for every sample and the model is called with ``attention_mask=None``,
-  so transformers reads the sample boundaries from the position ids (block-diagonal causal mask
-  for sdpa/eager, varlen kernels for flash attention): attention never crosses samples.
+  so attention reads the sample boundaries from the position ids (the learner's own sdpa runs each
+  sample's span alone, :mod:`agentrl.learner.attention`; transformers builds a block-diagonal mask
+  for eager, varlen kernels for flash attention): attention never crosses samples.
 - ``packed_logprobs`` returns exactly the [S, T-1] layout of ``pad_batch`` + ``token_logprobs``
   (position t predicts token t+1, zeros past each sample's end), so every loss, aggregation and
   sequence-level correction sees the same tensors as without packing.
@@ -36,7 +37,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from agentrl.buffer.sample import ROUTING_DTYPES
+from agentrl.buffer.sections.base import sections
+from agentrl.buffer.sections.routing import ROUTING_DTYPES
 from agentrl.learner.head import CHUNK_TOKENS, row_terms
 from agentrl.learner.replay import RowReplay
 from agentrl.learner.routing import ReplayStats, replay_routing
@@ -82,6 +84,35 @@ def pad_batch(samples: Sequence[Any], pad_id: int, masks: Sequence[Any] | None =
             if s.teacher_topk_logprobs is not None:
                 top[i, : len(s.token_ids), : s.teacher_topk_logprobs.shape[1]] = torch.from_numpy(s.teacher_topk_logprobs)
         out["teacher_topk"] = top[:, 1:]
+    out.update(section_tensors(samples, width))
+    return out
+
+
+SECTION_KEY = "section:"  # pad_batch's key of a section's tensor: SECTION_KEY + its name
+
+
+def section_tensors(samples: Sequence[Any], width: int) -> dict[str, Tensor]:
+    """The micro-batch tensor of each section that declares one (``Section.fill``) and that a
+    sample of ``samples`` carries: [B, width - 1, ...], the section's ``fill`` where a sample has
+    none and past its end, shifted like ``pad_batch``'s fields (position t: token t + 1)."""
+    out: dict[str, Tensor] = {}
+    for name, section in sections().items():
+        if section.fill is None:
+            continue
+        arrays = [section.tensor(s.sections[name]) if name in getattr(s, "sections", {}) else None
+                  for s in samples]
+        shapes = {(a.shape[1:], a.dtype) for a in arrays if a is not None}
+        if not shapes:
+            continue
+        if len(shapes) > 1:
+            raise ValueError(f"section {name}: tensors of several shapes or dtypes in a micro-batch: "
+                             f"{shapes}")
+        ((tail, dtype),) = shapes
+        padded = np.full((len(samples), width, *tail), section.fill, dtype=dtype)
+        for i, a in enumerate(arrays):
+            if a is not None:
+                padded[i, : a.shape[0]] = a
+        out[SECTION_KEY + name] = torch.from_numpy(padded)[:, 1:]
     return out
 
 

@@ -18,17 +18,21 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from agentrl.learner.config import LearnConfig
+
+if TYPE_CHECKING:
+    from agentrl.buffer.sample import Sample
 
 log = logging.getLogger(__name__)
 
 
-
 class BatchSource(Protocol):
     publishes: bool  # False: the learner skips gathering weights for publish()
-    weights_device: str  # where publish() wants the full weights: "cpu" or "cuda" (read only if publishes)
+
+    @property
+    def weights_device(self) -> str: ...  # where publish() wants the weights: "cpu" or "cuda" (if publishes)
 
     # {"model_path": ..., "version": ...}; with several policies on one base also
     # "policies": {name: {"version": ..., "max_staleness": ...}} (in serve's order)
@@ -36,10 +40,12 @@ class BatchSource(Protocol):
 
     # None: nothing yet. ``policy`` (only with several policies): a batch of that policy's samples,
     # ``version`` being that policy's
-    async def get_batch(self, version: int, *, policy: str | None = None) -> tuple[str, list[Any]] | None: ...
+    async def get_batch(self, version: int, *,
+                        policy: str | None = None) -> tuple[str, list[Sample]] | None: ...
 
     # ``policy`` (only with several policies): ``state`` is that policy's adapter alone
-    async def publish(self, state: dict[str, Any], version: int, *, policy: str | None = None) -> dict[str, Any]: ...
+    async def publish(self, state: dict[str, Any], version: int, *,
+                      policy: str | None = None) -> dict[str, Any]: ...
 
     async def ack(self, batch_id: str) -> bool: ...
 
@@ -67,7 +73,8 @@ class ServeSource:
         # the batch size and staleness bound: the learner's own, or (0 / -1) serve's buffer's (info)
         self.batch_size = cfg.batch_size or None
         self.max_staleness = cfg.max_staleness if cfg.max_staleness >= 0 else None
-        self.policy_staleness: dict[str, int] = {}  # with several policies: each one's bound (serve's, or the learner's)
+        # with several policies: each one's bound (serve's, or the learner's)
+        self.policy_staleness: dict[str, int] = {}
         self._told = False
 
     @property
@@ -118,7 +125,7 @@ class ServeSource:
             log.info("batches of %d samples at most %d versions old", self.batch_size, self.max_staleness)
         return info
 
-    async def get_batch(self, version: int, *, policy: str | None = None) -> tuple[str, list[Any]] | None:
+    async def get_batch(self, version: int, *, policy: str | None = None) -> tuple[str, list[Sample]] | None:
         # numpy per-token fields straight from the wire bytes; packing makes tensors of them
         if policy is None:
             batch = await self.client.get_batch(version, self.max_staleness, self.batch_size, timeout_s=30.0)
@@ -129,7 +136,8 @@ class ServeSource:
                                                 timeout_s=self.cfg.policy_wait_s, policy=policy)
         return None if batch is None else (batch.batch_id, batch.samples)
 
-    async def publish(self, state: dict[str, Any], version: int, *, policy: str | None = None) -> dict[str, Any]:
+    async def publish(self, state: dict[str, Any], version: int, *,
+                      policy: str | None = None) -> dict[str, Any]:
         from agentrl.weights import EnginesFailed, WeightTransferError
 
         try:
@@ -143,10 +151,12 @@ class ServeSource:
             return {"error": str(e)}
         except WeightTransferError as e:
             if not e.unreachable:
-                raise  # serve answered and refused, or the transport cannot work: sending again would not help
+                # serve answered and refused, or the transport cannot work: sending again would not help
+                raise
             # serve did not answer (restarting?): the learner rides it out; its next pull waits for
             # serve and publishes again if serve then serves an older version
-            log.warning("serve did not take version %d (%s); it gets the weights again once it answers", version, e)
+            log.warning("serve did not take version %d (%s); it gets the weights again once it answers",
+                        version, e)
             return {"error": str(e), "unreachable": True}
 
     async def ack(self, batch_id: str) -> bool:

@@ -43,12 +43,20 @@ import torch
 
 from agentrl.env.base import MIX_TAG
 from agentrl.learner.advantages import distilled_advantages, topk_forward_kl
-from agentrl.learner.batch import Prepared, prepare
+from agentrl.learner.batch import TrainBatch, prepare
 from agentrl.learner.config import LearnConfig
 from agentrl.learner.dist import Dist, grad_norm_and_clip
 from agentrl.learner.masked import aggregate, masked_mean
-from agentrl.learner.packing import pack, packed_forward, packed_logprobs, pad_batch, routing_replayed
+from agentrl.learner.packing import (
+    SECTION_KEY,
+    pack,
+    packed_forward,
+    packed_logprobs,
+    pad_batch,
+    routing_replayed,
+)
 from agentrl.learner.routing import ReplayStats
+from agentrl.learner.terms import TermInputs, loss_terms
 
 log = logging.getLogger(__name__)
 
@@ -142,7 +150,7 @@ def _dummy_pass(state: TrainState, backward: bool) -> None:
         out.backward()
 
 
-def _old_logprobs(state: TrainState, prep: Prepared, plan: list[list[list[int]]],
+def _old_logprobs(state: TrainState, prep: TrainBatch, plan: list[list[list[int]]],
                   chunk_tokens: int) -> dict[tuple[int, int], Any]:
     """pi_old of every row this rank trains, keyed (minibatch, row): no grad, eval mode (no dropout)."""
     ctx = state.ctx
@@ -160,7 +168,7 @@ def _old_logprobs(state: TrainState, prep: Prepared, plan: list[list[list[int]]]
     return out
 
 
-def _update(state: TrainState, cfg: LearnConfig, prep: Prepared, rows: list[list[int]], old: dict[int, Any],
+def _update(state: TrainState, cfg: LearnConfig, prep: TrainBatch, rows: list[list[int]], old: dict[int, Any],
             version: int, progress: float, norm_tokens: float) -> dict[str, Any]:
     """One optimizer update on ``rows`` (lists of indexes into ``prep.samples``); collective."""
     from agentrl.learner.corrections import approx_proximal_logp
@@ -204,6 +212,7 @@ def _update(state: TrainState, cfg: LearnConfig, prep: Prepared, rows: list[list
                 scored = scored & (t["mask"].to(ctx.device) != 0)
                 loss = loss + loss_cfg.distill_topk_coef * aggregate(kl, scored, loss_cfg.agg, 1.0, norm_tokens)
                 st["distill/topk_kl"] = masked_mean(kl.detach(), scored)
+            loss = loss + _section_terms(t, logp, t["mask"].to(ctx.device) != 0, loss_cfg, norm_tokens, st)
             # the policy's entropy on the trained tokens, of the distribution each was sampled from
             st["entropy"] = masked_mean(forward.entropy.detach(), t["mask"].to(ctx.device) != 0)
             (loss * ctx.world).backward()
@@ -242,6 +251,21 @@ def _update(state: TrainState, cfg: LearnConfig, prep: Prepared, rows: list[list
     if not result["applied"]:
         state.optimizer.zero_grad(set_to_none=True)  # nothing of this update may reach a later one
     return result
+
+
+def _section_terms(t: dict[str, Any], logp: torch.Tensor, mask: torch.Tensor, loss_cfg: Any,
+                   norm_tokens: float, stats: dict[str, Any]) -> torch.Tensor | float:
+    """The sum of the registered loss terms whose section this micro-batch carries (0.0: none),
+    their stats added to ``stats`` (agentrl.learner.terms)."""
+    total: torch.Tensor | float = 0.0
+    for name, registered in loss_terms().items():
+        tensor = t.get(SECTION_KEY + registered.section)
+        if tensor is None:
+            continue
+        value, st = registered.term(TermInputs(logp, mask, tensor.to(logp.device), loss_cfg.agg, norm_tokens))
+        total = total + value
+        stats.update({f"{name}/{k}": v for k, v in st.items()})
+    return total
 
 
 def _minibatches(n: int, count: int) -> list[list[int]]:
@@ -325,7 +349,7 @@ def reward_by_env(samples: list[Any]) -> dict[str, float]:
     return {name: sum(v) / len(v) for name, v in sorted(sums.items())}
 
 
-def _advantages(prep: Prepared, idx: list[int], t: dict[str, Any], behaviour: torch.Tensor,
+def _advantages(prep: TrainBatch, idx: list[int], t: dict[str, Any], behaviour: torch.Tensor,
                 loss_cfg: Any) -> torch.Tensor:
     """The advantages of one packed row's samples: [B] episode advantages, or [B, T-1] per token
     once a teacher's term (``distill_coef``) or process rewards (``prep.process``) add to them."""
