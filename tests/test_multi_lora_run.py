@@ -20,7 +20,7 @@ import torch
 
 from tests.conftest import agentrl_run
 
-pytestmark = pytest.mark.timeout(900)
+pytestmark = [pytest.mark.vllm, pytest.mark.docker, pytest.mark.slow, pytest.mark.timeout(900)]
 
 MIX = ('{envs = {arithmetic = {}, guess_number = {}}, '
        'policies = {arithmetic = "solver", guess_number = "proposer"}}')
