@@ -1,7 +1,10 @@
 """Sequence packing: samples concatenated into rows of at most ``max_tokens`` tokens.
 
 Role: turn a batch of variable-length samples into few dense rows so no compute is spent on
-padding, and turn the row's logprobs back into one right-padded row per sample.
+padding (:func:`pack`), and run the model on one row, a
+:class:`~agentrl.learner.microbatch.MicroBatch`, returning its logprobs, entropies and teacher
+top-k in the per-sample layout (:func:`packed_forward`). ``pad_batch`` is the right-padded view of
+the same micro-batch, the reference the packed path is checked against.
 
 Invariants:
 - Position ids restart at 0 for every sample and the model is called with ``attention_mask=None``,
@@ -28,18 +31,22 @@ Invariants:
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 from torch import Tensor
 
-from agentrl.buffer.sections.base import sections
-from agentrl.buffer.sections.routing import ROUTING_DTYPES
+from agentrl.buffer.sample import Sample
 from agentrl.learner.head import CHUNK_TOKENS, row_terms
+from agentrl.learner.microbatch import (  # noqa: F401 (packed_inputs, unpack_index: their home before)
+    TEACHER_TOPK,
+    MicroBatch,
+    packed_inputs,
+    packed_routing,
+    unpack_index,
+)
 from agentrl.learner.replay import RowReplay
 from agentrl.learner.routing import ReplayStats, replay_routing
 
@@ -51,75 +58,32 @@ def token_logprobs(model: Any, input_ids: Tensor, attention_mask: Tensor) -> Ten
     return logp.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
 
 
-def pad_batch(samples: Sequence[Any], pad_id: int, masks: Sequence[Any] | None = None) -> dict[str, Tensor]:
-    """Right-padded tensors; per-token fields shifted to align with next-token logprobs.
+def pad_batch(samples: Sequence[Sample], pad_id: int, masks: Sequence[Any] | None = None) -> dict[str, Tensor]:
+    """The right-padded view of ``samples``: ``input_ids`` and ``attention_mask`` [B, T] (for
+    :func:`token_logprobs`, the unpacked reference) and the micro-batch's per-sample tensors [B, T-1]
+    (:class:`~agentrl.learner.microbatch.MicroBatch`): ``mask``, ``behaviour``, ``versions``,
+    ``teacher`` (NaN where no teacher scored), ``teacher_topk`` when a sample has one, and each
+    section's tensor under ``SECTION_KEY + name``.
 
     ``masks``: loss masks to use instead of the samples' own (one per sample, same lengths), e.g.
     with a completion that another sample already trains masked out (:mod:`agentrl.learner.batch`).
     """
-    width = max(len(s.token_ids) for s in samples)
-    b = len(samples)
-    ids = torch.full((b, width), pad_id, dtype=torch.long)
-    attn = torch.zeros((b, width), dtype=torch.long)
-    mask = torch.zeros((b, width), dtype=torch.float32)
-    behaviour = torch.zeros((b, width), dtype=torch.float32)
-    versions = torch.full((b, width), -1, dtype=torch.long)
-    teacher = torch.full((b, width), math.nan, dtype=torch.float32)  # NaN: no teacher scored the token
+    mb = MicroBatch.build(samples, masks)
+    width = max(mb.lengths)
+    ids = torch.full((len(samples), width), pad_id, dtype=torch.long)
+    attn = torch.zeros((len(samples), width), dtype=torch.long)
     for i, s in enumerate(samples):
-        n = len(s.token_ids)
-        ids[i, :n] = torch.as_tensor(s.token_ids, dtype=torch.long)
-        attn[i, :n] = 1
-        mask[i, :n] = torch.as_tensor(s.loss_mask if masks is None else masks[i], dtype=torch.float32)
-        behaviour[i, :n] = torch.as_tensor(s.logprobs, dtype=torch.float32)
-        versions[i, :n] = torch.as_tensor(s.versions, dtype=torch.long)
-        if getattr(s, "teacher_logprobs", None) is not None:
-            teacher[i, :n] = torch.as_tensor(s.teacher_logprobs, dtype=torch.float32)
-    # position t of the [B, T-1] logprob tensor predicts token t+1
-    out = {"input_ids": ids, "attention_mask": attn, "mask": mask[:, 1:], "behaviour": behaviour[:, 1:],
-           "versions": versions[:, 1:], "teacher": teacher[:, 1:]}
-    k = topk_width(samples)
-    if k:  # the teacher's top-k logprobs, [B, T-1, k] (NaN where it did not score)
-        top = torch.full((b, width, k), math.nan, dtype=torch.float32)
-        for i, s in enumerate(samples):
-            if s.teacher_topk_logprobs is not None:
-                top[i, : len(s.token_ids), : s.teacher_topk_logprobs.shape[1]] = torch.from_numpy(s.teacher_topk_logprobs)
-        out["teacher_topk"] = top[:, 1:]
-    out.update(section_tensors(samples, width))
+        ids[i, : len(s.token_ids)] = torch.as_tensor(s.token_ids, dtype=torch.long)
+        attn[i, : len(s.token_ids)] = 1
+    out = {"input_ids": ids, "attention_mask": attn, "mask": mb.mask, "behaviour": mb.behaviour,
+           "versions": mb.versions, "teacher": mb.teacher}
+    if TEACHER_TOPK in mb.sections:
+        out["teacher_topk"] = mb.sections[TEACHER_TOPK]
+    out.update({SECTION_KEY + name: tensor for name, tensor in mb.sections.items()})
     return out
 
 
 SECTION_KEY = "section:"  # pad_batch's key of a section's tensor: SECTION_KEY + its name
-
-
-def section_tensors(samples: Sequence[Any], width: int) -> dict[str, Tensor]:
-    """The micro-batch tensor of each section that declares one (``Section.fill``) and that a
-    sample of ``samples`` carries: [B, width - 1, ...], the section's ``fill`` where a sample has
-    none and past its end, shifted like ``pad_batch``'s fields (position t: token t + 1)."""
-    out: dict[str, Tensor] = {}
-    for name, section in sections().items():
-        if section.fill is None:
-            continue
-        arrays = [section.tensor(s.sections[name]) if name in getattr(s, "sections", {}) else None
-                  for s in samples]
-        shapes = {(a.shape[1:], a.dtype) for a in arrays if a is not None}
-        if not shapes:
-            continue
-        if len(shapes) > 1:
-            raise ValueError(f"section {name}: tensors of several shapes or dtypes in a micro-batch: "
-                             f"{shapes}")
-        ((tail, dtype),) = shapes
-        padded = np.full((len(samples), width, *tail), section.fill, dtype=dtype)
-        for i, a in enumerate(arrays):
-            if a is not None:
-                padded[i, : a.shape[0]] = a
-        out[SECTION_KEY + name] = torch.from_numpy(padded)[:, 1:]
-    return out
-
-
-def topk_width(samples: Sequence[Any]) -> int:
-    """The widest teacher top-k among ``samples`` (0: none has one)."""
-    return max((s.teacher_topk_ids.shape[1] for s in samples if getattr(s, "teacher_topk_ids", None) is not None),
-               default=0)
 
 
 def pack(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
@@ -144,28 +108,18 @@ def pack(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
     return [sorted(r) for r in rows]
 
 
-def packed_inputs(samples: Sequence[Any], device: torch.device | str = "cpu") -> tuple[Tensor, Tensor]:
-    """One row: concatenated token ids [1, N] and per-sample restarting position ids [1, N]."""
-    ids = torch.cat([torch.as_tensor(s.token_ids, dtype=torch.long) for s in samples])
-    pos = torch.cat([torch.arange(len(s.token_ids), dtype=torch.long) for s in samples])
-    return ids.unsqueeze(0).to(device), pos.unsqueeze(0).to(device)
+Rows = MicroBatch | Sequence[Sample]  # a built micro-batch, or the samples of one (built on the spot)
 
 
-def unpack_index(lengths: Sequence[int], device: torch.device | str = "cpu") -> tuple[Tensor, Tensor]:
-    """Gather index [S, W-1] into the row's N-1 next-token logprobs, and where it is valid."""
-    width = max(lengths) - 1
-    offsets = torch.tensor([0, *lengths[:-1]], dtype=torch.long).cumsum(0)
-    n = torch.tensor(lengths, dtype=torch.long)
-    t = torch.arange(max(width, 0), dtype=torch.long)
-    valid = t.unsqueeze(0) < (n - 1).unsqueeze(1)
-    index = torch.where(valid, offsets.unsqueeze(1) + t.unsqueeze(0), torch.zeros_like(valid, dtype=torch.long))
-    return index.to(device), valid.to(device)
+def micro_batch(rows: Rows, device: torch.device | str = "cpu") -> MicroBatch:
+    """``rows`` as a :class:`MicroBatch` (samples are built into one with their own loss masks)."""
+    return rows if isinstance(rows, MicroBatch) else MicroBatch.build(rows, device=device)
 
 
-def packed_logprobs(model: Any, samples: Sequence[Any], device: torch.device | str = "cpu",
+def packed_logprobs(model: Any, rows: Rows, device: torch.device | str = "cpu",
                     replay: bool = True, chunk_tokens: int = CHUNK_TOKENS) -> Tensor:
-    """Next-token logprobs of ``samples`` packed into one row: :func:`packed_forward`'s ``logp``."""
-    return packed_forward(model, samples, device, replay, chunk_tokens=chunk_tokens).logp
+    """Next-token logprobs of one packed row: :func:`packed_forward`'s ``logp``."""
+    return packed_forward(model, rows, device, replay, chunk_tokens=chunk_tokens).logp
 
 
 @dataclass
@@ -179,68 +133,30 @@ class Forward:
     topk: Tensor | None = None
 
 
-def packed_forward(model: Any, samples: Sequence[Any], device: torch.device | str = "cpu",
+def packed_forward(model: Any, rows: Rows, device: torch.device | str = "cpu",
                    replay: bool = True, topk: bool = False, chunk_tokens: int = CHUNK_TOKENS) -> Forward:
-    """Next-token logprobs of ``samples`` packed into one row, unpacked to [S, T-1] (fp32), under
-    each sample's behaviour distribution (``replay=False``: plain log-softmax, as the learner
-    computed before samples recorded their sampling). The LM head runs ``chunk_tokens`` positions
-    at a time (:mod:`agentrl.learner.head`; 0: the whole row's logits at once).
+    """Next-token logprobs of one packed row, unpacked to [S, T-1] (fp32), under each sample's
+    behaviour distribution (``replay=False``: plain log-softmax, as the learner computed before
+    samples recorded their sampling). The LM head runs ``chunk_tokens`` positions at a time
+    (:mod:`agentrl.learner.head`; 0: the whole row's logits at once).
 
     For samples without a behaviour, equal (to float rounding) to ``token_logprobs(model,
     **pad_batch(samples))`` on the valid positions; zero past each sample's end.
     """
-    ids, pos = packed_inputs(samples, device)
-    plan = RowReplay.build(samples, device) if replay else RowReplay()
-    terms = row_terms(model, ids, pos, plan, _topk_ids(samples, device) if topk else None, chunk_tokens)
-    index, valid = unpack_index([len(s.token_ids) for s in samples], device)
-
-    def unpack(row: Tensor) -> Tensor:  # [N-1, ...] -> [S, T-1, ...]; boundary entries unused
-        mask = valid.reshape(*valid.shape, *[1] * (row.dim() - 1))
-        return torch.where(mask, row[index], torch.zeros((), dtype=row.dtype, device=row.device))
-
-    return Forward(unpack(terms.logp), unpack(terms.entropy), None if terms.topk is None else unpack(terms.topk))
-
-
-def _topk_ids(samples: Sequence[Any], device: torch.device | str) -> Tensor:
-    """The teacher's top-k ids at each position of the packed row, [N-1, k] (-1 where none): packed
-    position j predicts token j + 1, whose top-k these are."""
-    ids = torch.full((sum(len(s.token_ids) for s in samples), topk_width(samples)), -1, dtype=torch.long)
-    at = 0
-    for s in samples:
-        if s.teacher_topk_ids is not None:
-            ids[at : at + len(s.token_ids), : s.teacher_topk_ids.shape[1]] = torch.from_numpy(s.teacher_topk_ids)
-        at += len(s.token_ids)
-    return ids[1:].to(device)
-
-
-def packed_routing(samples: Sequence[Any], device: torch.device | str = "cpu") -> Tensor | None:
-    """The recorded experts of ``samples`` packed into one row, [1, N, moe layers, k] (long; -1 where
-    the learner routes the token itself), or None when no sample has a routing."""
-    shapes = {s.routing.shape[1:] for s in samples if s.routing is not None}
-    if not shapes:
-        return None
-    if len(shapes) > 1:
-        raise ValueError(f"samples recorded routings of different shapes (layers, k): {sorted(shapes)}")
-    (shape,) = shapes
-    row = np.full((sum(len(s.token_ids) for s in samples), *shape), -1, dtype=np.int64)
-    at = 0
-    for s in samples:
-        n = len(s.token_ids)
-        if s.routing is not None:
-            r = s.routing.astype(np.int64)
-            r[s.routing == ROUTING_DTYPES[s.routing.dtype]] = -1  # not recorded
-            row[at : at + n] = r
-        at += n
-    return torch.from_numpy(row).unsqueeze(0).to(device)
+    mb = micro_batch(rows, device)
+    terms = row_terms(model, mb.input_ids, mb.position_ids, mb.replay if replay else RowReplay(),
+                      mb.topk_ids if topk else None, chunk_tokens)
+    return Forward(mb.unpack(terms.logp), mb.unpack(terms.entropy),
+                   None if terms.topk is None else mb.unpack(terms.topk))
 
 
 @contextlib.contextmanager
-def routing_replayed(model: Any, samples: Sequence[Any], device: torch.device | str = "cpu",
+def routing_replayed(model: Any, rows: Rows, device: torch.device | str = "cpu",
                      stats: ReplayStats | None = None) -> Iterator[None]:
-    """Within the block, a forward pass over ``samples`` packed into one row (and its backward,
-    which recomputes it under activation checkpointing) routes each token through its recorded
-    experts; nothing changes for samples without a routing."""
-    experts = packed_routing(samples, device)
+    """Within the block, a forward pass over the packed row (and its backward, which recomputes it
+    under activation checkpointing) routes each token through its recorded experts; nothing changes
+    for samples without a routing."""
+    experts = rows.routing if isinstance(rows, MicroBatch) else packed_routing(rows, device)
     if experts is None:
         yield
         return

@@ -47,14 +47,8 @@ from agentrl.learner.batch import TrainBatch, prepare
 from agentrl.learner.config import LearnConfig
 from agentrl.learner.dist import Dist, grad_norm_and_clip
 from agentrl.learner.masked import aggregate, masked_mean
-from agentrl.learner.packing import (
-    SECTION_KEY,
-    pack,
-    packed_forward,
-    packed_logprobs,
-    pad_batch,
-    routing_replayed,
-)
+from agentrl.learner.microbatch import TEACHER_TOPK, MicroBatch
+from agentrl.learner.packing import pack, packed_forward, packed_logprobs, routing_replayed
 from agentrl.learner.routing import ReplayStats
 from agentrl.learner.terms import TermInputs, loss_terms
 
@@ -131,15 +125,15 @@ def _denominator(agg: str, tokens: float, sequences: float, norm_tokens: float) 
     return sequences
 
 
-def _offending(mb: list[Any], logp: torch.Tensor, t: dict[str, torch.Tensor]) -> list[str]:
+def _offending(mb: MicroBatch, logp: torch.Tensor) -> list[str]:
     """The samples of a row whose loss was not finite: those with a non-finite logprob of the
     learner's, else of the engine's, on a counted token; else all of them."""
-    m = t["mask"].to(logp.device) > 0
-    for values in (logp.detach(), t["behaviour"].to(logp.device)):
+    m = mb.mask > 0
+    for values in (logp.detach(), mb.behaviour):
         bad = ~torch.isfinite(torch.where(m, values, torch.zeros_like(values))).all(-1)
         if bool(bad.any()):
-            return [mb[i].sample_id for i in bad.nonzero().flatten().tolist()]
-    return [s.sample_id for s in mb]
+            return [mb.samples[i].sample_id for i in bad.nonzero().flatten().tolist()]
+    return [s.sample_id for s in mb.samples]
 
 
 def _dummy_pass(state: TrainState, backward: bool) -> None:
@@ -162,8 +156,8 @@ def _old_logprobs(state: TrainState, prep: TrainBatch, plan: list[list[list[int]
                 if i >= len(mine):
                     _dummy_pass(state, backward=False)
                     continue
-                mb = [prep.samples[j] for j in rows[mine[i]]]
-                with routing_replayed(state.model, mb, ctx.device):
+                mb = MicroBatch.build([prep.samples[j] for j in rows[mine[i]]], device=ctx.device)
+                with routing_replayed(state.model, mb):
                     out[(m, mine[i])] = packed_logprobs(state.model, mb, ctx.device, chunk_tokens=chunk_tokens)
     return out
 
@@ -188,42 +182,40 @@ def _update(state: TrainState, cfg: LearnConfig, prep: TrainBatch, rows: list[li
             _dummy_pass(state, backward=True)
             continue
         idx = rows[mine[i]]
-        mb = [prep.samples[j] for j in idx]
-        t = pad_batch(mb, state.pad_id, masks=[prep.masks[j] for j in idx])
+        mb = MicroBatch.build([prep.samples[j] for j in idx], [prep.masks[j] for j in idx], ctx.device)
         row_routing = ReplayStats()
-        topk = bool(loss_cfg.distill_topk_coef) and "teacher_topk" in t
-        with routing_replayed(model, mb, ctx.device, row_routing):  # held through backward: a recompute replays too
-            forward = packed_forward(model, mb, ctx.device, topk=topk, chunk_tokens=cfg.head_chunk_tokens)
+        topk = bool(loss_cfg.distill_topk_coef) and TEACHER_TOPK in mb.sections
+        trained = mb.mask != 0
+        with routing_replayed(model, mb, stats=row_routing):  # held through backward: a recompute replays too
+            forward = packed_forward(model, mb, topk=topk, chunk_tokens=cfg.head_chunk_tokens)
             logp = forward.logp
             routed[0] += row_routing.tokens  # read now: a recompute in backward counts again
             routed[1] += row_routing.tokens_differed
-            routed[2] += sum(len(s.token_ids) for s in mb if s.routing is not None) - row_routing.tokens
-            behaviour = t["behaviour"].to(ctx.device)
+            routed[2] += sum(len(s.token_ids) for s in mb.samples if s.routing is not None) - row_routing.tokens
             logp_old = old.get(mine[i])
             if approx:  # pi_prox at the step's start version, interpolated from this update's logprobs
-                logp_old = approx_proximal_logp(behaviour, logp.detach(), t["versions"].to(ctx.device),
+                logp_old = approx_proximal_logp(mb.behaviour, logp.detach(), mb.versions,
                                                 current_version=version + progress, proximal_version=version)
-            advantages = _advantages(prep, idx, t, behaviour, loss_cfg)
-            loss, st = compute_loss(**loss_cfg.arguments(), logp=logp, logp_old=logp_old, logp_behaviour=behaviour,
-                                    advantages=advantages, mask=t["mask"].to(ctx.device), denominator=1.0)
+            loss, st = compute_loss(**loss_cfg.arguments(), logp=logp, logp_old=logp_old, logp_behaviour=mb.behaviour,
+                                    advantages=_advantages(prep, idx, mb, loss_cfg), mask=mb.mask, denominator=1.0)
             if topk:  # the forward KL over the teacher's top-k, in the loss's sum form beside it
                 assert forward.topk is not None
-                kl, scored = topk_forward_kl(forward.topk, t["teacher_topk"].to(ctx.device))
-                scored = scored & (t["mask"].to(ctx.device) != 0)
+                kl, scored = topk_forward_kl(forward.topk, mb.sections[TEACHER_TOPK])
+                scored = scored & trained
                 loss = loss + loss_cfg.distill_topk_coef * aggregate(kl, scored, loss_cfg.agg, 1.0, norm_tokens)
                 st["distill/topk_kl"] = masked_mean(kl.detach(), scored)
-            loss = loss + _section_terms(t, logp, t["mask"].to(ctx.device) != 0, loss_cfg, norm_tokens, st)
+            loss = loss + _section_terms(mb, logp, trained, loss_cfg, norm_tokens, st)
             # the policy's entropy on the trained tokens, of the distribution each was sampled from
-            st["entropy"] = masked_mean(forward.entropy.detach(), t["mask"].to(ctx.device) != 0)
+            st["entropy"] = masked_mean(forward.entropy.detach(), trained)
             (loss * ctx.world).backward()
         value = float(loss.detach())
         if not math.isfinite(value):
-            bad_ids += _offending(mb, logp, t)
+            bad_ids += _offending(mb, logp)
         loss_sum += value
         tokens += float(st.pop("loss/tokens"))
         sequences += float(st.pop("loss/sequences"))
         st.pop("loss/loss")
-        row_stats.append((float(t["mask"].sum()) / weight_of, {k: float(v) for k, v in st.items()}))
+        row_stats.append((float(mb.mask.sum()) / weight_of, {k: float(v) for k, v in st.items()}))
     loss_sum, tokens, sequences, replayed, differed, own = ctx.all_reduce_sum([loss_sum, tokens, sequences, *routed])
     parts = ctx.all_gather_object((row_stats, bad_ids))
     stats = _merge_stats([p[0] for p in parts])
@@ -253,16 +245,16 @@ def _update(state: TrainState, cfg: LearnConfig, prep: TrainBatch, rows: list[li
     return result
 
 
-def _section_terms(t: dict[str, Any], logp: torch.Tensor, mask: torch.Tensor, loss_cfg: Any,
+def _section_terms(mb: MicroBatch, logp: torch.Tensor, mask: torch.Tensor, loss_cfg: Any,
                    norm_tokens: float, stats: dict[str, Any]) -> torch.Tensor | float:
     """The sum of the registered loss terms whose section this micro-batch carries (0.0: none),
     their stats added to ``stats`` (agentrl.learner.terms)."""
     total: torch.Tensor | float = 0.0
     for name, registered in loss_terms().items():
-        tensor = t.get(SECTION_KEY + registered.section)
+        tensor = mb.sections.get(registered.section)
         if tensor is None:
             continue
-        value, st = registered.term(TermInputs(logp, mask, tensor.to(logp.device), loss_cfg.agg, norm_tokens))
+        value, st = registered.term(TermInputs(logp, mask, tensor, loss_cfg.agg, norm_tokens))
         total = total + value
         stats.update({f"{name}/{k}": v for k, v in st.items()})
     return total
@@ -349,14 +341,14 @@ def reward_by_env(samples: list[Any]) -> dict[str, float]:
     return {name: sum(v) / len(v) for name, v in sorted(sums.items())}
 
 
-def _advantages(prep: TrainBatch, idx: list[int], t: dict[str, Any], behaviour: torch.Tensor,
-                loss_cfg: Any) -> torch.Tensor:
+def _advantages(prep: TrainBatch, idx: list[int], mb: MicroBatch, loss_cfg: Any) -> torch.Tensor:
     """The advantages of one packed row's samples: [B] episode advantages, or [B, T-1] per token
     once a teacher's term (``distill_coef``) or process rewards (``prep.process``) add to them."""
+    behaviour = mb.behaviour
     advantages = prep.advantages[idx].to(behaviour.device)
     if loss_cfg.distill_coef:  # the teacher's term where a teacher scored
-        advantages = distilled_advantages(advantages, t["teacher"].to(behaviour.device), behaviour,
-                                          loss_cfg.distill_coef, loss_cfg.distill_reward)
+        advantages = distilled_advantages(advantages, mb.teacher, behaviour, loss_cfg.distill_coef,
+                                          loss_cfg.distill_reward)
     if prep.process is not None:  # each token's return-to-go of its group's normalized step rewards
         process = torch.zeros_like(behaviour)
         for row, j in enumerate(idx):

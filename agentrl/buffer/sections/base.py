@@ -24,7 +24,7 @@ Optional: ``equal`` (default: arrays by value, NaN equal to NaN in floats), ``to
 arrays as lists), and the section's tensor in the learner's micro-batch: ``fill`` (the padding
 value; None, the default, gives the learner no tensor) and ``tensor(values)``, a per-token array
 ``[tokens, ...]`` (default: the section's one field). The learner pads it beside the token fields
-and shifts it like them (:func:`agentrl.learner.packing.section_tensors`), for a loss term that
+and shifts it like them (:func:`agentrl.learner.microbatch.section_tensors`), for a loss term that
 reads it (:mod:`agentrl.learner.terms`).
 
 Invariants: a name and a field belong to one section; ``register`` refuses a second section that

@@ -5,7 +5,9 @@
 ``teacher_topk_logprobs`` (with ``scoring.teacher.top_k``): the teacher's top-k token ids at each
 position it scored, [tokens, k] int32 in the teacher's order (-1 where it did not score), and their
 logprobs, [tokens, k] float32 (NaN there). ``info["teacher"]`` names the teacher and version
-(:mod:`agentrl.scoring.teacher` fills them; :mod:`agentrl.learner.packing` reads them).
+(:mod:`agentrl.scoring.teacher` fills them). Both give the learner's micro-batch a tensor
+(:class:`agentrl.learner.microbatch.MicroBatch`, NaN where no teacher scored): the logprobs
+[S, T-1] and the top-k logprobs [S, T-1, k]; the top-k ids go into the packed row.
 
 Invariants: both top-k fields are set together or not at all, with the same shape. Bytes: the
 logprobs are f32 x tokens; the top-k is k (u32), the ids (i32 x tokens*k) and the logprobs
@@ -28,12 +30,17 @@ _K = struct.Struct("<I")
 class TeacherLogprobs(TokenFloats):
     name = "teacher_logprobs"
     fields = ("teacher_logprobs",)
+    fill = float("nan")
 
 
 @register
 class TeacherTopK(Section):
     name = "teacher_topk"
     fields = ("teacher_topk_ids", "teacher_topk_logprobs")
+    fill = float("nan")
+
+    def tensor(self, values: Values) -> np.ndarray:
+        return values["teacher_topk_logprobs"]
 
     def check(self, values: Values, tokens: int) -> Values:
         ids, lps = values.get("teacher_topk_ids"), values.get("teacher_topk_logprobs")
