@@ -27,6 +27,26 @@ import pytest
 _FILE_SECONDS: dict[str, float] = {}
 
 
+SYSTEM_MARKERS = ("vllm", "docker")  # tests that start engines, serve or sandboxes
+# the shared engine and its router, and the sandbox tests' backend parameter (docker and bubblewrap)
+SYSTEM_FIXTURES = ("vllm_engine", "http_router", "backend")
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)  # before the others: ``-m`` selects on the mark
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> Iterator[None]:
+    """Marks ``system`` every test of a module that starts engines, serve or sandboxes (a test of
+    it is marked ``vllm`` or ``docker``, or asks for the shared engine or a sandbox backend).
+    ``scripts/test.sh`` runs those one after another, as they share the machine's cores, Docker and
+    ports and some look for leftovers machine-wide, and the other tests (``-m "not system"``) in a
+    second pytest beside them at a lower CPU priority."""
+    system = {item.module.__name__ for item in items if isinstance(item, pytest.Function) and (
+        any(item.get_closest_marker(m) for m in SYSTEM_MARKERS) or any(f in item.fixturenames for f in SYSTEM_FIXTURES))}
+    for item in items:
+        if getattr(getattr(item, "module", None), "__name__", None) in system:
+            item.add_marker(pytest.mark.system)
+    return (yield)
+
+
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     """Adds each test's set-up, call and tear-down time to its file's total (a session fixture's
     start-up counts in the file of the first test that asked for it)."""
