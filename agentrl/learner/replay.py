@@ -31,13 +31,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import torch
 from torch import Tensor
 
 from agentrl.buffer.behaviour import FREQUENCY, PRESENCE, REPETITION, T
+from agentrl.buffer.sample import Sample
 
 _GREEDY_BELOW = 1e-5  # vLLM's _SAMPLING_EPS: below it a call is greedy and its logprobs are at temperature 1
 
@@ -63,7 +63,7 @@ class RowReplay:
         return self.temperature is None and self.kept_rows is None and self.pen_rows is None
 
     @classmethod
-    def build(cls, samples: Sequence[Any], device: torch.device | str = "cpu") -> RowReplay:
+    def build(cls, samples: Sequence[Sample], device: torch.device | str = "cpu") -> RowReplay:
         """The replay of ``samples`` concatenated in this order into one row."""
         n_rows = sum(len(s.token_ids) for s in samples) - 1
         temp = np.ones(max(n_rows, 0), dtype=np.float32)

@@ -18,7 +18,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+
+from agentrl.buffer.sample import Sample
 
 CAUSES = {
     "flat_rewards": "every group's episodes got the same reward, so advantages are 0 and the loss has no "
@@ -40,7 +41,7 @@ class SignalWatch:
     runs: dict[str, int] = field(default_factory=dict)
     warned: set[str] = field(default_factory=set)
 
-    def observe(self, samples: Sequence[Any], advantage_std: float, per_token_signal: bool = False) -> list[str]:
+    def observe(self, samples: Sequence[Sample], advantage_std: float, per_token_signal: bool = False) -> list[str]:
         """Look at one step's samples; the warnings this step raises (each condition at most once a run).
         ``per_token_signal``: the step's tokens had advantages of their own (a teacher's term, process
         rewards), which are a signal where the episodes' rewards are flat."""

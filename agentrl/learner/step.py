@@ -41,11 +41,13 @@ from typing import Any
 import numpy as np
 import torch
 
+from agentrl.buffer.sample import Sample
 from agentrl.env.base import MIX_TAG
 from agentrl.learner.advantages import distilled_advantages, topk_forward_kl
 from agentrl.learner.batch import TrainBatch, prepare
-from agentrl.learner.config import LearnConfig
+from agentrl.learner.config import LearnConfig, LossConfig
 from agentrl.learner.dist import Dist, grad_norm_and_clip
+from agentrl.learner.lora import LoraConfig
 from agentrl.learner.masked import aggregate, masked_mean
 from agentrl.learner.microbatch import TEACHER_TOPK, MicroBatch
 from agentrl.learner.packing import pack, packed_forward, packed_logprobs, routing_replayed
@@ -65,7 +67,7 @@ class TrainState:
     ctx: Dist
     pad_id: int = 0
     step: int = 0  # steps that updated the weights (each published as one version)
-    lora: Any = None  # the LoraConfig when the model trains adapters (checkpoints record it)
+    lora: LoraConfig | None = None  # when the model trains adapters (checkpoints record it)
 
 
 def lr_factor(step: int, warmup_steps: int, decay_steps: int, min_ratio: float) -> float:
@@ -145,10 +147,10 @@ def _dummy_pass(state: TrainState, backward: bool) -> None:
 
 
 def _old_logprobs(state: TrainState, prep: TrainBatch, plan: list[list[list[int]]],
-                  chunk_tokens: int) -> dict[tuple[int, int], Any]:
+                  chunk_tokens: int) -> dict[tuple[int, int], torch.Tensor]:
     """pi_old of every row this rank trains, keyed (minibatch, row): no grad, eval mode (no dropout)."""
     ctx = state.ctx
-    out: dict[tuple[int, int], Any] = {}
+    out: dict[tuple[int, int], torch.Tensor] = {}
     with torch.no_grad(), eval_mode(state.model):
         for m, rows in enumerate(plan):
             mine = list(range(ctx.rank, len(rows), ctx.world))
@@ -162,7 +164,7 @@ def _old_logprobs(state: TrainState, prep: TrainBatch, plan: list[list[list[int]
     return out
 
 
-def _update(state: TrainState, cfg: LearnConfig, prep: TrainBatch, rows: list[list[int]], old: dict[int, Any],
+def _update(state: TrainState, cfg: LearnConfig, prep: TrainBatch, rows: list[list[int]], old: dict[int, torch.Tensor],
             version: int, progress: float, norm_tokens: float) -> dict[str, Any]:
     """One optimizer update on ``rows`` (lists of indexes into ``prep.samples``); collective."""
     from agentrl.learner.corrections import approx_proximal_logp
@@ -245,7 +247,7 @@ def _update(state: TrainState, cfg: LearnConfig, prep: TrainBatch, rows: list[li
     return result
 
 
-def _section_terms(mb: MicroBatch, logp: torch.Tensor, mask: torch.Tensor, loss_cfg: Any,
+def _section_terms(mb: MicroBatch, logp: torch.Tensor, mask: torch.Tensor, loss_cfg: LossConfig,
                    norm_tokens: float, stats: dict[str, Any]) -> torch.Tensor | float:
     """The sum of the registered loss terms whose section this micro-batch carries (0.0: none),
     their stats added to ``stats`` (agentrl.learner.terms)."""
@@ -265,7 +267,7 @@ def _minibatches(n: int, count: int) -> list[list[int]]:
     return [part.tolist() for part in np.array_split(np.arange(n), min(count, n)) if len(part)] if n else []
 
 
-def train_step(state: TrainState, samples: Sequence[Any], cfg: LearnConfig, version: int) -> dict[str, Any]:
+def train_step(state: TrainState, samples: Sequence[Sample], cfg: LearnConfig, version: int) -> dict[str, Any]:
     """One step on ``samples`` (the whole batch, identical on every rank); global stats."""
     loss_cfg = cfg.loss
     t0 = time.monotonic()
@@ -330,7 +332,7 @@ def train_step(state: TrainState, samples: Sequence[Any], cfg: LearnConfig, vers
     return out
 
 
-def reward_by_env(samples: list[Any]) -> dict[str, float]:
+def reward_by_env(samples: Sequence[Sample]) -> dict[str, float]:
     """The mean reward of each environment's samples in a batch of a mix (by their ``mix_env``);
     empty when no sample names one."""
     sums: dict[str, list[float]] = {}
@@ -341,7 +343,7 @@ def reward_by_env(samples: list[Any]) -> dict[str, float]:
     return {name: sum(v) / len(v) for name, v in sorted(sums.items())}
 
 
-def _advantages(prep: TrainBatch, idx: list[int], mb: MicroBatch, loss_cfg: Any) -> torch.Tensor:
+def _advantages(prep: TrainBatch, idx: list[int], mb: MicroBatch, loss_cfg: LossConfig) -> torch.Tensor:
     """The advantages of one packed row's samples: [B] episode advantages, or [B, T-1] per token
     once a teacher's term (``distill_coef``) or process rewards (``prep.process``) add to them."""
     behaviour = mb.behaviour
@@ -359,7 +361,7 @@ def _advantages(prep: TrainBatch, idx: list[int], mb: MicroBatch, loss_cfg: Any)
     return advantages
 
 
-def teacher_stats(samples: Sequence[Any], masks: Sequence[np.ndarray]) -> dict[str, float]:
+def teacher_stats(samples: Sequence[Sample], masks: Sequence[np.ndarray]) -> dict[str, float]:
     """On-policy distillation's progress over the trained tokens a teacher scored: ``teacher_kl``,
     the mean of ``log mu - log pi_teacher`` (the reverse KL from the policy that sampled to the
     teacher, estimated on the sampled tokens), and ``teacher_tokens``; with a teacher of known
