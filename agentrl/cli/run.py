@@ -83,7 +83,12 @@ class ServeChild:
         return self.proc
 
     def supervise(self) -> None:
-        """Start watching the child (call once serve has come up the first time)."""
+        """Start watching the child (call from the main thread, once serve has come up the first
+        time). Giving up interrupts the main thread as a SIGINT would, so Python must handle SIGINT:
+        a process started with it ignored (a background job of a script) gets Python's own handler
+        here, or the interrupt would do nothing and the learner would wait on a dead serve."""
+        if signal.getsignal(signal.SIGINT) in (signal.SIG_IGN, signal.SIG_DFL, None):
+            signal.signal(signal.SIGINT, signal.default_int_handler)
         self._watcher = threading.Thread(target=self._watch, name="serve-watch", daemon=True)
         self._watcher.start()
 
