@@ -37,10 +37,10 @@ from torch import Tensor
 from agentrl.buffer.sample import Sample
 from agentrl.buffer.sections.base import sections
 from agentrl.buffer.sections.routing import ROUTING_DTYPES
+from agentrl.buffer.sections.teacher import TeacherLogprobs, TeacherTopK
 from agentrl.learner.replay import RowReplay
 
-TEACHER = "teacher_logprobs"  # the sections the built-in distillation terms read
-TEACHER_TOPK = "teacher_topk"
+TEACHER, TEACHER_TOPK = TeacherLogprobs.name, TeacherTopK.name  # what the built-in distillation terms read
 
 
 @dataclass(frozen=True)
