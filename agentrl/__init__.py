@@ -17,4 +17,15 @@ from agentrl.env import (
 from agentrl.scoring.registry import scorer
 
 __version__ = "0.1.0"
-__all__ = ["Environment", "Reset", "StepResult", "TaskListEnv", "ToolEnv", "environment", "make", "registered", "scorer", "tool"]
+__all__ = [
+    "Environment",
+    "Reset",
+    "StepResult",
+    "TaskListEnv",
+    "ToolEnv",
+    "environment",
+    "make",
+    "registered",
+    "scorer",
+    "tool",
+]

@@ -80,9 +80,18 @@ class ServeClient:
             self._http = aiohttp.ClientSession(headers=self.headers, connector=aiohttp.TCPConnector(limit=0))
         return self._http
 
-    async def request(self, method: str, path: str, *, timeout_s: float | None = None, retries: int | None = None,
-                      accept: frozenset[int] | set[int] = frozenset(), **kw: Any) -> Answer:
-        """One call with the retry policy; ``kw`` goes to aiohttp (``json``, ``data``, ``params``, ``headers``).
+    async def request(
+        self,
+        method: str,
+        path: str,
+        *,
+        timeout_s: float | None = None,
+        retries: int | None = None,
+        accept: frozenset[int] | set[int] = frozenset(),
+        **kw: Any,
+    ) -> Answer:
+        """One call with the retry policy; ``kw`` goes to aiohttp (``json``, ``data``, ``params``,
+        ``headers``).
 
         Returns 2xx answers and those whose status is in ``accept``; raises :class:`TransportError` otherwise.
         """
@@ -92,7 +101,9 @@ class ServeClient:
         for attempt in range(attempts):
             wait = min(self.max_backoff_s, self.backoff_s * 2**attempt)
             try:
-                async with self.session().request(method, url, timeout=aiohttp.ClientTimeout(total=limit), **kw) as r:
+                async with self.session().request(
+                    method, url, timeout=aiohttp.ClientTimeout(total=limit), **kw
+                ) as r:
                     body = await r.read()
                     status, headers = r.status, dict(r.headers)
             except (aiohttp.ClientError, TimeoutError, OSError) as e:
@@ -105,8 +116,9 @@ class ServeClient:
             else:
                 if status < 300 or status in accept:
                     return Answer(status, body, headers)
-                err = TransportError(f"{method} {url} answered {status}: {error_message(body)}", status=status,
-                                     body=body)
+                err = TransportError(
+                    f"{method} {url} answered {status}: {error_message(body)}", status=status, body=body
+                )
                 if status == 429:
                     try:
                         wait = max(wait, float(headers.get("Retry-After", wait)))

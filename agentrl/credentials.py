@@ -107,7 +107,9 @@ def find_api_keys(cfg_keys: list[str] | None = None, keys_file: str = "") -> lis
     return list(dict.fromkeys(keys))
 
 
-def find_client_key(key_file: str = "", env_names: tuple[str, ...] = ("AGENTRL_API_KEY", "OPENAI_API_KEY")) -> str:
+def find_client_key(
+    key_file: str = "", env_names: tuple[str, ...] = ("AGENTRL_API_KEY", "OPENAI_API_KEY")
+) -> str:
     """One client's API key (for ``agentrl eval``): ``key_file``, then the first set variable; "" if none."""
     if key_file:
         return read_secret_file(key_file, "API key")

@@ -49,7 +49,8 @@ class TransportError(AgentrlError):
 
 
 class EnvironmentFailure(AgentrlError):
-    """An environment raised (in reset, step, reward or while being built): its bug, recorded on the episode."""
+    """An environment raised (in reset, step, reward or while being built): its bug, recorded on the
+    episode."""
 
 
 class ScaffoldError(AgentrlError):

@@ -169,13 +169,22 @@ def chart_reward(logs: RunLogs, axes: list[Any]) -> bool:
     if x:
         ax1.plot(x, y, "o-", color=PALETTE[0], ms=3, lw=1.5, label="batch mean reward")
         if len(y) >= 5:
-            ax1.plot(x, moving_average(y, max(3, len(y) // 10)), color=PALETTE[1], lw=2, label="moving average")
-        by_env = [r.get("reward_by_env") if isinstance(r.get("reward_by_env"), dict) else {} for r in logs.learner]
+            ax1.plot(x, moving_average(y, max(3, len(y) // 10)), color=PALETTE[1], lw=2, label="moving "
+                                                                                               "average")
+        by_env = [
+            r.get("reward_by_env") if isinstance(r.get("reward_by_env"), dict) else {} for r in logs.learner
+        ]
         for i, name in enumerate(sorted({n for d in by_env for n in d})):  # a mix: each environment's own
             pairs = [(s, float(d[name])) for s, d in zip(steps, by_env, strict=True)
                      if isinstance(d.get(name), int | float)]
-            ax1.plot([p[0] for p in pairs], [p[1] for p in pairs], "--", color=PALETTE[(i + 2) % len(PALETTE)],
-                     lw=1, label=name)
+            ax1.plot(
+                [p[0] for p in pairs],
+                [p[1] for p in pairs],
+                "--",
+                color=PALETTE[(i + 2) % len(PALETTE)],
+                lw=1,
+                label=name,
+            )
         drew = True
     else:
         _no_data(ax1, "learner steps")
@@ -187,7 +196,8 @@ def chart_reward(logs: RunLogs, axes: list[Any]) -> bool:
         idx = list(range(1, len(rewards) + 1))
         ax2.scatter(idx, rewards, s=4, alpha=0.15, color=PALETTE[0], label="episode", rasterized=True)
         window = max(10, len(rewards) // 20)
-        ax2.plot(idx, moving_average(rewards, window), color=PALETTE[1], lw=2, label=f"moving average ({window})")
+        ax2.plot(idx, moving_average(rewards, window), color=PALETTE[1], lw=2, label="moving average "
+                                                                                     f"({window})")
         failed = [i for i, r in zip(idx, logs.episodes, strict=False) if r.get("error")]
         if failed:
             ax2.scatter(failed, [min(rewards)] * len(failed), marker="x", s=12, color="#444",
@@ -223,7 +233,8 @@ def chart_staleness(logs: RunLogs, axes: list[Any]) -> bool:
         bottom = [0.0] * len(rows)
         for j, lev in enumerate(levels):
             frac = [h.get(str(lev), 0) / t for h, t in zip(hists, totals, strict=True)]
-            ax2.bar(steps, frac, bottom=bottom, width=0.9, color=PALETTE[j % len(PALETTE)], label=f"{lev} behind")
+            ax2.bar(steps, frac, bottom=bottom, width=0.9, color=PALETTE[j % len(PALETTE)], label=f"{lev} "
+                                                                                                  "behind")
             bottom = [b + f for b, f in zip(bottom, frac, strict=True)]
         ax2.set_ylim(0, 1)
     else:
@@ -284,7 +295,9 @@ def chart_throughput(logs: RunLogs, axes: list[Any]) -> bool:
     ep_x: list[float] = []
     ep_y: list[float] = []
     if logs.serve:
-        ep_x, ep_y = _rates(logs.minutes(logs.serve), [_num(r, "rollout.episodes") for r in logs.serve], per=60.0)
+        ep_x, ep_y = _rates(
+            logs.minutes(logs.serve), [_num(r, "rollout.episodes") for r in logs.serve], per=60.0
+        )
     if not ep_x and logs.episodes:
         # one-minute bins of episodes.jsonl when serve's periodic metrics are absent
         mins = sorted(logs.minutes(logs.episodes))
@@ -319,7 +332,9 @@ def chart_learner_time(logs: RunLogs, axes: list[Any]) -> bool:
     _legend(ax1)
 
     bottom = [0.0] * len(rows)
-    for j, (key, label) in enumerate((("wait_s", "wait for batch"), ("train_s", "train"), ("sync_s", "weight sync"))):
+    for j, (key, label) in enumerate(
+        (("wait_s", "wait for batch"), ("train_s", "train"), ("sync_s", "weight sync"))
+    ):
         vals = [_num(r, key) or 0.0 for r in rows]
         ax2.bar(steps, vals, bottom=bottom, width=0.9, color=PALETTE[(j + 1) % len(PALETTE)], label=label)
         bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
@@ -345,7 +360,9 @@ def chart_sandbox(logs: RunLogs, axes: list[Any]) -> bool:
         ax1.set_ylim(bottom=0)
     _style(ax1, "Sandbox latency", "minutes since start", "milliseconds")
     _legend(ax1)
-    for j, (key, label) in enumerate((("in_use", "in use"), ("warm", "warm (idle)"), ("creating", "creating"))):
+    for j, (key, label) in enumerate(
+        (("in_use", "in use"), ("warm", "warm (idle)"), ("creating", "creating"))
+    ):
         x, y = _series(rows, f"sandbox.{key}", xs)
         if x:
             ax2.plot(x, y, "-", color=PALETTE[j % len(PALETTE)], label=label)
@@ -364,7 +381,8 @@ def chart_serve(logs: RunLogs, axes: list[Any]) -> bool:
     if not rows:
         return False
     xs = logs.minutes(rows)
-    for j, (key, label) in enumerate((("rollout.in_flight", "episodes in flight"), ("buffer.depth", "buffer depth"),
+    for j, (key, label) in enumerate((("rollout.in_flight", "episodes in flight"), ("buffer.depth", "buffer "
+                                                                                                    "depth"),
                                       ("buffer.leased", "leased to learner"))):
         x, y = _series(rows, key, xs)
         if x:
@@ -399,8 +417,13 @@ def chart_scoring(logs: RunLogs, axes: list[Any]) -> bool:
         pts = [(i, float(v)) for i, rewards in scored if isinstance(v := rewards.get(name), int | float)]
         if pts:
             window = max(5, len(pts) // 20)
-            ax1.plot([p[0] for p in pts], moving_average([p[1] for p in pts], window), color=PALETTE[j % len(PALETTE)],
-                     lw=2, label=f"{name} (moving average, {window})")
+            ax1.plot(
+                [p[0] for p in pts],
+                moving_average([p[1] for p in pts], window),
+                color=PALETTE[j % len(PALETTE)],
+                lw=2,
+                label=f"{name} (moving average, {window})",
+            )
     if not scored:
         _no_data(ax1, "scored episodes")
     _style(ax1, "Reward components", "episode (finish order)", "reward")
@@ -439,8 +462,11 @@ def chart_distill(logs: RunLogs, axes: list[Any]) -> bool:
     kl = [float(r["teacher_kl"]) for r in rows]
     ax1.plot(steps, kl, "o-", color=PALETTE[0], ms=3, lw=1.5, label="teacher KL (log mu - log pi_T, mean)")
     if len(kl) >= 5:
-        ax1.plot(steps, moving_average(kl, max(3, len(kl) // 10)), color=PALETTE[1], lw=2, label="moving average")
-    topk = [(s, float(r["distill/topk_kl"])) for s, r in zip(steps, rows, strict=True) if "distill/topk_kl" in r]
+        ax1.plot(steps, moving_average(kl, max(3, len(kl) // 10)), color=PALETTE[1], lw=2, label="moving "
+                                                                                                 "average")
+    topk = [
+        (s, float(r["distill/topk_kl"])) for s, r in zip(steps, rows, strict=True) if "distill/topk_kl" in r
+    ]
     if topk:  # a top-k teacher: the forward KL over its top-k tokens (learn.loss.distill_topk_coef)
         ax1.plot([s for s, _ in topk], [v for _, v in topk], "s-", color=PALETTE[3], ms=3, lw=1.5,
                  label="forward KL over the teacher's top-k")

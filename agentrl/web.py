@@ -23,8 +23,16 @@ log = logging.getLogger(__name__)
 ADMIN_TOKEN = web.AppKey("agentrl_admin_token", str)
 
 # error "type" by status, when the raiser did not say
-_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error", 404: "not_found_error",
-          405: "invalid_request_error", 409: "conflict_error", 413: "request_too_large", 429: "rate_limit_error"}
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    409: "conflict_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+}
 
 
 def bearer(request: web.Request) -> str | None:
@@ -39,12 +47,18 @@ def token_matches(given: str | None, expected: str) -> bool:
 
 def error_body(message: str, status: int, *, type: str | None = None, code: str | None = None,
                param: str | None = None, **extra: Any) -> dict[str, Any]:
-    err = {"message": message, "type": type or _TYPES.get(status, "server_error" if status >= 500 else
-                                                         "invalid_request_error"), "param": param, "code": code}
+    err = {
+        "message": message,
+        "type": type or _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error"),
+        "param": param,
+        "code": code,
+    }
     return {"error": err, **extra}
 
 
-def error_response(message: str, status: int, *, headers: dict[str, str] | None = None, **kw: Any) -> web.Response:
+def error_response(
+    message: str, status: int, *, headers: dict[str, str] | None = None, **kw: Any
+) -> web.Response:
     return web.json_response(error_body(message, status, **kw), status=status, headers=headers)
 
 
@@ -91,8 +105,8 @@ async def listen_when_free(host: str, port: int, timeout_s: float = 60.0) -> soc
             if e.errno != errno.EADDRINUSE:
                 raise
             if time.monotonic() > deadline:
-                raise OSError(e.errno, f"port {port} on {host} is in use after {timeout_s:.0f} s (another serve? "
-                                       "`ss -ltnp` names it); set router.port to a free port") from e
+                raise OSError(e.errno, f"port {port} on {host} is in use after {timeout_s:.0f} s (another "
+                                       "serve? `ss -ltnp` names it); set router.port to a free port") from e
             if not told:
                 log.warning("port %d on %s is in use; waiting up to %.0f s for it", port, host, timeout_s)
                 told = True
@@ -108,7 +122,9 @@ async def close_after_response(request: web.Request, handler: Any) -> web.Stream
     return response
 
 
-async def hand_over(listener: socket.socket, old: web.AppRunner, new: web.AppRunner, drain_s: float = 10.0) -> None:
+async def hand_over(
+    listener: socket.socket, old: web.AppRunner, new: web.AppRunner, drain_s: float = 10.0
+) -> None:
     """Move ``listener`` from the routes of ``old`` to those of ``new`` with no client refused or
     reset: ``new`` accepts on it first, then ``old`` stops accepting and answers the connections it
     already holds (a client may have connected and not yet sent its request) before it shuts down;
@@ -124,8 +140,11 @@ async def hand_over(listener: socket.socket, old: web.AppRunner, new: web.AppRun
     while old.server is not None and old.server.connections and time.monotonic() < deadline:
         await asyncio.sleep(0.02)
     if old.server is not None and old.server.connections:
-        log.warning("closing %d idle connection(s) of the start-up page after %.0f s", len(old.server.connections),
-                    drain_s)
+        log.warning(
+            "closing %d idle connection(s) of the start-up page after %.0f s",
+            len(old.server.connections),
+            drain_s,
+        )
     await old.cleanup()
 
 
@@ -133,7 +152,9 @@ def listen(host: str, port: int) -> socket.socket:
     """A bound, listening TCP socket for ``host:port``, to hand to ``web.SockSite``. serve keeps one
     socket from its start-up status page to its real routes (``dup`` for each site), so the port never
     closes between them and no client is refused or reset in the handover."""
-    family, _, _, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+    family, _, _, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[
+        0
+    ]
     sock = socket.create_server(addr[:2], family=family, backlog=1024)
     sock.setblocking(False)
     return sock

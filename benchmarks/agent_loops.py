@@ -4,7 +4,8 @@ N episodes are kept in flight (closed loop: a finished episode's slot starts the
 the real :class:`Router` and the real ``run_episode`` against a fast stand-in engine: a small aiohttp
 server in its own process that implements the three vLLM routes the router uses
 (``/v1/chat/completions/render``, ``/inference/v1/generate``, ``/v1/chat/completions/derender``;
-plus ``/health`` and ``/update_weight_version``). Its "tokenizer" packs 3 bytes per token (prefix-stable ChatML, so
+plus ``/health`` and ``/update_weight_version``). Its "tokenizer" packs 3 bytes per token (prefix-stable
+ChatML, so
 the router's token-in/token-out continuation works as with vLLM) and its "model" replies with
 ``--tool-calls`` tool calls and then an answer, after ``--engine-ms`` of simulated decode time.
 Each tool call sleeps a log-normal time (median ``--tool-median-ms``, shape ``--tool-sigma``: a
@@ -55,7 +56,10 @@ ENV_NAME = "bench_calc"
 def _text_ids(text: str) -> list[int]:
     """Up to 3 bytes per token (about what a BPE tokenizer averages), length in the high bits."""
     raw = text.encode()
-    return [OFFSET + (len(c) << 24 | int.from_bytes(c, "big")) for c in (raw[i:i + 3] for i in range(0, len(raw), 3))]
+    return [
+        OFFSET + (len(c) << 24 | int.from_bytes(c, "big"))
+        for c in (raw[i : i + 3] for i in range(0, len(raw), 3))
+    ]
 
 
 def _ids_text(ids: list[int]) -> str:
@@ -93,17 +97,29 @@ def engine_main(port: int, engine_ms: float, engine_sigma: float, tool_calls: in
         body = await req.json()
         messages = body["messages"]
         if body.get("tools"):  # like real chat templates: the tool schemas go into the system turn
-            head = f"{messages[0]['content']}\n# Tools\n{json.dumps(body['tools'])}" if messages[0]["role"] == "system" else ""
+            head = (
+                f"{messages[0]['content']}\n# Tools\n{json.dumps(body['tools'])}"
+                if messages[0]["role"] == "system"
+                else ""
+            )
             messages = [{"role": "system", "content": head}, *messages[1:]]
         ids = render(messages, body.get("add_generation_prompt", True))
-        return web.json_response({"token_ids": ids, "sampling_params": {"max_tokens": body.get("max_tokens"),
-                                                                        "temperature": body.get("temperature")}})
+        return web.json_response(
+            {
+                "token_ids": ids,
+                "sampling_params": {
+                    "max_tokens": body.get("max_tokens"),
+                    "temperature": body.get("temperature"),
+                },
+            }
+        )
 
     async def on_generate(req: web.Request) -> web.Response:
         body = await req.json()
         turn = (body["token_ids"].count(EOS) - 2) // 2  # system + user, then assistant + tool per turn
         if turn < tool_calls:
-            text = f'<tool_call>\n{{"name": "python", "arguments": {{"code": "print({turn} + 1)"}}}}\n</tool_call>'
+            text = (f'<tool_call>\n{{"name": "python", "arguments": {{"code": "print({turn} + 1)"}}}}\n'
+                    '</tool_call>')
         else:
             text = f"The answer is {tool_calls}."
         ids = [*_text_ids(text), EOS]
@@ -238,7 +254,12 @@ async def bench(args: argparse.Namespace, port: int, engine_pid: int) -> dict[st
     tasks = [asyncio.create_task(slot(i)) for i in range(args.concurrency)]
     await asyncio.sleep(args.ramp + args.warmup)
     profiler = cProfile.Profile() if args.profile else None
-    cpu0, ecpu0, calls0, t0 = proc.cpu_times(), engine_proc.cpu_times(), router.counters["calls"], time.monotonic()
+    cpu0, ecpu0, calls0, t0 = (
+        proc.cpu_times(),
+        engine_proc.cpu_times(),
+        router.counters["calls"],
+        time.monotonic(),
+    )
     measuring.set()
     if profiler:
         profiler.enable()
@@ -251,7 +272,12 @@ async def bench(args: argparse.Namespace, port: int, engine_pid: int) -> dict[st
     if profiler:
         profiler.disable()
         profiler.dump_stats(args.profile)
-    wall, cpu1, ecpu1, calls1 = time.monotonic() - t0, proc.cpu_times(), engine_proc.cpu_times(), router.counters["calls"]
+    wall, cpu1, ecpu1, calls1 = (
+        time.monotonic() - t0,
+        proc.cpu_times(),
+        engine_proc.cpu_times(),
+        router.counters["calls"],
+    )
     stop.set()
     in_flight = sum(not t.done() for t in tasks)
     for t in tasks:  # cancelled episodes still close their router sessions (run_episode's finally)
@@ -273,20 +299,30 @@ async def bench(args: argparse.Namespace, port: int, engine_pid: int) -> dict[st
         "loop_lag_p99_ms": round(percentile(lags, 0.99), 2),
         "loop_lag_max_ms": round(max(lags, default=float("nan")), 2),
         "loop_lag_own_cpu_p99_ms": round(percentile(own_lags, 0.99), 2),
-        "machine_load_avg_1m": [round(load0, 1), round(os.getloadavg()[0], 1)], "cpus": os.cpu_count(),
+        "machine_load_avg_1m": [round(load0, 1), round(os.getloadavg()[0], 1)],
+        "cpus": os.cpu_count(),
         "rss_mb_per_1k_episodes": round((rss_peak - rss0) / 2**20 / args.concurrency * 1000, 1),
         "rss_mb": round(rss_peak / 2**20, 1),
-        "gc_tracked_objects": tracked, "gc_thresholds": list(gc.get_threshold()),
-        "gc_full_collections": len(gc_pauses[2]), "gc_full_pause_max_ms": round(max(gc_pauses[2], default=0), 1),
+        "gc_tracked_objects": tracked,
+        "gc_thresholds": list(gc.get_threshold()),
+        "gc_full_collections": len(gc_pauses[2]),
+        "gc_full_pause_max_ms": round(max(gc_pauses[2], default=0), 1),
         "gc_pause_total_ms": round(sum(map(sum, gc_pauses.values())), 1),
         "agent_process_cpu_util": round(cpu / wall, 2),
         "engine_process_cpu_util": round(ecpu / wall, 2),
         "leaked_sessions": leaked_sessions,
-        "episodes": done["episodes"], "errors": done["errors"], "error_kinds": errors,
-        "truncated": done["truncated"], "router_splits": router.counters["splits"],
-        "tool_median_ms": args.tool_median_s * 1000, "tool_sigma": args.tool_sigma,
-        "tool_calls_per_episode": args.tool_calls, "engine_ms": args.engine_ms, "engine_sigma": args.engine_sigma,
-        "loop": "uvloop" if args.uvloop else "asyncio", "duration_s": round(wall, 1),
+        "episodes": done["episodes"],
+        "errors": done["errors"],
+        "error_kinds": errors,
+        "truncated": done["truncated"],
+        "router_splits": router.counters["splits"],
+        "tool_median_ms": args.tool_median_s * 1000,
+        "tool_sigma": args.tool_sigma,
+        "tool_calls_per_episode": args.tool_calls,
+        "engine_ms": args.engine_ms,
+        "engine_sigma": args.engine_sigma,
+        "loop": "uvloop" if args.uvloop else "asyncio",
+        "duration_s": round(wall, 1),
     }
 
 
@@ -306,9 +342,15 @@ def main() -> None:
     p.add_argument("--uvloop", action="store_true", help="run the agent loops on uvloop")
     from agentrl.serve import GC_THRESHOLD
 
-    p.add_argument("--gc-threshold", type=int, nargs=3, default=list(GC_THRESHOLD), metavar=("G0", "G1", "G2"),
-                   help="gc.set_threshold for the agent process (default: what `agentrl serve` sets; "
-                        "pass 700 10 10 for Python's own)")
+    p.add_argument(
+        "--gc-threshold",
+        type=int,
+        nargs=3,
+        default=list(GC_THRESHOLD),
+        metavar=("G0", "G1", "G2"),
+        help="gc.set_threshold for the agent process (default: what `agentrl serve` sets; "
+        "pass 700 10 10 for Python's own)",
+    )
     p.add_argument("--profile", default="", help="write a cProfile of the measurement window here")
     args = p.parse_args()
     args.tool_median_s = args.tool_median_ms / 1000
@@ -322,7 +364,11 @@ def main() -> None:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the finally below on `timeout`
     ctx = mp.get_context("spawn")
     ready = ctx.Event()
-    engine = ctx.Process(target=engine_main, args=(port, args.engine_ms, args.engine_sigma, args.tool_calls, ready, args.gc_threshold), daemon=True)
+    engine = ctx.Process(
+        target=engine_main,
+        args=(port, args.engine_ms, args.engine_sigma, args.tool_calls, ready, args.gc_threshold),
+        daemon=True,
+    )
     engine.start()
     try:
         if not ready.wait(30):

@@ -55,7 +55,9 @@ def make_pool(n: int, rng: random.Random) -> list[Sample]:
             "versions": [-1] * PROMPT + [10] * switch + [11] * (gen - switch),
         }
         # the dtypes Session.samples() builds
-        per_token = {k: np.array(v, dtype=np.float32 if k == "logprobs" else np.int32) for k, v in per_token.items()}
+        per_token = {
+            k: np.array(v, dtype=np.float32 if k == "logprobs" else np.int32) for k, v in per_token.items()
+        }
         pool.append(Sample(
             **per_token,
             episode_id=f"e{i}", group_id=f"g{i}", env="bench", reward=rng.random(),
@@ -103,7 +105,9 @@ async def put_get(buf: Buffer, pool: list[Sample], rounds: int, put_chunk: int, 
         kwargs = as_lists(samples) if lists else []
         t0, c0 = time.perf_counter(), time.process_time()
         for i in range(0, ROUND, put_chunk):
-            chunk = [Sample(**kw) for kw in kwargs[i : i + put_chunk]] if lists else samples[i : i + put_chunk]
+            chunk = (
+                [Sample(**kw) for kw in kwargs[i : i + put_chunk]] if lists else samples[i : i + put_chunk]
+            )
             await buf.put(chunk)
         out["put"].append(ROUND / (time.perf_counter() - t0))
         out["put_cpu"].append(ROUND / (time.process_time() - c0))
@@ -210,7 +214,9 @@ async def bench(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--samples", type=int, default=8192)
     parser.add_argument("--put-chunk", type=int, default=64, help="samples per put call")
     parser.add_argument("--fetches", type=int, default=20)

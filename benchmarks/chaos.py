@@ -55,7 +55,15 @@ def main() -> None:
             raise SystemExit(f"the run made no first step; see {base}/serve.out and {base}/learn.out")
         print(f"[{time.monotonic() - t0:6.0f}s] first learner step; {len(kinds)} rounds to come", flush=True)
         for kind in kinds:
-            play(run, kind, rng, trials, learner_kills=args.learner_kills, timeout_s=args.recovery_timeout_s, t0=t0)
+            play(
+                run,
+                kind,
+                rng,
+                trials,
+                learner_kills=args.learner_kills,
+                timeout_s=args.recovery_timeout_s,
+                t0=t0,
+            )
     finally:
         result = report(run, trials, t0)
     print(json.dumps({"benchmark": "chaos", **result}), flush=True)

@@ -53,8 +53,16 @@ async def generate_batch(url: str, n: int, max_tokens: int) -> list[Any]:
     samples = []
     async with aiohttp.ClientSession() as http:
         for p, prompt in enumerate(PROMPTS):
-            body = {"model": "bench", "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
-                    "temperature": 1.0, "n": n, "logprobs": True, "return_token_ids": True, "ignore_eos": True}
+            body = {
+                "model": "bench",
+                "messages": [{"role": "user", "content": prompt}],
+                "max_tokens": max_tokens,
+                "temperature": 1.0,
+                "n": n,
+                "logprobs": True,
+                "return_token_ids": True,
+                "ignore_eos": True,
+            }
             async with http.post(url + "/v1/chat/completions", json=body) as r:
                 r.raise_for_status()
                 out = await r.json()
@@ -74,7 +82,13 @@ async def prompt_logprobs(url: str, sequences: list[list[int]]) -> list[list[flo
     out = []
     async with aiohttp.ClientSession() as http:
         for ids in sequences:
-            body = {"model": "bench", "prompt": ids, "max_tokens": 1, "temperature": 0.0, "prompt_logprobs": 0}
+            body = {
+                "model": "bench",
+                "prompt": ids,
+                "max_tokens": 1,
+                "temperature": 0.0,
+                "prompt_logprobs": 0,
+            }
             async with http.post(url + "/v1/completions", json=body) as r:
                 r.raise_for_status()
                 got = (await r.json())["choices"][0]["prompt_logprobs"]
@@ -111,10 +125,17 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     torch.set_num_threads(2)
     model_dir = str(build_smollm2(home() / "models" / "smollm2-135m"))
     work = Path(tempfile.mkdtemp(prefix="delta-sync-", dir=args.run_root))
-    engine = VLLMEngine(EngineSpec(model=model_dir, served_name="bench", port=args.port, dtype="bfloat16",
-                                   max_model_len=1024,
-                                   extra_args=["--worker-extension-cls", "agentrl.weights.vllm_ext.WeightSyncExtension"]),
-                        work / "engine")
+    engine = VLLMEngine(
+        EngineSpec(
+            model=model_dir,
+            served_name="bench",
+            port=args.port,
+            dtype="bfloat16",
+            max_model_len=1024,
+            extra_args=["--worker-extension-cls", "agentrl.weights.vllm_ext.WeightSyncExtension"],
+        ),
+        work / "engine",
+    )
     engine.launch()
     rows: list[dict[str, Any]] = []
     try:
@@ -131,9 +152,11 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 delta = DeltaTransport(DeltaTransportConfig(dtype="bfloat16"), serve, "")
                 full = HttpTransport(HttpTransportConfig(), serve, "")
                 version = 1
-                first = await delta.publish(model.state_dict(), version)  # no base yet: the full weights, in bf16
+                # no base yet: the full weights, in bf16
+                first = await delta.publish(model.state_dict(), version)
                 full_bf16_bytes = first["transport"]["bytes"]
-                say(t0, f"v{version}: the delta transport's first publish is full ({full_bf16_bytes / 2**20:.1f} MiB bf16)")
+                say(t0, f"v{version}: the delta transport's first publish "
+                        f"is full ({full_bf16_bytes / 2**20:.1f} MiB bf16)")
                 previous = await prompt_logprobs(engine.url, sequences)
                 for step in range(1, args.steps + 1):
                     ts = time.perf_counter()
@@ -150,34 +173,59 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                     delta_s = time.perf_counter() - ts
                     if d["transport"]["kind"] != "delta":
                         raise SystemExit(f"step {step}: the delta transport sent {d['transport']}")
-                    rebuilt = state_digest(load_file(str(work / "weights" / f"v{version}" / "model.safetensors")))
-                    lp_delta, dig_delta = await prompt_logprobs(engine.url, sequences), await engine_digest(engine.url)
+                    rebuilt = state_digest(
+                        load_file(str(work / "weights" / f"v{version}" / "model.safetensors"))
+                    )
+                    lp_delta, dig_delta = (
+                        await prompt_logprobs(engine.url, sequences),
+                        await engine_digest(engine.url),
+                    )
 
                     version += 1
                     ts = time.perf_counter()
                     f = await full.publish(weights, version)
                     full_s = time.perf_counter() - ts
                     full_bytes = (work / "weights" / f"v{version}" / "model.safetensors").stat().st_size
-                    lp_full, dig_full = await prompt_logprobs(engine.url, sequences), await engine_digest(engine.url)
+                    lp_full, dig_full = (
+                        await prompt_logprobs(engine.url, sequences),
+                        await engine_digest(engine.url),
+                    )
                     delta.base_version = version  # the full sync put the same weights in under this number
 
                     tokens = sum(len(x) for x in lp_full)
-                    moved = sum(a != b for x, y in zip(previous, lp_full, strict=True) for a, b in zip(x, y, strict=True))
+                    moved = sum(
+                        a != b
+                        for x, y in zip(previous, lp_full, strict=True)
+                        for a, b in zip(x, y, strict=True)
+                    )
                     previous = lp_full
-                    row = {"step": step, "train_s": train_s, "loss": stats.get("loss"), **d["transport"],
-                           "delta_s": delta_s, "full_s": full_s, "full_bytes": full_bytes,
-                           "delta_engine_update_s": d["update_s"], "full_engine_update_s": f["update_s"],
-                           "rebuilt_equal": rebuilt == expected, "logprobs_equal": lp_delta == lp_full,
-                           "engine_digest_equal": dig_delta["digest"] == dig_full["digest"],
-                           "engine_params_hashed": dig_delta["hashed"], "engine_params_empty": dig_delta["empty"],
-                           "logprobs_moved": moved, "logprob_tokens": tokens}
+                    row = {
+                        "step": step,
+                        "train_s": train_s,
+                        "loss": stats.get("loss"),
+                        **d["transport"],
+                        "delta_s": delta_s,
+                        "full_s": full_s,
+                        "full_bytes": full_bytes,
+                        "delta_engine_update_s": d["update_s"],
+                        "full_engine_update_s": f["update_s"],
+                        "rebuilt_equal": rebuilt == expected,
+                        "logprobs_equal": lp_delta == lp_full,
+                        "engine_digest_equal": dig_delta["digest"] == dig_full["digest"],
+                        "engine_params_hashed": dig_delta["hashed"],
+                        "engine_params_empty": dig_delta["empty"],
+                        "logprobs_moved": moved,
+                        "logprob_tokens": tokens,
+                    }
                     rows.append(row)
-                    say(t0, f"step {step}: train {train_s:.1f}s | delta {row['bytes'] / 2**20:.2f} MiB "
-                            f"({row['changed_fraction']:.2%} of elements, {row['changed_tensors']}/{row['tensors']} tensors, "
-                            f"{row['dense_tensors']} whole) in {delta_s:.2f}s | full {full_bytes / 2**20:.0f} MiB in "
-                            f"{full_s:.2f}s | rebuilt==learner {row['rebuilt_equal']} | logprobs equal "
-                            f"{row['logprobs_equal']} ({moved}/{tokens} moved since the last step) | engine params "
-                            f"equal {row['engine_digest_equal']} ({dig_delta['hashed']} hashed, {dig_delta['empty']} packed)")
+                    say(t0, f"step {step}: train {train_s:.1f}s | delta {row['bytes'] / 2**20:.2f} "
+                            f"MiB ({row['changed_fraction']:.2%} of elements, "
+                            f"{row['changed_tensors']}/{row['tensors']} tensors, {row['dense_tensors']} "
+                            f"whole) in {delta_s:.2f}s | full {full_bytes / 2**20:.0f} MiB in "
+                            f"{full_s:.2f}s | rebuilt==learner {row['rebuilt_equal']} | logprobs "
+                            f"equal {row['logprobs_equal']} ({moved}/{tokens} moved since the "
+                            f"last step) | engine params equal {row['engine_digest_equal']} "
+                            f"({dig_delta['hashed']} hashed, {dig_delta['empty']} packed)")
             finally:
                 await delta.close()
     finally:
@@ -185,19 +233,30 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     mean = statistics.mean
     delta_bytes = mean(r["bytes"] for r in rows)
     full_bytes = rows[-1]["full_bytes"]
-    return {"benchmark": "delta_sync", "model": "smollm2-135m", "engine_dtype": "bfloat16", "lr": args.lr,
-            "steps": len(rows), "delta_bytes_per_step": round(delta_bytes), "full_bytes": full_bytes,
-            "full_bf16_bytes": full_bf16_bytes, "delta_over_full": round(delta_bytes / full_bytes, 5),
-            "delta_over_full_bf16": round(delta_bytes / full_bf16_bytes, 5),
-            "changed_fraction": round(mean(r["changed_fraction"] for r in rows), 5),
-            "changed_tensors": rows[-1]["changed_tensors"], "tensors": rows[-1]["tensors"],
-            "delta_sync_s": round(mean(r["delta_s"] for r in rows), 3),
-            "full_sync_s": round(mean(r["full_s"] for r in rows), 3),
-            "delta_engine_update_s": round(mean(r["delta_engine_update_s"] for r in rows), 3),
-            "full_engine_update_s": round(mean(r["full_engine_update_s"] for r in rows), 3),
-            "weights_equal": all(r["rebuilt_equal"] and r["logprobs_equal"] and r["engine_digest_equal"] for r in rows),
-            "logprobs_moved_per_step": [r["logprobs_moved"] for r in rows],
-            "minutes": round((time.monotonic() - t0) / 60, 2)}
+    return {
+        "benchmark": "delta_sync",
+        "model": "smollm2-135m",
+        "engine_dtype": "bfloat16",
+        "lr": args.lr,
+        "steps": len(rows),
+        "delta_bytes_per_step": round(delta_bytes),
+        "full_bytes": full_bytes,
+        "full_bf16_bytes": full_bf16_bytes,
+        "delta_over_full": round(delta_bytes / full_bytes, 5),
+        "delta_over_full_bf16": round(delta_bytes / full_bf16_bytes, 5),
+        "changed_fraction": round(mean(r["changed_fraction"] for r in rows), 5),
+        "changed_tensors": rows[-1]["changed_tensors"],
+        "tensors": rows[-1]["tensors"],
+        "delta_sync_s": round(mean(r["delta_s"] for r in rows), 3),
+        "full_sync_s": round(mean(r["full_s"] for r in rows), 3),
+        "delta_engine_update_s": round(mean(r["delta_engine_update_s"] for r in rows), 3),
+        "full_engine_update_s": round(mean(r["full_engine_update_s"] for r in rows), 3),
+        "weights_equal": all(
+            r["rebuilt_equal"] and r["logprobs_equal"] and r["engine_digest_equal"] for r in rows
+        ),
+        "logprobs_moved_per_step": [r["logprobs_moved"] for r in rows],
+        "minutes": round((time.monotonic() - t0) / 60, 2),
+    }
 
 
 def main() -> None:
@@ -206,7 +265,8 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=1e-6)
     p.add_argument("--group", type=int, default=2, help="samples per prompt (4 prompts)")
     p.add_argument("--max-tokens", type=int, default=96)
-    p.add_argument("--port", type=int, default=18701, help="the engine's port; the receiver listens on the next")
+    p.add_argument("--port", type=int, default=18701, help="the engine's port; the "
+                                                           "receiver listens on the next")
     p.add_argument("--run-root", default=None, help="folder for the run's files (default: the system's temp)")
     args = p.parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")

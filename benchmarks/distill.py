@@ -46,7 +46,8 @@ def teacher_success(model: str, overrides: list[str], log_dir: Path) -> tuple[st
     cfg = load(RunConfig, None, overrides)
     serve = dataclasses.replace(cfg.serve, model="teacher")
     path = resolve_model(model)
-    spec = dataclasses.replace(serve.engine.spec(0, path, "teacher"), port=free_port())  # serve's engine flags
+    # serve's engine flags
+    spec = dataclasses.replace(serve.engine.spec(0, path, "teacher"), port=free_port())
     engine = VLLMEngine(spec, log_dir)
     engine.launch()
 
@@ -78,12 +79,16 @@ def teacher_success(model: str, overrides: list[str], log_dir: Path) -> tuple[st
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--student", default="tiny-tools", help="the student (--serve.model)")
-    p.add_argument("--teacher", default="tiny-agent", help="the teacher: a model with the student's tokenizer")
+    p.add_argument(
+        "--teacher", default="tiny-agent", help="the teacher: a model with the student's tokenizer"
+    )
     p.add_argument("--env", default="arithmetic")
-    p.add_argument("--tasks", type=int, default=100, help="held-out tasks evaluated (teacher, student before/after)")
+    p.add_argument("--tasks", type=int, default=100, help="held-out tasks evaluated "
+                                                          "(teacher, student before/after)")
     p.add_argument("--steps", type=int, default=20, help="learner steps")
     p.add_argument("--coef", type=float, default=1.0, help="learn.loss.distill_coef")
-    p.add_argument("--with-reward", action="store_true", help="keep the reward advantages beside the teacher's term")
+    p.add_argument("--with-reward", action="store_true", help="keep the reward advantages "
+                                                              "beside the teacher's term")
     p.add_argument("--run-dir", default="runs/distill")
     p.add_argument("extra", nargs="*", help="more agentrl run overrides (after --)")
     args = p.parse_args()
@@ -94,12 +99,23 @@ def main() -> None:
     shared = [f"--eval.tasks={args.tasks}", f"--serve.env.name={args.env}", *args.extra]
     url, engine, teacher = teacher_success(args.teacher, shared, run_dir / "teacher")
     try:
-        cmd = [sys.executable, "-m", "agentrl.cli", "run", f"--serve.run_dir={run_dir / 'run'}",
-               f"--serve.router.port={free_port()}", f"--serve.engine.base_port={free_port()}", *shared,
-               f"--serve.model={args.student}", f"--learn.steps={args.steps}", f"--serve.scoring.teacher.url={url}/v1",
-               "--serve.scoring.teacher.model=teacher", f"--serve.scoring.teacher.name={args.teacher}",
-               f"--learn.loss.distill_coef={args.coef}",
-               f"--learn.loss.distill_reward={'true' if args.with_reward else 'false'}"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "agentrl.cli",
+            "run",
+            f"--serve.run_dir={run_dir / 'run'}",
+            f"--serve.router.port={free_port()}",
+            f"--serve.engine.base_port={free_port()}",
+            *shared,
+            f"--serve.model={args.student}",
+            f"--learn.steps={args.steps}",
+            f"--serve.scoring.teacher.url={url}/v1",
+            "--serve.scoring.teacher.model=teacher",
+            f"--serve.scoring.teacher.name={args.teacher}",
+            f"--learn.loss.distill_coef={args.coef}",
+            f"--learn.loss.distill_reward={'true' if args.with_reward else 'false'}",
+        ]
         summary = agentrl_run(cmd, run_dir / "run", t0)
     finally:
         engine.stop()
@@ -108,17 +124,25 @@ def main() -> None:
     if not kls:
         raise SystemExit("no learner step trained on teacher logprobs: see the run's serve.log (scoring)")
     result = {
-        "benchmark": "distill", "student": args.student, "teacher": args.teacher, "env": args.env,
-        "eval_tasks": args.tasks, "learner_steps": len(steps), "distill_coef": args.coef,
+        "benchmark": "distill",
+        "student": args.student,
+        "teacher": args.teacher,
+        "env": args.env,
+        "eval_tasks": args.tasks,
+        "learner_steps": len(steps),
+        "distill_coef": args.coef,
         "with_reward": args.with_reward,
-        "teacher_kl_start": round(kls[0], 4), "teacher_kl_end": round(sum(kls[-3:]) / len(kls[-3:]), 4),
+        "teacher_kl_start": round(kls[0], 4),
+        "teacher_kl_end": round(sum(kls[-3:]) / len(kls[-3:]), 4),
         "teacher_kl_per_step": [round(k, 4) for k in kls],
-        "student_success_before": summary["success_before"], "student_success_after": summary["success_after"],
+        "student_success_before": summary["success_before"],
+        "student_success_after": summary["success_after"],
         "student_success_before_ci95": summary["success_before_ci95"],
         "student_success_after_ci95": summary["success_after_ci95"],
         "teacher_success": round(teacher.success_rate, 4),
         "teacher_success_ci95": [round(x, 4) for x in teacher.success_ci95],
-        "wall_minutes": round((time.monotonic() - t0) / 60, 2), "load_avg": round(os.getloadavg()[0], 2),
+        "wall_minutes": round((time.monotonic() - t0) / 60, 2),
+        "load_avg": round(os.getloadavg()[0], 2),
     }
     print(json.dumps(result), flush=True)
 

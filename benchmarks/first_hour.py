@@ -45,24 +45,34 @@ PHASE = re.compile(r"^\[(setup|quickstart)\] phase (\w+) took (\d+) s")
 
 def make_fresh() -> None:
     """Remove what setup installs, as on a new machine (needs root; stops the Docker engine)."""
-    print("removing docker.io (with containerd and runc), debootstrap, bubblewrap and the agentrl images", file=sys.stderr, flush=True)
-    images = subprocess.run(["docker", "images", "-q", "--filter", "reference=agentrl/*"], capture_output=True,
-                            text=True).stdout.split()
+    print(
+        "removing docker.io (with containerd and runc), debootstrap, bubblewrap and the agentrl images",
+        file=sys.stderr,
+        flush=True,
+    )
+    images = subprocess.run(
+        ["docker", "images", "-q", "--filter", "reference=agentrl/*"], capture_output=True, text=True
+    ).stdout.split()
     if images:
         subprocess.run(["docker", "rmi", "-f", *images], capture_output=True)
     subprocess.run(["pkill", "-x", "dockerd"], capture_output=True)
     time.sleep(2)
-    subprocess.run(["apt-get", "remove", "-y", "-qq", "docker.io", "containerd", "runc", "debootstrap", "bubblewrap"],
-                   capture_output=True, env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"}, check=True)
+    subprocess.run(
+        ["apt-get", "remove", "-y", "-qq", "docker.io", "containerd", "runc", "debootstrap", "bubblewrap"],
+        capture_output=True,
+        env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"},
+        check=True,
+    )
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--workdir", default="", help="where the clone, its venv and the model cache go (default: "
-                                                  "a new temporary folder, removed afterwards)")
+    ap.add_argument("--workdir", default="", help="where the clone, its venv and the model cache go "
+                                                  "(default: a new temporary folder, removed afterwards)")
     ap.add_argument("--fresh-machine", action="store_true",
                     help="first uninstall the Debian packages setup installs and remove the sandbox images")
-    ap.add_argument("--steps", type=int, default=1, help="learner steps to wait for before interrupting the run")
+    ap.add_argument("--steps", type=int, default=1, help="learner steps to wait for "
+                                                         "before interrupting the run")
     ap.add_argument("--timeout-s", type=float, default=3600)
     args = ap.parse_args()
 
@@ -82,8 +92,15 @@ def main() -> None:
            f"--serve.router.port={free_port()}", f"--serve.engine.base_port={free_port()}"]
     print(" ".join(cmd), file=sys.stderr, flush=True)
     t0 = time.monotonic()
-    proc = subprocess.Popen(cmd, cwd=clone, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        cmd,
+        cwd=clone,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     assert proc.stdout is not None
     phases: dict[str, float] = {}
     at: dict[str, float] = {}

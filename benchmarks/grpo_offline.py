@@ -64,9 +64,13 @@ def main() -> None:
     eos = tok.convert_tokens_to_ids("<|im_end|>")
 
     def prompt(task: dict[str, Any]) -> tuple[list[int], str]:
-        ids = tok.apply_chat_template([{"role": "system", "content": SYSTEM},
-                                       {"role": "user", "content": task["question"]}],
-                                      tools=tools, add_generation_prompt=True, tokenize=True, return_dict=False)
+        ids = tok.apply_chat_template(
+            [{"role": "system", "content": SYSTEM}, {"role": "user", "content": task["question"]}],
+            tools=tools,
+            add_generation_prompt=True,
+            tokenize=True,
+            return_dict=False,
+        )
         return list(ids), task["question"][len("What is "):-1]
 
     train = [prompt(t) for t in env.tasks("train")]
@@ -80,9 +84,18 @@ def main() -> None:
     def rollout(ids: list[int], expr: str, n: int, version: int) -> list[SimpleNamespace]:
         model.eval()
         with torch.no_grad():
-            out = model.generate(torch.tensor([ids]), do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
-                                 max_new_tokens=args.max_new_tokens, num_return_sequences=n, output_scores=True,
-                                 return_dict_in_generate=True, pad_token_id=tok.pad_token_id or 0)
+            out = model.generate(
+                torch.tensor([ids]),
+                do_sample=True,
+                temperature=1.0,
+                top_k=0,
+                top_p=1.0,
+                max_new_tokens=args.max_new_tokens,
+                num_return_sequences=n,
+                output_scores=True,
+                return_dict_in_generate=True,
+                pad_token_id=tok.pad_token_id or 0,
+            )
         lps = model.compute_transition_scores(out.sequences, out.scores, normalize_logits=True)
         samples = []
         for i in range(n):
@@ -91,11 +104,22 @@ def main() -> None:
                 k = comp.index(eos) + 1
                 comp, lp = comp[:k], lp[:k]
             reward = 1.0 if f'"code": "print({expr})"' in tok.decode(comp) else 0.0
-            samples.append(SimpleNamespace(
-                token_ids=ids + comp, loss_mask=[0] * len(ids) + [1] * len(comp), logprobs=[0.0] * len(ids) + lp,
-                versions=[-1] * len(ids) + [version] * len(comp), reward=reward, group_id=expr, min_version=version,
-                error=None, episode_id=f"{expr}-{version}-{i}", sample_id=f"{expr}-{version}-{i}", truncated=False,
-                info={}))
+            samples.append(
+                SimpleNamespace(
+                    token_ids=ids + comp,
+                    loss_mask=[0] * len(ids) + [1] * len(comp),
+                    logprobs=[0.0] * len(ids) + lp,
+                    versions=[-1] * len(ids) + [version] * len(comp),
+                    reward=reward,
+                    group_id=expr,
+                    min_version=version,
+                    error=None,
+                    episode_id=f"{expr}-{version}-{i}",
+                    sample_id=f"{expr}-{version}-{i}",
+                    truncated=False,
+                    info={},
+                )
+            )
         return samples
 
     def evaluate() -> float:
@@ -104,18 +128,37 @@ def main() -> None:
 
     t0 = time.monotonic()
     before = evaluate()
-    print(f"before: {before:.3f} on {len(test)} held-out prompts x {args.eval_samples}", file=sys.stderr, flush=True)
+    print(
+        f"before: {before:.3f} on {len(test)} held-out prompts x {args.eval_samples}",
+        file=sys.stderr,
+        flush=True,
+    )
     for step in range(args.steps):
-        batch = [s for ids, expr in rng.sample(train, args.prompts) for s in rollout(ids, expr, args.group, step)]
+        batch = [
+            s for ids, expr in rng.sample(train, args.prompts) for s in rollout(ids, expr, args.group, step)
+        ]
         stats = train_step(state, batch, cfg, step)
-        print(f"step {step + 1} | reward {np.mean([s.reward for s in batch]):.3f} | loss {stats.get('loss', 0.0):+.4f}"
-              f" | {time.monotonic() - t0:.0f}s", file=sys.stderr, flush=True)
+        print(f"step {step + 1} | reward "
+              f"{np.mean([s.reward for s in batch]):.3f} "
+              f"| loss {stats.get('loss', 0.0):+.4f} "
+              f"| {time.monotonic() - t0:.0f}s", file=sys.stderr, flush=True)
     after = evaluate()
-    print(json.dumps({"benchmark": "grpo_offline", "model": args.model, "optimizer": args.optimizer, "lr": args.lr,
-                      "steps": args.steps, "samples_per_step": args.prompts * args.group,
-                      "reward_before": round(before, 4), "reward_after": round(after, 4),
-                      "eval_samples": len(test) * args.eval_samples,
-                      "minutes": round((time.monotonic() - t0) / 60, 2)}))
+    print(
+        json.dumps(
+            {
+                "benchmark": "grpo_offline",
+                "model": args.model,
+                "optimizer": args.optimizer,
+                "lr": args.lr,
+                "steps": args.steps,
+                "samples_per_step": args.prompts * args.group,
+                "reward_before": round(before, 4),
+                "reward_after": round(after, 4),
+                "eval_samples": len(test) * args.eval_samples,
+                "minutes": round((time.monotonic() - t0) / 60, 2),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -34,7 +34,8 @@ def _run_router(port: int, engine_port: int, model_dir: str) -> None:
     sys.path.insert(0, str(ROOT))
     from aiohttp import web
 
-    app = router_app(engine_port, model_dir, max_model_len=2048, client_max_size=16 << 20)  # serve's max_body_mb
+    # serve's max_body_mb
+    app = router_app(engine_port, model_dir, max_model_len=2048, client_max_size=16 << 20)
     web.run_app(app, host="127.0.0.1", port=port, print=None, access_log=None)
 
 
@@ -53,7 +54,9 @@ async def _small(url: str, seconds: float) -> list[float]:
 
 async def _big(url: str, megabytes: float, stop: asyncio.Event) -> list[int]:
     text = "word " * int(megabytes * (1 << 20) / 5)
-    payload = json.dumps({"model": "stand-in", "messages": [{"role": "user", "content": text}], "max_tokens": 8})
+    payload = json.dumps(
+        {"model": "stand-in", "messages": [{"role": "user", "content": text}], "max_tokens": 8}
+    )
     statuses: list[int] = []
     async with aiohttp.ClientSession() as http:
         while not stop.is_set():

@@ -92,12 +92,25 @@ def main() -> None:
     learner_s, plain_s = statistics.median(times["learner"]), statistics.median(times["plain"])
     # CPU seconds are steadier than wall time on a shared machine
     learner_cpu, plain_cpu = statistics.median(cpu["learner"]), statistics.median(cpu["plain"])
-    result = {"benchmark": "learner", "model": a.model, "params": sum(p.numel() for p in bare.parameters()),
-              "samples": a.samples, "tokens_per_sample": a.tokens, "trained_tokens_per_step": tokens,
-              "rows": len(rows), "steps": a.steps, "learner_step_s": learner_s, "plain_step_s": plain_s,
-              "tokens_per_s": tokens / learner_s, "plain_torch_tokens_per_s": tokens / plain_s,
-              "overhead_ratio": learner_s / plain_s - 1.0, "learner_cpu_s": learner_cpu, "plain_cpu_s": plain_cpu,
-              "cpu_overhead_ratio": learner_cpu / plain_cpu - 1.0, "threads": torch.get_num_threads()}
+    result = {
+        "benchmark": "learner",
+        "model": a.model,
+        "params": sum(p.numel() for p in bare.parameters()),
+        "samples": a.samples,
+        "tokens_per_sample": a.tokens,
+        "trained_tokens_per_step": tokens,
+        "rows": len(rows),
+        "steps": a.steps,
+        "learner_step_s": learner_s,
+        "plain_step_s": plain_s,
+        "tokens_per_s": tokens / learner_s,
+        "plain_torch_tokens_per_s": tokens / plain_s,
+        "overhead_ratio": learner_s / plain_s - 1.0,
+        "learner_cpu_s": learner_cpu,
+        "plain_cpu_s": plain_cpu,
+        "cpu_overhead_ratio": learner_cpu / plain_cpu - 1.0,
+        "threads": torch.get_num_threads(),
+    }
     print(json.dumps(result), flush=True)
 
 

@@ -91,8 +91,12 @@ def child(name: str, tokens: int, chunk: int, checkpointing: bool) -> None:
     seconds = time.perf_counter() - t0
     assert out["updated"] and out["packed_rows"] == 1, out
     peak_gb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
-    print(json.dumps({"peak_gb": round(peak_gb, 3), "loaded_gb": round(before_gb, 3), "step_s": round(seconds, 1)}),
-          flush=True)
+    print(
+        json.dumps(
+            {"peak_gb": round(peak_gb, 3), "loaded_gb": round(before_gb, 3), "step_s": round(seconds, 1)}
+        ),
+        flush=True,
+    )
 
 
 def _rss_gb(pid: int) -> float:
@@ -128,13 +132,18 @@ def measure(name: str, tokens: int, chunk: int, checkpointing: bool, limit_gb: f
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--settings", default=",".join(SETTINGS), help="model:tokens,... (model: smollm2 or vocab152k)")
-    p.add_argument("--chunk", type=int, default=-1, help="learn.head_chunk_tokens (-1: the learner's default)")
-    p.add_argument("--unchunked", action="store_true", help="also SmolLM2 at 2k tokens with the whole row's logits")
+    p.add_argument("--settings", default=",".join(SETTINGS), help="model:tokens,... (model: "
+                                                                  "smollm2 or vocab152k)")
+    p.add_argument(
+        "--chunk", type=int, default=-1, help="learn.head_chunk_tokens (-1: the learner's default)"
+    )
+    p.add_argument("--unchunked", action="store_true", help="also SmolLM2 at 2k tokens "
+                                                            "with the whole row's logits")
     p.add_argument("--activation-checkpointing", action=argparse.BooleanOptionalAction, default=True,
-                   help="learn.activation_checkpointing for every setting (on by default: 8k tokens of SmolLM2 keep "
-                        "about 13 GB of activations without it)")
-    p.add_argument("--limit-gb", type=float, default=14.0, help="stop a setting whose resident memory passes this")
+                   help="learn.activation_checkpointing for every setting (on by default: "
+                        "8k tokens of SmolLM2 keep about 13 GB of activations without it)")
+    p.add_argument("--limit-gb", type=float, default=14.0, help="stop a setting whose "
+                                                                "resident memory passes this")
     p.add_argument("--child", default="", help=argparse.SUPPRESS)
     a = p.parse_args()
     from agentrl.learner.config import LearnConfig
@@ -148,8 +157,9 @@ def main() -> None:
     runs = [(s, chunk) for s in a.settings.split(",")] + ([("smollm2:2048", 0)] if a.unchunked else [])
     for setting, c in runs:
         name, tokens = setting.split(":")
-        details[setting if c else f"{setting}:unchunked"] = measure(name, int(tokens), c, a.activation_checkpointing,
-                                                                    a.limit_gb)
+        details[setting if c else f"{setting}:unchunked"] = measure(
+            name, int(tokens), c, a.activation_checkpointing, a.limit_gb
+        )
         # the summary so far after every setting: a long run stopped early still ends in a JSON line
         print(json.dumps(summary(details, chunk, a.activation_checkpointing)), flush=True)
 
@@ -161,13 +171,18 @@ def summary(details: dict[str, dict | None], chunk: int, checkpointing: bool) ->
         lo, hi = peaks.get(small), peaks.get(large)
         return round(hi / lo, 3) if lo and hi else None
 
-    return {"benchmark": "learner_memory", "head_chunk_tokens": chunk, "activation_checkpointing": checkpointing,
-            "peak_gb": peaks, "step_s": {k: v["step_s"] for k, v in details.items() if v},
-            "loaded_gb": {k: v["loaded_gb"] for k, v in details.items() if v},
-            "peak_gb_smollm2_8k": peaks.get("smollm2:8192"),
-            "growth_8k_to_16k": growth("smollm2:8192", "smollm2:16384"),
-            "growth_2k_to_8k": growth("smollm2:2048", "smollm2:8192"),
-            "growth_vocab152k_2k_to_8k": growth("vocab152k:2048", "vocab152k:8192")}
+    return {
+        "benchmark": "learner_memory",
+        "head_chunk_tokens": chunk,
+        "activation_checkpointing": checkpointing,
+        "peak_gb": peaks,
+        "step_s": {k: v["step_s"] for k, v in details.items() if v},
+        "loaded_gb": {k: v["loaded_gb"] for k, v in details.items() if v},
+        "peak_gb_smollm2_8k": peaks.get("smollm2:8192"),
+        "growth_8k_to_16k": growth("smollm2:8192", "smollm2:16384"),
+        "growth_2k_to_8k": growth("smollm2:2048", "smollm2:8192"),
+        "growth_vocab152k_2k_to_8k": growth("vocab152k:2048", "vocab152k:8192"),
+    }
 
 
 if __name__ == "__main__":

@@ -63,8 +63,16 @@ def payloads(model: Any, cfg: Any, model_dir: str) -> tuple[bytes, bytes]:
     return adapter, serialize_state_dict(merged_state(state, cfg))
 
 
-async def measured_publish(publish: Any, data: bytes, version: int, serve: str, kind: str, url: str, served: str,
-                           args: argparse.Namespace) -> dict[str, Any]:
+async def measured_publish(
+    publish: Any,
+    data: bytes,
+    version: int,
+    serve: str,
+    kind: str,
+    url: str,
+    served: str,
+    args: argparse.Namespace,
+) -> dict[str, Any]:
     """Publish ``data`` as ``version`` while ``--concurrency`` streams run on ``served``; the sync's
     figures and what the streams saw."""
     streams = [asyncio.create_task(stream(url, served, args.max_tokens, i)) for i in range(args.concurrency)]
@@ -79,7 +87,13 @@ async def measured_publish(publish: Any, data: bytes, version: int, serve: str, 
     stall = max((g for g, a, b in gaps if b >= t_update and a <= t_done), default=0.0)
     eng = result["engines"]["engine-0"]
     in_flight = sum(1 for o in outs if o["times"] and o["times"][-1] > t_done)
-    log.info("%s version %d: %.3f s, %d streams still generating after it", kind, version, t_done - t_pub, in_flight)
+    log.info(
+        "%s version %d: %.3f s, %d streams still generating after it",
+        kind,
+        version,
+        t_done - t_pub,
+        in_flight,
+    )
     return {"sync_s": t_done - t_pub, "pause_s": float(eng.get("pause_window_s", 0.0)), "stall_s": stall,
             "aborted": sum(1 for o in outs if o["finish"] != "length" or o["tokens"] < args.max_tokens),
             "in_flight_after": in_flight}
@@ -122,11 +136,18 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     model, cfg = learner_model(model_dir, args.rank, seed=1)
     adapter, full = await asyncio.to_thread(payloads, model, cfg, model_dir)
     log.info("adapter %.2f MB, full %.1f MB", len(adapter) / 2**20, len(full) / 2**20)
-    engine = VLLMEngine(EngineSpec(model=model_dir, served_name="bench", port=free_port(),
-                                   max_model_len=max(args.max_tokens, args.parity_max_tokens) + 64,
-                                   lora_rank=args.rank, max_loras=3,
-                                   extra_args=["--worker-extension-cls", "agentrl.weights.vllm_ext.WeightSyncExtension"]),
-                       work / "engine")
+    engine = VLLMEngine(
+        EngineSpec(
+            model=model_dir,
+            served_name="bench",
+            port=free_port(),
+            max_model_len=max(args.max_tokens, args.parity_max_tokens) + 64,
+            lora_rank=args.rank,
+            max_loras=3,
+            extra_args=["--worker-extension-cls", "agentrl.weights.vllm_ext.WeightSyncExtension"],
+        ),
+        work / "engine",
+    )
     engine.launch()
     phases: dict[str, dict[str, Any]] = {}
     try:
@@ -140,26 +161,43 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             await publish(adapter, 1, serve, "", kind="adapter")
             phases["adapter"] = await measured_publish(publish, adapter, 2, serve, "adapter", engine.url,
                                                        adapter_name(1), args)
-            check = await parity(engine.url, adapter_name(2), model, args.parity_tokens, args.parity_max_tokens)
-            log.info("parity over %d tokens: mean %.2e, max %.2e", check["tokens"], check["mean"], check["max"])
+            check = await parity(
+                engine.url, adapter_name(2), model, args.parity_tokens, args.parity_max_tokens
+            )
+            log.info(
+                "parity over %d tokens: mean %.2e, max %.2e", check["tokens"], check["mean"], check["max"]
+            )
             # 2. full weights: v3 (warm-up), then v4 while streams run on the base name
             await publish(full, 3, serve, "")
-            phases["full"] = await measured_publish(publish, full, 4, serve, "full", engine.url, "bench", args)
+            phases["full"] = await measured_publish(
+                publish, full, 4, serve, "full", engine.url, "bench", args
+            )
     finally:
         engine.stop()
         shutil.rmtree(work / "weights", ignore_errors=True)
         log.info("engine log in %s", work / "engine")
     a, f = phases["adapter"], phases["full"]
-    return {"model": args.model, "rank": args.rank, "adapter_bytes": len(adapter), "full_bytes": len(full),
-            "bytes_ratio": round(len(adapter) / len(full), 5),
-            "adapter_sync_s": round(a["sync_s"], 4), "full_sync_s": round(f["sync_s"], 4),
-            "sync_ratio": round(a["sync_s"] / max(f["sync_s"], 1e-9), 4),
-            "adapter_pause_s": round(a["pause_s"], 4), "full_pause_s": round(f["pause_s"], 4),
-            "adapter_client_stall_s": round(a["stall_s"], 4), "full_client_stall_s": round(f["stall_s"], 4),
-            "aborted_requests": a["aborted"] + f["aborted"],
-            "streams_in_flight_after": {"adapter": a["in_flight_after"], "full": f["in_flight_after"]},
-            "lora_parity_tokens": check["tokens"], "lora_parity_mean_abs_diff": check["mean"],
-            "lora_parity_max_abs_diff": check["max"], "concurrency": args.concurrency, "max_tokens": args.max_tokens}
+    return {
+        "model": args.model,
+        "rank": args.rank,
+        "adapter_bytes": len(adapter),
+        "full_bytes": len(full),
+        "bytes_ratio": round(len(adapter) / len(full), 5),
+        "adapter_sync_s": round(a["sync_s"], 4),
+        "full_sync_s": round(f["sync_s"], 4),
+        "sync_ratio": round(a["sync_s"] / max(f["sync_s"], 1e-9), 4),
+        "adapter_pause_s": round(a["pause_s"], 4),
+        "full_pause_s": round(f["pause_s"], 4),
+        "adapter_client_stall_s": round(a["stall_s"], 4),
+        "full_client_stall_s": round(f["stall_s"], 4),
+        "aborted_requests": a["aborted"] + f["aborted"],
+        "streams_in_flight_after": {"adapter": a["in_flight_after"], "full": f["in_flight_after"]},
+        "lora_parity_tokens": check["tokens"],
+        "lora_parity_mean_abs_diff": check["mean"],
+        "lora_parity_max_abs_diff": check["max"],
+        "concurrency": args.concurrency,
+        "max_tokens": args.max_tokens,
+    }
 
 
 def main() -> None:
@@ -168,7 +206,8 @@ def main() -> None:
     p.add_argument("--rank", type=int, default=8)
     p.add_argument("--concurrency", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=300)
-    p.add_argument("--lead-s", type=float, default=2.0, help="seconds of generation before each measured update")
+    p.add_argument("--lead-s", type=float, default=2.0, help="seconds of generation "
+                                                             "before each measured update")
     p.add_argument("--parity-tokens", type=int, default=1000)
     p.add_argument("--parity-max-tokens", type=int, default=250)
     args = p.parse_args()

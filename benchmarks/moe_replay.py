@@ -74,7 +74,10 @@ def main() -> None:
     try:
         asyncio.run(engine.start(timeout_s=600))
         (bound,) = _post(f"{engine.url}/collective_rpc", {"method": "agentrl_capture_experts"})["results"]
-        print(f"capture on {bound} MoE layers; {args.requests} requests of {args.tokens} tokens", file=sys.stderr)
+        print(
+            f"capture on {bound} MoE layers; {args.requests} requests of {args.tokens} tokens",
+            file=sys.stderr,
+        )
 
         def complete(i: int) -> dict[str, Any]:
             return _post(f"{engine.url}/v1/completions", {
@@ -125,13 +128,19 @@ def main() -> None:
                 flipped[replay].extend(err[flips].tolist())
         no, yes = (sum(diffs[k]) / len(diffs[k]) for k in (False, True))
         fno, fyes = (sum(flipped[k]) / len(flipped[k]) if flipped[k] else None for k in (False, True))
-        result.update({f"routing_disagreement{suffix}": round(own.disagreement, 4),
-                       f"mean_abs_diff_no_replay{suffix}": no, f"mean_abs_diff_replay{suffix}": yes,
-                       f"replay_reduction{suffix}": round(no / yes, 2) if yes else None,
-                       f"flipped_tokens{suffix}": len(flipped[True]),
-                       f"mean_abs_diff_flipped_no_replay{suffix}": fno, f"mean_abs_diff_flipped_replay{suffix}": fyes,
-                       f"learner_forward_s_no_replay{suffix}": round(seconds[False], 3),
-                       f"learner_forward_s_replay{suffix}": round(seconds[True], 3)})
+        result.update(
+            {
+                f"routing_disagreement{suffix}": round(own.disagreement, 4),
+                f"mean_abs_diff_no_replay{suffix}": no,
+                f"mean_abs_diff_replay{suffix}": yes,
+                f"replay_reduction{suffix}": round(no / yes, 2) if yes else None,
+                f"flipped_tokens{suffix}": len(flipped[True]),
+                f"mean_abs_diff_flipped_no_replay{suffix}": fno,
+                f"mean_abs_diff_flipped_replay{suffix}": fyes,
+                f"learner_forward_s_no_replay{suffix}": round(seconds[False], 3),
+                f"learner_forward_s_replay{suffix}": round(seconds[True], 3),
+            }
+        )
         result["tokens"] = len(diffs[True])
     layers, k = records[0][1].shape[1:]
     result["record_bytes_per_token"] = layers * k  # uint8 ids: one byte per (layer, expert slot)

@@ -21,7 +21,8 @@ between them is the translation. Besides wall-clock rates it reports the router'
 per completion (meaningful on a shared machine) and the load average. Prints a final JSON line:
 the chat figures under their old names, and ``<route>_added_p50_ms`` / ``<route>_req_per_s`` per route.
 
-    python benchmarks/router_overhead.py [--requests 6000] [--concurrency 1,64,1024] [--routes chat,responses,messages]
+    python benchmarks/router_overhead.py [--requests 6000] [--concurrency 1,64,1024] [--routes
+    chat,responses,messages]
 """
 
 from __future__ import annotations
@@ -49,7 +50,10 @@ BODY = {"model": "stand-in", "messages": [{"role": "user", "content": "hi"}], "m
 ROUTES: dict[str, tuple[str, dict[str, Any]]] = {
     "chat": ("/v1/chat/completions", BODY),
     "responses": ("/v1/responses", {"model": "stand-in", "input": "hi", "max_output_tokens": 8}),
-    "messages": ("/v1/messages", {"model": "stand-in", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]}),
+    "messages": (
+        "/v1/messages",
+        {"model": "stand-in", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]},
+    ),
 }
 
 
@@ -67,11 +71,26 @@ def _choice_tokens(i: int) -> dict[str, Any]:
 
 
 def _chat_response(n: int) -> dict[str, Any]:
-    return {"id": "chatcmpl-x", "object": "chat.completion", "created": 0, "model": "stand-in",
-            "choices": [{"index": i, "message": {"role": "assistant", "content": "17"}, "finish_reason": "stop",
-                         "logprobs": None} for i in range(n)],
-            "usage": {"prompt_tokens": len(PROMPT), "completion_tokens": len(OUTPUT) * n,
-                      "total_tokens": len(PROMPT) + len(OUTPUT) * n}}
+    return {
+        "id": "chatcmpl-x",
+        "object": "chat.completion",
+        "created": 0,
+        "model": "stand-in",
+        "choices": [
+            {
+                "index": i,
+                "message": {"role": "assistant", "content": "17"},
+                "finish_reason": "stop",
+                "logprobs": None,
+            }
+            for i in range(n)
+        ],
+        "usage": {
+            "prompt_tokens": len(PROMPT),
+            "completion_tokens": len(OUTPUT) * n,
+            "total_tokens": len(PROMPT) + len(OUTPUT) * n,
+        },
+    }
 
 
 def _standin_answer(path: str, body: dict[str, Any]) -> tuple[int, bytes]:
@@ -82,8 +101,18 @@ def _standin_answer(path: str, body: dict[str, Any]) -> tuple[int, bytes]:
     if path == "/v1/chat/completions":
         return 200, json.dumps(_chat_response(body.get("n", 1))).encode()
     if path == "/v1/chat/completions/render":
-        return 200, json.dumps({"request_id": "r", "token_ids": PROMPT, "model": "stand-in", "sampling_params": {
-            "n": body.get("n", 1), "max_tokens": body.get("max_tokens"), "logprobs": 0}}).encode()
+        return 200, json.dumps(
+            {
+                "request_id": "r",
+                "token_ids": PROMPT,
+                "model": "stand-in",
+                "sampling_params": {
+                    "n": body.get("n", 1),
+                    "max_tokens": body.get("max_tokens"),
+                    "logprobs": 0,
+                },
+            }
+        ).encode()
     if path == "/v1/chat/completions/derender":
         return 200, json.dumps(_chat_response(len(body["generate_response"]["choices"]))).encode()
     if path in ("/health", "/update_weight_version"):
@@ -118,13 +147,16 @@ class _StandinProtocol(asyncio.Protocol):
             self.buf = self.buf[end + 4 + length:]
             path = head[0].split(" ")[1].split("?")[0]
             status, out = _standin_answer(path, json.loads(raw) if raw else {})
-            self.transport.write(b"HTTP/1.1 %d X\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n"
+            self.transport.write(b"HTTP/1.1 %d X\r\nContent-Type: application/json\r\nContent-Length: %d\r\n"
+                                 b"\r\n"
                                  % (status, len(out)) + out)
 
 
 def _run_standin(port: int) -> None:
     async def main() -> None:
-        server = await asyncio.get_running_loop().create_server(_StandinProtocol, "127.0.0.1", port, backlog=4096)
+        server = await asyncio.get_running_loop().create_server(
+            _StandinProtocol, "127.0.0.1", port, backlog=4096
+        )
         async with server:
             await server.serve_forever()
 
@@ -140,7 +172,9 @@ async def router_app(engine_port: int, model_dir: str, max_model_len: int = 4096
 
     pool = EnginePool([f"http://127.0.0.1:{engine_port}"], health_interval_s=5)
     await pool.start()
-    router = Router(pool, model_name="stand-in", eos_token_ids={2}, max_model_len=max_model_len, model_dir=model_dir)
+    router = Router(
+        pool, model_name="stand-in", eos_token_ids={2}, max_model_len=max_model_len, model_dir=model_dir
+    )
     if router.local is not None:
         router.local.state = "on"  # the stand-in has no chat template to calibrate against
     settle_gc()  # as serve does once it is up
@@ -169,7 +203,9 @@ def _run_router(port: int, engine_port: int, model_dir: str, use_uvloop: bool, p
 
 
 # -- load generators -----------------------------------------------------------------------------------
-async def _client(port: int, workers: int, total: int, session: str, start_at: float, route: str) -> list[float]:
+async def _client(
+    port: int, workers: int, total: int, session: str, start_at: float, route: str
+) -> list[float]:
     """``workers`` keep-alive connections sending ``total`` completions (``route``'s dialect) between them."""
     path, body = ROUTES[route]
     payload = json.dumps(body).encode()
@@ -204,7 +240,9 @@ async def _client(port: int, workers: int, total: int, session: str, start_at: f
     return latencies
 
 
-def _run_client(port: int, workers: int, total: int, session: str, start_at: float, route: str, q: Any) -> None:
+def _run_client(
+    port: int, workers: int, total: int, session: str, start_at: float, route: str, q: Any
+) -> None:
     try:
         q.put(("ok", asyncio.run(_client(port, workers, total, session, start_at, route)), time.time()))
     except Exception as e:
@@ -220,7 +258,8 @@ def _cpu_s(pid: int) -> float:
 
 def _load(port: int, concurrency: int, total: int, session: str, procs: int, cpu_pid: int | None,
           route: str = "chat") -> tuple[list[float], float, float]:
-    """Run ``total`` calls at ``concurrency`` from ``procs`` processes: (latencies, wall s, cpu s of cpu_pid)."""
+    """Run ``total`` calls at ``concurrency`` from ``procs`` processes: (latencies, wall s, cpu s of
+    cpu_pid)."""
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     procs = max(1, min(procs, concurrency))
@@ -229,8 +268,13 @@ def _load(port: int, concurrency: int, total: int, session: str, procs: int, cpu
     for i in range(procs):
         workers = concurrency // procs + (1 if i < concurrency % procs else 0)
         share = total // procs + (1 if i < total % procs else 0)
-        children.append(ctx.Process(target=_run_client, args=(port, workers, share, f"{session}{i}" if session else "",
-                                                              start_at, route, q), daemon=True))
+        children.append(
+            ctx.Process(
+                target=_run_client,
+                args=(port, workers, share, f"{session}{i}" if session else "", start_at, route, q),
+                daemon=True,
+            )
+        )
     for c in children:
         c.start()
     while time.time() < start_at:
@@ -335,9 +379,12 @@ def bench(requests: int, levels: list[int], procs: int, use_uvloop: bool, profil
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--requests", type=int, default=6000, help="completions per level (1,000 at concurrency 1)")
+    ap.add_argument("--requests", type=int, default=6000, help="completions per level "
+                                                               "(1,000 at concurrency 1)")
     ap.add_argument("--concurrency", default="1,64,1024")
-    ap.add_argument("--loadgen-procs", type=int, default=2, help="load-generator processes at concurrency > 1")
+    ap.add_argument(
+        "--loadgen-procs", type=int, default=2, help="load-generator processes at concurrency > 1"
+    )
     ap.add_argument("--uvloop", action="store_true", help="run the router on uvloop")
     ap.add_argument("--profile", default="", help="write the router's cProfile stats here")
     ap.add_argument("--routes", default="chat,responses,messages", help="the dialects to measure, chat first")
@@ -347,8 +394,14 @@ def main() -> None:
     unknown = set(routes) - set(ROUTES)
     if unknown:
         ap.error(f"unknown routes {sorted(unknown)}; known: {sorted(ROUTES)}")
-    result = bench(args.requests, [int(x) for x in args.concurrency.split(",")], args.loadgen_procs, args.uvloop,
-                   args.profile, routes)
+    result = bench(
+        args.requests,
+        [int(x) for x in args.concurrency.split(",")],
+        args.loadgen_procs,
+        args.uvloop,
+        args.profile,
+        routes,
+    )
     sys.stdout.flush()
     sys.stdout.write("\n" + json.dumps(result) + "\n")  # on a line of its own whatever a child printed
 

@@ -89,7 +89,11 @@ async def raw_logprobs(url: str, samples: list) -> list[list[float]]:
     async with aiohttp.ClientSession() as http:
         async def one(s: Any) -> list[float]:
             ids = [int(t) for t in s.token_ids]
-            req = {"model": "smollm2", "token_ids": ids, "sampling_params": {"max_tokens": 1, "prompt_logprobs": 0}}
+            req = {
+                "model": "smollm2",
+                "token_ids": ids,
+                "sampling_params": {"max_tokens": 1, "prompt_logprobs": 0},
+            }
             async with http.post(url + "/inference/v1/generate", json=req,
                                  timeout=aiohttp.ClientTimeout(total=1200)) as r:
                 r.raise_for_status()
@@ -128,13 +132,31 @@ def run(name: str, url: str, folder: str, model: Any, body: dict[str, Any], call
     samples, sampling, counters = asyncio.run(sample_episodes(url, folder, body, calls))
     raw = asyncio.run(raw_logprobs(url, samples))
     kept = [int(c) for s in samples for c in s.behaviour.kept_counts[s.loss_mask == 1]]
-    out = {"benchmark": "sampling_parity", "run": name, "model": "SmolLM2-135M-Instruct", "dtype": "float32",
-           **{k: sampling[k] for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
-                                       "presence_penalty", "frequency_penalty")},
-           **compare(model, samples, raw), "samples": len(samples),
-           "kept_tokens": sum(1 for c in kept if c), "kept_mean_size": sum(kept) / max(1, sum(1 for c in kept if c)),
-           "kept_incomplete": counters["kept_incomplete"], "render": counters["render"],
-           "seconds": round(time.monotonic() - t0, 1)}
+    out = {
+        "benchmark": "sampling_parity",
+        "run": name,
+        "model": "SmolLM2-135M-Instruct",
+        "dtype": "float32",
+        **{
+            k: sampling[k]
+            for k in (
+                "temperature",
+                "top_p",
+                "top_k",
+                "min_p",
+                "repetition_penalty",
+                "presence_penalty",
+                "frequency_penalty",
+            )
+        },
+        **compare(model, samples, raw),
+        "samples": len(samples),
+        "kept_tokens": sum(1 for c in kept if c),
+        "kept_mean_size": sum(kept) / max(1, sum(1 for c in kept if c)),
+        "kept_incomplete": counters["kept_incomplete"],
+        "render": counters["render"],
+        "seconds": round(time.monotonic() - t0, 1),
+    }
     print(json.dumps(out), flush=True)
     return out
 
@@ -142,7 +164,8 @@ def run(name: str, url: str, folder: str, model: Any, body: dict[str, Any], call
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--calls", type=int, default=16, help="one-call episodes per run")
-    ap.add_argument("--max-tokens", type=int, default=128, help="tokens per call (ignore_eos: exactly this many)")
+    ap.add_argument("--max-tokens", type=int, default=128, help="tokens per call (ignore_eos: "
+                                                                "exactly this many)")
     ap.add_argument("--skip-qwen", action="store_true", help="leave out the run with Qwen2.5's defaults")
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
@@ -161,7 +184,9 @@ def main() -> None:
     try:
         engines = [("own", folder)]
         if not args.skip_qwen:
-            engines.append(("qwen", with_generation_defaults(folder, tmp / "smollm2-qwen-defaults", QWEN_DEFAULTS)))
+            engines.append(
+                ("qwen", with_generation_defaults(folder, tmp / "smollm2-qwen-defaults", QWEN_DEFAULTS))
+            )
         for which, path in engines:
             spec = EngineSpec(model=path, served_name="smollm2", port=free_port(), max_model_len=1024,
                               generation_config="auto", cpu_cores="all")
@@ -170,11 +195,15 @@ def main() -> None:
             try:
                 asyncio.run(engine.start(timeout_s=900, progress=False))
                 if which == "own":
-                    results["model-defaults"] = run("model-defaults", engine.url, path, model, length, args.calls)
+                    results["model-defaults"] = run(
+                        "model-defaults", engine.url, path, model, length, args.calls
+                    )
                     results["explicit"] = run("explicit", engine.url, path, model, dict(
                         length, temperature=0.7, top_p=0.9, top_k=20), args.calls)
                 else:
-                    results["qwen-defaults"] = run("qwen-defaults", engine.url, path, model, length, args.calls)
+                    results["qwen-defaults"] = run(
+                        "qwen-defaults", engine.url, path, model, length, args.calls
+                    )
             finally:
                 engine.stop()
     finally:

@@ -59,7 +59,10 @@ async def _one(engine_url: str, name: str, spec: dict[str, str], episodes: int, 
     eps = [json.loads(x) for x in (run_dir / "episodes.jsonl").read_text().splitlines() if x.strip()]
     outside = []
     for ep in eps:
-        recs = [json.loads(x) for x in (run_dir / "sessions" / f"{ep['episode_id']}.jsonl").read_text().splitlines()]
+        recs = [
+            json.loads(x)
+            for x in (run_dir / "sessions" / f"{ep['episode_id']}.jsonl").read_text().splitlines()
+        ]
         outside.append(ep["seconds"] - sum(r["latency_s"] for r in recs))
     secs = [e["seconds"] for e in eps]
     return {"episodes": len(eps), "failed": sum(e["error"] is not None for e in eps),
@@ -72,7 +75,8 @@ async def _one(engine_url: str, name: str, spec: dict[str, str], episodes: int, 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--engine-url", default="", help="a running vLLM engine serving tiny-tools (else one is started)")
+    ap.add_argument("--engine-url", default="", help="a running vLLM engine serving "
+                                                     "tiny-tools (else one is started)")
     ap.add_argument("--episodes", type=int, default=16)
     ap.add_argument("--group", type=int, default=4)
     ap.add_argument("--only", default="", help="comma-separated subset of: " + ",".join(SCAFFOLDS))

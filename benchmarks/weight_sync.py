@@ -140,10 +140,16 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     from agentrl.weights import publish
     model_dir = resolve(args.model)
     work = Path(tempfile.mkdtemp(prefix="weight-sync-"))
-    engine = VLLMEngine(EngineSpec(model=model_dir, served_name="bench", port=free_port(),
-                                   max_model_len=args.max_tokens + 64,
-                                   extra_args=["--worker-extension-cls", "agentrl.weights.vllm_ext.WeightSyncExtension"]),
-                       work / "engine")
+    engine = VLLMEngine(
+        EngineSpec(
+            model=model_dir,
+            served_name="bench",
+            port=free_port(),
+            max_model_len=args.max_tokens + 64,
+            extra_args=["--worker-extension-cls", "agentrl.weights.vllm_ext.WeightSyncExtension"],
+        ),
+        work / "engine",
+    )
     engine.launch()
     try:
         t0 = time.perf_counter()
@@ -187,32 +193,45 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     # Where the stall goes, on the pool's clock (same process): the last token before the pause
     # request, the pause waiting for the step in flight, the paused window, and after resume the
     # first token (the re-prefill of each request's context under the new weights, then delivery).
-    last_before = max((t for o in outs for t in o["times"] if t <= eng["t_pause_sent"]), default=eng["t_pause_sent"])
+    last_before = max(
+        (t for o in outs for t in o["times"] if t <= eng["t_pause_sent"]), default=eng["t_pause_sent"]
+    )
     firsts = [next((t for t in o["times"] if t > eng["t_resumed"]), None) for o in outs]
     firsts_ok = [t for t in firsts if t is not None]
     before = [sum(1 for t in o["times"] if t <= eng["t_pause_sent"]) for o in outs]
-    return {"model": args.model, "model_mb": round(len(payloads[1]) / 2**20, 1),
-            "sync_total_s": round(t_done - t_pub, 4), "pause_window_s": round(pause, 4),
-            "engine_reload_s": round(eng["engine_reload_s"], 4), "retie_s": round(eng["retie_s"], 4),
-            "reload_rpc_s": round(eng["reload_rpc_s"], 4),
-            "head_staged": bool(eng.get("head_staged")), "stage_s": round(eng.get("stage_s", 0.0), 4),
-            "stage_worker_s": round(eng.get("stage_worker_s", 0.0), 4),
-            "disk_read_floor_s": round(disk_read, 4),
-            "aborted_requests": sum(1 for o in outs if o["finish"] != "length" or o["tokens"] < args.max_tokens),
-            "pause_over_reload": round(pause / max(eng["engine_reload_s"], 1e-9), 3),
-            "client_stall_s": round(stall, 4), "client_stall_over_reload": round(stall / max(eng["engine_reload_s"], 1e-9), 3),
-            "last_token_to_pause_sent_s": round(eng["t_pause_sent"] - last_before, 4),
-            "pause_wait_s": round(eng["pause_s"], 4),
-            "reprefill_s": round(max(firsts_ok) - eng["t_resumed"], 4) if firsts_ok else None,
-            "reprefill_tokens": sum(contexts), "prefill_floor_s": round(floor, 4),
-            "reprefill_over_floor": round((max(firsts_ok) - eng["t_resumed"]) / max(floor, 1e-9), 3) if firsts_ok else None,
-            "tokens_per_stream_at_update": round(statistics.mean(before), 1) if before else 0,
-            # streams still generating when the update began (0: nothing was in flight to stall;
-            # a fast model needs more --max-tokens or less --lead-s)
-            "streams_in_flight_at_update": sum(1 for b in before if b < args.max_tokens),
-            "inter_token_s": round(statistics.median(per_stream), 4) if per_stream else None,
-            "max_gap_during_upload_s": round(max(upload, default=0.0), 4),
-            "concurrency": args.concurrency, "max_tokens": args.max_tokens}
+    return {
+        "model": args.model,
+        "model_mb": round(len(payloads[1]) / 2**20, 1),
+        "sync_total_s": round(t_done - t_pub, 4),
+        "pause_window_s": round(pause, 4),
+        "engine_reload_s": round(eng["engine_reload_s"], 4),
+        "retie_s": round(eng["retie_s"], 4),
+        "reload_rpc_s": round(eng["reload_rpc_s"], 4),
+        "head_staged": bool(eng.get("head_staged")),
+        "stage_s": round(eng.get("stage_s", 0.0), 4),
+        "stage_worker_s": round(eng.get("stage_worker_s", 0.0), 4),
+        "disk_read_floor_s": round(disk_read, 4),
+        "aborted_requests": sum(1 for o in outs if o["finish"] != "length" or o["tokens"] < args.max_tokens),
+        "pause_over_reload": round(pause / max(eng["engine_reload_s"], 1e-9), 3),
+        "client_stall_s": round(stall, 4),
+        "client_stall_over_reload": round(stall / max(eng["engine_reload_s"], 1e-9), 3),
+        "last_token_to_pause_sent_s": round(eng["t_pause_sent"] - last_before, 4),
+        "pause_wait_s": round(eng["pause_s"], 4),
+        "reprefill_s": round(max(firsts_ok) - eng["t_resumed"], 4) if firsts_ok else None,
+        "reprefill_tokens": sum(contexts),
+        "prefill_floor_s": round(floor, 4),
+        "reprefill_over_floor": round((max(firsts_ok) - eng["t_resumed"]) / max(floor, 1e-9), 3)
+        if firsts_ok
+        else None,
+        "tokens_per_stream_at_update": round(statistics.mean(before), 1) if before else 0,
+        # streams still generating when the update began (0: nothing was in flight to stall;
+        # a fast model needs more --max-tokens or less --lead-s)
+        "streams_in_flight_at_update": sum(1 for b in before if b < args.max_tokens),
+        "inter_token_s": round(statistics.median(per_stream), 4) if per_stream else None,
+        "max_gap_during_upload_s": round(max(upload, default=0.0), 4),
+        "concurrency": args.concurrency,
+        "max_tokens": args.max_tokens,
+    }
 
 
 def main() -> None:

@@ -20,7 +20,9 @@ from typing import Any
 
 import griffe
 
-ROLE = re.compile(r":(?:py:)?(?:class|func|meth|data|mod|attr|exc|obj):`(?P<tilde>~?)(?P<target>[\w.]+)(?:\(\))?`")
+ROLE = re.compile(
+    r":(?:py:)?(?:class|func|meth|data|mod|attr|exc|obj):`(?P<tilde>~?)(?P<target>[\w.]+)(?:\(\))?`"
+)
 # comments that speak to a tool, not to a reader
 TOOL_COMMENT = re.compile(r"(?:type|pyright|pragma|noqa|fmt|ruff)\b")
 

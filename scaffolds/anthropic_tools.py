@@ -23,19 +23,34 @@ from anthropic import AsyncAnthropic
 from scaffolds.openai_minimal import run_python
 
 SYSTEM = "Use the python tool to compute the answer, then reply with the number."
-TOOLS = [{"name": "python", "description": "Run Python code and return what it prints.",
-          "input_schema": {"type": "object", "properties": {"code": {"type": "string", "description": "Python source"}},
-                           "required": ["code"]}}]
+TOOLS = [
+    {
+        "name": "python",
+        "description": "Run Python code and return what it prints.",
+        "input_schema": {
+            "type": "object",
+            "properties": {"code": {"type": "string", "description": "Python source"}},
+            "required": ["code"],
+        },
+    }
+]
 
 
 async def run_agent(client: AsyncAnthropic, model: str, system: str, prompt: str,
                     run_python: Callable[[str], Awaitable[str]], *, max_turns: int = 8, max_tokens: int = 128,
                     temperature: float = 1.0) -> str:
-    """The loop: model -> tool_use blocks -> tool_result blocks -> ... -> a reply without tools (the answer)."""
+    """The loop: model -> tool_use blocks -> tool_result blocks -> ... -> a reply without tools (the
+    answer)."""
     messages: list[dict[str, Any]] = [{"role": "user", "content": prompt}]
     for _ in range(max_turns):
-        reply = await client.messages.create(model=model, max_tokens=max_tokens, system=system, messages=messages,
-                                             tools=TOOLS, extra_body={"temperature": temperature})
+        reply = await client.messages.create(
+            model=model,
+            max_tokens=max_tokens,
+            system=system,
+            messages=messages,
+            tools=TOOLS,
+            extra_body={"temperature": temperature},
+        )
         messages.append({"role": "assistant", "content": reply.content})
         uses = [b for b in reply.content if b.type == "tool_use"]
         if not uses:

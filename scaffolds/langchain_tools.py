@@ -40,5 +40,7 @@ async def agent(ctx: Any, *, max_turns: int = 8) -> str:
         if not reply.tool_calls:
             return str(reply.content or "")
         for call in reply.tool_calls:
-            messages.append(ToolMessage(content=str(await python.ainvoke(call["args"])), tool_call_id=call["id"]))
+            messages.append(
+                ToolMessage(content=str(await python.ainvoke(call["args"])), tool_call_id=call["id"])
+            )
     return ""

@@ -55,7 +55,9 @@ class EpisodeCancelled(RuntimeError):
 class SandboxEnvironment(LocalEnvironment):
     """mini-swe-agent's environment protocol, its commands run in the episode's sandbox."""
 
-    def __init__(self, sandbox: Any, loop: asyncio.AbstractEventLoop, stop: threading.Event, **kwargs: Any) -> None:
+    def __init__(
+        self, sandbox: Any, loop: asyncio.AbstractEventLoop, stop: threading.Event, **kwargs: Any
+    ) -> None:
         super().__init__(**kwargs)
         self.sandbox, self.loop, self.stop = sandbox, loop, stop
 
@@ -63,14 +65,17 @@ class SandboxEnvironment(LocalEnvironment):
         if self.stop.is_set():
             raise EpisodeCancelled("the episode ended")
         limit = timeout or self.config.timeout
-        run = self.sandbox.exec(action.get("command", ""), timeout=limit, cwd=cwd or self.config.cwd or "/work")
+        run = self.sandbox.exec(
+            action.get("command", ""), timeout=limit, cwd=cwd or self.config.cwd or "/work"
+        )
         try:
             r = asyncio.run_coroutine_threadsafe(run, self.loop).result(limit + 30)
             output = {"output": r.stdout + r.stderr, "returncode": -1 if r.timed_out else r.exit_code,
                       "exception_info": f"the command timed out after {limit} s" if r.timed_out else ""}
         except Exception as e:  # the sandbox failed the command: the agent sees it, as with its own envs
-            output = {"output": "", "returncode": -1, "exception_info": f"An error occurred while executing the "
-                                                                        f"command: {type(e).__name__}: {e}"}
+            output = {"output": "", "returncode": -1, "exception_info": "An error occurred while "
+                                                                        "executing the command: "
+                                                                        f"{type(e).__name__}: {e}"}
         self._check_finished(output)  # raises Submitted on the marker (mini-swe-agent's own check)
         return output
 
@@ -81,11 +86,18 @@ class SandboxEnvironment(LocalEnvironment):
 
 def build(ctx: Any, loop: asyncio.AbstractEventLoop, stop: threading.Event, config: Path | str = CONFIG,
           model_kwargs: dict[str, Any] | None = None) -> DefaultAgent:
-    """mini-swe-agent's agent for one episode: its model at the session's base URL, its environment the sandbox."""
+    """mini-swe-agent's agent for one episode: its model at the session's base URL, its environment the
+    sandbox."""
     cfg = yaml.safe_load(Path(config).read_text())
     model_cfg = dict(cfg.get("model") or {})
-    kwargs = {"api_base": ctx.base_url, "api_key": ctx.api_key, "max_tokens": ctx.max_tokens,
-              "temperature": ctx.temperature, **(model_cfg.pop("model_kwargs", None) or {}), **(model_kwargs or {})}
+    kwargs = {
+        "api_base": ctx.base_url,
+        "api_key": ctx.api_key,
+        "max_tokens": ctx.max_tokens,
+        "temperature": ctx.temperature,
+        **(model_cfg.pop("model_kwargs", None) or {}),
+        **(model_kwargs or {}),
+    }
     model = LitellmModel(model_name=f"openai/{ctx.model}", model_kwargs=kwargs, cost_tracking="ignore_errors",
                          **model_cfg)
     env = SandboxEnvironment(ctx.sandbox, loop, stop, **(cfg.get("environment") or {}))

@@ -53,8 +53,11 @@ async def _run(ctx: Any, responses: bool) -> str:
     model = (OpenAIResponsesModel(model=ctx.model, openai_client=client) if responses
              else OpenAIChatCompletionsModel(model=ctx.model, openai_client=client))
     solver = Agent(
-        name="solver", instructions=ctx.system or "Use the python tool, then answer.", tools=[_python_tool(ctx)],
-        model=model, model_settings=ModelSettings(max_tokens=ctx.max_tokens, temperature=ctx.temperature),
+        name="solver",
+        instructions=ctx.system or "Use the python tool, then answer.",
+        tools=[_python_tool(ctx)],
+        model=model,
+        model_settings=ModelSettings(max_tokens=ctx.max_tokens, temperature=ctx.temperature),
     )
     try:
         result = await Runner.run(solver, ctx.prompt, max_turns=8, auto_previous_response_id=responses)
@@ -66,10 +69,12 @@ async def _run(ctx: Any, responses: bool) -> str:
 
 
 async def agent(ctx: Any) -> str:
-    """agentrl scaffold entry point (``ScaffoldContext`` in, the agent's final output out): chat completions."""
+    """agentrl scaffold entry point (``ScaffoldContext`` in, the agent's final output out): chat
+    completions."""
     return await _run(ctx, responses=False)
 
 
 async def responses_agent(ctx: Any) -> str:
-    """The same agent on the Responses API (``/v1/responses``), its turns chained by ``previous_response_id``."""
+    """The same agent on the Responses API (``/v1/responses``), its turns chained by
+    ``previous_response_id``."""
     return await _run(ctx, responses=True)

@@ -25,10 +25,20 @@ from typing import Any
 from openai import AsyncOpenAI
 
 SYSTEM = "Use the python tool to compute the answer, then reply with the number."
-TOOLS = [{"type": "function", "function": {
-    "name": "python", "description": "Run Python code and return what it prints.",
-    "parameters": {"type": "object", "properties": {"code": {"type": "string", "description": "Python source"}},
-                   "required": ["code"]}}}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "python",
+            "description": "Run Python code and return what it prints.",
+            "parameters": {
+                "type": "object",
+                "properties": {"code": {"type": "string", "description": "Python source"}},
+                "required": ["code"],
+            },
+        },
+    }
+]
 
 
 async def run_agent(client: AsyncOpenAI, model: str, messages: list[dict[str, Any]],
@@ -55,10 +65,19 @@ async def run_agent(client: AsyncOpenAI, model: str, messages: list[dict[str, An
 
 async def agent(ctx: Any) -> str:
     """agentrl scaffold entry point (``ScaffoldContext`` in, answer out)."""
-    messages = ctx.messages or [{"role": "system", "content": SYSTEM}, {"role": "user", "content": ctx.prompt}]
+    messages = ctx.messages or [
+        {"role": "system", "content": SYSTEM},
+        {"role": "user", "content": ctx.prompt},
+    ]
     async with AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key) as client:
-        return await run_agent(client, ctx.model, messages, partial(run_python, ctx), max_tokens=ctx.max_tokens,
-                               temperature=ctx.temperature)
+        return await run_agent(
+            client,
+            ctx.model,
+            messages,
+            partial(run_python, ctx),
+            max_tokens=ctx.max_tokens,
+            temperature=ctx.temperature,
+        )
 
 
 async def run_python(ctx: Any, code: str) -> str:

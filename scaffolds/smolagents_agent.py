@@ -27,11 +27,13 @@ from smolagents import OpenAIServerModel, ToolCallingAgent, tool
 
 from scaffolds.openai_minimal import run_python
 
-SYSTEM_PROMPT = """You solve tasks with tools: call one tool per step; when you know the answer, call final_answer.
-Tools:
+SYSTEM_PROMPT = (
+    "You solve tasks with tools: call one tool per step; when you know the answer, call final_answer.\n"
+    """Tools:
 {%- for tool in tools.values() %}
 - {{ tool.name }}: {{ tool.description }}
 {%- endfor %}"""
+)
 
 
 def prompt_templates(system_prompt: str | None = SYSTEM_PROMPT) -> dict[str, Any]:
@@ -60,7 +62,12 @@ async def agent(ctx: Any, *, max_steps: int = 2, system_prompt: str | None = SYS
     """agentrl scaffold entry point (``ScaffoldContext`` in, the agent's final answer out)."""
     model = OpenAIServerModel(model_id=ctx.model, api_base=ctx.base_url, api_key=ctx.api_key,
                               max_tokens=ctx.max_tokens, temperature=ctx.temperature)
-    runner = ToolCallingAgent(tools=[_python_tool(ctx, asyncio.get_running_loop())], model=model, max_steps=max_steps,
-                              verbosity_level=0, prompt_templates=prompt_templates(system_prompt))
+    runner = ToolCallingAgent(
+        tools=[_python_tool(ctx, asyncio.get_running_loop())],
+        model=model,
+        max_steps=max_steps,
+        verbosity_level=0,
+        prompt_templates=prompt_templates(system_prompt),
+    )
     answer = await asyncio.to_thread(runner.run, ctx.prompt)
     return "" if answer is None else str(answer)

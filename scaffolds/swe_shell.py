@@ -9,7 +9,8 @@ tests in the same container). Model calls are streamed (``stream=True``), as int
 
 The protocol (prompt, action format, submit marker, format-error and limit handling) follows
 mini-swe-agent's text-based configuration, in one file with no dependency beyond ``openai``;
-mini-swe-agent itself runs as ``scaffolds.mini_swe_agent``. Run: ``--scaffold.agent=scaffolds.swe_shell:agent``.
+mini-swe-agent itself runs as ``scaffolds.mini_swe_agent``. Run:
+``--scaffold.agent=scaffolds.swe_shell:agent``.
 """
 
 from __future__ import annotations

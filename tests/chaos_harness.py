@@ -51,12 +51,33 @@ class Run:
     def __init__(self, run_dir: Path, model: str, env: str, *serve_settings: str) -> None:
         self.run_dir, self.port, self.engine_port = run_dir, free_port(), free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.serve_args = [sys.executable, "-m", "agentrl.cli", "serve", f"--run_dir={run_dir}", f"--model={model}",
-                           f"--router.port={self.port}", f"--engine.base_port={self.engine_port}",
-                           f"--env.name={env}", "--env.group_size=2", "--buffer.batch_size=4",
-                           "--engine.restart_backoff_s=1", *serve_settings]
-        self.learn_args = [sys.executable, "-m", "agentrl.cli", "learn", f"--serve={self.url}", f"--run_dir={run_dir}",
-                           "--steps=0", "--resume=true", "--checkpoint_every=1", "--lr=1e-5"]
+        self.serve_args = [
+            sys.executable,
+            "-m",
+            "agentrl.cli",
+            "serve",
+            f"--run_dir={run_dir}",
+            f"--model={model}",
+            f"--router.port={self.port}",
+            f"--engine.base_port={self.engine_port}",
+            f"--env.name={env}",
+            "--env.group_size=2",
+            "--buffer.batch_size=4",
+            "--engine.restart_backoff_s=1",
+            *serve_settings,
+        ]
+        self.learn_args = [
+            sys.executable,
+            "-m",
+            "agentrl.cli",
+            "learn",
+            f"--serve={self.url}",
+            f"--run_dir={run_dir}",
+            "--steps=0",
+            "--resume=true",
+            "--checkpoint_every=1",
+            "--lr=1e-5",
+        ]
         self.env = {k: v for k, v in os.environ.items() if k != "AGENTRL_ADMIN_TOKEN"}
         self.serve: subprocess.Popen | None = None
         self.learner: subprocess.Popen | None = None
@@ -70,11 +91,16 @@ class Run:
 
     def start_learner(self) -> None:
         with open(self.run_dir.parent / "learn.out", "ab") as out:
-            self.learner = subprocess.Popen(self.learn_args, stdout=out, stderr=subprocess.STDOUT, env=self.env)
+            self.learner = subprocess.Popen(
+                self.learn_args, stdout=out, stderr=subprocess.STDOUT, env=self.env
+            )
 
     def supervise(self) -> None:
         """Restart serve or the learner if it has exited (whatever its exit code)."""
-        for name, proc, start in (("serve", self.serve, self.start_serve), ("learner", self.learner, self.start_learner)):
+        for name, proc, start in (
+            ("serve", self.serve, self.start_serve),
+            ("learner", self.learner, self.start_learner),
+        ):
             if proc is not None and proc.poll() is not None:
                 print(f"  {name} exited with {proc.returncode}; restarting it", flush=True)
                 self.restarted[name] += 1
@@ -238,8 +264,9 @@ def orphans(run: Run) -> int:
     procs = [p for p in procs if int(p) != os.getpid()]
     containers = 0
     for pid in run.serve_pids:
-        out = subprocess.run(["docker", "ps", "-aq", "--filter", f"label=agentrl.pid={pid}"], capture_output=True,
-                             text=True)
+        out = subprocess.run(
+            ["docker", "ps", "-aq", "--filter", f"label=agentrl.pid={pid}"], capture_output=True, text=True
+        )
         containers += len(out.stdout.split())
     return len(procs) + containers
 
@@ -250,12 +277,19 @@ def report(run: Run, trials: Trials, t0: float) -> dict[str, Any]:
     time.sleep(3.0)
     found = audit(run)
     rec = trials.recovery_s
-    return {"trials": trials.trials, "recoveries": sum(len(v) for v in rec.values()),
-            "max_recovery_s": {k: round(max(v), 1) if v else None for k, v in rec.items()},
-            "recovery_s": {k: [round(x, 1) for x in v] for k, v in rec.items()},
-            **{k: found[k] for k in ("lost_samples", "double_trained", "skipped_tasks")},
-            "orphans": orphans(run), "identity": found["identity"],
-            "buffer": {k: found[k] for k in ("produced", "consumed", "dropped_by_reason", "pending")},
-            "tasks_drawn": found["tasks_drawn"], "episodes": found["episodes"], "failed_trials": trials.failed,
-            "restarted": dict(run.restarted), "wall_minutes": round((time.monotonic() - t0) / 60, 2),
-            "load_avg": round(os.getloadavg()[0], 2)}
+    return {
+        "trials": trials.trials,
+        "recoveries": sum(len(v) for v in rec.values()),
+        "max_recovery_s": {k: round(max(v), 1) if v else None for k, v in rec.items()},
+        "recovery_s": {k: [round(x, 1) for x in v] for k, v in rec.items()},
+        **{k: found[k] for k in ("lost_samples", "double_trained", "skipped_tasks")},
+        "orphans": orphans(run),
+        "identity": found["identity"],
+        "buffer": {k: found[k] for k in ("produced", "consumed", "dropped_by_reason", "pending")},
+        "tasks_drawn": found["tasks_drawn"],
+        "episodes": found["episodes"],
+        "failed_trials": trials.failed,
+        "restarted": dict(run.restarted),
+        "wall_minutes": round((time.monotonic() - t0) / 60, 2),
+        "load_avg": round(os.getloadavg()[0], 2),
+    }

@@ -39,8 +39,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     ``scripts/test.sh`` runs those one after another, as they share the machine's cores, Docker and
     ports and some look for leftovers machine-wide, and the other tests (``-m "not system"``) in a
     second pytest beside them at a lower CPU priority."""
-    system = {item.module.__name__ for item in items if isinstance(item, pytest.Function) and (
-        any(item.get_closest_marker(m) for m in SYSTEM_MARKERS) or any(f in item.fixturenames for f in SYSTEM_FIXTURES))}
+    system = {
+        item.module.__name__
+        for item in items
+        if isinstance(item, pytest.Function)
+        and (
+            any(item.get_closest_marker(m) for m in SYSTEM_MARKERS)
+            or any(f in item.fixturenames for f in SYSTEM_FIXTURES)
+        )
+    }
     for item in items:
         if getattr(getattr(item, "module", None), "__name__", None) in system:
             item.add_marker(pytest.mark.system)
@@ -85,7 +92,8 @@ def _stderr_to_file() -> None:
 def after_help(code: str) -> subprocess.CompletedProcess[str]:
     """A fresh interpreter that runs ``agentrl --help`` and then ``code`` (what it has imported by
     then is what ``agentrl --help`` costs)."""
-    prelude = "import sys\nfrom agentrl.cli import main\ntry:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
+    prelude = ("import sys\nfrom agentrl.cli import main\ntry:\n    main(['--help'])\nexcept SystemExit:\n"
+               "    pass\n")
     return subprocess.run([sys.executable, "-c", prelude + code], capture_output=True, text=True, timeout=120,
                           cwd=Path(__file__).resolve().parents[1])
 
@@ -94,9 +102,17 @@ def agentrl_run(run_dir: Path, *settings: str) -> subprocess.CompletedProcess[st
     """``agentrl run`` as a newcomer runs it (no AGENTRL_ADMIN_TOKEN in the environment) with the
     tiny-tools model into ``run_dir``, on free ports, then ``settings`` (``--section.key=value``)."""
     env = {k: v for k, v in os.environ.items() if k != "AGENTRL_ADMIN_TOKEN"}
-    cmd = [sys.executable, "-m", "agentrl.cli", "run", f"--serve.run_dir={run_dir}",
-           f"--serve.router.port={free_port()}", f"--serve.engine.base_port={free_port()}", "--serve.model=tiny-tools",
-           *settings]
+    cmd = [
+        sys.executable,
+        "-m",
+        "agentrl.cli",
+        "run",
+        f"--serve.run_dir={run_dir}",
+        f"--serve.router.port={free_port()}",
+        f"--serve.engine.base_port={free_port()}",
+        "--serve.model=tiny-tools",
+        *settings,
+    ]
     return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
 
 
@@ -158,7 +174,9 @@ def http_router(vllm_engine: Any, tiny_tools_model: str) -> Iterator[Any]:
     the harness's ``ADMIN`` token and client ``KEY``, with every generate it sends in ``.generated``."""
     from tests.router_harness import ADMIN, KEY, capture_generates, serve_router
 
-    with serve_router([vllm_engine.url], tiny_tools_model, api_keys=frozenset({KEY}), admin_token=ADMIN) as srv:
+    with serve_router(
+        [vllm_engine.url], tiny_tools_model, api_keys=frozenset({KEY}), admin_token=ADMIN
+    ) as srv:
         srv.generated = capture_generates(srv.router.pool)
         yield srv
 
@@ -206,7 +224,13 @@ def serve_until(config: Path, run_dir: Path, port: int, episodes: int, out: Path
         finally:
             serve.send_signal(signal.SIGTERM)
             serve.wait(timeout=120)
-    return {"episodes": lines, "code": code, "status": status, "metrics": metrics, "log": out.read_text()[-3000:]}
+    return {
+        "episodes": lines,
+        "code": code,
+        "status": status,
+        "metrics": metrics,
+        "log": out.read_text()[-3000:],
+    }
 
 
 async def hold_generations(pool: Any) -> None:

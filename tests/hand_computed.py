@@ -16,5 +16,6 @@ def t(x: object, grad: bool = False) -> torch.Tensor:
 
 
 def close(actual: torch.Tensor | float, expected: object, tol: float = 1e-9) -> None:
-    torch.testing.assert_close(torch.as_tensor(actual, dtype=F64), torch.as_tensor(expected, dtype=F64).detach(),
-                               rtol=tol, atol=tol)
+    torch.testing.assert_close(
+        torch.as_tensor(actual, dtype=F64), torch.as_tensor(expected, dtype=F64).detach(), rtol=tol, atol=tol
+    )

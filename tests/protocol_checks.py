@@ -39,7 +39,9 @@ def reply_of(model_dir: str, ids: list[int], *, tools: bool) -> tuple[str | None
     return content, [{"name": c["name"], "arguments": json.loads(c["arguments"])} for c in calls]
 
 
-def assert_exact(records: list[dict[str, Any]], generated: list[tuple[list[int], list[int], list[float]]]) -> None:
+def assert_exact(
+    records: list[dict[str, Any]], generated: list[tuple[list[int], list[int], list[float]]]
+) -> None:
     """Every recorded call is one generate the engine served: same prompt ids, completion ids and logprobs."""
     served = {(tuple(p), tuple(c)): lp for p, c, lp in generated}
     for r in records:

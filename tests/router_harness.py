@@ -35,7 +35,8 @@ class RouterServer:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
     def open_session(self, session_id: str, admin_token: str) -> str:
-        """Open a session over the admin API; returns its base URL (``.../sessions/<id>``, without ``/v1``)."""
+        """Open a session over the admin API; returns its base URL (``.../sessions/<id>``, without
+        ``/v1``)."""
         import requests
 
         requests.post(self.url + "/admin/sessions", json={"session_id": session_id},
@@ -65,8 +66,16 @@ def serve_router(urls: list[str], model_dir: str, *, api_keys: frozenset[str] = 
         pool = EnginePool(urls, request_timeout_s=request_timeout_s, health_interval_s=health_interval_s,
                           health_failures=health_failures)
         await pool.start()
-        router = Router(pool, model_name="tiny-tools", eos_token_ids=eos_token_ids(model_dir), max_model_len=2048,
-                        sessions_dir=sessions_dir, retries=retries, model_dir=model_dir, render=render)
+        router = Router(
+            pool,
+            model_name="tiny-tools",
+            eos_token_ids=eos_token_ids(model_dir),
+            max_model_len=2048,
+            sessions_dir=sessions_dir,
+            retries=retries,
+            model_dir=model_dir,
+            render=render,
+        )
         runner = web.AppRunner(make_app(router, admin_token=admin_token, api_keys=api_keys))
         await runner.setup()
         await web.TCPSite(runner, "127.0.0.1", port).start()

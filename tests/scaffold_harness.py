@@ -26,11 +26,13 @@ class GroupRun:
     episodes: list[dict[str, Any]]  # episodes.jsonl lines
     samples: list[Any]  # what the orchestrator put into the buffer
     records: dict[str, list[dict[str, Any]]]  # session id -> call records (run_dir/sessions)
-    generated: list[tuple[list[int], list[int], list[float]]]  # (prompt ids, completion ids, logprobs) per generate
+    generated: list[tuple[list[int], list[int], list[float]]]
+    """(prompt ids, completion ids, logprobs) per generate"""
     router_counters: dict[str, float]
     instance_id: str | None
     containers_left: list[str] = field(default_factory=list)
-    routes: set[str] = field(default_factory=set)  # the router routes the calls came in on (chat, responses, ...)
+    routes: set[str] = field(default_factory=set)
+    """the router routes the calls came in on (chat, responses, ...)"""
 
 
 async def _run(engine_url: str, run_dir: Path, *, env: str, group_size: int, scaffold: dict[str, str],

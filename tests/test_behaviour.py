@@ -86,7 +86,8 @@ def test_a_cut_or_inconsistent_behaviour_section_is_a_codec_error():
     with pytest.raises(CodecError):
         decode_sample(record[:-4])
     bad = bytearray(record)
-    bad[-8 - 2 * 9 - 2:-2 * 9 - 2] = np.array([5, 11], dtype="<i4").tobytes()  # kept-count runs cover 16 of 10
+    # kept-count runs cover 16 of 10
+    bad[-8 - 2 * 9 - 2:-2 * 9 - 2] = np.array([5, 11], dtype="<i4").tobytes()
     with pytest.raises(CodecError, match="kept-count runs"):
         decode_sample(bytes(bad))
 
@@ -131,9 +132,12 @@ def test_the_replay_applies_penalties_temperature_and_the_kept_set_as_the_engine
     for t, kept in zip((3, 4, 5), KEPT, strict=True):
         assert got[t - 1].item() == pytest.approx(reference_logprob(logits, t, PENALISED, kept), abs=1e-5)
     for t in (7, 8, 9):  # the second call: temperature 1.5, nothing else
-        assert got[t - 1].item() == pytest.approx(torch.log_softmax(logits[t - 1] / 1.5, -1)[TOKENS[t]].item(), abs=1e-6)
+        assert got[t - 1].item() == pytest.approx(
+            torch.log_softmax(logits[t - 1] / 1.5, -1)[TOKENS[t]].item(), abs=1e-6
+        )
     plain = torch.log_softmax(logits, -1).gather(-1, targets[:, None])[:, 0]
-    assert torch.equal(got[[0, 1, 5]], plain[[0, 1, 5]])  # prompt and tool tokens: plain log-softmax, bit for bit
+    # prompt and tool tokens: plain log-softmax, bit for bit
+    assert torch.equal(got[[0, 1, 5]], plain[[0, 1, 5]])
     # the whole distribution: nothing outside the kept sets, each kept set sums to 1
     full = replayed_log_softmax(logits, plan)
     assert torch.allclose(full.gather(-1, targets[:, None])[:, 0], got, atol=1e-6)
@@ -163,8 +167,12 @@ def random_sample(rng: random.Random, vocab: int, i: int) -> Sample:
     tokens = np.array([rng.randrange(vocab) for _ in range(n)], dtype=np.int32)
     calls = []
     for start, length in ((prompt, first), (prompt + first + gap, second)):
-        settings = {"temperature": rng.choice([0.5, 0.7, 1.0, 1.3]), "repetition_penalty": rng.choice([1.0, 1.2]),
-                    "presence_penalty": rng.choice([0.0, 0.5]), "frequency_penalty": rng.choice([0.0, -0.3])}
+        settings = {
+            "temperature": rng.choice([0.5, 0.7, 1.0, 1.3]),
+            "repetition_penalty": rng.choice([1.0, 1.2]),
+            "presence_penalty": rng.choice([0.0, 0.5]),
+            "frequency_penalty": rng.choice([0.0, -0.3]),
+        }
         kept = None
         if rng.random() < 0.6:
             settings["top_k"] = 4
@@ -204,7 +212,9 @@ def test_the_replayed_logprob_carries_a_gradient_to_the_kept_logits_only():
 
     logits = torch.randn(9, 11, requires_grad=True)
     b = Behaviour.from_calls(10, [(3, 1, {"temperature": 0.7, "top_k": 3}, [KEPT[0]])], TOKENS)
-    lp = replayed_logprobs(logits, torch.as_tensor(TOKENS[1:], dtype=torch.long), RowReplay.build([sample(b)]))
+    lp = replayed_logprobs(
+        logits, torch.as_tensor(TOKENS[1:], dtype=torch.long), RowReplay.build([sample(b)])
+    )
     lp[2].backward()
     grad = logits.grad[2]
     outside = torch.ones(11, dtype=torch.bool)

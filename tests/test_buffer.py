@@ -22,8 +22,16 @@ def run(coro: Coroutine[Any, Any, T]) -> T:
     return asyncio.run(coro)
 
 
-def make_sample(version: int, group: str = "g", episode: str | None = None, n_prompt: int = 3,
-                n_gen: int = 4, reward: float = 1.0, error: str | None = None, sid: str | None = None) -> Sample:
+def make_sample(
+    version: int,
+    group: str = "g",
+    episode: str | None = None,
+    n_prompt: int = 3,
+    n_gen: int = 4,
+    reward: float = 1.0,
+    error: str | None = None,
+    sid: str | None = None,
+) -> Sample:
     n = n_prompt + n_gen
     kw = {"sample_id": sid} if sid else {}
     return Sample(
@@ -73,7 +81,9 @@ def test_stale_samples_are_dropped_and_never_served() -> None:
 
 def test_keep_weighted_serves_up_to_the_loose_bound() -> None:
     async def go() -> None:
-        buf = Buffer(BufferConfig(batch_size=2, max_staleness=1, stale_policy="keep_weighted", loose_staleness=3))
+        buf = Buffer(
+            BufferConfig(batch_size=2, max_staleness=1, stale_policy="keep_weighted", loose_staleness=3)
+        )
         await buf.put([make_sample(0), make_sample(3), make_sample(4)])
         batch = await buf.get_batch(learner_version=4, max_staleness=1, batch_size=2)
         assert batch is not None and sorted(s.min_version for s in batch.samples) == [3, 4]
@@ -199,7 +209,9 @@ def test_failed_episodes_are_kept_as_data_with_reward_zero() -> None:
         buf = Buffer(BufferConfig(batch_size=1))
         await buf.put([make_sample(1, reward=3.0, error="SandboxError")])
         batch = await buf.get_batch(1)
-        assert batch is not None and batch.samples[0].reward == 0.0 and batch.samples[0].error == "SandboxError"
+        assert (
+            batch is not None and batch.samples[0].reward == 0.0 and batch.samples[0].error == "SandboxError"
+        )
         dropping = Buffer(BufferConfig(batch_size=1, drop_errors=True))
         await dropping.put([make_sample(1, error="SandboxError")])
         assert check_identity(dropping)["dropped_by_reason"] == {"error": 1}
@@ -215,7 +227,9 @@ def test_an_unacknowledged_batch_is_served_again_after_its_lease_expires() -> No
         assert first is not None
         assert await buf.get_batch(1) is None
         second = await buf.get_batch(1, timeout_s=2.0)
-        assert second is not None and {s.sample_id for s in second.samples} == {s.sample_id for s in first.samples}
+        assert second is not None and {s.sample_id for s in second.samples} == {
+            s.sample_id for s in first.samples
+        }
         assert not buf.ack(first.batch_id)
         assert buf.ack(second.batch_id) and buf.ack(second.batch_id)  # idempotent
         s = check_identity(buf)
@@ -325,7 +339,11 @@ def test_samples_can_be_decoded_as_numpy_arrays_for_the_learner() -> None:
     s = make_sample(4)
     batch = decode_batch(encode_batch(Batch("b", [s], 5)))
     got = batch.samples[0]
-    assert isinstance(got.token_ids, np.ndarray) and got.token_ids.dtype == np.int32 and got.token_ids.flags.writeable
+    assert (
+        isinstance(got.token_ids, np.ndarray)
+        and got.token_ids.dtype == np.int32
+        and got.token_ids.flags.writeable
+    )
     assert got.token_ids.tolist() == s.token_ids.tolist() and got.loss_mask.tolist() == s.loss_mask.tolist()
     assert got.versions.tolist() == s.versions.tolist() and got.logprobs.tolist() == s.logprobs.tolist()
 
@@ -333,8 +351,14 @@ def test_samples_can_be_decoded_as_numpy_arrays_for_the_learner() -> None:
 def test_versions_round_trip_whether_or_not_a_turn_crossed_a_weight_update() -> None:
     import numpy as np
 
-    base = {"token_ids": list(range(10)), "logprobs": [0.0] * 10, "episode_id": "e", "group_id": "g", "env": "t",
-            "reward": 0.0}
+    base = {
+        "token_ids": list(range(10)),
+        "logprobs": [0.0] * 10,
+        "episode_id": "e",
+        "group_id": "g",
+        "env": "t",
+        "reward": 0.0,
+    }
     cases = [
         ([0, 0, 1, 1, 1, 0, 0, 1, 1, 1], [-1, -1, 4, 4, 4, -1, -1, 5, 5, 5]),  # one version per turn
         ([0, 0, 1, 1, 1, 1, 1, 1, 1, 0], [-1, -1, 4, 4, 5, 5, 5, 6, 6, -1]),  # a turn across two updates
@@ -343,8 +367,11 @@ def test_versions_round_trip_whether_or_not_a_turn_crossed_a_weight_update() -> 
     ]
     for mask, versions in cases:
         for as_np in (False, True):
-            s = Sample(loss_mask=np.array(mask) if as_np else mask, versions=np.array(versions) if as_np else versions,
-                       **base)
+            s = Sample(
+                loss_mask=np.array(mask) if as_np else mask,
+                versions=np.array(versions) if as_np else versions,
+                **base,
+            )
             got = decode_batch(encode_batch(Batch("b", [s], 9))).samples[0]
             assert got.loss_mask.tolist() == mask and got.versions.tolist() == versions
             assert got.min_version == Sample(loss_mask=mask, versions=versions, **base).min_version
@@ -369,12 +396,27 @@ def _v1_record(s: Sample) -> bytes:
 
     mv, ml = runs(s.loss_mask)
     vv, vl = runs(s.versions)
-    head = {"v": 1, "n": len(s.token_ids), "km": len(mv), "kv": len(vv), "min_version": s.min_version,
-            "sample_id": s.sample_id, "episode_id": s.episode_id, "group_id": s.group_id, "env": s.env,
-            "reward": s.reward, "truncated": s.truncated, "error": s.error, "info": s.info, "timings": s.timings}
+    head = {
+        "v": 1,
+        "n": len(s.token_ids),
+        "km": len(mv),
+        "kv": len(vv),
+        "min_version": s.min_version,
+        "sample_id": s.sample_id,
+        "episode_id": s.episode_id,
+        "group_id": s.group_id,
+        "env": s.env,
+        "reward": s.reward,
+        "truncated": s.truncated,
+        "error": s.error,
+        "info": s.info,
+        "timings": s.timings,
+    }
     hb = json.dumps(head).encode()
     hb += b" " * (-len(hb) % 4)
-    arrays = [np.array(s.token_ids, "<i4"), np.array(s.logprobs, "<f4")] + [np.array(x, "<i4") for x in (mv, ml, vv, vl)]
+    arrays = [np.array(s.token_ids, "<i4"), np.array(s.logprobs, "<f4")] + [
+        np.array(x, "<i4") for x in (mv, ml, vv, vl)
+    ]
     return len(hb).to_bytes(4, "little") + hb + b"".join(a.tobytes() for a in arrays)
 
 
@@ -404,15 +446,22 @@ def samples(draw: st.DrawFn) -> Sample:
         loss_mask=mask,
         logprobs=draw(st.lists(logprob, min_size=n, max_size=n)),
         versions=versions,
-        episode_id=draw(st.text(max_size=8)), group_id=draw(st.text(max_size=8)), env=draw(st.text(max_size=8)),
-        reward=draw(st.floats(allow_nan=False)), truncated=draw(st.booleans()),
+        episode_id=draw(st.text(max_size=8)),
+        group_id=draw(st.text(max_size=8)),
+        env=draw(st.text(max_size=8)),
+        reward=draw(st.floats(allow_nan=False)),
+        truncated=draw(st.booleans()),
         error=draw(st.one_of(st.none(), st.text(max_size=8))),
         info=draw(st.one_of(st.just({}), st.dictionaries(st.text(max_size=4), st.integers(), max_size=3))),
-        timings=draw(st.one_of(st.just({}), st.dictionaries(st.text(max_size=4), st.floats(0, 1e6), max_size=3))),
+        timings=draw(
+            st.one_of(st.just({}), st.dictionaries(st.text(max_size=4), st.floats(0, 1e6), max_size=3))
+        ),
     )
 
 
-@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@settings(
+    max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large]
+)
 @given(s=samples())
 def test_every_sample_round_trips_exactly_with_logprobs_rounded_to_float32(s: Sample) -> None:
     import array
@@ -444,8 +493,14 @@ def test_every_sample_round_trips_exactly_with_logprobs_rounded_to_float32(s: Sa
 def test_unusual_masks_and_values_keep_their_former_meaning() -> None:
     from agentrl.buffer import decode_sample, encode_sample
 
-    base = {"token_ids": [1, 2, 3, 4], "logprobs": [0.0, -1.0, -1e39, 1e-50], "episode_id": "e", "group_id": "g",
-            "env": "t", "reward": 0.0}
+    base = {
+        "token_ids": [1, 2, 3, 4],
+        "logprobs": [0.0, -1.0, -1e39, 1e-50],
+        "episode_id": "e",
+        "group_id": "g",
+        "env": "t",
+        "reward": 0.0,
+    }
     bools = decode_sample(encode_sample(Sample(loss_mask=[False, True, True, 1.0], versions=[-1, 2, 3, 3],
                                                **base))[0])
     assert bools.loss_mask.tolist() == [0, 1, 1, 1] and bools.versions.tolist() == [-1, 2, 3, 3]
@@ -455,7 +510,9 @@ def test_unusual_masks_and_values_keep_their_former_meaning() -> None:
     with pytest.raises(OverflowError):
         encode_sample(Sample(loss_mask=[0, 1, 1, 1], versions=[-1, 2**31, 2, 2], **base))
     with pytest.raises(OverflowError):
-        encode_sample(Sample(loss_mask=[0, 1, 1, 1], versions=[-1, 2, 2, 2], **{**base, "token_ids": [1, 2, 3, 2**40]}))
+        encode_sample(
+            Sample(loss_mask=[0, 1, 1, 1], versions=[-1, 2, 2, 2], **{**base, "token_ids": [1, 2, 3, 2**40]})
+        )
 
 
 def test_a_log_written_in_format_1_is_recovered_and_served(tmp_path: Path) -> None:
@@ -472,7 +529,10 @@ def test_a_log_written_in_format_1_is_recovered_and_served(tmp_path: Path) -> No
         buf = Buffer(BufferConfig(path=str(tmp_path), batch_size=3, max_staleness=4))
         await buf.put([make_sample(4, sid="new")])
         batch = await buf.get_batch(5)
-        assert batch is not None and batch.samples == [*old, make_sample(4, sid="new", episode=batch.samples[2].episode_id)]
+        assert batch is not None and batch.samples == [
+            *old,
+            make_sample(4, sid="new", episode=batch.samples[2].episode_id),
+        ]
         buf.close()
 
     run(go())

@@ -83,10 +83,19 @@ async def serve_main(workdir: Path, port: int) -> None:
         out = []
         for _ in range(random.choice([1, 1, 2])):
             n = random.randint(4, 40)
-            out.append(Sample(token_ids=[random.randrange(1000) for _ in range(n)], loss_mask=[0, 0] + [1] * (n - 2),
-                              logprobs=[0.0, 0.0] + [-1.0] * (n - 2), versions=[-1, -1] + [version] * (n - 2),
-                              episode_id=eid, group_id=gid, env="crash", reward=random.random(),
-                              **({"sample_id": sid} if sid else {})))
+            out.append(
+                Sample(
+                    token_ids=[random.randrange(1000) for _ in range(n)],
+                    loss_mask=[0, 0] + [1] * (n - 2),
+                    logprobs=[0.0, 0.0] + [-1.0] * (n - 2),
+                    versions=[-1, -1] + [version] * (n - 2),
+                    episode_id=eid,
+                    group_id=gid,
+                    env="crash",
+                    reward=random.random(),
+                    **({"sample_id": sid} if sid else {}),
+                )
+            )
         return out
 
     # A producer that retries puts it never saw finish: repeats must be ignored.
@@ -168,7 +177,9 @@ def spawn(role: str, workdir: Path, port: int) -> subprocess.Popen[bytes]:
 
 def wait_until_serving(port: int, p: subprocess.Popen[bytes], timeout_s: float = 30.0) -> None:
     deadline = time.monotonic() + timeout_s
-    req = urllib.request.Request(f"http://127.0.0.1:{port}/buffer/stats", headers={"Authorization": f"Bearer {TOKEN}"})
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{port}/buffer/stats", headers={"Authorization": f"Bearer {TOKEN}"}
+    )
     while time.monotonic() < deadline:
         assert p.poll() is None, "serve exited on its own"
         try:
@@ -205,7 +216,9 @@ def test_kill_9_of_serve_and_learner_loses_and_duplicates_nothing(tmp_path: Path
             if victim in ("learn", "both"):
                 kill9(learner)
                 kills["learn"] += 1
-            assert serve.poll() is None or victim in ("serve", "both"), (tmp_path / "serve.stderr").read_text()
+            assert serve.poll() is None or victim in ("serve", "both"), (
+                tmp_path / "serve.stderr"
+            ).read_text()
             if serve.poll() is not None:
                 serve = spawn("serve", tmp_path, port)
             if learner.poll() is not None:
@@ -222,13 +235,16 @@ def test_kill_9_of_serve_and_learner_loses_and_duplicates_nothing(tmp_path: Path
     buf = Buffer(buffer_config(tmp_path))
     stats = buf.stats()
     journal = read_lines(tmp_path / "learner.jsonl")
-    assert not [e for e in journal if e["kind"] == "violation"], "a served sample exceeded the staleness bound"
+    assert not [e for e in journal if e["kind"] == "violation"], ("a served sample exceeded "
+                                                                  "the staleness bound")
     intents = {e["batch_id"]: e["ids"] for e in journal if e["kind"] == "intent"}
     committed = [i for e in journal if e["kind"] == "commit" for i in intents[e["batch_id"]]]
     produced = {e["id"] for e in read_lines(tmp_path / "produced.jsonl")}
 
     assert stats["identity_holds"], stats
-    assert stats["produced"] == stats["consumed"] + sum(stats["dropped_by_reason"].values()) + stats["pending"]
+    assert (
+        stats["produced"] == stats["consumed"] + sum(stats["dropped_by_reason"].values()) + stats["pending"]
+    )
     assert len(committed) == len(set(committed)), "a sample was consumed twice"
     assert stats["consumed"] == len(committed), "buffer and learner disagree on what was consumed"
     assert all(buf.sample_state(i) == "consumed" for i in committed)

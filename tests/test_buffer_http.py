@@ -16,8 +16,16 @@ TOKEN = "s3cret"
 
 
 def sample(version: int = 1, n: int = 64) -> Sample:
-    return Sample(token_ids=list(range(n)), loss_mask=[0] * 8 + [1] * (n - 8), logprobs=[0.0] * 8 + [-0.5] * (n - 8),
-                  versions=[-1] * 8 + [version] * (n - 8), episode_id="e", group_id="g", env="t", reward=1.0)
+    return Sample(
+        token_ids=list(range(n)),
+        loss_mask=[0] * 8 + [1] * (n - 8),
+        logprobs=[0.0] * 8 + [-0.5] * (n - 8),
+        versions=[-1] * 8 + [version] * (n - 8),
+        episode_id="e",
+        group_id="g",
+        env="t",
+        reward=1.0,
+    )
 
 
 @asynccontextmanager
@@ -94,7 +102,9 @@ def test_too_many_concurrent_polls_get_429_with_retry_after() -> None:
     async def go() -> None:
         async with served(BufferConfig(max_pollers=1)) as (_, url), aiohttp.ClientSession() as http:
             headers = {"Authorization": f"Bearer {TOKEN}"}
-            first = asyncio.create_task(http.get(url + "/buffer/batch?learner_version=1&timeout_s=1", headers=headers))
+            first = asyncio.create_task(
+                http.get(url + "/buffer/batch?learner_version=1&timeout_s=1", headers=headers)
+            )
             await asyncio.sleep(0.2)
             async with http.get(url + "/buffer/batch?learner_version=1", headers=headers) as r:
                 assert r.status == 429 and r.headers["Retry-After"] == "1"

@@ -78,7 +78,9 @@ def test_an_ack_whose_samples_were_lost_to_corruption_keeps_the_identity(tmp_pat
     path = tmp_path / "buf"
     log = Log(path)
     list(log.recover())
-    log.append([frame(Kind.ACK, b'{"batch_id":"b","sample_ids":["nope"],"learner_version":1,"staleness":{}}')])
+    log.append(
+        [frame(Kind.ACK, b'{"batch_id":"b","sample_ids":["nope"],"learner_version":1,"staleness":{}}')]
+    )
     log.close()
     _, s = recovered(path)
     assert s["produced"] == 0 and s["consumed"] == 0 and s["orphan_log_ids"] == 1

@@ -68,7 +68,11 @@ def test_a_uniform_drop_survives_a_restart(tmp_path: Path) -> None:
         buf.close()
         again = Buffer(_cfg(path=str(tmp_path)))
         stats = again.stats()
-        assert stats["dropped_by_reason"] == {"uniform_group": 2} and stats["pending"] == 2 and stats["identity_holds"]
+        assert (
+            stats["dropped_by_reason"] == {"uniform_group": 2}
+            and stats["pending"] == 2
+            and stats["identity_holds"]
+        )
         batch = await again.get_batch(0, batch_size=2)
         assert batch is not None and {s.group_id for s in batch.samples} == {"m"}
         await again.put([_sample("u", "u3", 1.0)])  # a late member of the dropped group

@@ -51,6 +51,8 @@ def test_twenty_kills_of_engine_learner_and_serve_recover_and_lose_nothing(tmp_p
     assert result["restarted"].get("serve", 0) >= 2 and result["restarted"].get("learner", 0) >= 16, result
     assert len(result["recovery_s"]["engine"]) == 2 and len(result["recovery_s"]["serve"]) == 2
     assert result["identity"], result["buffer"]
-    assert result["lost_samples"] == 0 and result["double_trained"] == 0 and result["skipped_tasks"] == 0, result
+    assert result["lost_samples"] == 0 and result["double_trained"] == 0 and result["skipped_tasks"] == 0, (
+        result
+    )
     assert result["orphans"] == 0
     assert result["buffer"]["consumed"] > 0

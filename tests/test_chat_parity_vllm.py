@@ -18,10 +18,23 @@ from tests.router_harness import serve_router
 
 pytestmark = pytest.mark.vllm
 
-TOOLS = [{"type": "function", "function": {"name": "python", "description": "Run Python code.",
-          "parameters": {"type": "object", "properties": {"code": {"type": "string"}}, "required": ["code"]}}}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "python",
+            "description": "Run Python code.",
+            "parameters": {
+                "type": "object",
+                "properties": {"code": {"type": "string"}},
+                "required": ["code"],
+            },
+        },
+    }
+]
 HI = [{"role": "user", "content": "hi"}]
-ASK = [{"role": "user", "content": "What is 12*7?"}]  # greedy, the tiny-tools model answers with a python call
+# greedy, the tiny-tools model answers with a python call
+ASK = [{"role": "user", "content": "What is 12*7?"}]
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +49,9 @@ def _post(url: str, body: dict[str, Any], path: str = "/v1/chat/completions") ->
 
 def _stream(url: str, body: dict[str, Any], path: str = "/v1/chat/completions") -> list[dict[str, Any]]:
     out = []
-    with requests.post(url + path, json={"model": "tiny-tools", **body, "stream": True}, stream=True, timeout=120) as r:
+    with requests.post(
+        url + path, json={"model": "tiny-tools", **body, "stream": True}, stream=True, timeout=120
+    ) as r:
         assert r.status_code == 200, r.text
         for line in r.iter_lines():
             if line.startswith(b"data: ") and line[6:] != b"[DONE]":
@@ -63,17 +78,26 @@ def _streamed(chunks: list[dict[str, Any]], index: int = 0) -> dict[str, Any]:
 
 
 def _lp(entries: list[dict[str, Any]]) -> list[tuple[str, float, list[str]]]:
-    return [(e["token"], round(e["logprob"], 3), [t["token"] for t in e.get("top_logprobs") or []]) for e in entries]
+    return [
+        (e["token"], round(e["logprob"], 3), [t["token"] for t in e.get("top_logprobs") or []])
+        for e in entries
+    ]
 
 
 def test_parsed_tool_calls_finish_with_tool_calls_as_on_vllm(both):
-    got = {k: _post(u, {"messages": ASK, "tools": TOOLS, "max_tokens": 80, "temperature": 0}).json()["choices"][0]
-           for k, u in both.items()}
+    got = {
+        k: _post(u, {"messages": ASK, "tools": TOOLS, "max_tokens": 80, "temperature": 0}).json()["choices"][
+            0
+        ]
+        for k, u in both.items()
+    }
     assert got["vllm"]["finish_reason"] == got["router"]["finish_reason"] == "tool_calls"
     fn = [c["function"] for c in got["router"]["message"]["tool_calls"]]
     assert fn == [c["function"] for c in got["vllm"]["message"]["tool_calls"]]
-    streamed = {k: _streamed(_stream(u, {"messages": ASK, "tools": TOOLS, "max_tokens": 80, "temperature": 0}))
-                for k, u in both.items()}
+    streamed = {
+        k: _streamed(_stream(u, {"messages": ASK, "tools": TOOLS, "max_tokens": 80, "temperature": 0}))
+        for k, u in both.items()
+    }
     assert streamed["router"]["finish"] == streamed["vllm"]["finish"] == "tool_calls"
     assert streamed["router"]["calls"] == fn
 
@@ -84,8 +108,12 @@ def test_a_sampled_eos_is_in_the_logprobs_as_on_vllm(both, max_tokens):
     got = {k: _post(u, body).json() for k, u in both.items()}
     for out in got.values():  # greedy "hi" ends at once: the eos is the one sampled token
         assert len(out["choices"][0]["logprobs"]["content"]) == out["usage"]["completion_tokens"] == 1
-    assert _lp(got["router"]["choices"][0]["logprobs"]["content"]) == _lp(got["vllm"]["choices"][0]["logprobs"]["content"])
-    assert got["router"]["choices"][0]["message"]["content"] == got["vllm"]["choices"][0]["message"]["content"]
+    assert _lp(got["router"]["choices"][0]["logprobs"]["content"]) == _lp(
+        got["vllm"]["choices"][0]["logprobs"]["content"]
+    )
+    assert (
+        got["router"]["choices"][0]["message"]["content"] == got["vllm"]["choices"][0]["message"]["content"]
+    )
 
 
 def test_text_completions_show_the_eos_logprob_as_on_vllm(both):
@@ -94,7 +122,9 @@ def test_text_completions_show_the_eos_logprob_as_on_vllm(both):
     got = {k: _post(u, body, "/v1/completions").json() for k, u in both.items()}
     for out in got.values():
         assert len(out["choices"][0]["logprobs"]["tokens"]) == out["usage"]["completion_tokens"]
-    assert got["router"]["choices"][0]["logprobs"]["tokens"] == got["vllm"]["choices"][0]["logprobs"]["tokens"]
+    assert (
+        got["router"]["choices"][0]["logprobs"]["tokens"] == got["vllm"]["choices"][0]["logprobs"]["tokens"]
+    )
     assert got["router"]["choices"][0]["text"] == got["vllm"]["choices"][0]["text"]
 
 
@@ -135,7 +165,9 @@ def test_streams_open_with_a_role_chunk_per_choice_and_send_no_empty_chunks(both
     (rec,) = requests.get(both["router"] + "/sessions/roles/records",
                           headers={"Authorization": "Bearer sess-roles"}).json()["records"]
     for i in range(2):  # the skipped chunks' ids ride on the next one sent: together, the completion
-        ids = [t for c in chunks for ch in c["choices"] if ch["index"] == i for t in ch.get("token_ids") or []]
+        ids = [
+            t for c in chunks for ch in c["choices"] if ch["index"] == i for t in ch.get("token_ids") or []
+        ]
         assert ids == rec["completions"][i]["token_ids"]
 
 
@@ -151,8 +183,12 @@ def test_sampled_tool_streams_never_carry_the_eos_text(both):
     # Sampled: some streams end inside a call, some after it; on every one the eos that ended
     # generation stays out of the content and the arguments, streamed or not.
     for i in range(12):
-        body = {"messages": [{"role": "user", "content": f"What is {i}*7?"}], "tools": TOOLS, "max_tokens": 60,
-                "temperature": 1.0}
+        body = {
+            "messages": [{"role": "user", "content": f"What is {i}*7?"}],
+            "tools": TOOLS,
+            "max_tokens": 60,
+            "temperature": 1.0,
+        }
         s = _streamed(_stream(both["router"], body))
         assert "<|im_end|>" not in s["content"]
         for c in s["calls"]:
@@ -164,7 +200,10 @@ def test_a_call_cut_off_by_max_tokens_streams_as_the_text_it_is(both):
     body = {"messages": ASK, "tools": TOOLS, "max_tokens": 10, "temperature": 0}
     vllm = _post(both["vllm"], body).json()["choices"][0]
     router = _post(both["router"], body).json()["choices"][0]
-    assert router["message"]["content"] == vllm["message"]["content"] and "<tool_call>" in vllm["message"]["content"]
+    assert (
+        router["message"]["content"] == vllm["message"]["content"]
+        and "<tool_call>" in vllm["message"]["content"]
+    )
     assert not router["message"].get("tool_calls") and not vllm["message"].get("tool_calls")
     s = _streamed(_stream(both["router"], body))
     assert s["calls"] == [] and s["content"] == vllm["message"]["content"] and s["finish"] == "length"

@@ -176,7 +176,9 @@ def fake_serve() -> Iterator[str]:
         loop.close()
 
 
-def test_status_prints_engines_versions_episodes_buffer_sandbox_and_throughput(fake_serve: str, tmp_path: Path) -> None:
+def test_status_prints_engines_versions_episodes_buffer_sandbox_and_throughput(
+    fake_serve: str, tmp_path: Path
+) -> None:
     token_file = tmp_path / "token"
     token_file.write_text(TOKEN + "\n")
     out = agentrl("status", "--serve", fake_serve, "--admin-token-file", str(token_file))
@@ -186,7 +188,9 @@ def test_status_prints_engines_versions_episodes_buffer_sandbox_and_throughput(f
     assert "engines: 1/2 healthy" in text
     engine_rows = [line for line in text.splitlines() if "engine-" in line]
     assert len(engine_rows) == 2
-    assert "12" in engine_rows[0].split() and "11" in engine_rows[1].split() and "NO" in engine_rows[1].split()
+    assert (
+        "12" in engine_rows[0].split() and "11" in engine_rows[1].split() and "NO" in engine_rows[1].split()
+    )
     assert "in flight 96" in text
     assert "depth 48" in text and "learner version 12" in text
     assert "docker" in text and "in use 88" in text and "exec p50 71.3 ms" in text
@@ -195,7 +199,9 @@ def test_status_prints_engines_versions_episodes_buffer_sandbox_and_throughput(f
 
 
 def test_status_reads_the_token_from_the_environment(fake_serve: str) -> None:
-    out = agentrl("status", "--serve", fake_serve, "--run-dir", "/nonexistent", env={"AGENTRL_ADMIN_TOKEN": TOKEN})
+    out = agentrl(
+        "status", "--serve", fake_serve, "--run-dir", "/nonexistent", env={"AGENTRL_ADMIN_TOKEN": TOKEN}
+    )
     assert out.returncode == 0, out.stderr
     assert "policy version 12" in out.stdout
 

@@ -89,7 +89,9 @@ def test_the_knobs_that_were_unreachable_are_settings_now() -> None:
     for name in ("loss.clip_low", "loss.clip_high", "loss.mis_low", "loss.mis_high", "loss.level", "loss.agg",
                  "loss.mismatch_band", "loss.tis_cap", "loss.correction"):
         assert C.resolve(C.LearnConfig, name), name
-    cfg = C.load(C.LearnConfig, None, ["--loss.kind=ppo", "--loss.clip_high=0.28", "--loss.mismatch_band=[0.5, 2.0]"])
+    cfg = C.load(
+        C.LearnConfig, None, ["--loss.kind=ppo", "--loss.clip_high=0.28", "--loss.mismatch_band=[0.5, 2.0]"]
+    )
     assert cfg.loss.kind == "ppo" and cfg.loss.clip_high == 0.28 and cfg.loss.mismatch_band == (0.5, 2.0)
     serve = C.load(C.ServeConfig, None, ["--buffer.lease_s=30", "--sandbox.max_reuses=0"])
     assert serve.buffer.lease_s == 30.0 and serve.sandbox.max_reuses == 0
@@ -108,12 +110,19 @@ def test_a_filled_in_field_is_refused_as_a_setting_with_where_it_comes_from() ->
 
 
 def test_config_show_serve_prints_each_field_with_its_documentation() -> None:
-    out = subprocess.run([sys.executable, "-m", "agentrl.cli", "config", "show", "serve"], capture_output=True,
-                         text=True, timeout=60, cwd=ROOT)
+    out = subprocess.run(
+        [sys.executable, "-m", "agentrl.cli", "config", "show", "serve"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+    )
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
     settings = [i for i, line in enumerate(lines) if re.match(r"^[a-z_]+ = ", line)]
     assert len(settings) > 60
-    undocumented = [lines[i] for i in settings if not lines[i - 1].startswith("# ") and not lines[i].startswith("kind =")]
+    undocumented = [
+        lines[i] for i in settings if not lines[i - 1].startswith("# ") and not lines[i].startswith("kind =")
+    ]
     assert not undocumented, undocumented
     assert "# Seconds a served batch" in out.stdout or "# A served batch not acknowledged" in out.stdout

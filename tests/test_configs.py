@@ -46,7 +46,9 @@ def test_every_example_names_a_registered_environment(path: Path) -> None:
     serve = cfg.serve if isinstance(cfg, C.RunConfig) else cfg
     if isinstance(serve, C.ServeConfig):
         # a registered name, or an ecosystem's prefix:name (agentrl.env.adapters) that resolves
-        assert serve.env.name in registered() or (":" in serve.env.name and lookup(serve.env.name) is not None)
+        assert serve.env.name in registered() or (
+            ":" in serve.env.name and lookup(serve.env.name) is not None
+        )
 
 
 def test_the_two_machine_pair_agrees_on_batch_size_and_staleness() -> None:
@@ -64,7 +66,10 @@ def test_the_cluster_pair_agrees_on_batch_size_and_staleness() -> None:
         serve = C.load(C.ServeConfig, s)
         for lp in learns:
             learn = C.load(C.LearnConfig, lp)
-            assert (serve.buffer.batch_size, serve.buffer.max_staleness) == (learn.batch_size, learn.max_staleness)
+            assert (serve.buffer.batch_size, serve.buffer.max_staleness) == (
+                learn.batch_size,
+                learn.max_staleness,
+            )
 
 
 def test_an_unknown_key_in_a_file_is_named_in_the_error(tmp_path: Path) -> None:

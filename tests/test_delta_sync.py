@@ -38,9 +38,12 @@ def learner_step(master: dict[str, torch.Tensor], lr: float, seed: int) -> dict[
 
 
 def same_bits(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
-    return set(a) == set(b) and all(a[k].dtype == b[k].dtype and a[k].shape == b[k].shape
-                                    and torch.equal(a[k].view(-1).view(torch.uint8), b[k].view(-1).view(torch.uint8))
-                                    for k in a)
+    return set(a) == set(b) and all(
+        a[k].dtype == b[k].dtype
+        and a[k].shape == b[k].shape
+        and torch.equal(a[k].view(-1).view(torch.uint8), b[k].view(-1).view(torch.uint8))
+        for k in a
+    )
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
@@ -48,7 +51,8 @@ def test_a_delta_rebuilds_the_new_state_bit_for_bit_and_sends_only_what_changed(
     master = random_state()
     base = cast_state(master, dtype)
     new = cast_state(learner_step(master, 1e-6, seed=1), dtype)
-    new["layer.0.q.weight"] = torch.randn(64, 64).to(new["layer.0.q.weight"].dtype)  # all of it changed: sent whole
+    # all of it changed: sent whole
+    new["layer.0.q.weight"] = torch.randn(64, 64).to(new["layer.0.q.weight"].dtype)
     new["layer.0.norm.weight"] = base["layer.0.norm.weight"].clone()  # nothing changed: not sent
     new["scalar"] = -base["scalar"]
     data, stats = encode_delta(base, new, 3, 4)
@@ -90,7 +94,8 @@ def test_a_delta_against_another_base_is_refused() -> None:
 
 def test_a_corrupted_delta_is_refused_by_the_digest() -> None:
     base = cast_state(random_state(), "bfloat16")
-    new = cast_state(learner_step(random_state(), 1e-5, 2), "bfloat16")  # sparse: the result depends on the base
+    # sparse: the result depends on the base
+    new = cast_state(learner_step(random_state(), 1e-5, 2), "bfloat16")
     data, _ = encode_delta(base, new, 1, 2)
     bad = bytearray(data)
     bad[-1] ^= 0x01  # one bit of the last tensor's bytes
@@ -142,7 +147,9 @@ class FilePool:
 
 
 @contextlib.asynccontextmanager
-async def delta_served(pool: Any, root: Path, cfg: DeltaTransportConfig) -> AsyncIterator[tuple[str, DeltaTransport]]:
+async def delta_served(
+    pool: Any, root: Path, cfg: DeltaTransportConfig
+) -> AsyncIterator[tuple[str, DeltaTransport]]:
     """serve's weight receiver over ``pool`` (writing under ``root``) and a delta transport to it."""
     runner, url = await serve_receiver(pool, root)
     transport = DeltaTransport(cfg, url, "")
@@ -168,7 +175,8 @@ def test_the_transport_sends_full_then_deltas_and_serve_writes_full_versions_equ
                 result = await transport.publish(master, v)
                 kinds.append(result["transport"]["kind"])
                 assert result["version"] == v and pool.version == v
-                assert same_bits(pool.loaded[-1][1], cast_state(master, "bfloat16"))  # what serve wrote, bitwise
+                # what serve wrote, bitwise
+                assert same_bits(pool.loaded[-1][1], cast_state(master, "bfloat16"))
             assert kinds == ["full", "delta", "delta", "delta"]
             assert result["transport"]["bytes"] < 0.5 * sum(t.numel() * 2 for t in master.values())
             assert not list((tmp_path / "w").glob("*.staging"))
@@ -184,12 +192,17 @@ def test_a_delta_serve_cannot_apply_is_refused_with_409_and_the_full_weights_lan
 
     async def go() -> None:
         pool = FilePool()
-        async with delta_served(pool, tmp_path / "w", DeltaTransportConfig(dtype="bfloat16")) as (url, transport):
+        async with delta_served(pool, tmp_path / "w", DeltaTransportConfig(dtype="bfloat16")) as (
+            url,
+            transport,
+        ):
             master = random_state()
             await transport.publish(master, 1)
             pool.version = 2  # the engines moved on without this learner (another writer, a restore)
             # a delta against version 1, asked for directly: a clear 409 naming both versions
-            data, _ = encode_delta(transport.base, cast_state(learner_step(master, 1e-5, 7), "bfloat16"), 1, 3)  # type: ignore[arg-type]
+            data, _ = encode_delta(
+                transport.base, cast_state(learner_step(master, 1e-5, 7), "bfloat16"), 1, 3
+            )  # type: ignore[arg-type]
             from agentrl.weights import publish
             from agentrl.weights.errors import DeltaRefused
 
@@ -216,7 +229,9 @@ def test_a_delta_serve_cannot_apply_is_refused_with_409_and_the_full_weights_lan
 def test_full_every_sends_the_full_weights_at_that_interval(tmp_path: Path) -> None:
     async def go() -> list[str]:
         pool = FilePool()
-        async with delta_served(pool, tmp_path / "w", DeltaTransportConfig(dtype="float32", full_every=3)) as (url, transport):
+        async with delta_served(
+            pool, tmp_path / "w", DeltaTransportConfig(dtype="float32", full_every=3)
+        ) as (url, transport):
             master, kinds = random_state(), []
             for v in range(1, 8):
                 master = learner_step(master, 1e-2, v)
@@ -227,7 +242,9 @@ def test_full_every_sends_the_full_weights_at_that_interval(tmp_path: Path) -> N
     assert asyncio.run(go()) == ["full", "delta", "delta", "full", "delta", "delta", "full"]
 
 
-def test_the_delta_transport_is_chosen_in_config_and_auto_asks_serve_for_the_engines_dtype(tmp_path: Path) -> None:
+def test_the_delta_transport_is_chosen_in_config_and_auto_asks_serve_for_the_engines_dtype(
+    tmp_path: Path,
+) -> None:
     cfg = load(LearnConfig, None, ["--weights.transport.kind=delta", "--weights.transport.full_every=10"])
     assert cfg.weights.transport == DeltaTransportConfig(full_every=10)
     with pytest.raises(ValueError, match="full_every"):
@@ -257,7 +274,10 @@ def test_when_no_engine_takes_a_delta_the_base_stays_and_the_next_delta_is_again
 
     async def go() -> None:
         pool = FailingOnce()
-        async with delta_served(pool, tmp_path / "w", DeltaTransportConfig(dtype="bfloat16")) as (url, transport):
+        async with delta_served(pool, tmp_path / "w", DeltaTransportConfig(dtype="bfloat16")) as (
+            url,
+            transport,
+        ):
             master = random_state()
             await transport.publish(master, 1)
             pool.fail = True

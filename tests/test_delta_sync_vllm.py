@@ -105,7 +105,10 @@ def test_deltas_into_a_bf16_engine_give_the_logprobs_of_a_full_sync_and_a_wrong_
             # the transport's base is version 2; the engine holds 3: refused (409), the full weights land
             m3 = step(m2, 1e-5, 3)
             fallback = await delta.publish(m3, 4)
-            assert fallback["transport"]["kind"] == "full" and fallback["transport"]["why"] == "refused (base_mismatch)"
+            assert (
+                fallback["transport"]["kind"] == "full"
+                and fallback["transport"]["why"] == "refused (base_mismatch)"
+            )
             assert pool.version == 4
             lp_fallback = await prompt_logprobs(bf16_engine.url, ids)
             await full.publish(bf16(m3), 5)

@@ -60,7 +60,8 @@ class Command:
 
 
 def commands_in_tokens(tokens: list[str], where: str) -> list[Command]:
-    """Every agentrl invocation in a token stream: after `agentrl` or `-m agentrl.cli`, up to a shell separator."""
+    """Every agentrl invocation in a token stream: after `agentrl` or `-m agentrl.cli`, up to a shell
+    separator."""
     found = []
     for i, tok in enumerate(tokens):
         start = None
@@ -126,7 +127,9 @@ def compose() -> dict[str, Any]:
 
 
 def k8s_docs() -> list[dict[str, Any]]:
-    return [d for p in sorted((DEPLOY / "k8s").glob("*.yaml")) for d in yaml.safe_load_all(p.read_text()) if d]
+    return [
+        d for p in sorted((DEPLOY / "k8s").glob("*.yaml")) for d in yaml.safe_load_all(p.read_text()) if d
+    ]
 
 
 def containers(doc: dict[str, Any]) -> list[dict[str, Any]]:
@@ -179,7 +182,9 @@ def all_commands() -> list[Command]:
         text = path.read_text()
         cmds += commands_in_tokens(shell_tokens(text, script_defaults(text)), path.name)
     for path in [DEPLOY / "README.md", ROOT / "docs/operating.md"]:
-        for block in re.findall(r"```(?:sh|bash|shell)?\n(.*?)```", path.read_text() if path.exists() else "", re.S):
+        for block in re.findall(
+            r"```(?:sh|bash|shell)?\n(.*?)```", path.read_text() if path.exists() else "", re.S
+        ):
             for line in block.splitlines():
                 toks = shell_tokens(line, {}) if line.strip() and not line.lstrip().startswith("#") else []
                 cmds += commands_in_tokens(toks, f"{path.name}: {line.strip()}")
@@ -204,8 +209,16 @@ def learn_urls(where_prefix: str) -> list[str]:
 # -- every file parses -----------------------------------------------------------------------------
 
 def test_the_deploy_folder_has_images_compose_kubernetes_slurm_and_a_guide() -> None:
-    for rel in ("docker/Dockerfile.serve", "docker/Dockerfile.learn", "docker/entrypoint.sh", "docker-compose.yml",
-                "k8s/raycluster-serve.yaml", "k8s/learn-job.yaml", "slurm/agentrl.sbatch", "README.md"):
+    for rel in (
+        "docker/Dockerfile.serve",
+        "docker/Dockerfile.learn",
+        "docker/entrypoint.sh",
+        "docker-compose.yml",
+        "k8s/raycluster-serve.yaml",
+        "k8s/learn-job.yaml",
+        "slurm/agentrl.sbatch",
+        "README.md",
+    ):
         assert (DEPLOY / rel).is_file(), rel
 
 
@@ -261,7 +274,8 @@ def test_serve_outside_loopback_only_where_another_machine_or_container_must_rea
     for cmd in COMMANDS:
         _, cfg = load_command(cmd)
         if isinstance(cfg, C.ServeConfig) and not cmd.where.startswith(("README", "operating")):
-            assert cfg.router.host == "0.0.0.0", f"{cmd.where}: learn in another container/node cannot reach serve"
+            assert cfg.router.host == "0.0.0.0", (f"{cmd.where}: learn in another "
+                                                  "container/node cannot reach serve")
             assert not cfg.admin_token
 
 

@@ -99,7 +99,8 @@ def test_flat_rewards_are_no_missing_signal_when_a_teacher_teaches():
     s = make_samples(2, seed=5)
     taught = [replace(x, teacher_logprobs=np.where(x.loss_mask != 0, -1.0, np.nan)) for x in s]
     assert not any(SignalWatch(1).observe(taught, 0.0, per_token_signal=True))
-    assert "flat_rewards" in SignalWatch(1).observe(taught, 0.0, per_token_signal=False)[0]  # no teacher's term
+    # no teacher's term
+    assert "flat_rewards" in SignalWatch(1).observe(taught, 0.0, per_token_signal=False)[0]
 
 
 def test_the_top_k_forward_kl_is_the_teachers_renormalized_top_k_against_the_students_probabilities():
@@ -123,7 +124,8 @@ def _with_teacher_topk(samples, teacher_model, k: int):
     with torch.no_grad(), eval_mode(teacher_model):
         for s in samples:
             ids = torch.as_tensor(s.token_ids, dtype=torch.long).unsqueeze(0)
-            logp = torch.log_softmax(teacher_model(input_ids=ids).logits[0].float(), -1)  # row t predicts t + 1
+            # row t predicts t + 1
+            logp = torch.log_softmax(teacher_model(input_ids=ids).logits[0].float(), -1)
             top = logp[:-1].topk(k, dim=-1)
             top_ids = np.full((len(s.token_ids), k), -1, dtype=np.int32)
             top_lps = np.full((len(s.token_ids), k), np.nan, dtype=np.float32)
@@ -136,8 +138,9 @@ def _with_teacher_topk(samples, teacher_model, k: int):
     return out
 
 
-def test_the_packed_forward_gathers_the_students_log_softmax_at_the_teachers_top_k(tiny_model: str,
-                                                                                   tiny_tools_model: str) -> None:
+def test_the_packed_forward_gathers_the_students_log_softmax_at_the_teachers_top_k(
+    tiny_model: str, tiny_tools_model: str
+) -> None:
     from agentrl.learner.packing import packed_forward
 
     student, teacher_model = load_model(tiny_model, Dist()), load_model(tiny_tools_model, Dist())
@@ -163,13 +166,19 @@ def test_a_student_trained_on_a_teachers_top_k_alone_moves_towards_the_teacher(t
     student = load_model(tiny_model, Dist())
     base = _with_teacher_topk([replace(s, reward=1.0) for s in make_samples(8, seed=3)],
                               load_model(tiny_tools_model, Dist()), k=8)
-    cfg = LearnConfig(lr=3e-3, micro_batch_tokens=10_000, loss=PGLoss(correction="none", distill_topk_coef=1.0))
+    cfg = LearnConfig(
+        lr=3e-3, micro_batch_tokens=10_000, loss=PGLoss(correction="none", distill_topk_coef=1.0)
+    )
     state = build_state(cfg, student, Dist())
     kls = []
     for step in range(1, 6):
         own = _logprobs(state.model, base)
-        out = train_step(state, [replace(s, logprobs=o.astype(np.float32)) for s, o in zip(base, own, strict=True)],
-                         cfg, step)
+        out = train_step(
+            state,
+            [replace(s, logprobs=o.astype(np.float32)) for s, o in zip(base, own, strict=True)],
+            cfg,
+            step,
+        )
         assert out["updated"] and out["distill/topk_kl"] > 0, out
         kls.append(out["distill/topk_kl"])
     assert kls[-1] < 0.5 * kls[0], kls

@@ -57,7 +57,12 @@ def test_the_python_api_page_documents_everything_agentrl_exports(site: Path) ->
     ids = anchors(site / "api" / "index.html")
     missing = [name for name in agentrl.__all__ if f"agentrl.{name}" not in ids]
     assert not missing, f"add `::: agentrl.<name>` to docs/api.md for: {missing}"
-    assert {"agentrl.ToolEnv.prompt", "agentrl.ToolEnv.reward", "agentrl.environment", "agentrl.scorer"} <= ids
+    assert {
+        "agentrl.ToolEnv.prompt",
+        "agentrl.ToolEnv.reward",
+        "agentrl.environment",
+        "agentrl.scorer",
+    } <= ids
 
 
 def test_the_config_page_documents_every_field_of_the_configs_it_shows(site: Path) -> None:
@@ -69,7 +74,9 @@ def test_the_config_page_documents_every_field_of_the_configs_it_shows(site: Pat
     for cls, path in shown.items():
         for name in field_docs(cls):
             # an inherited field is documented under the base class that declares it, when that is shown too
-            homes = [shown[k] for k in cls.__mro__ if k in shown and name in vars(k).get("__annotations__", {})]
+            homes = [
+                shown[k] for k in cls.__mro__ if k in shown and name in vars(k).get("__annotations__", {})
+            ]
             if not any(f"{home}.{name}" in ids for home in homes or [path]):
                 missing.append(f"{path}.{name}")
     assert not missing, f"fields with documentation that the config page does not show: {missing}"
@@ -86,7 +93,8 @@ def test_a_sphinx_role_in_a_docstring_becomes_a_link_to_the_object(site: Path) -
     # TaskListEnv's docstring names ":class:`ToolEnv`", which the same page documents
     page = (site / "api" / "index.html").read_text()
     assert ":class:" not in page
-    assert re.search(r'<a class="autorefs autorefs-internal"[^>]*href="#agentrl\.ToolEnv"><code>ToolEnv</code>', page)
+    assert re.search(r'<a class="autorefs '
+                     r'autorefs-internal"[^>]*href="#agentrl\.ToolEnv"><code>ToolEnv</code>', page)
 
 
 def test_search_indexes_every_page_and_the_reference(site: Path) -> None:

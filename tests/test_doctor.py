@@ -68,7 +68,9 @@ def test_doctor_exits_0_on_a_machine_set_up_by_setup_sh(tmp_path: Path, built: s
 
 def test_doctor_says_docker_is_missing_when_docker_host_names_no_socket(tmp_path: Path, built: str) -> None:
     sock = tmp_path / "nothing-here.sock"
-    code, lines, out = doctor(tmp_path, "--serve.sandbox.backend=docker", env={"DOCKER_HOST": f"unix://{sock}"})
+    code, lines, out = doctor(
+        tmp_path, "--serve.sandbox.backend=docker", env={"DOCKER_HOST": f"unix://{sock}"}
+    )
     assert code == 1, out
     assert missing(lines) == {"docker"}, out
     status, line = lines["docker"]
@@ -87,7 +89,9 @@ def test_a_missing_docker_engine_is_a_warning_where_bubblewrap_stands_in(tmp_pat
 def test_doctor_says_bubblewrap_is_missing_when_it_is_not_on_path(tmp_path: Path, built: str) -> None:
     empty = tmp_path / "bin"
     empty.mkdir()
-    line = only_missing("bubblewrap", tmp_path, "--serve.sandbox.backend=bubblewrap", env={"PATH": str(empty)})
+    line = only_missing(
+        "bubblewrap", tmp_path, "--serve.sandbox.backend=bubblewrap", env={"PATH": str(empty)}
+    )
     assert "'bwrap' is not on PATH" in line and "apt-get install bubblewrap" in line
 
 
@@ -127,7 +131,9 @@ def tmpfs(path: Path, options: str) -> Iterator[Path]:
     """A tmpfs mounted at ``path`` (needs root, as CI runs): root ignores permission bits, but not a
     read-only mount nor a full one."""
     path.mkdir()
-    got = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)], capture_output=True, text=True)
+    got = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)], capture_output=True, text=True
+    )
     if got.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here: {got.stderr.strip()}")
     try:
@@ -169,9 +175,18 @@ def test_quickstart_stops_before_installing_anything_when_a_port_is_taken(tmp_pa
         listener.bind(("127.0.0.1", 0))
         listener.listen()
         port = listener.getsockname()[1]
-        out = subprocess.run(["bash", str(tmp_path / "scripts" / "quickstart.sh"), f"--serve.router.port={port}",
-                              f"--serve.run_dir={tmp_path / 'run'}"], capture_output=True, text=True, timeout=120,
-                             env={**os.environ, "PYTHON": sys.executable})
+        out = subprocess.run(
+            [
+                "bash",
+                str(tmp_path / "scripts" / "quickstart.sh"),
+                f"--serve.router.port={port}",
+                f"--serve.run_dir={tmp_path / 'run'}",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env={**os.environ, "PYTHON": sys.executable},
+        )
     assert out.returncode == 1, out.stdout + out.stderr
     assert not (tmp_path / "setup-ran").exists()
     assert f"127.0.0.1:{port} (router.port) cannot be bound" in out.stdout

@@ -51,11 +51,32 @@ def test_serve_and_learn_processes_train_on_exact_tokens_and_leave_nothing_behin
     run_dir = tmp_path / "run"
     port, engine_port = free_port(), free_port()
     env = dict(os.environ, AGENTRL_ADMIN_TOKEN="test-admin-token", PYTHONUNBUFFERED="1")
-    serve_cmd = [sys.executable, "-m", "agentrl.cli", "serve", f"--run_dir={run_dir}", f"--router.port={port}",
-                 f"--engine.base_port={engine_port}", "--env.group_size=2", "--buffer.batch_size=4",
-                 "--buffer.max_staleness=1", "--env.max_concurrency=8", "--env.max_tokens=64"]
-    learn_cmd = [sys.executable, "-m", "agentrl.cli", "learn", f"--serve=http://127.0.0.1:{port}",
-                 f"--run_dir={tmp_path / 'learner'}", "--steps=3", "--batch_size=4", "--max_staleness=1", "--lr=1e-3"]
+    serve_cmd = [
+        sys.executable,
+        "-m",
+        "agentrl.cli",
+        "serve",
+        f"--run_dir={run_dir}",
+        f"--router.port={port}",
+        f"--engine.base_port={engine_port}",
+        "--env.group_size=2",
+        "--buffer.batch_size=4",
+        "--buffer.max_staleness=1",
+        "--env.max_concurrency=8",
+        "--env.max_tokens=64",
+    ]
+    learn_cmd = [
+        sys.executable,
+        "-m",
+        "agentrl.cli",
+        "learn",
+        f"--serve=http://127.0.0.1:{port}",
+        f"--run_dir={tmp_path / 'learner'}",
+        "--steps=3",
+        "--batch_size=4",
+        "--max_staleness=1",
+        "--lr=1e-3",
+    ]
     serve_log = open(tmp_path / "serve.out", "wb")
     serve = subprocess.Popen(serve_cmd, stdout=serve_log, stderr=subprocess.STDOUT, env=env)
     try:
@@ -74,7 +95,8 @@ def test_serve_and_learn_processes_train_on_exact_tokens_and_leave_nothing_behin
         time.sleep(max(0.0, published[3] + 0.6 - time.time()))
         late_call = urllib.request.Request(
             f"http://127.0.0.1:{port}/sessions/e2e-after-the-last-update/v1/chat/completions",
-            data=json.dumps({"model": "tiny-tools", "messages": [{"role": "user", "content": "What is 17 + 25?"}],
+            data=json.dumps({"model": "tiny-tools", "messages": [{"role": "user", "content": "What is "
+                                                                                             "17 + 25?"}],
                              "max_tokens": 8, "ignore_eos": True}).encode(),
             headers={"Content-Type": "application/json"})
         with urllib.request.urlopen(late_call, timeout=120) as r:
@@ -136,6 +158,8 @@ def test_serve_and_learn_processes_train_on_exact_tokens_and_leave_nothing_behin
     assert serve.returncode == 0, out[-3000:]
     # Nothing left: no engine process, no container of this instance.
     time.sleep(1)
-    ps = subprocess.run(["pgrep", "-f", f"--port {engine_port}"], capture_output=True, text=True).stdout.split()
+    ps = subprocess.run(
+        ["pgrep", "-f", f"--port {engine_port}"], capture_output=True, text=True
+    ).stdout.split()
     assert ps == [], f"engine processes left behind: {ps}"
     assert _containers(serve.pid) == []

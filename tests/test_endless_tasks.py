@@ -72,7 +72,9 @@ max_staleness = 1
     return config, run_dir
 
 
-def test_an_endless_task_generator_serves_episodes_and_serve_stays_responsive(tmp_path: Path, vllm_engine) -> None:
+def test_an_endless_task_generator_serves_episodes_and_serve_stays_responsive(
+    tmp_path: Path, vllm_engine
+) -> None:
     port = free_port()
     config, run_dir = endless_serve_config(tmp_path, vllm_engine.url, port)
     env = {k: v for k, v in os.environ.items() if k != "AGENTRL_ADMIN_TOKEN"}
@@ -100,7 +102,9 @@ def test_an_endless_task_generator_serves_episodes_and_serve_stays_responsive(tm
             while len(episodes) < 8 and serve.poll() is None and time.monotonic() < deadline:
                 if (run_dir / "admin_token").exists():
                     token = (run_dir / "admin_token").read_text().strip()
-                    answers.append((get_json(f"{base}/health")[0], get_json(f"{base}/admin/status", token)[0]))
+                    answers.append(
+                        (get_json(f"{base}/health")[0], get_json(f"{base}/admin/status", token)[0])
+                    )
                 path = run_dir / "episodes.jsonl"
                 episodes = [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
                 time.sleep(0.5)

@@ -15,7 +15,9 @@ from agentrl.engines.guard import EngineGuard
 from tests.conftest import free_port
 
 
-def test_the_guard_refuses_a_request_without_the_key_and_passes_one_with_it(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_guard_refuses_a_request_without_the_key_and_passes_one_with_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     monkeypatch.setenv("AGENTRL_ENGINE_KEY", "k3y")
     seen: list[str] = []
 
@@ -55,12 +57,22 @@ def test_a_launched_engine_answers_only_with_its_key(tiny_tools_model: str, tmp_
         out: dict[str, int] = {}
         async with aiohttp.ClientSession() as http:
             for name, method, path, body in [
-                    ("pause", "POST", "/pause?mode=keep", None),
-                    ("version", "POST", "/update_weight_version", {"new_version": "7"}),
-                    ("rpc", "POST", "/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": "/tmp"}}),
-                    ("chat", "POST", "/v1/chat/completions", {"model": "tiny-tools", "max_tokens": 2,
-                                                             "messages": [{"role": "user", "content": "hi"}]}),
-                    ("generate", "POST", "/inference/v1/generate", {"token_ids": [1, 2], "sampling_params": {}})]:
+                ("pause", "POST", "/pause?mode=keep", None),
+                ("version", "POST", "/update_weight_version", {"new_version": "7"}),
+                (
+                    "rpc",
+                    "POST",
+                    "/collective_rpc",
+                    {"method": "reload_weights", "kwargs": {"weights_path": "/tmp"}},
+                ),
+                (
+                    "chat",
+                    "POST",
+                    "/v1/chat/completions",
+                    {"model": "tiny-tools", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]},
+                ),
+                ("generate", "POST", "/inference/v1/generate", {"token_ids": [1, 2], "sampling_params": {}}),
+            ]:
                 async with http.request(method, engine.url + path, json=body) as r:
                     out[name] = r.status
             async with http.get(engine.url + "/health") as r:
@@ -68,8 +80,11 @@ def test_a_launched_engine_answers_only_with_its_key(tiny_tools_model: str, tmp_
         pool = EnginePool([engine.url], api_key="engine-key-of-this-run")
         await pool.start()
         try:
-            got = await pool.call(pool.engines[0], "/v1/chat/completions",
-                                  {"model": "tiny-tools", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]})
+            got = await pool.call(
+                pool.engines[0],
+                "/v1/chat/completions",
+                {"model": "tiny-tools", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]},
+            )
             out["through_the_pool"] = 200 if got.get("choices") else 0
             await pool.control(pool.engines[0], "/resume")  # control calls carry the key too
             out["control_through_the_pool"] = 200
@@ -83,5 +98,9 @@ def test_a_launched_engine_answers_only_with_its_key(tiny_tools_model: str, tmp_
         engine.stop()
     assert {k: codes[k] for k in ("pause", "version", "rpc", "chat", "generate")} == dict.fromkeys(
         ("pause", "version", "rpc", "chat", "generate"), 401), codes
-    assert codes["health"] == 200 and codes["through_the_pool"] == 200 and codes["control_through_the_pool"] == 200
+    assert (
+        codes["health"] == 200
+        and codes["through_the_pool"] == 200
+        and codes["control_through_the_pool"] == 200
+    )
     assert os.environ.get("AGENTRL_ENGINE_KEY") is None

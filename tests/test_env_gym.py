@@ -82,9 +82,12 @@ def test_the_wrapper_turns_text_tool_calls_into_tool_results_and_exposes_tools()
     obs, info = env.reset()
     assert obs == "[user]\nWhat is the code word?"
     assert info["tools"][0]["function"]["name"] == "secret"
-    obs, reward, terminated, truncated, info = env.step('<tool_call>\n{"name": "secret", "arguments": {"n": 0}}\n</tool_call>')
+    obs, reward, terminated, truncated, info = env.step('<tool_call>\n'
+                                                        '{"name": "secret", "arguments": {"n": 0}}\n'
+                                                        '</tool_call>')
     assert obs == "[tool]\nswordfish" and not terminated and info["tool_calls"] == 1
-    obs, reward, terminated, truncated, info = env.step('<tool_call>{"name": "secret", "arguments": {"n": "zero"}}</tool_call>')
+    obs, reward, terminated, truncated, info = env.step('<tool_call>{"name": "secret", '
+                                                        '"arguments": {"n": "zero"}}</tool_call>')
     assert "wrong type" in obs and info["tool_errors"] == {"bad_arguments": 1}
     obs, reward, terminated, truncated, info = env.step("It is swordfish.")
     assert (reward, terminated, truncated) == (1.0, True, False)

@@ -133,12 +133,15 @@ def test_a_broken_entry_point_is_reported_in_the_unknown_name_error(tmp_path: Pa
     assert any(k.startswith(name) for k in failed_entry_points())
 
 
-def test_an_entry_point_that_clashes_with_a_registered_name_does_not_replace_it(tmp_path: Path, monkeypatch) -> None:
+def test_an_entry_point_that_clashes_with_a_registered_name_does_not_replace_it(
+    tmp_path: Path, monkeypatch
+) -> None:
     name, module = unique("clash"), unique("agentrl_clash_mod")
     mine = type("Mine", (Echo,), {})
     agentrl.environment(name)(mine)
     install_dist(tmp_path, dist=unique("agentrl_clash_dist"), module=module,
-                 source="class Other:\n    pass\n", entry_points=f"[agentrl.environments]\n{name} = {module}:Other\n")
+                 source="class Other:\n    pass\n", entry_points="[agentrl.environments]\n"
+                                                                 f"{name} = {module}:Other\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     registered()
     assert lookup(name) is mine

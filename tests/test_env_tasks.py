@@ -21,7 +21,9 @@ def test_an_iterable_source_gives_ids_to_records_without_one_and_re_iterates() -
 
 def test_a_jsonl_file_is_read_lazily_on_each_iteration_and_blank_lines_are_skipped(tmp_path: Path) -> None:
     path = tmp_path / "math.jsonl"
-    path.write_text(json.dumps({"question": "1+1", "answer": 2}) + "\n\n" + json.dumps({"question": "2+2"}) + "\n")
+    path.write_text(
+        json.dumps({"question": "1+1", "answer": 2}) + "\n\n" + json.dumps({"question": "2+2"}) + "\n"
+    )
     src = from_jsonl(path)
     assert [t["id"] for t in src] == ["math-0", "math-1"]
     path.write_text(json.dumps({"question": "3+3"}) + "\n")  # re-read, not cached

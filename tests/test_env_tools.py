@@ -53,15 +53,25 @@ def test_a_method_schema_leaves_out_self() -> None:
             return path
 
     fn = tool_schema(Env.read)["function"]
-    assert fn["parameters"] == {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}
+    assert fn["parameters"] == {
+        "type": "object",
+        "properties": {"path": {"type": "string"}},
+        "required": ["path"],
+    }
 
 
 def test_arguments_are_decoded_and_type_checked() -> None:
     assert parse_arguments(search, '{"query": "x", "limit": 2}') == {"query": "x", "limit": 2}
     assert parse_arguments(search, {"query": "x"}) == {"query": "x"}
-    for raw, kind in [("{not json", "bad_json"), ("[1, 2]", "bad_json"), ('{"limit": 2}', "bad_arguments"),
-                      ('{"query": 3}', "bad_arguments"), ('{"query": "x", "limit": "2"}', "bad_arguments"),
-                      ('{"query": "x", "limit": true}', "bad_arguments"), ('{"query": "x", "nope": 1}', "bad_arguments")]:
+    for raw, kind in [
+        ("{not json", "bad_json"),
+        ("[1, 2]", "bad_json"),
+        ('{"limit": 2}', "bad_arguments"),
+        ('{"query": 3}', "bad_arguments"),
+        ('{"query": "x", "limit": "2"}', "bad_arguments"),
+        ('{"query": "x", "limit": true}', "bad_arguments"),
+        ('{"query": "x", "nope": 1}', "bad_arguments"),
+    ]:
         err = parse_arguments(search, raw)
         assert isinstance(err, ToolCallError) and err.kind == kind, raw
 
@@ -111,19 +121,38 @@ def test_invalid_tool_calls_become_error_messages_and_counted_events_not_excepti
         script = [
             ({"role": "assistant", "content": "", "tool_calls": [call("nope", "{}")]}, "unknown tool 'nope'"),
             ({"role": "assistant", "content": "", "tool_calls": [call("lookup", "{bad")]}, "not valid JSON"),
-            ({"role": "assistant", "content": "", "tool_calls": [call("lookup", '{"key": 1}')]}, "wrong type"),
-            ({"role": "assistant", "content": "", "tool_calls": [call("lookup", '{"times": 2}')]}, "missing required"),
-            ({"role": "assistant", "content": "", "tool_calls": [call("lookup", '{"key": "boom"}')]}, "kaboom"),
+            (
+                {"role": "assistant", "content": "", "tool_calls": [call("lookup", '{"key": 1}')]},
+                "wrong type",
+            ),
+            (
+                {"role": "assistant", "content": "", "tool_calls": [call("lookup", '{"times": 2}')]},
+                "missing required",
+            ),
+            (
+                {"role": "assistant", "content": "", "tool_calls": [call("lookup", '{"key": "boom"}')]},
+                "kaboom",
+            ),
             # What a reply looks like when the engine's parser rejected it: text with a broken block.
-            ({"role": "assistant", "content": '<tool_call>\n{"name": "lookup", "arguments": {"key": \n</tool_call>'},
-             "could not be read"),
+            (
+                {
+                    "role": "assistant",
+                    "content": '<tool_call>\n{"name": "lookup", "arguments": {"key": \n</tool_call>',
+                },
+                "could not be read",
+            ),
         ]
         for message, expected in script:
             result = await env.step(message)
             assert not result.terminated and not result.truncated and result.reward == 0.0
             assert len(result.messages) == 1 and expected in result.messages[0]["content"]
             assert result.messages[0]["content"].startswith("Error:")
-        assert result.info["tool_errors"] == {"unknown_tool": 1, "bad_json": 2, "bad_arguments": 2, "tool_raised": 1}
+        assert result.info["tool_errors"] == {
+            "unknown_tool": 1,
+            "bad_json": 2,
+            "bad_arguments": 2,
+            "tool_raised": 1,
+        }
         ok = await env.step({"role": "assistant", "content": "",
                              "tool_calls": [call("lookup", '{"key": "a", "times": 2}', "c9")]})
         assert ok.messages == [{"role": "tool", "tool_call_id": "c9", "content": "aa"}]
@@ -149,7 +178,9 @@ def test_an_episode_that_never_answers_is_truncated_at_max_turns() -> None:
         env = Notes()
         env.max_turns = 2
         await env.reset({"id": "0", "question": "q"})
-        first = await env.step({"role": "assistant", "content": "", "tool_calls": [call("lookup", '{"key": "a"}')]})
-        second = await env.step({"role": "assistant", "content": "", "tool_calls": [call("lookup", '{"key": "a"}')]})
+        first = await env.step({"role": "assistant", "content": "", "tool_calls": [call("lookup", '{"key": '
+                                                                                                  '"a"}')]})
+        second = await env.step({"role": "assistant", "content": "", "tool_calls": [call("lookup", '{"key": '
+                                                                                                   '"a"}')]})
         assert not first.truncated and second.truncated and not second.terminated
     asyncio.run(body())

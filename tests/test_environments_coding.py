@@ -27,7 +27,9 @@ def test_every_built_in_task_has_a_spec_and_tests_naming_its_function() -> None:
         assert t["name"] in t["spec"] and all(t["name"] in test for test in t["tests"])
 
 
-async def episode(pool: SandboxPool, task: dict[str, Any], replies: list[dict[str, Any]]) -> list[agentrl.StepResult]:
+async def episode(
+    pool: SandboxPool, task: dict[str, Any], replies: list[dict[str, Any]]
+) -> list[agentrl.StepResult]:
     env = agentrl.make("coding", timeout_s=5.0)
     async with pool.acquire() as sb:
         env.sandbox = sb
@@ -44,13 +46,26 @@ def answer(code: str) -> dict[str, Any]:
 @pytest.mark.docker
 def test_answers_are_scored_by_the_fraction_of_unit_tests_passing_in_the_sandbox() -> None:
     fib = next(t for t in TASKS if t["id"] == "fib")
-    try_call = {"role": "assistant", "content": "", "tool_calls": [{"id": "c0", "type": "function", "function": {
-        "name": "run_python", "arguments": json.dumps({"code": "import os; print(os.getcwd(), 6 * 7)"})}}]}
+    try_call = {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [
+            {
+                "id": "c0",
+                "type": "function",
+                "function": {
+                    "name": "run_python",
+                    "arguments": json.dumps({"code": "import os; print(os.getcwd(), 6 * 7)"}),
+                },
+            }
+        ],
+    }
 
     async def body() -> None:
         cfg = SandboxConfig(backend="docker", warm=1, max_concurrency=2, memory_mb=256)
         async with SandboxPool(cfg, f"t-coding-{uuid.uuid4().hex[:6]}") as pool:
-            right = "def fib(n):\n    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n    return a"
+            right = ("def fib(n):\n    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n"
+                     "    return a")
             tried, done = await episode(pool, fib, [try_call, answer(right)])
             assert tried.messages[0]["content"] == "/work 42" and not tried.terminated
             assert done.terminated and done.reward == 1.0

@@ -15,8 +15,17 @@ from environments.shell import TASKS
 
 
 def bash(command: str, cid: str = "c") -> dict[str, Any]:
-    return {"role": "assistant", "content": "", "tool_calls": [
-        {"id": cid, "type": "function", "function": {"name": "bash", "arguments": json.dumps({"command": command})}}]}
+    return {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [
+            {
+                "id": cid,
+                "type": "function",
+                "function": {"name": "bash", "arguments": json.dumps({"command": command})},
+            }
+        ],
+    }
 
 
 DONE = {"role": "assistant", "content": "done"}
@@ -36,7 +45,9 @@ def test_every_built_in_task_has_setup_instruction_and_checker() -> None:
 
 @pytest.mark.docker
 def test_multi_step_solutions_pass_the_checker_and_doing_nothing_fails_it() -> None:
-    async def run(pool: SandboxPool, task: dict[str, Any], replies: list[dict[str, Any]]) -> list[agentrl.StepResult]:
+    async def run(
+        pool: SandboxPool, task: dict[str, Any], replies: list[dict[str, Any]]
+    ) -> list[agentrl.StepResult]:
         env = agentrl.make("shell")
         async with pool.acquire() as sb:
             env.sandbox = sb
@@ -55,7 +66,11 @@ def test_multi_step_solutions_pass_the_checker_and_doing_nothing_fails_it() -> N
                 (lazy,) = await run(pool, task, [DONE])  # a fresh sandbox: the earlier work is gone
                 assert lazy.terminated and lazy.reward == 0.0, task["id"]
             results = await run(pool, TASKS[0], [bash("cat nope.txt"), DONE])
-            assert results[0].messages[0]["content"].startswith("exit 1\n") and "nope.txt" in results[0].messages[0]["content"]
+            assert (
+                results[0].messages[0]["content"].startswith("exit 1\n")
+                and "nope.txt" in results[0].messages[0]["content"]
+            )
+
     asyncio.run(body())
 
 

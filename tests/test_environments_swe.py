@@ -27,14 +27,18 @@ def test_the_fix_passes_doing_nothing_fails_and_editing_the_test_is_not_a_fix() 
         async with pool.acquire() as sb:
             env.sandbox = sb
             opening = await env.reset(task)
-            assert REPO in opening.messages[-1]["content"] and [t["function"]["name"] for t in opening.tools] == ["bash"]
+            assert REPO in opening.messages[-1]["content"] and [
+                t["function"]["name"] for t in opening.tools
+            ] == ["bash"]
             log = (await sb.exec(f"cd {REPO} && git log --oneline", timeout=10)).stdout
             if command:
                 await env.bash(command)
             return await env.reward(task, "done"), log
 
     async def body() -> None:
-        cfg = SandboxConfig(backend="docker", image="agentrl/swe:latest", warm=0, max_concurrency=2, memory_mb=256)
+        cfg = SandboxConfig(
+            backend="docker", image="agentrl/swe:latest", warm=0, max_concurrency=2, memory_mb=256
+        )
         async with SandboxPool(cfg, f"t-swe-{uuid.uuid4().hex[:6]}") as pool:
             for task in TASKS:
                 fixed, log = await episode(pool, task, task["fix"])

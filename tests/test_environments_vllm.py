@@ -43,7 +43,9 @@ async def one_episode(engine: Any, model_dir: str, env_name: str, task: dict[str
     if capture is not None:  # record what crosses the wire to the real engine, unchanged
         real_call = router.pool.call
 
-        async def recording_call(eng: Any, path: str, body: dict[str, Any], *a: Any, **kw: Any) -> dict[str, Any]:
+        async def recording_call(
+            eng: Any, path: str, body: dict[str, Any], *a: Any, **kw: Any
+        ) -> dict[str, Any]:
             sent = json.loads(json.dumps(body))
             out = await real_call(eng, path, body, *a, **kw)
             capture.append((path, sent, json.loads(json.dumps(out))))
@@ -74,7 +76,9 @@ async def one_episode(engine: Any, model_dir: str, env_name: str, task: dict[str
 def test_every_built_in_environment_runs_a_full_episode_on_real_vllm(env_name: str, vllm_engine: Any,
                                                                       tiny_tools_model: str) -> None:
     task = next(iter(agentrl.make(env_name).tasks("test")))
-    limits = EpisodeLimits(max_turns=3, max_tokens=48, max_episode_tokens=400, episode_timeout_s=240, temperature=1.0)
+    limits = EpisodeLimits(
+        max_turns=3, max_tokens=48, max_episode_tokens=400, episode_timeout_s=240, temperature=1.0
+    )
     ep = asyncio.run(one_episode(vllm_engine, tiny_tools_model, env_name, task, limits))
     assert ep.error is None, ep.error
     assert 1 <= ep.turns <= 3 and ep.completion_tokens > 0
@@ -111,8 +115,9 @@ class CalcEnv(agentrl.ToolEnv):
     async def step(self, message: dict[str, Any]) -> agentrl.StepResult:
         result = await super().step(message)
         if result.terminated and self.turns < 3:  # answered early: ask again, so the episode has 3 turns
-            return agentrl.StepResult(messages=[{"role": "user", "content": "Check it with the python tool."}],
-                                      info=result.info)
+            return agentrl.StepResult(
+                messages=[{"role": "user", "content": "Check it with the python tool."}], info=result.info
+            )
         return result
 
     async def reward(self, task: dict[str, Any], answer: str) -> float:
@@ -126,7 +131,9 @@ agentrl.environment(PROBE)(CalcEnv)
 def test_a_three_turn_tool_episode_is_exactly_the_tokens_the_engine_received_and_returned(
         vllm_engine: Any, tiny_tools_model: str, tmp_path: Path) -> None:
     wire: list[tuple[str, dict, dict]] = []
-    limits = EpisodeLimits(max_turns=3, max_tokens=64, max_episode_tokens=1000, episode_timeout_s=240, temperature=0.0)
+    limits = EpisodeLimits(
+        max_turns=3, max_tokens=64, max_episode_tokens=1000, episode_timeout_s=240, temperature=0.0
+    )
     task = CalcEnv().tasks()[0]
     ep = asyncio.run(one_episode(vllm_engine, tiny_tools_model, PROBE, task, limits, tmp_path, wire))
     assert ep.error is None, ep.error
@@ -155,7 +162,8 @@ def test_a_three_turn_tool_episode_is_exactly_the_tokens_the_engine_received_and
     for prompt, output, lps in zip(prompts, outputs, out_logprobs, strict=True):
         start = len(prompt)
         assert token_ids[:start] == prompt  # each prompt extends the one before, token for token
-        assert token_ids[start:start + len(output)] == output  # and every completion sits where it was sampled
+        # and every completion sits where it was sampled
+        assert token_ids[start:start + len(output)] == output
         assert logprobs[start:start + len(output)] == lps
         expected_mask[start:start + len(output)] = [1] * len(output)
     assert loss_mask == expected_mask  # 1 exactly on sampled tokens: tool results and prompts are 0

@@ -29,7 +29,11 @@ def test_wilson_interval_matches_hand_computed_values() -> None:
 
 def test_mean_interval_is_the_normal_approximation() -> None:
     mean, lo, hi = mean_interval([0.0, 1.0, 1.0, 0.0])  # sd 0.57735, half 1.96 * 0.57735 / 2
-    assert mean == 0.5 and lo == pytest.approx(0.5 - 0.565803, abs=1e-5) and hi == pytest.approx(0.5 + 0.565803, abs=1e-5)
+    assert (
+        mean == 0.5
+        and lo == pytest.approx(0.5 - 0.565803, abs=1e-5)
+        and hi == pytest.approx(0.5 + 0.565803, abs=1e-5)
+    )
 
 
 def test_heldout_is_the_test_split_and_disjoint_from_training_tasks() -> None:
@@ -55,8 +59,17 @@ def test_a_mixs_evaluation_is_tallied_per_environment_too() -> None:
 @pytest.mark.vllm
 def test_evaluate_runs_heldout_episodes_against_a_real_router_endpoint(vllm_engine, tiny_tools_model) -> None:
     with serve_router([vllm_engine.url], tiny_tools_model, api_keys=frozenset({"client-key"})) as srv:
-        result = asyncio.run(evaluate("guess_number", f"{srv.url}/v1", 6, split="heldout", api_key="client-key",
-                                      limits=EpisodeLimits(max_turns=3, max_tokens=16, temperature=1.0), concurrency=3))
+        result = asyncio.run(
+            evaluate(
+                "guess_number",
+                f"{srv.url}/v1",
+                6,
+                split="heldout",
+                api_key="client-key",
+                limits=EpisodeLimits(max_turns=3, max_tokens=16, temperature=1.0),
+                concurrency=3,
+            )
+        )
         assert srv.router.counters["calls"] >= 6  # every episode made real model calls
         assert not srv.router.sessions  # evaluation records nothing for training
     assert result.n == 6 and result.failed == 0 and result.model == "tiny-tools" and result.split == "test"
@@ -70,8 +83,17 @@ def test_evaluate_runs_heldout_episodes_against_a_real_router_endpoint(vllm_engi
 def test_evaluating_a_mix_gives_each_environment_its_own_success_rate(vllm_engine, tiny_tools_model) -> None:
     config = {"envs": {"arithmetic": {}, "guess_number": {}}}
     with serve_router([vllm_engine.url], tiny_tools_model) as srv:
-        result = asyncio.run(evaluate("mix", f"{srv.url}/v1", 6, split="heldout", env_config=config,
-                                      limits=EpisodeLimits(max_turns=2, max_tokens=16, temperature=1.0), concurrency=3))
+        result = asyncio.run(
+            evaluate(
+                "mix",
+                f"{srv.url}/v1",
+                6,
+                split="heldout",
+                env_config=config,
+                limits=EpisodeLimits(max_turns=2, max_tokens=16, temperature=1.0),
+                concurrency=3,
+            )
+        )
     assert result.n == 6 and result.failed == 0  # arithmetic's episodes ran in Docker sandboxes of their own
     assert set(result.by_env) == {"arithmetic", "guess_number"}
     assert [e["n"] for e in result.by_env.values()] == [3, 3]  # interleaved evenly
@@ -83,21 +105,45 @@ def test_evaluating_a_mix_gives_each_environment_its_own_success_rate(vllm_engin
 
 
 @pytest.mark.vllm
-def test_agentrl_eval_command_writes_a_json_result_and_reads_the_key_from_a_file(vllm_engine, tiny_tools_model,
-                                                                                tmp_path: Path) -> None:
+def test_agentrl_eval_command_writes_a_json_result_and_reads_the_key_from_a_file(
+    vllm_engine, tiny_tools_model, tmp_path: Path
+) -> None:
     key_file = tmp_path / "key"
     key_file.write_text("client-key\n")
     key_file.chmod(0o600)
     out_file = tmp_path / "eval.json"
     env = {k: v for k, v in os.environ.items() if k not in ("AGENTRL_API_KEY", "OPENAI_API_KEY")}
     with serve_router([vllm_engine.url], tiny_tools_model, api_keys=frozenset({"client-key"})) as srv:
-        cmd = [sys.executable, "-m", "agentrl.cli", "eval", "--env", "guess_number", "--endpoint", f"{srv.url}/v1",
-               "--tasks", "4", "--max-turns", "2", "--max-tokens", "8", "--api-key-file", str(key_file),
-               "--out", str(out_file)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "agentrl.cli",
+            "eval",
+            "--env",
+            "guess_number",
+            "--endpoint",
+            f"{srv.url}/v1",
+            "--tasks",
+            "4",
+            "--max-turns",
+            "2",
+            "--max-tokens",
+            "8",
+            "--api-key-file",
+            str(key_file),
+            "--out",
+            str(out_file),
+        ]
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
         assert out.returncode == 0, out.stderr[-2000:]
-        refused = subprocess.run(cmd[:-4] + ["--out", str(tmp_path / "no.json")], capture_output=True, text=True,
-                                 timeout=300, cwd=ROOT, env=env)  # no key: the router says so
+        refused = subprocess.run(
+            cmd[:-4] + ["--out", str(tmp_path / "no.json")],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            cwd=ROOT,
+            env=env,
+        )  # no key: the router says so
     summary = json.loads(out.stdout.strip().splitlines()[-1])
     assert summary["n"] == 4 and summary["failed"] == 0 and "success_ci95" in summary
     assert "success" in out.stdout.splitlines()[0] and "95% CI" in out.stdout.splitlines()[0]

@@ -19,9 +19,20 @@ TEACHER = np.array([np.nan] * 3 + [-0.25, -1.5, -0.125] + [np.nan] + [-2.0, -0.5
 
 
 def sample(teacher=TEACHER, behaviour=None, routing=None) -> Sample:
-    return Sample(TOKENS, MASK, [-0.5 * m for m in MASK], [0 if m else -1 for m in MASK], episode_id="e",
-                  group_id="g", env="t", reward=1.0, teacher_logprobs=teacher, behaviour=behaviour, routing=routing,
-                  info={"teacher": {"name": "tiny-agent", "version": 0}})
+    return Sample(
+        TOKENS,
+        MASK,
+        [-0.5 * m for m in MASK],
+        [0 if m else -1 for m in MASK],
+        episode_id="e",
+        group_id="g",
+        env="t",
+        reward=1.0,
+        teacher_logprobs=teacher,
+        behaviour=behaviour,
+        routing=routing,
+        info={"teacher": {"name": "tiny-agent", "version": 0}},
+    )
 
 
 def test_teacher_logprobs_cover_every_token_as_float32():
@@ -37,13 +48,18 @@ def test_a_sample_with_teacher_logprobs_round_trips_through_a_record_with_a_teac
     assert record[:4] == b"ARS6" and read_header(record)["v"] == meta["v"] == 6
     back = decode_sample(record)
     assert back == s and back.teacher_logprobs.flags.writeable
-    assert np.isnan(back.teacher_logprobs[:3]).all() and back.info["teacher"] == {"name": "tiny-agent", "version": 0}
+    assert np.isnan(back.teacher_logprobs[:3]).all() and back.info["teacher"] == {
+        "name": "tiny-agent",
+        "version": 0,
+    }
     plain, _ = encode_sample(sample(None))  # 4 bytes a token, and 32 bytes of section table beyond format 2
     assert plain[:4] == b"ARS2" and len(record) - len(plain) == 32 + 4 * len(TOKENS)
 
 
 def test_teacher_logprobs_travel_with_a_behaviour_and_a_routing():
-    b = Behaviour.from_calls(10, [(3, 3, {"temperature": 0.7}, None), (7, 3, {"temperature": 1.5}, None)], TOKENS)
+    b = Behaviour.from_calls(
+        10, [(3, 3, {"temperature": 0.7}, None), (7, 3, {"temperature": 1.5}, None)], TOKENS
+    )
     r = routing_array(10, 2, 2, False)
     r[2:9] = 3
     for s in (sample(behaviour=b), sample(routing=r), sample(behaviour=b, routing=r)):
@@ -96,7 +112,11 @@ def test_the_teachers_top_k_round_trips_beside_the_other_sections():
         record, meta = encode_sample(s)
         assert meta["v"] == 6 and "teacher_topk" in read_header(record)["sections"]
         back = decode_sample(record)
-        assert back == s and back.teacher_topk_ids.tolist() == ids.tolist() and back.teacher_topk_ids.flags.writeable
+        assert (
+            back == s
+            and back.teacher_topk_ids.tolist() == ids.tolist()
+            and back.teacher_topk_ids.flags.writeable
+        )
     alone, _ = encode_sample(replace(sample(None), teacher_topk_ids=ids, teacher_topk_logprobs=lps))
     assert len(alone) - len(plain) == 28 + 4 + 8 * 3 * len(TOKENS)  # table, k, then 8 bytes a token per rank
 

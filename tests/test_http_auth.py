@@ -35,8 +35,12 @@ def test_every_admin_and_buffer_route_reads_the_bearer_the_same_way() -> None:
         rows = []
         try:
             async with aiohttp.ClientSession() as http:
-                for method, path in [("GET", "/buffer/stats"), ("POST", "/buffer/release"), ("GET", "/admin/engines"),
-                                     ("POST", "/admin/sessions")]:
+                for method, path in [
+                    ("GET", "/buffer/stats"),
+                    ("POST", "/buffer/release"),
+                    ("GET", "/admin/engines"),
+                    ("POST", "/admin/sessions"),
+                ]:
                     for auth in (f"bearer {TOKEN}", f"BEARER {TOKEN}", "Bearer wrong", None):
                         headers = {"Authorization": auth} if auth else {}
                         async with http.request(method, base + path, headers=headers, json={}) as r:

@@ -55,7 +55,8 @@ def modules() -> dict[str, Path]:
 
 @cache
 def lazy_exports(package: str) -> dict[str, str]:
-    """The names a package's ``__init__`` exports lazily (``lazy(__name__, {module: [names]})``) -> their module."""
+    """The names a package's ``__init__`` exports lazily (``lazy(__name__, {module: [names]})``) -> their
+    module."""
     path = modules().get(package)
     if path is None or path.name != "__init__.py":
         return {}
@@ -126,7 +127,8 @@ def sorted_cycles(graph: Mapping[str, Iterable[str]]) -> list[list[str]]:
 def test_the_graph_reads_lazy_exports_and_relative_imports() -> None:
     graph = module_graph()
     assert lazy_exports("agentrl.router")["Router"] == "agentrl.router.core"
-    assert "agentrl.router.core" in graph["agentrl.serve.build"]  # `from agentrl.router import Router`, lazily
+    # `from agentrl.router import Router`, lazily
+    assert "agentrl.router.core" in graph["agentrl.serve.build"]
     assert _absolute("agentrl.router.dialects.chat", False, 1, "http") == "agentrl.router.dialects.http"
     assert _absolute("agentrl.router.dialects", True, 2, "core") == "agentrl.router.core"
     assert sorted_cycles({"a": {"b"}, "b": {"a"}, "c": {"d"}, "d": {"c"}}) == [["a", "b"], ["c", "d"]]

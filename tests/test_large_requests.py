@@ -36,9 +36,15 @@ def test_huge_prompts_are_refused_early_and_the_router_keeps_serving() -> None:
         out: dict[str, object] = {}
         try:
             async with aiohttp.ClientSession() as http:
-                for name, chars in (("50MiB", 50 << 20), ("4MiB", 4 << 20), ("too_long", router.max_prompt_chars + 1)):
+                for name, chars in (
+                    ("50MiB", 50 << 20),
+                    ("4MiB", 4 << 20),
+                    ("too_long", router.max_prompt_chars + 1),
+                ):
                     try:
-                        async with http.post(url, data=_body(chars), headers={"Content-Type": "application/json"}) as r:
+                        async with http.post(
+                            url, data=_body(chars), headers={"Content-Type": "application/json"}
+                        ) as r:
                             out[name] = (r.status, (await r.json())["error"].get("code"))
                     except aiohttp.ClientError as e:  # a server that closes after refusing a body
                         out[name] = ("closed", type(e).__name__)

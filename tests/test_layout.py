@@ -129,9 +129,12 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def test_every_module_imports_in_a_fresh_interpreter() -> None:
     names = sorted(m for m in modules() if not m.endswith("__main__"))  # a __main__ runs its command
-    code = ("import importlib, sys\nbad = []\nfor m in sys.argv[1:]:\n    try:\n        importlib.import_module(m)\n"
-            "    except Exception as e:\n        bad.append(f'{m}: {type(e).__name__}: {e}')\nprint('BAD', bad)")
-    out = subprocess.run([sys.executable, "-c", code, *names], capture_output=True, text=True, timeout=600, cwd=ROOT)
+    code = ("import importlib, sys\nbad = []\nfor m in sys.argv[1:]:\n    try:\n"
+            "        importlib.import_module(m)\n    except Exception as e:\n"
+            "        bad.append(f'{m}: {type(e).__name__}: {e}')\nprint('BAD', bad)")
+    out = subprocess.run(
+        [sys.executable, "-c", code, *names], capture_output=True, text=True, timeout=600, cwd=ROOT
+    )
     assert "BAD []" in out.stdout, out.stdout[-3000:] + out.stderr[-3000:]
 
 

@@ -23,8 +23,12 @@ def _completion(tokens: list[int], version: int = 3) -> Completion:
 
 
 def _samples(session: Session, episode: str = "ep", reward: float = 1.0) -> list[Sample]:
-    return [replace(st, episode_id=episode, group_id="g", env="t", reward=reward, info={"calls": st.info["calls"]})
-            for st in session.samples()]
+    return [
+        replace(
+            st, episode_id=episode, group_id="g", env="t", reward=reward, info={"calls": st.info["calls"]}
+        )
+        for st in session.samples()
+    ]
 
 
 def _branching_session() -> Session:
@@ -89,7 +93,9 @@ def test_failed_and_empty_samples_are_neither_trained_nor_in_a_baseline() -> Non
     empty = Sample([1, 2], [0, 0], [0.0, 0.0], [-1, -1], "E", "g", "t", 0.0)
     prep = prepare([_sample("A", "g", 1.0), _sample("B", "g", 0.0), failed, empty], PGLoss())
     assert [s.episode_id for s in prep.samples] == ["A", "B"]
-    assert np.allclose(prep.advantages.numpy(), [1 / (math.sqrt(0.5) + 1e-6) * 0.5, -0.5 / (math.sqrt(0.5) + 1e-6)])
+    assert np.allclose(
+        prep.advantages.numpy(), [1 / (math.sqrt(0.5) + 1e-6) * 0.5, -0.5 / (math.sqrt(0.5) + 1e-6)]
+    )
 
 
 def test_truncated_episodes_are_kept_masked_or_penalised() -> None:

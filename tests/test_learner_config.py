@@ -31,10 +31,14 @@ def test_the_new_settings_resolve_under_their_full_names() -> None:
     for name in ("loss.minibatches", "loss.epochs", "loss.proximal", "loss.advantage_std", "loss.norm_tokens",
                  "loss.overlong", "loss.overlong_penalty"):
         assert C.resolve(C.LearnConfig, name), name
-    assert C.resolve(C.RunConfig, "learn.loss.epochs") and C.resolve(C.ServeConfig, "buffer.drop_uniform_groups")
+    assert C.resolve(C.RunConfig, "learn.loss.epochs") and C.resolve(
+        C.ServeConfig, "buffer.drop_uniform_groups"
+    )
     cfg = C.load(C.LearnConfig, None, ["--loss.kind=gspo", "--loss.epochs=2", "--loss.minibatches=4"])
     assert isinstance(cfg.loss, GSPOLoss) and (cfg.loss.epochs, cfg.loss.minibatches) == (2, 4)
-    assert cfg.loss.clip_low == 3e-4 and cfg.loss.agg == "seq-mean-token-mean" and cfg.loss.level == "geometric"
+    assert (
+        cfg.loss.clip_low == 3e-4 and cfg.loss.agg == "seq-mean-token-mean" and cfg.loss.level == "geometric"
+    )
     cfg = C.load(C.LearnConfig, None, ["--loss.kind=decoupled_ppo", "--loss.proximal=approx",
                                        "--loss.agg=seq-mean-token-sum-norm", "--loss.norm_tokens=512",
                                        "--loss.advantage_std=false", "--loss.overlong=mask"])

@@ -49,12 +49,20 @@ def _one_step(model_path: str, export_dir: str = "", routed: bool = False, lora:
     if export_dir:
         export_hf(state.model, ctx, model_path, export_dir, cfg.lora)
     ctx.close()
-    return {"adapter_keys": sorted(adapter), "adapter_sum": float(sum(v.double().abs().sum() for v in adapter.values())),
-            "optimized": sum(p.numel() for g in state.optimizer.param_groups for p in g["params"]),
-            "loss": stats["loss"], "grad_norm": stats["grad_norm"], "rows": stats["packed_rows"],
-            "loss2": second["loss"], "is_mean": stats["is/mean"], "world": ctx.world,
-            "gathered_alike": gathered_alike, "routing_replayed_tokens": stats.get("routing_replayed_tokens"),
-            "routing_disagreement": stats.get("routing_disagreement")}
+    return {
+        "adapter_keys": sorted(adapter),
+        "adapter_sum": float(sum(v.double().abs().sum() for v in adapter.values())),
+        "optimized": sum(p.numel() for g in state.optimizer.param_groups for p in g["params"]),
+        "loss": stats["loss"],
+        "grad_norm": stats["grad_norm"],
+        "rows": stats["packed_rows"],
+        "loss2": second["loss"],
+        "is_mean": stats["is/mean"],
+        "world": ctx.world,
+        "gathered_alike": gathered_alike,
+        "routing_replayed_tokens": stats.get("routing_replayed_tokens"),
+        "routing_disagreement": stats.get("routing_disagreement"),
+    }
 
 
 @pytest.mark.slow
@@ -79,7 +87,9 @@ def test_two_fsdp_processes_match_one_process_on_the_same_batch(tiny_model, tmp_
     assert AutoTokenizer.from_pretrained(tmp_path / "hf") is not None
     assert "quantization_config" not in model.config.to_dict()
     base = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
-    moved = max((a - b).abs().max().item() for a, b in zip(model.parameters(), base.parameters(), strict=True))
+    moved = max(
+        (a - b).abs().max().item() for a, b in zip(model.parameters(), base.parameters(), strict=True)
+    )
     assert moved > 0  # the trained weights, not the starting ones
 
 
@@ -137,13 +147,19 @@ def test_lora_under_two_fsdp_processes_trains_and_gathers_the_adapter_like_one_p
     with torch.no_grad():
         want = token_logprobs(adapted, ids, mask)
         got = token_logprobs(merged.eval(), ids, mask)
-        untrained = token_logprobs(AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32), ids, mask)
+        untrained = token_logprobs(
+            AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32), ids, mask
+        )
     assert (got - want).abs().max() < 1e-4
     assert (want - untrained).abs().max() > 1e-4  # the adapters moved the policy
 
 
 if __name__ == "__main__":
-    result = _one_step(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else "", routed=sys.argv[3:] == ["routed"],
-                       lora=sys.argv[3:] == ["lora"])
+    result = _one_step(
+        sys.argv[1],
+        sys.argv[2] if len(sys.argv) > 2 else "",
+        routed=sys.argv[3:] == ["routed"],
+        lora=sys.argv[3:] == ["lora"],
+    )
     if int(os.environ.get("RANK", "0")) == 0:
         print(json.dumps(result), flush=True)

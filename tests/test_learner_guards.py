@@ -111,7 +111,9 @@ class RestartingSource:
         await self.client.close()
 
 
-def test_a_batch_whose_ack_a_restarted_serve_refuses_is_not_trained_again(tiny_model: str, tmp_path: Path) -> None:
+def test_a_batch_whose_ack_a_restarted_serve_refuses_is_not_trained_again(
+    tiny_model: str, tmp_path: Path
+) -> None:
     async def go() -> tuple[list[dict[str, Any]], RestartingSource, dict[str, Any], Learner]:
         serve = Serve(tmp_path / "buffer")
         await serve.start()
@@ -131,7 +133,8 @@ def test_a_batch_whose_ack_a_restarted_serve_refuses_is_not_trained_again(tiny_m
     history, source, stats, learner = asyncio.run(go())
     a, b = [f"a{i}" for i in range(4)], [f"b{i}" for i in range(4)]
     batch_a, again, batch_b = (e for e in source.events if e[0] == "batch")
-    assert batch_a[2] == a and again[2] == a and batch_b[2] == b  # the restarted buffer served a's samples again
+    # the restarted buffer served a's samples again
+    assert batch_a[2] == a and again[2] == a and batch_b[2] == b
     assert again[1] != batch_a[1]  # in a new batch
     assert source.events == [
         batch_a, ("publish", 1), ("ack", batch_a[1], False),  # serve restarted in between: 409
@@ -176,11 +179,14 @@ def _cfg(model: str, run_dir: Path, steps: int, **kw: Any) -> LearnConfig:
                        metrics_port=-1, **kw)
 
 
-def test_on_resume_the_learner_publishes_its_checkpoint_before_the_first_pull(tiny_model: str, tmp_path: Path) -> None:
+def test_on_resume_the_learner_publishes_its_checkpoint_before_the_first_pull(
+    tiny_model: str, tmp_path: Path
+) -> None:
     batches = [_group("a", seed=3), _group("b", seed=4), _group("c", seed=5)]
     first = Recorded(tiny_model, batches)
     learn(_cfg(tiny_model, tmp_path, steps=2), first)
-    assert [e for e in first.events if e[0] == "publish"] == [("publish", 1), ("publish", 2)]  # nothing at start: 0 == 0
+    # nothing at start: 0 == 0
+    assert [e for e in first.events if e[0] == "publish"] == [("publish", 1), ("publish", 2)]
 
     restarted = Recorded(tiny_model, batches, version=0)  # serve came back with its base weights at 0
     learn(_cfg(tiny_model, tmp_path, steps=3, resume=True), restarted)
@@ -189,14 +195,17 @@ def test_on_resume_the_learner_publishes_its_checkpoint_before_the_first_pull(ti
 
     ahead = Recorded(tiny_model, batches, version=5)  # serve holds versions a dead learner published later
     learn(_cfg(tiny_model, tmp_path, steps=4, resume=True), ahead)
-    assert ahead.events[:4] == [("ack", "b1"), ("publish", 6), ("batch", "b1", 6), ("publish", 7)]  # no number reused
+    # no number reused
+    assert ahead.events[:4] == [("ack", "b1"), ("publish", 6), ("batch", "b1", 6), ("publish", 7)]
 
     current = Recorded(tiny_model, batches, version=7)  # serve already serves the checkpoint's weights
     learn(_cfg(tiny_model, tmp_path, steps=5, resume=True), current)
     assert current.events[:3] == [("ack", "b1"), ("batch", "b1", 7), ("publish", 8)]
 
 
-def test_a_non_finite_step_publishes_nothing_and_keeps_the_version(tiny_model: str, tmp_path: Path, caplog) -> None:
+def test_a_non_finite_step_publishes_nothing_and_keeps_the_version(
+    tiny_model: str, tmp_path: Path, caplog
+) -> None:
     poisoned = _group("p", seed=6)
     lps = list(poisoned[2].logprobs)
     lps[-1] = float("nan")
@@ -246,7 +255,9 @@ def test_a_checkpointed_batch_the_buffer_forgot_is_not_trained_again_after_resum
     assert history[0]["guards"]["batches_trained_before"] == 1
 
 
-def test_the_learner_rides_out_a_serve_that_does_not_answer(tiny_model: str, tmp_path: Path, monkeypatch) -> None:
+def test_the_learner_rides_out_a_serve_that_does_not_answer(
+    tiny_model: str, tmp_path: Path, monkeypatch
+) -> None:
     from agentrl.errors import TransportError
     from agentrl.learner import trainer
 

@@ -65,9 +65,12 @@ def test_a_chunked_large_vocabulary_head_gives_the_unchunked_terms_and_gradients
     want = full_terms(logits, targets, plan, topk_ids)
     want_entropy = full_entropy(logits, plan)  # with gradient: the reference for the entropy's
     assert torch.allclose(want.entropy, want_entropy)
-    want_grads = torch.autograd.grad(_objective(want.logp, want_entropy, want.topk, coef), (hidden, weight, bias))
+    want_grads = torch.autograd.grad(
+        _objective(want.logp, want_entropy, want.topk, coef), (hidden, weight, bias)
+    )
 
-    got = chunked_terms(hidden, weight, bias, targets, plan, topk_ids, chunk_tokens=7)  # 7 chunks, the last short
+    # 7 chunks, the last short
+    got = chunked_terms(hidden, weight, bias, targets, plan, topk_ids, chunk_tokens=7)
     got_grads = torch.autograd.grad(_objective(got.logp, got.entropy, got.topk, coef), (hidden, weight, bias))
 
     assert (got.logp - want.logp).abs().max() < TOL
@@ -105,7 +108,9 @@ def _behaviour_samples(n: int, seed: int) -> list:
         kept = [sorted({int(tokens[start + i]), *rng.sample(range(3, 200), 6)}) for i in range(length)]
         settings = {"temperature": rng.uniform(0.5, 1.5), "top_k": 7.0, "presence_penalty": 0.3,
                     "frequency_penalty": 0.2, "repetition_penalty": 1.2}
-        out.append(replace(s, behaviour=Behaviour.from_calls(len(tokens), [(start, length, settings, kept)], tokens)))
+        out.append(
+            replace(s, behaviour=Behaviour.from_calls(len(tokens), [(start, length, settings, kept)], tokens))
+        )
     return out
 
 
@@ -120,7 +125,9 @@ def _with_topk(samples: list, k: int, seed: int) -> list:
     return out
 
 
-def test_the_tiny_models_packed_forward_is_the_same_chunked_as_unchunked_with_its_tied_head(tiny_model: str) -> None:
+def test_the_tiny_models_packed_forward_is_the_same_chunked_as_unchunked_with_its_tied_head(
+    tiny_model: str,
+) -> None:
     from agentrl.learner.packing import packed_forward
 
     model = load_model(tiny_model, Dist())
@@ -130,8 +137,17 @@ def test_the_tiny_models_packed_forward_is_the_same_chunked_as_unchunked_with_it
     def run(chunk: int) -> tuple:
         model.zero_grad(set_to_none=True)
         out = packed_forward(model, samples, topk=True, chunk_tokens=chunk)
-        mask = torch.from_numpy(np.stack([np.pad(np.asarray(s.loss_mask[1:], dtype=np.float32),
-                                                 (0, out.logp.shape[1] - len(s.token_ids) + 1)) for s in samples]))
+        mask = torch.from_numpy(
+            np.stack(
+                [
+                    np.pad(
+                        np.asarray(s.loss_mask[1:], dtype=np.float32),
+                        (0, out.logp.shape[1] - len(s.token_ids) + 1),
+                    )
+                    for s in samples
+                ]
+            )
+        )
         # as the step's loss: the sampled tokens' logprobs and the top-k term (the entropy is a statistic)
         ((out.logp * mask).sum() + 0.1 * out.topk.sum()).backward()
         grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}

@@ -26,12 +26,16 @@ class ScrapingBatches(FixedBatches):
     async def get_batch(self, version: int) -> tuple[str, list[Any]] | None:
         if version == 1 and not self.scraped:
             url = (self.run_dir / "learner_metrics_url").read_text().strip()
-            self.scraped = await asyncio.to_thread(lambda: urllib.request.urlopen(url, timeout=10).read().decode())
+            self.scraped = await asyncio.to_thread(
+                lambda: urllib.request.urlopen(url, timeout=10).read().decode()
+            )
         return await super().get_batch(version)
 
 
 @pytest.mark.slow
-def test_a_training_learner_serves_prometheus_metrics_and_writes_tensorboard_events(tiny_model, tmp_path: Path) -> None:
+def test_a_training_learner_serves_prometheus_metrics_and_writes_tensorboard_events(
+    tiny_model, tmp_path: Path
+) -> None:
     from agentrl.learner.trainer import learn
 
     source = ScrapingBatches(tiny_model, tmp_path)
@@ -40,9 +44,16 @@ def test_a_training_learner_serves_prometheus_metrics_and_writes_tensorboard_eve
     history = learn(cfg, source)
     assert len(history) == 2
     text = source.scraped
-    for name in ("agentrl_learner_step 1", "agentrl_learner_version 1", "agentrl_learner_loss ",
-                 "agentrl_learner_reward_mean ", "agentrl_learner_staleness_mean ", "agentrl_learner_tokens_per_s ",
-                 "agentrl_learner_idle_fraction ", "agentrl_learner_steps_total 1"):
+    for name in (
+        "agentrl_learner_step 1",
+        "agentrl_learner_version 1",
+        "agentrl_learner_loss ",
+        "agentrl_learner_reward_mean ",
+        "agentrl_learner_staleness_mean ",
+        "agentrl_learner_tokens_per_s ",
+        "agentrl_learner_idle_fraction ",
+        "agentrl_learner_steps_total 1",
+    ):
         assert name in text, text
     assert "# TYPE agentrl_learner_loss gauge" in text
 
@@ -59,7 +70,9 @@ def test_a_training_learner_serves_prometheus_metrics_and_writes_tensorboard_eve
 def test_metrics_server_answers_only_metrics_and_flattens_nested_sections() -> None:
     server = MetricsServer("127.0.0.1", 0)
     try:
-        server.update({"step": 3, "loss": 0.25, "engine_sync": {"total_s": 1.5}, "batch_id": "b3", "ok": True})
+        server.update(
+            {"step": 3, "loss": 0.25, "engine_sync": {"total_s": 1.5}, "batch_id": "b3", "ok": True}
+        )
         text = urllib.request.urlopen(server.url, timeout=10).read().decode()
         with pytest.raises(urllib.error.HTTPError) as e:
             urllib.request.urlopen(server.url.replace("/metrics", "/other"), timeout=10)

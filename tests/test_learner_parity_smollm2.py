@@ -69,8 +69,18 @@ def test_learner_logprobs_match_vllm_cpu_on_smollm2(smollm2):
         out = choice["token_ids"]
         assert len(out) == len(lps) > 0
         n = len(prompt)
-        samples.append(Sample(prompt + out, [0] * n + [1] * len(out), [0.0] * n + lps, [-1] * n + [0] * len(out),
-                              episode_id="e", group_id="g", env="chat", reward=0.0))
+        samples.append(
+            Sample(
+                prompt + out,
+                [0] * n + [1] * len(out),
+                [0.0] * n + lps,
+                [-1] * n + [0] * len(out),
+                episode_id="e",
+                group_id="g",
+                env="chat",
+                reward=0.0,
+            )
+        )
     model = _learner(folder)
     with torch.no_grad():
         learner = packed_logprobs(model, samples)  # all three samples in one packed row
@@ -102,8 +112,18 @@ def test_sampling_at_temperature_0_7_with_top_p_and_top_k_is_replayed_on_smollm2
                        model_dir=folder)
             out = []
             for i, p in enumerate(PROMPTS):
-                await r.chat({"model": "smollm2", "messages": [{"role": "user", "content": p}], "max_tokens": 48,
-                              "ignore_eos": True, "temperature": 0.7, "top_p": 0.9, "top_k": 20}, session_id=f"s{i}")
+                await r.chat(
+                    {
+                        "model": "smollm2",
+                        "messages": [{"role": "user", "content": p}],
+                        "max_tokens": 48,
+                        "ignore_eos": True,
+                        "temperature": 0.7,
+                        "top_p": 0.9,
+                        "top_k": 20,
+                    },
+                    session_id=f"s{i}",
+                )
                 out += (await r.end(f"s{i}")).samples
             return out
         finally:

@@ -78,8 +78,18 @@ def _run(model: str, run_dir: Path, resume: bool, hang_at: int | None, lora: boo
     from agentrl.learner.trainer import learn
 
     run_dir.mkdir(parents=True, exist_ok=True)
-    cfg = LearnConfig(model=model, run_dir=str(run_dir), steps=STEPS, lr=1e-3, warmup_steps=2, decay_steps=4,
-                      micro_batch_tokens=64, checkpoint_every=1, resume=resume, lora=LoraConfig(rank=4 if lora else 0))
+    cfg = LearnConfig(
+        model=model,
+        run_dir=str(run_dir),
+        steps=STEPS,
+        lr=1e-3,
+        warmup_steps=2,
+        decay_steps=4,
+        micro_batch_tokens=64,
+        checkpoint_every=1,
+        resume=resume,
+        lora=LoraConfig(rank=4 if lora else 0),
+    )
     learn(cfg, FixedBatches(model, run_dir, hang_at))
 
 
@@ -100,7 +110,9 @@ def test_a_learner_killed_after_step_k_resumes_with_the_uninterrupted_loss(tiny_
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     mode = ("--lora",) if lora else ()
     whole = tmp_path / "whole"
-    out = subprocess.run(_driver(tiny_model, whole, *mode), capture_output=True, text=True, env=env, timeout=600)
+    out = subprocess.run(
+        _driver(tiny_model, whole, *mode), capture_output=True, text=True, env=env, timeout=600
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     reference = _rows(whole)
     assert [r["step"] for r in reference] == list(range(1, STEPS + 1))
@@ -134,7 +146,10 @@ def test_a_learner_killed_after_step_k_resumes_with_the_uninterrupted_loss(tiny_
     assert (cut / "acked.txt").read_text().split() == [f"b{i}" for i in range(STEPS)]
     if lora:  # the checkpoint is the adapters' (a few KB for the tiny model), not the whole model's
         ckpt = cut / "checkpoints" / (cut / "checkpoints" / "latest").read_text().strip()
-        assert sum(f.stat().st_size for f in ckpt.glob("*.distcp")) < (Path(tiny_model) / "model.safetensors").stat().st_size / 4
+        assert (
+            sum(f.stat().st_size for f in ckpt.glob("*.distcp"))
+            < (Path(tiny_model) / "model.safetensors").stat().st_size / 4
+        )
         _exports_the_trained_adapter(ckpt, tiny_model, tmp_path / "hf")
 
 
@@ -151,7 +166,9 @@ def _exports_the_trained_adapter(ckpt: Path, model: str, out: Path) -> None:
     ids = torch.tensor([[1, 5, 9, 14, 3, 7, 22, 8, 2, 11]])
     mask = torch.ones_like(ids)
     with torch.no_grad():
-        merged = token_logprobs(AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval(), ids, mask)
+        merged = token_logprobs(
+            AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval(), ids, mask
+        )
         base = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
         untrained = token_logprobs(base, ids, mask)
         adapted = token_logprobs(PeftModel.from_pretrained(base, str(out / "adapter")).eval(), ids, mask)

@@ -35,15 +35,19 @@ def _params(state) -> torch.Tensor:
 
 def _mixed(n: int, seed: int):
     """Samples whose groups each have a winner, so every advantage is non-zero."""
-    return [replace(s, reward=float(i % 4 < 2)) for i, s in enumerate(make_samples(n, seed=seed))]  # groups: i % 2
+    # groups: i % 2
+    return [replace(s, reward=float(i % 4 < 2)) for i, s in enumerate(make_samples(n, seed=seed))]
 
 
 def test_ppo_clips_over_several_passes_with_pi_old_fixed_at_the_start(tiny_model: str) -> None:
     samples = _mixed(8, seed=5)
     one = train_step(_state(tiny_model, cfg := LearnConfig(lr=1e-2, micro_batch_tokens=256,
                                                            loss=PPOLoss(correction="none"))), samples, cfg, 1)
-    assert one["updates"] == 1 and one["loss/clip_frac"] == 0.0  # one pass: pi_theta = pi_old, nothing to clip
-    cfg = LearnConfig(lr=1e-2, micro_batch_tokens=256, loss=PPOLoss(correction="none", minibatches=2, epochs=4))
+    # one pass: pi_theta = pi_old, nothing to clip
+    assert one["updates"] == 1 and one["loss/clip_frac"] == 0.0
+    cfg = LearnConfig(
+        lr=1e-2, micro_batch_tokens=256, loss=PPOLoss(correction="none", minibatches=2, epochs=4)
+    )
     state = _state(tiny_model, cfg)
     many = train_step(state, samples, cfg, 1)
     assert many["updated"] and many["updates"] == 8 and state.step == 1
@@ -119,7 +123,9 @@ def test_a_non_finite_loss_skips_the_update_and_names_the_sample(tiny_model: str
     assert again["updated"] and state.step == 1 and not torch.equal(_params(state), before)
 
 
-def test_dropout_is_off_so_training_passes_give_the_sampling_policys_logprobs(tiny_model: str, tmp_path) -> None:
+def test_dropout_is_off_so_training_passes_give_the_sampling_policys_logprobs(
+    tiny_model: str, tmp_path
+) -> None:
     from agentrl.learner.packing import packed_logprobs
 
     model_dir = tmp_path / "dropout"

@@ -47,7 +47,9 @@ def test_fresh_adapters_leave_the_model_as_it_was_and_only_they_train(tiny_model
 
     base = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
     want = _logprobs(base)
-    model = add_adapters(AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32), LoraConfig(rank=8))
+    model = add_adapters(
+        AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32), LoraConfig(rank=8)
+    )
     assert torch.equal(_logprobs(model), want)  # B starts at zero
     trainable = [n for n, p in model.named_parameters() if p.requires_grad]
     assert trainable and all(".lora_A." in n or ".lora_B." in n for n in trainable)
@@ -66,10 +68,14 @@ def test_the_merged_state_is_the_adapted_policy_under_the_base_models_names(tiny
     assert set(merged) == set(plain.state_dict())
     plain.load_state_dict(merged)
     assert (_logprobs(plain) - want).abs().max() < 1e-5
-    assert (_logprobs(AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)) - want).abs().max() > 1e-3
+    assert (
+        _logprobs(AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)) - want
+    ).abs().max() > 1e-3
 
 
-def test_a_saved_adapter_is_a_peft_folder_that_loads_as_the_same_policy(tiny_model: str, tmp_path: Path) -> None:
+def test_a_saved_adapter_is_a_peft_folder_that_loads_as_the_same_policy(
+    tiny_model: str, tmp_path: Path
+) -> None:
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
@@ -95,7 +101,10 @@ def test_an_adapter_upload_unpacks_into_the_folder_vllm_loads_and_anything_else_
     staged.write_bytes(pack_adapter(adapter_state(model.state_dict()), adapter_config(cfg)))
     config = unpack_adapter(staged, tmp_path / "v1")
     assert config["r"] == 4 and not staged.exists()
-    assert {p.name for p in (tmp_path / "v1").iterdir()} == {"adapter_model.safetensors", "adapter_config.json"}
+    assert {p.name for p in (tmp_path / "v1").iterdir()} == {
+        "adapter_model.safetensors",
+        "adapter_config.json",
+    }
 
     bad = {
         "no config": save({"x.lora_A.weight": torch.zeros(2, 2)}),
@@ -151,7 +160,9 @@ def test_an_adapter_version_is_loaded_beside_the_last_with_no_pause_and_old_ones
     asyncio.run(go())
 
 
-def test_serve_receives_an_adapter_upload_and_refuses_one_that_is_not(tiny_model: str, tmp_path: Path) -> None:
+def test_serve_receives_an_adapter_upload_and_refuses_one_that_is_not(
+    tiny_model: str, tmp_path: Path
+) -> None:
     from agentrl.learner.lora import adapter_config
     from agentrl.weights import WeightTransferError, publish
     from tests.test_weight_sync import _serve

@@ -75,7 +75,9 @@ async def _router(url: str, model_dir: str) -> AsyncIterator[tuple[Any, Any]]:
         for policy, versions in pool.engines[0].adapters.items():  # the module's engine ends with none loaded
             for v in list(versions):
                 with contextlib.suppress(Exception):
-                    await pool.control(pool.engines[0], "/v1/unload_lora_adapter", {"lora_name": f"{policy}-v{v}"})
+                    await pool.control(
+                        pool.engines[0], "/v1/unload_lora_adapter", {"lora_name": f"{policy}-v{v}"}
+                    )
         await pool.close()
 
 
@@ -108,8 +110,13 @@ def test_a_request_in_flight_finishes_on_its_adapter_while_new_ones_get_the_next
             loaded = await _models(lora_engine.url)
             # a third version: with two kept, v1 is unloaded and can no longer be named
             await updater.load_adapter(str(tmp_path / "v2"), 3)
-            async with aiohttp.ClientSession() as http, http.post(lora_engine.url + "/inference/v1/generate", json={
-                    "model": "policy-v1", "token_ids": [1, 2, 3], "sampling_params": {"max_tokens": 2}}) as r:
+            async with (
+                aiohttp.ClientSession() as http,
+                http.post(
+                    lora_engine.url + "/inference/v1/generate",
+                    json={"model": "policy-v1", "token_ids": [1, 2, 3], "sampling_params": {"max_tokens": 2}},
+                ) as r,
+            ):
                 refused = r.status
             after = await _models(lora_engine.url)
             return (router.sessions[f"{tag}-long"].samples()[0], router.sessions["short"].samples()[0],
@@ -158,7 +165,9 @@ def test_an_engine_that_lost_its_adapters_is_brought_to_the_current_one_before_i
     assert (_learner_logprobs(v1, sample) - _learner_logprobs(v2, sample)).abs().max() > 1e-2
 
 
-def test_agentrl_run_trains_lora_adapters_and_only_the_adapters_travel(tmp_path: Path, tiny_tools_model: str) -> None:
+def test_agentrl_run_trains_lora_adapters_and_only_the_adapters_travel(
+    tmp_path: Path, tiny_tools_model: str
+) -> None:
     """``agentrl run --learn.lora.rank=8``: the engines take adapters, the learner sends them alone,
     its samples carry the adapters' versions, and the export holds the adapter and the merged model."""
     from peft import PeftModel
@@ -225,4 +234,6 @@ def test_named_policies_each_sample_from_their_own_newest_adapter_on_one_engine(
             torch.from_numpy(sample.loss_mask[1:] != 0)].abs()
         assert diff.max() < 1e-3, (sid, float(diff.max()))  # sampled from that policy's adapter
     # and the two policies differ on these tokens: the call was not served by the other's adapter
-    assert (_learner_logprobs(solver, samples["s"]) - _learner_logprobs(proposer, samples["s"])).abs().max() > 1e-2
+    assert (
+        _learner_logprobs(solver, samples["s"]) - _learner_logprobs(proposer, samples["s"])
+    ).abs().max() > 1e-2

@@ -69,7 +69,8 @@ def test_cispo_weights_reinforce_by_the_clipped_ratio_and_keeps_every_gradient()
     w = [1.2, e(-0.1)]  # the first ratio is capped at 1 + 0.2; no floor (clip_low = 1)
     close(loss, (-(w[0] * 2.0 * -1.0) - (w[1] * 2.0 * -2.0)) / 2)
     loss.backward()
-    close(logp.grad, [[-w[0] * 2.0 / 2, -w[1] * 2.0 / 2]])  # the clipped token still trains (PPO would drop it)
+    # the clipped token still trains (PPO would drop it)
+    close(logp.grad, [[-w[0] * 2.0 / 2, -w[1] * 2.0 / 2]])
     close(stats["clip_frac"], 1 / 2)
     close(stats["clip_frac_high"], 1 / 2)
     close(stats["ratio_max"], e(0.5))
@@ -95,8 +96,15 @@ def test_cispo_and_gspo_ignore_masked_garbage() -> None:
 @pytest.mark.parametrize("kind", ["gspo", "cispo"])
 def test_compute_loss_dispatches_the_new_kinds(kind: str) -> None:
     logp, beh = t([[-1.0, -2.0]]), t([[-1.0, -2.0]])
-    loss, stats = compute_loss(kind, "tis", logp=logp, logp_behaviour=beh, advantages=t([1.0]),  # type: ignore[arg-type]
-                               mask=t([[1, 1]]), agg="token-mean")
+    loss, stats = compute_loss(
+        kind,
+        "tis",
+        logp=logp,
+        logp_behaviour=beh,
+        advantages=t([1.0]),  # type: ignore[arg-type]
+        mask=t([[1, 1]]),
+        agg="token-mean",
+    )
     # one pass: every ratio is 1; GSPO's value is -s A (PPO-like), CISPO's -w A logp (REINFORCE-like)
     close(loss, -1.0 if kind == "gspo" else (1.0 + 2.0) / 2)
     assert "loss/clip_frac" in stats and stats["loss/tokens"].item() == 2
@@ -122,7 +130,9 @@ def test_loss_units_count_what_each_aggregation_divides_by() -> None:
         loss_units(t(MASK), "sum")  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
+@pytest.mark.parametrize(
+    "agg", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+)
 def test_the_sum_form_divided_by_the_units_is_the_aggregate(agg: str) -> None:
     summed = aggregate(t(VALUES), t(MASK), agg, denominator=1.0, norm_tokens=5)  # type: ignore[arg-type]
     close(summed / loss_units(t(MASK), agg, 5), aggregate(t(VALUES), t(MASK), agg, norm_tokens=5))  # type: ignore[arg-type]
@@ -130,10 +140,13 @@ def test_the_sum_form_divided_by_the_units_is_the_aggregate(agg: str) -> None:
 
 def test_mis_masked_tokens_leave_the_counts_of_compute_loss() -> None:
     logp, beh = t([[0.0, 0.0, 0.0]]), t([[0.0, -3.0, 0.1]])  # token 1: pi_old / mu = exp(3), out of [0.5, 2]
-    _, stats = compute_loss("pg", "mis", logp=logp, logp_behaviour=beh, advantages=t([1.0]), mask=t([[1, 1, 1]]))
+    _, stats = compute_loss(
+        "pg", "mis", logp=logp, logp_behaviour=beh, advantages=t([1.0]), mask=t([[1, 1, 1]])
+    )
     assert stats["loss/tokens"].item() == 2 and stats["loss/sequences"].item() == 1
-    _, stats = compute_loss("pg", "mis", logp=logp, logp_behaviour=beh, advantages=t([1.0]), mask=t([[1, 1, 1]]),
-                            level="sequence")
+    _, stats = compute_loss(
+        "pg", "mis", logp=logp, logp_behaviour=beh, advantages=t([1.0]), mask=t([[1, 1, 1]]), level="sequence"
+    )
     assert stats["loss/tokens"].item() == 0 and stats["loss/sequences"].item() == 0  # the whole sequence left
 
 
@@ -154,7 +167,8 @@ def test_an_episode_split_into_two_samples_counts_once_in_its_group() -> None:
 def test_samples_of_an_episode_with_several_choices_share_its_advantage() -> None:
     # group h: episode D (reward 1); episode E (reward 0) asked for n = 3 choices: three samples
     adv = episode_advantages(t([1.0, 0.0, 0.0, 0.0]), ["D", "E", "E", "E"], ["h"] * 4, eps=0.0)
-    close(adv, [1 / math.sqrt(2), -1 / math.sqrt(2), -1 / math.sqrt(2), -1 / math.sqrt(2)])  # +-0.5 / sqrt(0.5)
+    # +-0.5 / sqrt(0.5)
+    close(adv, [1 / math.sqrt(2), -1 / math.sqrt(2), -1 / math.sqrt(2), -1 / math.sqrt(2)])
     # without the std (Dr. GRPO): reward minus the mean over episodes, 1/2
     close(episode_advantages(t([1.0, 0.0, 0.0, 0.0]), ["D", "E", "E", "E"], ["h"] * 4, normalize_std=False),
           [0.5, -0.5, -0.5, -0.5])

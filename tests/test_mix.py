@@ -29,11 +29,16 @@ from agentrl.scoring.config import TeacherConfig
 from environments.mix import interleave
 from tests.scoring_helpers import finished_episode, stand_in_endpoint
 
-MIX = {"envs": {"arithmetic": {}, "guess_number": {"high": 8}}, "weights": {"arithmetic": 3, "guess_number": 1}}
+MIX = {
+    "envs": {"arithmetic": {}, "guess_number": {"high": 8}},
+    "weights": {"arithmetic": 3, "guess_number": 1},
+}
 
 
 def test_interleaving_gives_each_stream_its_share_in_every_stretch_and_goes_on_when_one_runs_out() -> None:
-    drawn = [name for name, _ in interleave({"a": iter(range(100)), "b": iter(range(5))}, {"a": 3.0, "b": 1.0})]
+    drawn = [
+        name for name, _ in interleave({"a": iter(range(100)), "b": iter(range(5))}, {"a": 3.0, "b": 1.0})
+    ]
     assert Counter(drawn[:20]) == {"a": 15, "b": 5}
     assert all(Counter(drawn[i:i + 4]) == {"a": 3, "b": 1} for i in range(0, 20, 4))
     assert Counter(drawn) == {"a": 100, "b": 5}  # b ran out: a alone to its end
@@ -149,9 +154,14 @@ def test_each_environment_of_a_mix_is_scored_by_its_own_teacher_and_the_rest_by_
     async def main() -> tuple[dict[str, Any], list[list[dict[str, Any]]], dict[str, Any]]:
         servers = [await _teacher(scale) for scale in (0.125, 0.25, 0.5)]
         (_, arith_url, _), (_, guess_url, _), (_, default_url, _) = servers
-        cfg = ScoringConfig(teacher=TeacherConfig(url=default_url, model="d", name="default"), timeout_s=30,
-                            teachers={"arithmetic": TeacherConfig(url=arith_url, model="a", name="arith", weight=1.0),
-                                      "guess_number": TeacherConfig(url=guess_url, model="g", name="guess")})
+        cfg = ScoringConfig(
+            teacher=TeacherConfig(url=default_url, model="d", name="default"),
+            timeout_s=30,
+            teachers={
+                "arithmetic": TeacherConfig(url=arith_url, model="a", name="arith", weight=1.0),
+                "guess_number": TeacherConfig(url=guess_url, model="g", name="guess"),
+            },
+        )
         stage = ScoringStage(cfg, env_name="mix")
         eps = {}
         try:
@@ -165,12 +175,16 @@ def test_each_environment_of_a_mix_is_scored_by_its_own_teacher_and_the_rest_by_
         return eps, [bodies for *_, bodies in servers], stage.status()
 
     eps, bodies, status = asyncio.run(main())
-    assert [[b["model"] for b in calls] for calls in bodies] == [["a"], ["g"], ["d"]]  # one call each, its own
+    # one call each, its own
+    assert [[b["model"] for b in calls] for calls in bodies] == [["a"], ["g"], ["d"]]
     for env, name, scale in (("arithmetic", "arith", 0.125), ("guess_number", "guess", 0.25),
                              ("straggler", "default", 0.5)):
         (s,) = eps[env].samples  # tokens [1, 2, 3], mask [0, 1, 1], behaviour logprobs [0, -0.5, -0.1]
         assert s.info["teacher"] == {"name": name}
-        assert math.isnan(s.teacher_logprobs[0]) and s.teacher_logprobs[1:].tolist() == [-scale * 2, -scale * 3]
+        assert math.isnan(s.teacher_logprobs[0]) and s.teacher_logprobs[1:].tolist() == [
+            -scale * 2,
+            -scale * 3,
+        ]
     kl = ((-0.5 + 0.25) + (-0.1 + 0.375)) / 2
     assert set(eps["arithmetic"].samples[0].info["rewards"]) == {"env", "teacher:arithmetic"}
     assert eps["arithmetic"].reward == pytest.approx(1.0 + kl)  # that teacher's own weight, 1
@@ -183,8 +197,10 @@ def test_each_environment_of_a_mix_is_scored_by_its_own_teacher_and_the_rest_by_
 def test_a_run_of_one_environment_uses_the_teacher_named_for_it() -> None:
     async def main() -> dict[str, Any]:
         runner, url, bodies = await _teacher(0.125)
-        stage = ScoringStage(ScoringConfig(teachers={"guess_number": TeacherConfig(url=url, model="g")}, timeout_s=30),
-                             env_name="guess_number")
+        stage = ScoringStage(
+            ScoringConfig(teachers={"guess_number": TeacherConfig(url=url, model="g")}, timeout_s=30),
+            env_name="guess_number",
+        )
         ep = finished_episode()
         try:
             await stage({"id": "t"}, ep)
@@ -198,10 +214,18 @@ def test_a_run_of_one_environment_uses_the_teacher_named_for_it() -> None:
 
 
 def test_teachers_per_environment_are_settings_with_their_own_checks() -> None:
-    cfg = load(ServeConfig, overrides=["env.name=mix", "scoring.teachers.guess_number.url=http://127.0.0.1:9/v1",
-                                       "scoring.teachers.guess_number.model=g",
-                                       "scoring.teachers.guess_number.weight=0.5"])
-    assert cfg.scoring.teachers == {"guess_number": TeacherConfig(url="http://127.0.0.1:9/v1", model="g", weight=0.5)}
+    cfg = load(
+        ServeConfig,
+        overrides=[
+            "env.name=mix",
+            "scoring.teachers.guess_number.url=http://127.0.0.1:9/v1",
+            "scoring.teachers.guess_number.model=g",
+            "scoring.teachers.guess_number.weight=0.5",
+        ],
+    )
+    assert cfg.scoring.teachers == {
+        "guess_number": TeacherConfig(url="http://127.0.0.1:9/v1", model="g", weight=0.5)
+    }
     assert build(ServeConfig, to_dict(cfg)) == cfg  # and back, through files
     assert "[scoring]" in to_toml(cfg) and 'guess_number = {url = "http://127.0.0.1:9/v1"' in to_toml(cfg)
     with pytest.raises(ConfigError, match="scoring.teachers.guess_number needs a url and a model"):
@@ -209,5 +233,11 @@ def test_teachers_per_environment_are_settings_with_their_own_checks() -> None:
     with pytest.raises(ConfigError, match="unknown setting scoring.teachers.guess_number.urll"):
         load(ServeConfig, overrides=["scoring.teachers.guess_number.urll=x"])
     with pytest.raises(ConfigError, match="one run's teachers keep the same top-k"):
-        load(ServeConfig, overrides=["scoring.teachers.g.url=http://127.0.0.1:9/v1", "scoring.teachers.g.model=g",
-                                     "scoring.teachers.g.top_k=4"])
+        load(
+            ServeConfig,
+            overrides=[
+                "scoring.teachers.g.url=http://127.0.0.1:9/v1",
+                "scoring.teachers.g.model=g",
+                "scoring.teachers.g.top_k=4",
+            ],
+        )

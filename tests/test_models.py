@@ -12,7 +12,9 @@ from agentrl.models.tiny import build_tiny_model
 
 
 def _digest(folder: Path) -> dict[str, str]:
-    return {f.name: hashlib.sha256(f.read_bytes()).hexdigest() for f in sorted(folder.iterdir()) if f.is_file()}
+    return {
+        f.name: hashlib.sha256(f.read_bytes()).hexdigest() for f in sorted(folder.iterdir()) if f.is_file()
+    }
 
 
 def test_the_tiny_model_builds_byte_for_byte_the_same_twice(tmp_path):
@@ -31,12 +33,17 @@ def test_the_chat_template_renders_tools_tool_calls_and_tool_results(tmp_path):
     messages = [
         {"role": "user", "content": "What is 3 + 4?"},
         {"role": "assistant", "content": "", "tool_calls": [
-            {"id": "c1", "type": "function", "function": {"name": "python", "arguments": '{"code": "print(3 + 4)"}'}}]},
+            {"id": "c1", "type": "function", "function": {"name": "python", "arguments": '{"code": '
+                                                                                         '"print(3 '
+                                                                                         '+ 4)"}'}}]},
         {"role": "tool", "tool_call_id": "c1", "content": "7"},
     ]
     text = tok.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
     assert '<tools>\n{"type": "function", "function": {"name": "python"' in text
-    assert '<tool_call>\n{"name": "python", "arguments": {"code": "print(3 + 4)"}}\n</tool_call><|im_end|>' in text
+    assert (
+        '<tool_call>\n{"name": "python", "arguments": {"code": "print(3 + 4)"}}\n</tool_call><|im_end|>'
+        in text
+    )
     assert "<|im_start|>user\n<tool_response>\n7\n</tool_response><|im_end|>" in text
     assert text.endswith("<|im_start|>assistant\n")
     # Prefix-stable: the conversation so far renders as a prefix of the longer one.

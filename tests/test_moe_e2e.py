@@ -57,7 +57,8 @@ def test_agentrl_run_trains_the_tiny_moe_through_the_engines_recorded_experts(tm
                           "--learn.keep_checkpoints=0", latency_median_s=4.0, max_keys=3, max_turns=4,
                           max_tokens=48, steps=3)
 
-    # every step trained through recorded experts; at matching precision they rarely differ from the learner's own
+    # every step trained through recorded experts; at matching precision they rarely differ from the learner's
+    # own
     assert len(steps) == 3
     for s in steps:
         assert s["routing_replayed_tokens"] > 0 and 0.0 <= s["routing_disagreement"] < 0.2, s
@@ -97,10 +98,21 @@ def test_agentrl_run_trains_the_tiny_moe_through_the_engines_recorded_experts(tm
             ids = rec.prompt_ids + comp.token_ids
             n, start = len(ids), len(rec.prompt_ids)
             calls = [c.completions[0] for c in reversed(chain)]  # one choice per call
-            routing = chain_routing(n, [c.routing for c in calls], [max(c.versions, default=None) for c in calls])
+            routing = chain_routing(
+                n, [c.routing for c in calls], [max(c.versions, default=None) for c in calls]
+            )
             mask = [0] * start + [int(v == version) for v in comp.versions]
-            sample = Sample(ids, mask, [0.0] * start + comp.logprobs, [-1] * start + comp.versions, episode_id="e",
-                            group_id="g", env="straggler", reward=0.0, routing=routing)
+            sample = Sample(
+                ids,
+                mask,
+                [0.0] * start + comp.logprobs,
+                [-1] * start + comp.versions,
+                episode_id="e",
+                group_id="g",
+                env="straggler",
+                reward=0.0,
+                routing=routing,
+            )
             if version not in policies:
                 policies[version] = _policy(model_dir, run_dir, version, tmp_path)
             with torch.no_grad(), routing_replayed(policies[version], [sample]):

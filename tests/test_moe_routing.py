@@ -53,7 +53,9 @@ def _hf(model_dir: str, dtype: torch.dtype = torch.float32) -> Any:
     return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
 
 
-def _logprobs(model: Any, ids: list[int], experts: torch.Tensor | None, stats: ReplayStats | None = None) -> torch.Tensor:
+def _logprobs(
+    model: Any, ids: list[int], experts: torch.Tensor | None, stats: ReplayStats | None = None
+) -> torch.Tensor:
     """log p(ids[t] | ids[<t]) for t >= 1 (fp32), the forward routed through ``experts`` when given."""
     x = torch.tensor([ids])
     with torch.no_grad(), replay_routing(model, experts, stats):
@@ -99,7 +101,9 @@ def test_the_captured_experts_are_the_ones_the_engine_used(moe_engine: Any, moe_
 
 
 @pytest.mark.vllm
-def test_a_prompt_from_the_prefix_cache_has_routing_only_for_what_the_engine_computed(moe_engine: Any) -> None:
+def test_a_prompt_from_the_prefix_cache_has_routing_only_for_what_the_engine_computed(
+    moe_engine: Any,
+) -> None:
     _rpc(moe_engine.url, "agentrl_capture_experts")
     prompt = [random.Random(3).randrange(10, 2000) for _ in range(300)]
     body = {"model": "tiny-moe", "prompt": prompt, "max_tokens": 4, "temperature": 0.0, "ignore_eos": True}
@@ -192,7 +196,9 @@ def test_packed_samples_are_replayed_each_through_its_own_routing(moe_model: str
     assert not torch.allclose(plain, packed)  # the recorded experts are not the gate's own choice everywhere
 
 
-def test_a_train_step_replays_the_routing_through_backward_and_reports_the_disagreement(moe_model: str) -> None:
+def test_a_train_step_replays_the_routing_through_backward_and_reports_the_disagreement(
+    moe_model: str,
+) -> None:
     from agentrl.config import LearnConfig
     from agentrl.learner.dist import Dist, load_model
     from agentrl.learner.step import build_state, train_step
@@ -202,7 +208,9 @@ def test_a_train_step_replays_the_routing_through_backward_and_reports_the_disag
     for checkpointing in (False, True):
         torch.manual_seed(0)
         cfg = LearnConfig(lr=1e-3, micro_batch_tokens=256)
-        state = build_state(cfg, load_model(moe_model, Dist(), activation_checkpointing=checkpointing), Dist())
+        state = build_state(
+            cfg, load_model(moe_model, Dist(), activation_checkpointing=checkpointing), Dist()
+        )
         results.append(train_step(state, samples, cfg, 1))
         params.append(torch.cat([p.detach().flatten() for p in state.model.parameters()]))
     recorded = sum(int((s.routing != 255).any(axis=(1, 2)).sum()) for s in samples)
@@ -243,7 +251,8 @@ async def _capturing_router(url: str, moe_model: str) -> AsyncIterator[tuple[Any
         yield router, updater
     finally:
         try:
-            await updater.update_weights(moe_model, updater.version + 1)  # the module's engine gets its weights back
+            # the module's engine gets its weights back
+            await updater.update_weights(moe_model, updater.version + 1)
         finally:
             await pool.close()
 
@@ -278,7 +287,11 @@ def test_the_router_records_each_calls_experts_and_the_learners_weights_reach_th
     async def go() -> tuple[Any, Any, dict[str, Any]]:
         async with _capturing_router(moe_engine.url, moe_model) as (router, updater):
             first = await router.chat(dict(body, messages=question, seed=1), session_id="moe-a")
-            follow = [*question, first["choices"][0]["message"], {"role": "user", "content": "Again, slower."}]
+            follow = [
+                *question,
+                first["choices"][0]["message"],
+                {"role": "user", "content": "Again, slower."},
+            ]
             await router.chat(dict(body, messages=follow, seed=2), session_id="moe-a")
             sync = await updater.update_weights(str(folder), 1)
             await router.chat(dict(body, messages=question, seed=3), session_id="moe-b")
@@ -322,23 +335,35 @@ def test_tokens_an_update_caught_in_flight_are_the_new_weights_through_the_exper
     # update lands in the middle of every one, however fast the machine
     n, max_tokens = 8, 1400
     system = " ".join(f"Rule {i}: count the tools, then the numbers, and say both." for i in range(8))
-    body = {"max_tokens": max_tokens, "temperature": 1.0, "ignore_eos": True,  # no seed: see test_weight_sync_vllm
+    # no seed: see test_weight_sync_vllm
+    body = {"max_tokens": max_tokens, "temperature": 1.0, "ignore_eos": True,
             "messages": [{"role": "system", "content": system},
                          {"role": "user", "content": "Tell me a long story about numbers and tools."}]}
 
     async def go() -> tuple[list[Any], int]:
         async with _capturing_router(moe_engine.url, moe_model) as (router, updater):
             # every one well under way and none past half its length; the update's own resume lets them go on
-            tag, calls = await hold_under_way(router, lambda tag: [asyncio.create_task(
-                router.chat(body, session_id=f"{tag}-cross-{i}")) for i in range(n)], n, tokens_each=100, most_each=700)
+            tag, calls = await hold_under_way(
+                router,
+                lambda tag: [
+                    asyncio.create_task(router.chat(body, session_id=f"{tag}-cross-{i}")) for i in range(n)
+                ],
+                n,
+                tokens_each=100,
+                most_each=700,
+            )
             await updater.update_weights(str(folder), 1)
             await asyncio.gather(*calls)
             samples = [router.sessions[f"{tag}-cross-{i}"].samples()[0] for i in range(n)]
-            assert all(((s.versions == 0) & (s.loss_mask != 0)).any() and (s.versions == 1).any() for s in samples)
+            assert all(
+                ((s.versions == 0) & (s.loss_mask != 0)).any() and (s.versions == 1).any() for s in samples
+            )
             return samples, 1
 
     samples, version = asyncio.run(go())
     for s in samples:
-        new = torch.from_numpy(s.versions[1:] == version)  # logprob positions of the tokens the new weights sampled
+        # logprob positions of the tokens the new weights sampled
+        new = torch.from_numpy(s.versions[1:] == version)
         diff = (_replayed_logprobs(learner, s) - torch.from_numpy(s.logprobs[1:]))[new].abs()
-        assert diff.max() < 1e-3, (diff[:4].tolist(), float(diff.max()))  # diff[0]: the first after the switch
+        # diff[0]: the first after the switch
+        assert diff.max() < 1e-3, (diff[:4].tolist(), float(diff.max()))

@@ -43,7 +43,9 @@ def test_named_policies_are_checked_and_agentrl_run_loads_every_kept_adapter() -
 
 def test_each_policy_has_its_own_stream_staleness_bound_and_room() -> None:
     async def go() -> None:
-        buf = PolicyBuffers(BufferConfig(batch_size=2, group_size=2, max_staleness=1), {"proposer": 0, "solver": 2})
+        buf = PolicyBuffers(
+            BufferConfig(batch_size=2, group_size=2, max_staleness=1), {"proposer": 0, "solver": 2}
+        )
         try:
             await buf.put([_sample("solver", "g1", 0, i) for i in range(2)] +
                           [_sample("proposer", "g2", 0, i) for i in range(2)] +
@@ -121,7 +123,10 @@ def test_each_policy_uploads_its_own_adapters_with_its_own_versions_and_window(t
             engine = pool.engines[0]
             assert engine.adapters == {"solver": {2: str(tmp_path / "solver" / "v2")},
                                        "proposer": {1: str(tmp_path / "proposer" / "v1")}}
-            assert engine.adapter("solver") == ("solver-v2", 2) and engine.adapter("proposer") == ("proposer-v1", 1)
+            assert engine.adapter("solver") == ("solver-v2", 2) and engine.adapter("proposer") == (
+                "proposer-v1",
+                1,
+            )
             unloads = [b["lora_name"] for _, p, b in fakes[0].calls if p == "/v1/unload_lora_adapter"]
             assert unloads == ["solver-v1"]  # the solver keeps 1; the proposer's v1 is untouched
             with pytest.raises(WeightTransferError) as e:  # a version a policy already has: 409
@@ -156,7 +161,8 @@ def test_the_router_takes_the_policy_from_model_and_a_sample_never_spans_two() -
     r = R()
     assert r.policy_of({"model": "solver", "messages": []}) == ({"model": "tiny", "messages": []}, "solver")
     assert r.policy_of({"model": "tiny"})[1] == "proposer" and r.policy_of({})[1] == "proposer"
-    assert r.named_policy({"model": "critic"}) == ({"model": "critic"}, None)  # refused later as an unknown model
+    # refused later as an unknown model
+    assert r.named_policy({"model": "critic"}) == ({"model": "critic"}, None)
 
     reply = {"role": "assistant", "content": "hi"}
     first = [{"role": "user", "content": "a"}]
@@ -174,16 +180,24 @@ def test_the_router_takes_the_policy_from_model_and_a_sample_never_spans_two() -
 def test_metrics_carry_each_policys_version_and_stream() -> None:
     from agentrl.serve.app import prometheus_series
 
-    out = prometheus_series({"policies": {"proposer": 3, "solver": 5},
-                             "buffer": {"pending": 7, "policies": {"solver": {"depth": 4, "pending": 4, "consumed": 8,
-                                                                              "dropped": 1}}}})
+    out = prometheus_series(
+        {
+            "policies": {"proposer": 3, "solver": 5},
+            "buffer": {
+                "pending": 7,
+                "policies": {"solver": {"depth": 4, "pending": 4, "consumed": 8, "dropped": 1}},
+            },
+        }
+    )
     assert out['policy_version{policy="proposer"}'] == 3 and out['policy_version{policy="solver"}'] == 5
     assert out['buffer_policy_depth{policy="solver"}'] == 4 and out["buffer_pending"] == 7
 
 
 def test_a_producer_waiting_for_room_is_woken_by_any_streams_consumed_batch() -> None:
     async def go() -> None:
-        buf = PolicyBuffers(BufferConfig(batch_size=2, group_size=2, max_staleness=0), {"proposer": 0, "solver": 0})
+        buf = PolicyBuffers(
+            BufferConfig(batch_size=2, group_size=2, max_staleness=0), {"proposer": 0, "solver": 0}
+        )
         try:
             await buf.put([_sample("solver", "g1", 0, i) for i in range(2)] +
                           [_sample("proposer", "g2", 0, i) for i in range(2)])

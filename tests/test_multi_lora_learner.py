@@ -39,8 +39,9 @@ class TwoPolicies(RecordingSource):
     """serve with policies "a" and "b": fixed batches per policy (none for a policy not in
     ``batches``), serve's version of each settable; records pulls, publishes and acks."""
 
-    def __init__(self, model: str, batches: dict[str, list[list[Sample]]], versions: dict[str, int] | None = None
-                 ) -> None:
+    def __init__(
+        self, model: str, batches: dict[str, list[list[Sample]]], versions: dict[str, int] | None = None
+    ) -> None:
         self.model, self.batches = model, batches
         self.served = dict(versions or {"a": 0, "b": 0})
         super().__init__()
@@ -59,9 +60,13 @@ class TwoPolicies(RecordingSource):
         i = self.pulled[policy]
         self.pulled[policy] += 1
         self.events.append(("batch", policy, f"{policy}{i}", version))
-        return f"{policy}{i}", [replace(s, sample_id=f"{policy}{i}-{s.sample_id}") for s in mine[i % len(mine)]]
+        return f"{policy}{i}", [
+            replace(s, sample_id=f"{policy}{i}-{s.sample_id}") for s in mine[i % len(mine)]
+        ]
 
-    async def publish(self, state: dict[str, Any], version: int, *, policy: str | None = None) -> dict[str, Any]:
+    async def publish(
+        self, state: dict[str, Any], version: int, *, policy: str | None = None
+    ) -> dict[str, Any]:
         assert policy is not None
         self.events.append(("publish", policy, version))
         self.published.append((policy, version, {k: v.clone() for k, v in state.items()}))
@@ -79,7 +84,9 @@ def _cfg(model: str, run_dir: Path, steps: int, **kw: Any) -> LearnConfig:
 BATCHES = {"a": [_batch("x", 1), _batch("y", 2)], "b": [_batch("z", 3), _batch("w", 4)]}
 
 
-def test_two_policies_train_in_turn_each_at_its_own_version_publishing_its_adapter_alone(tiny_model, tmp_path):
+def test_two_policies_train_in_turn_each_at_its_own_version_publishing_its_adapter_alone(
+    tiny_model, tmp_path
+):
     source = TwoPolicies(tiny_model, BATCHES)
     history = learn(_cfg(tiny_model, tmp_path, steps=4), source)
 
@@ -89,7 +96,8 @@ def test_two_policies_train_in_turn_each_at_its_own_version_publishing_its_adapt
         ("publish", "a", 1), ("publish", "b", 1), ("publish", "a", 2), ("publish", "b", 2)]
     layers = 2 * 2 * 2  # q and v of the tiny model's 2 layers, A and B each
     for policy, _, state in source.published:
-        assert len(state) == layers and all(of_adapter(k, policy) for k in state)  # its own adapter, nothing else
+        # its own adapter, nothing else
+        assert len(state) == layers and all(of_adapter(k, policy) for k in state)
     assert [(r["step"], r["policy"], r["policy_step"], r["version"], r["batch_id"]) for r in history] == [
         (1, "a", 1, 1, "a0"), (2, "b", 1, 1, "b0"), (3, "a", 2, 2, "a1"), (4, "b", 2, 2, "b1")]
     rows = [json.loads(x) for x in (tmp_path / "learner.jsonl").read_text().splitlines()]
@@ -102,14 +110,16 @@ def test_two_policies_train_in_turn_each_at_its_own_version_publishing_its_adapt
 def test_a_policy_with_nothing_ready_is_passed_over_and_its_adapter_stays_as_it_was(tiny_model, tmp_path):
     source = TwoPolicies(tiny_model, {"a": BATCHES["a"]})  # b never has a batch
     learn(_cfg(tiny_model, tmp_path, steps=2, export_dir=str(tmp_path / "export")), source)
-    assert [e[1:] for e in source.events if e[0] == "publish"] == [("a", 1), ("a", 2)]  # b was never published
+    # b was never published
+    assert [e[1:] for e in source.events if e[0] == "publish"] == [("a", 1), ("a", 2)]
 
     # the export: one peft folder per policy; b's B is still zero (untrained), a's moved
     from safetensors.torch import load_file
 
     a = load_file(str(tmp_path / "export" / "a" / "adapter_model.safetensors"))
     b = load_file(str(tmp_path / "export" / "b" / "adapter_model.safetensors"))
-    assert set(a) == set(b) and len(a) == 8 and all(".a." not in k and ".b." not in k for k in a)  # peft's names
+    # peft's names
+    assert set(a) == set(b) and len(a) == 8 and all(".a." not in k and ".b." not in k for k in a)
     assert all(not v.any() for k, v in b.items() if "lora_B" in k)
     assert all(v.any() for k, v in a.items() if "lora_B" in k)
     assert json.loads((tmp_path / "export" / "b" / "adapter_config.json").read_text())["r"] == 4
@@ -122,10 +132,16 @@ def test_training_one_policy_changes_only_its_adapter_through_its_own_optimizer(
     from agentrl.learner.step import build_state, train_step
 
     base = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
-    model = add_adapters(AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32), LORA, names=["a", "b"])
+    model = add_adapters(
+        AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32), LORA, names=["a", "b"]
+    )
     cfg = _cfg(tiny_model, Path("unused"), steps=1)
-    states = {n: build_state(cfg, model, Dist(), params=[p for k, p in model.named_parameters() if of_adapter(k, n)])
-              for n in ("a", "b")}
+    states = {
+        n: build_state(
+            cfg, model, Dist(), params=[p for k, p in model.named_parameters() if of_adapter(k, n)]
+        )
+        for n in ("a", "b")
+    }
     ids_a = {id(p) for g in states["a"].optimizer.param_groups for p in g["params"]}
     ids_b = {id(p) for g in states["b"].optimizer.param_groups for p in g["params"]}
     assert len(ids_a) == len(ids_b) == 8 and not ids_a & ids_b  # one optimizer per adapter, disjoint
@@ -141,7 +157,8 @@ def test_training_one_policy_changes_only_its_adapter_through_its_own_optimizer(
         elif not of_adapter(k, "a"):
             assert torch.equal(v, before[k]), k  # b's adapter and the base: bit-identical
     assert states["a"].optimizer.state and not states["b"].optimizer.state
-    assert all(p.requires_grad for k, p in model.named_parameters() if ".lora_" in k)  # every adapter still trains
+    # every adapter still trains
+    assert all(p.requires_grad for k, p in model.named_parameters() if ".lora_" in k)
 
     with torch.no_grad():  # with b active the model is the base (b's B is zero); with a, it is not
         want = token_logprobs(base.eval(), IDS, torch.ones_like(IDS))
@@ -166,11 +183,21 @@ def test_a_resumed_learner_goes_on_with_every_policys_adapter_optimizer_and_vers
     again.pulled = dict(first.pulled)  # the batches it serves next are those the whole run got
     resumed = learn(_cfg(tiny_model, cut, steps=5, checkpoint_every=1, resume=True), again)
     # the checkpointed batch acked again, both adapters at the versions the learner holds, then b's turn
-    assert again.events[:4] == [("ack", "a1"), ("publish", "a", 2), ("publish", "b", 1), ("batch", "b", "b1", 1)]
+    assert again.events[:4] == [
+        ("ack", "a1"),
+        ("publish", "a", 2),
+        ("publish", "b", 1),
+        ("batch", "b", "b1", 1),
+    ]
     assert [(r["step"], r["policy"], r["version"]) for r in resumed] == [(4, "b", 2), (5, "a", 3)]
     for got, want in zip(resumed, reference[3:], strict=True):
-        assert (got["batch_id"], got["policy_step"], got["lr"]) == (want["batch_id"], want["policy_step"], want["lr"])
-        assert (got["loss"], got["grad_norm"]) == (want["loss"], want["grad_norm"])  # one process on CPU: exactly
+        assert (got["batch_id"], got["policy_step"], got["lr"]) == (
+            want["batch_id"],
+            want["policy_step"],
+            want["lr"],
+        )
+        # one process on CPU: exactly
+        assert (got["loss"], got["grad_norm"]) == (want["loss"], want["grad_norm"])
     # the republished adapters are those the first run published last; the final ones are the whole run's
     assert all(torch.equal(again.published[0][2][k], first.published[2][2][k]) for k in first.published[2][2])
     assert all(torch.equal(again.published[1][2][k], first.published[1][2][k]) for k in first.published[1][2])
@@ -202,7 +229,9 @@ def test_several_policies_need_lora_and_the_adapter_transport(tiny_model, tmp_pa
     from transformers import AutoModelForCausalLM
 
     with pytest.raises(ValueError, match="not a module name"):  # it would be ambiguous in every adapter key
-        add_adapters(AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32), LORA, names=["mlp"])
+        add_adapters(
+            AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32), LORA, names=["mlp"]
+        )
 
 
 class OnePolicy(TwoPolicies):
@@ -247,8 +276,16 @@ def test_serve_source_asks_for_and_publishes_a_policy_with_its_own_staleness_bou
 
     class Http:
         async def json(self, *args: Any, **kw: Any) -> dict[str, Any]:
-            return {"model_path": "m", "version": 0, "batch_size": 8, "max_staleness": 2,
-                    "policies": {"a": {"version": 3, "max_staleness": 5}, "b": {"version": 0, "max_staleness": 1}}}
+            return {
+                "model_path": "m",
+                "version": 0,
+                "batch_size": 8,
+                "max_staleness": 2,
+                "policies": {
+                    "a": {"version": 3, "max_staleness": 5},
+                    "b": {"version": 0, "max_staleness": 1},
+                },
+            }
 
     source = ServeSource.__new__(ServeSource)
     source.cfg = LearnConfig(policy_wait_s=7.5)
@@ -303,7 +340,9 @@ def test_two_policies_under_two_fsdp_processes_train_and_resume_like_one_process
     rows = out[False]["rows"] + out[True]["rows"]
     assert [r[:3] for r in rows] == [r[:3] for r in single["rows"]]
     for got, want in zip(rows, single["rows"], strict=True):
-        assert got[3] == pytest.approx(want[3], rel=1e-4, abs=1e-7) and got[4] == pytest.approx(want[4], rel=1e-4)
+        assert got[3] == pytest.approx(want[3], rel=1e-4, abs=1e-7) and got[4] == pytest.approx(
+            want[4], rel=1e-4
+        )
     # the resumed run republished both adapters (serve came back at 0), then b's and a's next versions
     published = out[False]["published"] + out[True]["published"][2:]
     assert [p[:2] for p in published] == [p[:2] for p in single["published"]]

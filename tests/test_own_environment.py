@@ -65,8 +65,11 @@ def test_the_readme_environment_trains_from_a_file_outside_the_project(tmp_path:
     assert shipped.is_current(home / "models" / "smollm2-tools", recipe_stamp("smollm2-tools"))
 
     episodes = [json.loads(line) for line in (run_dir / "episodes.jsonl").read_text().splitlines()]
-    assert episodes and all(e["error"] is None for e in episodes), [e["error"] for e in episodes if e["error"]]
-    assert sum(e["info"].get("tool_calls", 0) for e in episodes) > 0, "the environment's tool was never called"
+    assert episodes and all(e["error"] is None for e in episodes), [
+        e["error"] for e in episodes if e["error"]
+    ]
+    assert sum(e["info"].get("tool_calls", 0) for e in episodes) > 0, ("the environment's "
+                                                                       "tool was never called")
     groups: dict[str, list[float]] = defaultdict(list)
     for e in episodes:
         groups[e["group_id"]].append(e["reward"])

@@ -28,17 +28,39 @@ def write_recorded_run(run_dir: Path, steps: int = 30, with_sandbox: bool = True
             stale = [rng.choice([0, 0, 1, 1, 2]) for _ in range(16)]
             reward = 0.2 + 0.6 * (1 - math.exp(-step / 10)) + rng.gauss(0, 0.05)
             wait, train, sync = rng.uniform(0.5, 4.0), rng.uniform(10, 14), rng.uniform(0.3, 0.8)
-            f.write(json.dumps({
-                "step": step, "version": step, "time": t0 + 20 * step, "loss": rng.gauss(0, 0.05),
-                "grad_norm": rng.uniform(0.2, 1.0), "samples": 16, "trained_samples": 16, "failed_samples": 0,
-                "reward_mean": reward, "advantage_abs_mean": 0.7, "staleness_mean": sum(stale) / 16,
-                "staleness_max": max(stale), "staleness_hist": {str(k): stale.count(k) for k in sorted(set(stale))},
-                "tokens": 2048, "tokens_per_s": rng.uniform(130, 150), "mismatch/kl_k1": rng.uniform(-1e-4, 1e-3),
-                "mismatch/kl_k3": rng.uniform(0, 1e-3), "is/mean": rng.uniform(0.97, 1.02),
-                "is/max": rng.uniform(1.2, 2.0), "is/frac_clipped": rng.uniform(0, 0.02), "loss/loss": 0.01,
-                "wait_s": wait, "train_s": train, "sync_s": sync, "idle_fraction": wait / (wait + train + sync),
-                "engine_sync": {"engines": {"engine-0": {"total_s": 0.4}}},
-            }) + "\n")
+            f.write(
+                json.dumps(
+                    {
+                        "step": step,
+                        "version": step,
+                        "time": t0 + 20 * step,
+                        "loss": rng.gauss(0, 0.05),
+                        "grad_norm": rng.uniform(0.2, 1.0),
+                        "samples": 16,
+                        "trained_samples": 16,
+                        "failed_samples": 0,
+                        "reward_mean": reward,
+                        "advantage_abs_mean": 0.7,
+                        "staleness_mean": sum(stale) / 16,
+                        "staleness_max": max(stale),
+                        "staleness_hist": {str(k): stale.count(k) for k in sorted(set(stale))},
+                        "tokens": 2048,
+                        "tokens_per_s": rng.uniform(130, 150),
+                        "mismatch/kl_k1": rng.uniform(-1e-4, 1e-3),
+                        "mismatch/kl_k3": rng.uniform(0, 1e-3),
+                        "is/mean": rng.uniform(0.97, 1.02),
+                        "is/max": rng.uniform(1.2, 2.0),
+                        "is/frac_clipped": rng.uniform(0, 0.02),
+                        "loss/loss": 0.01,
+                        "wait_s": wait,
+                        "train_s": train,
+                        "sync_s": sync,
+                        "idle_fraction": wait / (wait + train + sync),
+                        "engine_sync": {"engines": {"engine-0": {"total_s": 0.4}}},
+                    }
+                )
+                + "\n"
+            )
     with open(run_dir / "episodes.jsonl", "w") as f:
         for i in range(steps * 16):
             p = min(0.9, 0.2 + i / (steps * 20))
@@ -51,25 +73,79 @@ def write_recorded_run(run_dir: Path, steps: int = 30, with_sandbox: bool = True
             }) + "\n")
     with open(run_dir / "serve_metrics.jsonl", "w") as f:
         for k in range(1, steps * 4):
-            sandbox = {"backend": "docker", "warm": 2, "in_use": rng.randint(4, 16), "creating": 0,
-                       "created": 20 + k, "destroyed": k, "resets": 3 * k, "reaped": 0, "acquires": 4 * k,
-                       "warm_hits": 4 * k - 1, "exec_count": 5 * k, "timeouts": k // 40, "oom_kills": 0,
-                       "infra_errors": 0, "exec_p50_ms": rng.uniform(60, 80), "exec_p99_ms": rng.uniform(150, 250),
-                       "acquire_p50_ms": 1.0, "acquire_p99_ms": rng.uniform(5, 300), "create_p50_ms": 300.0,
-                       "create_p99_ms": 450.0}
-            f.write(json.dumps({
-                "time": t0 + 5 * k, "uptime_s": 5 * k, "version": k // 4,
-                "engines": [{"url": "http://127.0.0.1:8100", "name": "engine-0", "healthy": True, "outstanding": 12,
-                             "version": k // 4, "served": 30 * k, "failures": 0, "last_error": None}],
-                "router": {"calls": 30 * k, "errors_4xx": 0, "errors_5xx": 0, "prompt_tokens": 9000 * k,
-                           "completion_tokens": 1600 * k + rng.randint(0, 200), "continued": 0, "splits": 0,
-                           "retries": 0},
-                "rollout": {"in_flight": rng.randint(24, 32), "episodes": 4 * k, "failed": k // 25, "truncated": 0,
-                            "samples": 4 * k, "reward_sum": 2.0 * k, "tool_calls": 4 * k},
-                "buffer": {"depth": rng.randint(0, 32), "produced": 4 * k, "consumed": 3 * k, "dropped": k // 10,
-                           "pending": 8, "leased": 16, "learner_version": k // 4},
-                "sandbox": sandbox if with_sandbox else None,
-            }) + "\n")
+            sandbox = {
+                "backend": "docker",
+                "warm": 2,
+                "in_use": rng.randint(4, 16),
+                "creating": 0,
+                "created": 20 + k,
+                "destroyed": k,
+                "resets": 3 * k,
+                "reaped": 0,
+                "acquires": 4 * k,
+                "warm_hits": 4 * k - 1,
+                "exec_count": 5 * k,
+                "timeouts": k // 40,
+                "oom_kills": 0,
+                "infra_errors": 0,
+                "exec_p50_ms": rng.uniform(60, 80),
+                "exec_p99_ms": rng.uniform(150, 250),
+                "acquire_p50_ms": 1.0,
+                "acquire_p99_ms": rng.uniform(5, 300),
+                "create_p50_ms": 300.0,
+                "create_p99_ms": 450.0,
+            }
+            f.write(
+                json.dumps(
+                    {
+                        "time": t0 + 5 * k,
+                        "uptime_s": 5 * k,
+                        "version": k // 4,
+                        "engines": [
+                            {
+                                "url": "http://127.0.0.1:8100",
+                                "name": "engine-0",
+                                "healthy": True,
+                                "outstanding": 12,
+                                "version": k // 4,
+                                "served": 30 * k,
+                                "failures": 0,
+                                "last_error": None,
+                            }
+                        ],
+                        "router": {
+                            "calls": 30 * k,
+                            "errors_4xx": 0,
+                            "errors_5xx": 0,
+                            "prompt_tokens": 9000 * k,
+                            "completion_tokens": 1600 * k + rng.randint(0, 200),
+                            "continued": 0,
+                            "splits": 0,
+                            "retries": 0,
+                        },
+                        "rollout": {
+                            "in_flight": rng.randint(24, 32),
+                            "episodes": 4 * k,
+                            "failed": k // 25,
+                            "truncated": 0,
+                            "samples": 4 * k,
+                            "reward_sum": 2.0 * k,
+                            "tool_calls": 4 * k,
+                        },
+                        "buffer": {
+                            "depth": rng.randint(0, 32),
+                            "produced": 4 * k,
+                            "consumed": 3 * k,
+                            "dropped": k // 10,
+                            "pending": 8,
+                            "leased": 16,
+                            "learner_version": k // 4,
+                        },
+                        "sandbox": sandbox if with_sandbox else None,
+                    }
+                )
+                + "\n"
+            )
 
 
 def test_plot_writes_a_non_empty_png_per_chart_for_a_recorded_run(tmp_path: Path) -> None:
@@ -93,9 +169,22 @@ def test_a_run_with_a_scoring_stage_gets_its_chart(tmp_path: Path) -> None:
             if key is None:
                 r["info"]["rewards"] = {"env": r["reward"], "judge": (i % 11) / 10}
             else:
-                r[key]["scoring"] = {"scored": 4 * i, "failed": i // 9, "timeouts": 0, "waiting": 1, "scoring": 2,
-                                     "outage": 0, "scorers": {"judge": {"calls": 4 * i, "failures": i // 9,
-                                                                        "seconds": 8.1 * i, "reward_sum": 2.0 * i}}}
+                r[key]["scoring"] = {
+                    "scored": 4 * i,
+                    "failed": i // 9,
+                    "timeouts": 0,
+                    "waiting": 1,
+                    "scoring": 2,
+                    "outage": 0,
+                    "scorers": {
+                        "judge": {
+                            "calls": 4 * i,
+                            "failures": i // 9,
+                            "seconds": 8.1 * i,
+                            "reward_sum": 2.0 * i,
+                        }
+                    },
+                }
         (run / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
     paths = {p.name: p for p in plot_run(run)}
     assert "scoring.png" in paths

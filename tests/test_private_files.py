@@ -21,9 +21,18 @@ def test_serve_writes_its_run_directory_private_even_under_a_permissive_umask(tm
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("AGENTRL_")}
     # an engine nobody runs: serve still comes up (its pool marks it down) and writes its run directory
-    cmd = [sys.executable, "-m", "agentrl.cli", "serve", f"--run_dir={run_dir}", f"--router.port={port}",
-           f'--engine.urls=["http://127.0.0.1:{free_port()}"]', "--env.name=guess_number", "--endpoint_only=true",
-           "--router.render=engine"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "agentrl.cli",
+        "serve",
+        f"--run_dir={run_dir}",
+        f"--router.port={port}",
+        f'--engine.urls=["http://127.0.0.1:{free_port()}"]',
+        "--env.name=guess_number",
+        "--endpoint_only=true",
+        "--router.render=engine",
+    ]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                             preexec_fn=lambda: os.umask(0o022))
     try:
@@ -37,5 +46,9 @@ def test_serve_writes_its_run_directory_private_even_under_a_permissive_umask(tm
         proc.wait(60)
     paths = [p for p in [run_dir, *run_dir.rglob("*")]]
     assert len(paths) >= 5
-    wide = [(str(p.relative_to(tmp_path)), oct(p.stat().st_mode & 0o777)) for p in paths if p.stat().st_mode & 0o077]
+    wide = [
+        (str(p.relative_to(tmp_path)), oct(p.stat().st_mode & 0o777))
+        for p in paths
+        if p.stat().st_mode & 0o077
+    ]
     assert not wide, wide

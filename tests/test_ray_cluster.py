@@ -54,18 +54,42 @@ def test_serve_on_a_two_node_ray_cluster_runs_episodes_and_survives_a_killed_rol
     from agentrl.serve import Serve
 
     monkeypatch.setattr(ray_constants, "ENABLE_RAY_CLUSTER", False)
-    cluster = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 1, "resources": {"head_node": 1}, "node_ip_address": LOOPBACK, "include_dashboard": False})
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={
+            "num_cpus": 1,
+            "resources": {"head_node": 1},
+            "node_ip_address": LOOPBACK,
+            "include_dashboard": False,
+        },
+    )
     cluster.add_node(num_cpus=2, resources={"worker_node": 1}, node_ip_address=LOOPBACK)
     cluster.wait_for_nodes()
-    cfg = C.load(C.ServeConfig, None, [
-        f"run_dir={tmp_path / 'run'}", f"router.port={free_port()}", f"engine.base_port={free_port()}",
-        "env.name=guess_number", "env.group_size=2", "env.max_turns=2", "env.max_tokens=16",
-        "buffer.batch_size=4", "buffer.max_staleness=10", "buffer.durable=false", "engine.max_model_len=2048",
-        f"ray.address={cluster.address}", f"ray.engine_host={LOOPBACK}",
-        "ray.engine_cpus=1", "ray.engine_resources={head_node = 1}",
-        "ray.workers=2", "ray.worker_cpus=1", "ray.worker_resources={worker_node = 0.5}", "ray.worker_concurrency=4",
-    ])
+    cfg = C.load(
+        C.ServeConfig,
+        None,
+        [
+            f"run_dir={tmp_path / 'run'}",
+            f"router.port={free_port()}",
+            f"engine.base_port={free_port()}",
+            "env.name=guess_number",
+            "env.group_size=2",
+            "env.max_turns=2",
+            "env.max_tokens=16",
+            "buffer.batch_size=4",
+            "buffer.max_staleness=10",
+            "buffer.durable=false",
+            "engine.max_model_len=2048",
+            f"ray.address={cluster.address}",
+            f"ray.engine_host={LOOPBACK}",
+            "ray.engine_cpus=1",
+            "ray.engine_resources={head_node = 1}",
+            "ray.workers=2",
+            "ray.worker_cpus=1",
+            "ray.worker_resources={worker_node = 0.5}",
+            "ray.worker_concurrency=4",
+        ],
+    )
     facts: dict[str, object] = {}
 
     async def scenario() -> None:
@@ -90,14 +114,18 @@ def test_serve_on_a_two_node_ray_cluster_runs_episodes_and_survives_a_killed_rol
                     return set()
                 return {json.loads(x).get("worker") for x in log_path.read_text().splitlines() if x.strip()}
 
-            await until("episode lines from both workers", lambda: {"worker-0", "worker-1"} <= logged_workers(), 60)
+            await until(
+                "episode lines from both workers", lambda: {"worker-0", "worker-1"} <= logged_workers(), 60
+            )
             assert all("reward" in json.loads(x) for x in log_path.read_text().splitlines() if x.strip())
             batch = await serve.buffer.get_batch(0, timeout_s=30)
             assert batch is not None and len(batch.samples) == 4
-            assert any(sum(s.loss_mask) > 0 and len(s.logprobs) for s in batch.samples)  # the engine's exact tokens
+            # the engine's exact tokens
+            assert any(sum(s.loss_mask) > 0 and len(s.logprobs) for s in batch.samples)
             assert serve.buffer.ack(batch.batch_id)
             assert serve.router.counters["calls"] >= 8
-            assert len(serve.router.sessions) <= 8  # finished episodes closed theirs; only in-flight ones stay
+            # finished episodes closed theirs; only in-flight ones stay
+            assert len(serve.router.sessions) <= 8
 
             victim = cl.worker_info[0]["pid"]
             os.kill(victim, signal.SIGKILL)
@@ -115,9 +143,17 @@ def test_serve_on_a_two_node_ray_cluster_runs_episodes_and_survives_a_killed_rol
 
             consumer = asyncio.create_task(learner())
             try:
-                await until("the restarted worker to play episodes", lambda: cl.worker_info[0].get("pid") not in (
-                    None, victim) and (cl.worker_info[0].get("episodes") or 0) >= 1, 300)
-                await until("more samples after the kill", lambda: serve.buffer.stats()["produced"] > before, 120)
+                await until(
+                    "the restarted worker to play episodes",
+                    lambda: (
+                        cl.worker_info[0].get("pid") not in (None, victim)
+                        and (cl.worker_info[0].get("episodes") or 0) >= 1
+                    ),
+                    300,
+                )
+                await until(
+                    "more samples after the kill", lambda: serve.buffer.stats()["produced"] > before, 120
+                )
             finally:
                 consumer.cancel()
             status = serve.status()

@@ -68,8 +68,8 @@ def test_a_sigterm_to_the_reaper_takes_its_whole_group_down(tmp_path):
 
 def test_sigusr1_kills_the_whole_group_at_once_and_a_signal_death_exits_128_plus_n(tmp_path):
     # the child ignores SIGTERM: a graceful stop would wait out the grace; SIGUSR1 does not wait
-    script = (f"trap '' TERM; echo $$ > {tmp_path}/child.pid; sleep 600 & echo $! > {tmp_path}/grandchild.pid; "
-              "wait")
+    script = (f"trap '' TERM; echo $$ > {tmp_path}/child.pid; sleep "
+              f"600 & echo $! > {tmp_path}/grandchild.pid; wait")
     reaper = subprocess.Popen([sys.executable, "-m", "agentrl.engines.reaper", "--", "sh", "-c", script],
                               env=dict(os.environ, AGENTRL_REAPER_GRACE_S="60"))
     grandchild = _read_pid(tmp_path / "grandchild.pid")
@@ -110,7 +110,8 @@ def test_a_child_that_exits_on_sigterm_is_not_held_for_the_grace_period(tmp_path
 def test_the_command_is_stopped_when_its_reaper_is_killed_with_kill_9(tmp_path):
     """A process-group kill of whoever launched the reaper takes the reaper down with no chance to
     forward anything: its command gets SIGTERM from the kernel and stops itself."""
-    script = f"trap 'echo stopped > {tmp_path}/stopped; exit 0' TERM; echo $$ > {tmp_path}/child.pid; sleep 600 & wait"
+    script = (f"trap 'echo stopped > {tmp_path}/stopped; exit 0' TERM; "
+              f"echo $$ > {tmp_path}/child.pid; sleep 600 & wait")
     reaper = subprocess.Popen([sys.executable, "-m", "agentrl.engines.reaper", "--", "sh", "-c", script])
     child = _read_pid(tmp_path / "child.pid")
     reaper.send_signal(signal.SIGKILL)

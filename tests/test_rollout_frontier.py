@@ -57,16 +57,31 @@ class Producer:
             self.hold[task["id"]] -= 1
         episode = uuid.uuid4().hex
         reward = float(self.played[task["id"]] % 2)
-        sample = Sample(token_ids=list(range(8)), loss_mask=[0] * 4 + [1] * 4, logprobs=[0.0] * 4 + [-0.5] * 4,
-                        versions=[-1] * 4 + [0] * 4, episode_id=episode, group_id=group_id, env="frontier-count",
-                        reward=reward)
+        sample = Sample(
+            token_ids=list(range(8)),
+            loss_mask=[0] * 4 + [1] * 4,
+            logprobs=[0.0] * 4 + [-0.5] * 4,
+            versions=[-1] * 4 + [0] * 4,
+            episode_id=episode,
+            group_id=group_id,
+            env="frontier-count",
+            reward=reward,
+        )
         return EpisodeResult(episode_id=episode, group_id=group_id, env="frontier-count", task_id=task["id"],
                              reward=reward, terminated=True, samples=[sample])
 
 
 def _orchestrator(producer: Producer, buf: Buffer, run_dir: Path, max_episodes: int = 0) -> Orchestrator:
-    return Orchestrator(producer, buf, env_name="frontier-count", group_size=G, max_concurrency=8, run_dir=run_dir,
-                        max_episodes=max_episodes, frontier=TaskFrontier(run_dir / "rollout_frontier.jsonl"))
+    return Orchestrator(
+        producer,
+        buf,
+        env_name="frontier-count",
+        group_size=G,
+        max_concurrency=8,
+        run_dir=run_dir,
+        max_episodes=max_episodes,
+        frontier=TaskFrontier(run_dir / "rollout_frontier.jsonl"),
+    )
 
 
 async def _until(cond: Any, timeout_s: float = 30.0) -> None:

@@ -40,7 +40,9 @@ def _numbered(template: str) -> str:
     return numbered
 
 
-def _parent(renderer: LocalRenderer, body: dict[str, Any], k: int, reply: dict[str, Any], eos: set[int]) -> CallRecord:
+def _parent(
+    renderer: LocalRenderer, body: dict[str, Any], k: int, reply: dict[str, Any], eos: set[int]
+) -> CallRecord:
     """A recorded call for ``body``'s first ``k - 1`` messages whose reply is message ``k - 1``."""
     conv = body["messages"][: k - 1]
     prompt = renderer.render_ids(body, conv)
@@ -53,10 +55,17 @@ def _parent(renderer: LocalRenderer, body: dict[str, Any], k: int, reply: dict[s
                       engine="e", messages=[normalize_message(m) for m in conv])
 
 
-def _two_render(renderer: LocalRenderer, body: dict[str, Any], parent: CallRecord, eos: set[int]) -> list[int] | None:
+def _two_render(
+    renderer: LocalRenderer, body: dict[str, Any], parent: CallRecord, eos: set[int]
+) -> list[int] | None:
     k = len(parent.messages) + 1
-    return continued_prompt(parent, 0, renderer.render_ids(body, body["messages"][:k], add_generation_prompt=False),
-                            renderer.render_ids(body), eos)
+    return continued_prompt(
+        parent,
+        0,
+        renderer.render_ids(body, body["messages"][:k], add_generation_prompt=False),
+        renderer.render_ids(body),
+        eos,
+    )
 
 
 def test_the_chatml_template_passes_the_check_and_a_continuation_renders_only_the_new_messages(renderer, eos):
@@ -66,7 +75,9 @@ def test_the_chatml_template_passes_the_check_and_a_continuation_renders_only_th
     renders: list[int] = []
     plain = r.render_ids
 
-    def counted(body: dict[str, Any], messages: list[dict[str, Any]] | None = None, add_generation_prompt: bool = True):
+    def counted(
+        body: dict[str, Any], messages: list[dict[str, Any]] | None = None, add_generation_prompt: bool = True
+    ):
         renders.append(len(body["messages"] if messages is None else messages))
         return plain(body, messages, add_generation_prompt)
 
@@ -77,7 +88,8 @@ def test_the_chatml_template_passes_the_check_and_a_continuation_renders_only_th
         renders.clear()
         got = asyncio.run(r.prompt(None, body, parent, 0, eos))
         assert got.continues and got.ids == _two_render(renderer, body, parent, eos), name
-        # the base conversation (2 messages) once per tool set, then base + new messages: never the whole conversation
+        # the base conversation (2 messages) once per tool set, then base + new messages: never the whole
+        # conversation
         assert renders in ([2 + len(new)], [2, 2 + len(new)]), (name, renders)
     assert r.counters["local_renders"] == len(continuation_probes())
     assert len(r._bases) == 2  # no tools, and TOOLS

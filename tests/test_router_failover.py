@@ -58,14 +58,42 @@ class FakeEngine:
 
         async def generate(request: web.Request) -> web.Response:
             self.calls += 1
-            return web.json_response({"request_id": "g", "choices": [{
-                "index": 0, "finish_reason": "length", "stop_reason": None, "token_ids": [7, 8],
-                "logprobs": {"content": [{"token_id": 7, "logprob": -1.0}, {"token_id": 8, "logprob": -1.0}]}}]})
+            return web.json_response(
+                {
+                    "request_id": "g",
+                    "choices": [
+                        {
+                            "index": 0,
+                            "finish_reason": "length",
+                            "stop_reason": None,
+                            "token_ids": [7, 8],
+                            "logprobs": {
+                                "content": [
+                                    {"token_id": 7, "logprob": -1.0},
+                                    {"token_id": 8, "logprob": -1.0},
+                                ]
+                            },
+                        }
+                    ],
+                }
+            )
 
         async def derender(request: web.Request) -> web.Response:
-            return web.json_response({"id": "x", "object": "chat.completion", "created": 0, "model": "m",
-                                      "choices": [{"index": 0, "message": {"role": "assistant", "content": "ab"},
-                                                   "finish_reason": "length"}]})
+            return web.json_response(
+                {
+                    "id": "x",
+                    "object": "chat.completion",
+                    "created": 0,
+                    "model": "m",
+                    "choices": [
+                        {
+                            "index": 0,
+                            "message": {"role": "assistant", "content": "ab"},
+                            "finish_reason": "length",
+                        }
+                    ],
+                }
+            )
 
         app.router.add_get("/health", health)
         app.router.add_post("/update_weight_version", ok)
@@ -249,14 +277,21 @@ def test_killing_one_of_two_engines_mid_load_fails_nothing_slowly_and_the_surviv
         from concurrent.futures import ThreadPoolExecutor
 
         def warm(_: int) -> int:
+            # logprobs too: their kernels compile as well
             return requests.post(victim.url + "/v1/chat/completions", timeout=900, json={
                 "model": "tiny-tools", "messages": [{"role": "user", "content": "Count from one to twenty."}],
-                "max_tokens": 48, "logprobs": True}).status_code  # logprobs too: their kernels compile as well
+                "max_tokens": 48, "logprobs": True}).status_code
 
         with ThreadPoolExecutor(12) as ex:
             assert set(ex.map(warm, range(12))) == {200}
-        with serve_router([survivor, victim.url], tiny_tools_model, retries=1, request_timeout_s=ENGINE_TIMEOUT_S,
-                          health_interval_s=0.5, health_failures=3) as srv:
+        with serve_router(
+            [survivor, victim.url],
+            tiny_tools_model,
+            retries=1,
+            request_timeout_s=ENGINE_TIMEOUT_S,
+            health_interval_s=0.5,
+            health_failures=3,
+        ) as srv:
             stop = threading.Event()
             rows: list[dict[str, Any]] = []
             threads = [threading.Thread(target=_client, args=(srv.url, stop, rows, i % 4 == 3), daemon=True)
@@ -285,7 +320,9 @@ def test_killing_one_of_two_engines_mid_load_fails_nothing_slowly_and_the_surviv
             if r["stream"] and r["status"] == 200:
                 assert r["done"], r
         later = [r for r in rows if r["start"] > killed_at + 0.5]
-        assert len(later) >= 12 and all(r["status"] == 200 and not r.get("in_band_error") for r in later), later
+        assert len(later) >= 12 and all(r["status"] == 200 and not r.get("in_band_error") for r in later), (
+            later
+        )
         engines = {e["name"]: e for e in status["engines"]}
         assert engines["engine-1"]["healthy"] is False and engines["engine-0"]["healthy"] is True
         # in-flight calls on the dead engine were retried on the survivor (nothing had been sent)

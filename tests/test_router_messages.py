@@ -20,9 +20,15 @@ from tests.router_harness import ADMIN, KEY
 
 pytestmark = pytest.mark.vllm
 
-TOOLS = [{"name": "python", "description": "Run Python code.",
-          "input_schema": {"type": "object", "properties": {"code": {"type": "string"}}, "required": ["code"]}}]
-ASK = [{"role": "user", "content": "What is 12*7?"}]  # greedy, the tiny-tools model answers with a python call
+TOOLS = [
+    {
+        "name": "python",
+        "description": "Run Python code.",
+        "input_schema": {"type": "object", "properties": {"code": {"type": "string"}}, "required": ["code"]},
+    }
+]
+# greedy, the tiny-tools model answers with a python call
+ASK = [{"role": "user", "content": "What is 12*7?"}]
 GREEDY = {"temperature": 0}
 
 
@@ -32,7 +38,9 @@ def _session(srv, sid: str) -> anthropic.Anthropic:
                                timeout=120)
 
 
-def test_a_plain_message_is_the_engines_tokens_and_renders_as_vllms_own(http_router, vllm_engine, tiny_tools_model):
+def test_a_plain_message_is_the_engines_tokens_and_renders_as_vllms_own(
+    http_router, vllm_engine, tiny_tools_model
+):
     c = _session(http_router, "m-plain")
     m = c.messages.create(model="tiny-tools", max_tokens=16, system="Be brief.",
                           messages=[{"role": "user", "content": "tell me a story"}], extra_body=GREEDY)
@@ -63,7 +71,9 @@ def test_a_streamed_message_is_the_unstreamed_one(http_router):
     assert blocks == [{"type": b.type, "text": b.text} for b in whole.content]
     assert final.stop_reason == whole.stop_reason == "max_tokens"
     assert final.usage.output_tokens == whole.usage.output_tokens == 10
-    with c.messages.stream(model="tiny-tools", max_tokens=80, messages=ASK, tools=TOOLS, extra_body=GREEDY) as s:
+    with c.messages.stream(
+        model="tiny-tools", max_tokens=80, messages=ASK, tools=TOOLS, extra_body=GREEDY
+    ) as s:
         kinds = [e.type for e in s]
         called = s.get_final_message()
     assert called.stop_reason == "tool_use" and [b.type for b in called.content] == ["tool_use"]
@@ -79,9 +89,17 @@ def test_a_tool_use_and_tool_result_round_trip_is_one_sample(http_router, tiny_t
     first = c.messages.create(model="tiny-tools", max_tokens=80, messages=ASK, tools=TOOLS, extra_body=GREEDY)
     assert first.stop_reason == "tool_use"
     (use,) = [b for b in first.content if b.type == "tool_use"]
-    second = c.messages.create(model="tiny-tools", max_tokens=24, tools=TOOLS, extra_body=GREEDY, messages=ASK + [
-        {"role": "assistant", "content": first.content},
-        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "84"}]}])
+    second = c.messages.create(
+        model="tiny-tools",
+        max_tokens=24,
+        tools=TOOLS,
+        extra_body=GREEDY,
+        messages=ASK
+        + [
+            {"role": "assistant", "content": first.content},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "84"}]},
+        ],
+    )
     with c.messages.stream(model="tiny-tools", max_tokens=16, tools=TOOLS, extra_body=GREEDY, messages=ASK + [
             {"role": "assistant", "content": first.content},
             {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "84"}]},
@@ -101,7 +119,9 @@ def test_a_tool_use_and_tool_result_round_trip_is_one_sample(http_router, tiny_t
 
 def test_x_api_key_authenticates_and_a_wrong_key_is_an_anthropic_401(http_router):
     ok = anthropic.Anthropic(base_url=http_router.url, api_key=KEY, max_retries=0)
-    assert ok.messages.create(model="tiny-tools", max_tokens=2, messages=[{"role": "user", "content": "hi"}]).id
+    assert ok.messages.create(
+        model="tiny-tools", max_tokens=2, messages=[{"role": "user", "content": "hi"}]
+    ).id
     with pytest.raises(anthropic.AuthenticationError) as e:
         anthropic.Anthropic(base_url=http_router.url, api_key="wrong", max_retries=0).messages.create(
             model="tiny-tools", max_tokens=2, messages=[{"role": "user", "content": "hi"}])
@@ -111,30 +131,111 @@ def test_x_api_key_authenticates_and_a_wrong_key_is_an_anthropic_401(http_router
 BIG = "x " * 3000
 
 
-@pytest.mark.parametrize(("body", "status", "kind"), [
-    ("{not json", 400, "invalid_request_error"),
-    ({"model": "tiny-tools", "messages": [{"role": "user", "content": "hi"}]}, 400, "invalid_request_error"),  # no max_tokens
-    ({"model": "gpt-9", "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}]}, 404, "not_found_error"),
-    ({"model": "tiny-tools", "max_tokens": 5, "messages": [{"role": "user", "content": [
-        {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AA=="}}]}]},
-     400, "invalid_request_error"),
-    ({"model": "tiny-tools", "max_tokens": 5, "messages": [{"role": "user", "content": [
-        {"type": "tool_result", "tool_use_id": "toolu_unknown", "content": "1"}]}]}, 400, "invalid_request_error"),
-    ({"model": "tiny-tools", "max_tokens": 5, "messages": [
-        {"role": "user", "content": "hi"},
-        {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "python", "input": {}}]},
-        {"role": "user", "content": "no result for t1"}]}, 400, "invalid_request_error"),
-    ({"model": "tiny-tools", "max_tokens": 5, "messages": [{"role": "user", "content": BIG}]}, 400,
-     "invalid_request_error"),
-    ({"model": "tiny-tools", "max_tokens": 5000, "messages": [{"role": "user", "content": "hi"}]}, 400,
-     "invalid_request_error"),
-    ({"model": "tiny-tools", "max_tokens": 5, "frobnicate": 1, "messages": [{"role": "user", "content": "hi"}]}, 400,
-     "invalid_request_error"),
-    ({"model": "tiny-tools", "max_tokens": 5, "tools": [{"type": "web_search_20250305", "name": "web_search"}],
-      "messages": [{"role": "user", "content": "hi"}]}, 400, "invalid_request_error"),
-    ({"model": "tiny-tools", "max_tokens": 5, "thinking": {"type": "enabled", "budget_tokens": 1024},
-      "messages": [{"role": "user", "content": "hi"}]}, 400, "invalid_request_error"),
-])
+@pytest.mark.parametrize(
+    ("body", "status", "kind"),
+    [
+        ("{not json", 400, "invalid_request_error"),
+        (
+            {"model": "tiny-tools", "messages": [{"role": "user", "content": "hi"}]},
+            400,
+            "invalid_request_error",
+        ),  # no max_tokens
+        (
+            {"model": "gpt-9", "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}]},
+            404,
+            "not_found_error",
+        ),
+        (
+            {
+                "model": "tiny-tools",
+                "max_tokens": 5,
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [
+                            {
+                                "type": "image",
+                                "source": {"type": "base64", "media_type": "image/png", "data": "AA=="},
+                            }
+                        ],
+                    }
+                ],
+            },
+            400,
+            "invalid_request_error",
+        ),
+        (
+            {
+                "model": "tiny-tools",
+                "max_tokens": 5,
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [{"type": "tool_result", "tool_use_id": "toolu_unknown", "content": "1"}],
+                    }
+                ],
+            },
+            400,
+            "invalid_request_error",
+        ),
+        (
+            {
+                "model": "tiny-tools",
+                "max_tokens": 5,
+                "messages": [
+                    {"role": "user", "content": "hi"},
+                    {
+                        "role": "assistant",
+                        "content": [{"type": "tool_use", "id": "t1", "name": "python", "input": {}}],
+                    },
+                    {"role": "user", "content": "no result for t1"},
+                ],
+            },
+            400,
+            "invalid_request_error",
+        ),
+        (
+            {"model": "tiny-tools", "max_tokens": 5, "messages": [{"role": "user", "content": BIG}]},
+            400,
+            "invalid_request_error",
+        ),
+        (
+            {"model": "tiny-tools", "max_tokens": 5000, "messages": [{"role": "user", "content": "hi"}]},
+            400,
+            "invalid_request_error",
+        ),
+        (
+            {
+                "model": "tiny-tools",
+                "max_tokens": 5,
+                "frobnicate": 1,
+                "messages": [{"role": "user", "content": "hi"}],
+            },
+            400,
+            "invalid_request_error",
+        ),
+        (
+            {
+                "model": "tiny-tools",
+                "max_tokens": 5,
+                "tools": [{"type": "web_search_20250305", "name": "web_search"}],
+                "messages": [{"role": "user", "content": "hi"}],
+            },
+            400,
+            "invalid_request_error",
+        ),
+        (
+            {
+                "model": "tiny-tools",
+                "max_tokens": 5,
+                "thinking": {"type": "enabled", "budget_tokens": 1024},
+                "messages": [{"role": "user", "content": "hi"}],
+            },
+            400,
+            "invalid_request_error",
+        ),
+    ],
+)
 def test_bad_requests_get_a_4xx_in_anthropics_shape_and_serve_keeps_serving(http_router, body, status, kind):
     data = body if isinstance(body, str) else json.dumps(body)
     r = requests.post(http_router.url + "/v1/messages", data=data, timeout=60,
@@ -143,8 +244,12 @@ def test_bad_requests_get_a_4xx_in_anthropics_shape_and_serve_keeps_serving(http
     err = r.json()
     assert err["type"] == "error" and err["error"]["type"] == kind and err["error"]["message"]
     assert set(err) == {"type", "error"}
-    ok = requests.post(http_router.url + "/v1/messages", headers={"x-api-key": KEY}, timeout=60,
-                       json={"model": "tiny-tools", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]})
+    ok = requests.post(
+        http_router.url + "/v1/messages",
+        headers={"x-api-key": KEY},
+        timeout=60,
+        json={"model": "tiny-tools", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]},
+    )
     assert ok.status_code == 200 and ok.json()["type"] == "message"
 
 

@@ -16,8 +16,20 @@ from tests.router_harness import serve_router
 
 pytestmark = pytest.mark.vllm
 
-TOOLS = [{"type": "function", "function": {"name": "python", "description": "Run Python code.",
-          "parameters": {"type": "object", "properties": {"code": {"type": "string"}}, "required": ["code"]}}}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "python",
+            "description": "Run Python code.",
+            "parameters": {
+                "type": "object",
+                "properties": {"code": {"type": "string"}},
+                "required": ["code"],
+            },
+        },
+    }
+]
 HI = [{"role": "user", "content": "hi"}]
 ADMIN = "admin-secret"
 KEY = "client-key"
@@ -85,9 +97,18 @@ def test_tool_calls_come_back_parsed_streamed_or_not(server):
     (call,) = r.choices[0].message.tool_calls
     assert call.function.name == "python"
     assert "code" in json.loads(call.function.arguments)
-    chunks = list(c.chat.completions.create(model="tiny-tools", messages=[{"role": "user", "content": "run"}],
-                                            tools=TOOLS, tool_choice="required", max_tokens=200, temperature=0.0,
-                                            seed=0, stream=True))
+    chunks = list(
+        c.chat.completions.create(
+            model="tiny-tools",
+            messages=[{"role": "user", "content": "run"}],
+            tools=TOOLS,
+            tool_choice="required",
+            max_tokens=200,
+            temperature=0.0,
+            seed=0,
+            stream=True,
+        )
+    )
     deltas = [tc for ch in chunks if ch.choices for tc in (ch.choices[0].delta.tool_calls or [])]
     assert deltas and "python" in "".join(d.function.name or "" for d in deltas if d.function)
     rec = server.router.sessions["tools"].records[-1]
@@ -112,8 +133,9 @@ def test_n_choices_and_logprobs_are_returned_and_each_choice_is_captured(server)
 
 def test_stop_and_max_completion_tokens_are_honoured(server):
     c = _client(server)
-    r = c.chat.completions.create(model="tiny-tools", messages=HI, max_completion_tokens=3, temperature=1.0, seed=1,
-                                  stop=["<|im_end|>"])
+    r = c.chat.completions.create(
+        model="tiny-tools", messages=HI, max_completion_tokens=3, temperature=1.0, seed=1, stop=["<|im_end|>"]
+    )
     assert r.usage.completion_tokens <= 3
     assert "<|im_end|>" not in (r.choices[0].message.content or "")
 
@@ -125,11 +147,17 @@ def test_text_completions_accept_text_or_token_ids_and_are_recorded(server):
     prompt_ids = r.model_extra["prompt_token_ids"]
     again = c.completions.create(model="tiny-tools", prompt=prompt_ids, max_tokens=5, seed=3)
     assert again.choices[0].text == r.choices[0].text
-    streamed = list(c.completions.create(model="tiny-tools", prompt=prompt_ids, max_tokens=5, seed=3, stream=True))
+    streamed = list(
+        c.completions.create(model="tiny-tools", prompt=prompt_ids, max_tokens=5, seed=3, stream=True)
+    )
     assert "".join(ch.choices[0].text for ch in streamed if ch.choices) == r.choices[0].text
     recs = server.router.sessions["cmpl"].records
     assert [x.prompt_ids for x in recs] == [prompt_ids] * 3
-    assert recs[0].completions[0].token_ids == recs[1].completions[0].token_ids == recs[2].completions[0].token_ids
+    assert (
+        recs[0].completions[0].token_ids
+        == recs[1].completions[0].token_ids
+        == recs[2].completions[0].token_ids
+    )
 
 
 def test_a_client_that_leaves_mid_stream_leaves_a_record_of_what_was_produced(server):

@@ -27,11 +27,31 @@ def _router() -> Router:
                     render="engine")
     s = router.open_session("ep1", group_id="g1", env="calc")
     reply = {"role": "assistant", "content": "x"}
-    s.record(CallRecord("ep1", 0, None, 0, [1, 2, 3], [Completion([7, 8, 2], [-0.5, -0.25, -1.0], [3, 3, 3], "stop",
-                                                                   reply)], engine="e0"))
-    s.record(CallRecord("ep1", 1, 0, 0, [1, 2, 3, 7, 8, 2, 5, 6], [
-        Completion([9], [-2.0], [4], "length", reply), Completion([10, 11], [-0.1, -0.2], [4, 5], "stop", reply)],
-        engine="e0"))
+    s.record(
+        CallRecord(
+            "ep1",
+            0,
+            None,
+            0,
+            [1, 2, 3],
+            [Completion([7, 8, 2], [-0.5, -0.25, -1.0], [3, 3, 3], "stop", reply)],
+            engine="e0",
+        )
+    )
+    s.record(
+        CallRecord(
+            "ep1",
+            1,
+            0,
+            0,
+            [1, 2, 3, 7, 8, 2, 5, 6],
+            [
+                Completion([9], [-2.0], [4], "length", reply),
+                Completion([10, 11], [-0.1, -0.2], [4, 5], "stop", reply),
+            ],
+            engine="e0",
+        )
+    )
     s.splits = 1
     return router
 

@@ -18,52 +18,131 @@ import requests
 
 from agentrl.router.render import LocalRenderer, Rendered, same_message, same_sampling
 
-TOOLS = [{"type": "function", "function": {"name": "python", "description": "Run Python code.",
-          "parameters": {"type": "object", "properties": {"code": {"type": "string"}}, "required": ["code"]}}},
-         {"type": "function", "function": {"name": "search", "parameters": {
-             "type": "object", "properties": {"q": {"type": "string"}, "k": {"type": "integer"}}}}}]
-CALL = {"id": "call_1", "type": "function", "function": {"name": "python", "arguments": '{"code": "print(6 * 7)"}'}}
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "python",
+            "description": "Run Python code.",
+            "parameters": {
+                "type": "object",
+                "properties": {"code": {"type": "string"}},
+                "required": ["code"],
+            },
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "search",
+            "parameters": {
+                "type": "object",
+                "properties": {"q": {"type": "string"}, "k": {"type": "integer"}},
+            },
+        },
+    },
+]
+CALL = {"id": "call_1", "type": "function", "function": {"name": "python", "arguments": '{"code": '
+                                                                                        '"print(6 * 7)"}'}}
 BAD_CALL = {"id": "call_2", "type": "function", "function": {"name": "search", "arguments": "{not json"}}
 LIST_CALL = {"id": "call_3", "type": "function", "function": {"name": "search", "arguments": "[1, 2]"}}
 
 CONVERSATIONS: dict[str, dict[str, Any]] = {
     "plain": {"messages": [{"role": "user", "content": "hi"}]},
-    "system prompt": {"messages": [{"role": "system", "content": "You are terse."},
-                                   {"role": "user", "content": "What is 2+2?"}], "max_tokens": 5},
+    "system prompt": {
+        "messages": [
+            {"role": "system", "content": "You are terse."},
+            {"role": "user", "content": "What is 2+2?"},
+        ],
+        "max_tokens": 5,
+    },
     "tools": {"messages": [{"role": "user", "content": "Compute 6*7."}], "tools": TOOLS},
-    "tools and system": {"messages": [{"role": "system", "content": "Use the tools."},
-                                      {"role": "user", "content": "Compute 6*7."}], "tools": TOOLS},
-    "tool results": {"tools": TOOLS, "messages": [
-        {"role": "user", "content": "Compute 6*7."},
-        {"role": "assistant", "content": None, "tool_calls": [CALL]},
-        {"role": "tool", "tool_call_id": "call_1", "content": "42"}]},
-    "two calls, two results, invalid arguments": {"tools": TOOLS, "messages": [
-        {"role": "user", "content": "go"},
-        {"role": "assistant", "content": "Let me check.", "tool_calls": [CALL, BAD_CALL, LIST_CALL]},
-        {"role": "tool", "tool_call_id": "call_1", "content": "42"},
-        {"role": "tool", "tool_call_id": "call_2", "content": "error: bad arguments"},
-        {"role": "tool", "tool_call_id": "call_3", "content": ""}]},
-    "multi-turn": {"messages": [
-        {"role": "user", "content": "one"}, {"role": "assistant", "content": "two"},
-        {"role": "user", "content": "three"}, {"role": "assistant", "content": ""},
-        {"role": "user", "content": "four"}]},
-    "n > 1 and sampling": {"messages": [{"role": "user", "content": "hi"}], "n": 3, "temperature": 0.7,
-                           "top_p": 0.8, "seed": 11, "presence_penalty": 0.5, "frequency_penalty": -0.5,
-                           "max_completion_tokens": 9, "stop": "\n\n"},
-    "top-k, min-p and repetition penalty": {"messages": [{"role": "user", "content": "hi"}], "temperature": 0.6,
-                                            "top_k": 5, "min_p": 0.05, "repetition_penalty": 1.1},
+    "tools and system": {
+        "messages": [
+            {"role": "system", "content": "Use the tools."},
+            {"role": "user", "content": "Compute 6*7."},
+        ],
+        "tools": TOOLS,
+    },
+    "tool results": {
+        "tools": TOOLS,
+        "messages": [
+            {"role": "user", "content": "Compute 6*7."},
+            {"role": "assistant", "content": None, "tool_calls": [CALL]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "42"},
+        ],
+    },
+    "two calls, two results, invalid arguments": {
+        "tools": TOOLS,
+        "messages": [
+            {"role": "user", "content": "go"},
+            {"role": "assistant", "content": "Let me check.", "tool_calls": [CALL, BAD_CALL, LIST_CALL]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "42"},
+            {"role": "tool", "tool_call_id": "call_2", "content": "error: bad arguments"},
+            {"role": "tool", "tool_call_id": "call_3", "content": ""},
+        ],
+    },
+    "multi-turn": {
+        "messages": [
+            {"role": "user", "content": "one"},
+            {"role": "assistant", "content": "two"},
+            {"role": "user", "content": "three"},
+            {"role": "assistant", "content": ""},
+            {"role": "user", "content": "four"},
+        ]
+    },
+    "n > 1 and sampling": {
+        "messages": [{"role": "user", "content": "hi"}],
+        "n": 3,
+        "temperature": 0.7,
+        "top_p": 0.8,
+        "seed": 11,
+        "presence_penalty": 0.5,
+        "frequency_penalty": -0.5,
+        "max_completion_tokens": 9,
+        "stop": "\n\n",
+    },
+    "top-k, min-p and repetition penalty": {
+        "messages": [{"role": "user", "content": "hi"}],
+        "temperature": 0.6,
+        "top_k": 5,
+        "min_p": 0.05,
+        "repetition_penalty": 1.1,
+    },
     "greedy": {"messages": [{"role": "user", "content": "hi"}], "temperature": 0, "top_k": 5, "top_p": 0.5},
-    "stop list and top logprobs": {"messages": [{"role": "user", "content": "hi"}], "stop": ["a", "b"],
-                                   "logprobs": True, "top_logprobs": 3, "max_tokens": 4},
-    "unicode": {"messages": [{"role": "user", "content": "héllo wörld ✓ 日本語 🙂 \u200b"}],
-                "tools": [{"type": "function", "function": {"name": "ünï", "description": "ça — ✓", "parameters": {}}}]},
-    "content parts": {"messages": [{"role": "system", "content": [{"type": "text", "text": "a"}]},
-                                   {"role": "user", "content": [{"type": "text", "text": "b"},
-                                                                {"type": "text", "text": "c"}]}]},
-    "tool choice none": {"messages": [{"role": "user", "content": "hi"}], "tools": TOOLS, "tool_choice": "none"},
-    "tool choice auto": {"messages": [{"role": "user", "content": "hi"}], "tools": TOOLS, "tool_choice": "auto"},
-    "tool not strict": {"messages": [{"role": "user", "content": "hi"}], "tools": [
-        {"type": "function", "function": dict(TOOLS[0]["function"], strict=False)}]},
+    "stop list and top logprobs": {
+        "messages": [{"role": "user", "content": "hi"}],
+        "stop": ["a", "b"],
+        "logprobs": True,
+        "top_logprobs": 3,
+        "max_tokens": 4,
+    },
+    "unicode": {
+        "messages": [{"role": "user", "content": "héllo wörld ✓ 日本語 🙂 \u200b"}],
+        "tools": [
+            {"type": "function", "function": {"name": "ünï", "description": "ça — ✓", "parameters": {}}}
+        ],
+    },
+    "content parts": {
+        "messages": [
+            {"role": "system", "content": [{"type": "text", "text": "a"}]},
+            {"role": "user", "content": [{"type": "text", "text": "b"}, {"type": "text", "text": "c"}]},
+        ]
+    },
+    "tool choice none": {
+        "messages": [{"role": "user", "content": "hi"}],
+        "tools": TOOLS,
+        "tool_choice": "none",
+    },
+    "tool choice auto": {
+        "messages": [{"role": "user", "content": "hi"}],
+        "tools": TOOLS,
+        "tool_choice": "auto",
+    },
+    "tool not strict": {
+        "messages": [{"role": "user", "content": "hi"}],
+        "tools": [{"type": "function", "function": dict(TOOLS[0]["function"], strict=False)}],
+    },
 }
 
 OUTPUTS = [
@@ -134,7 +213,9 @@ def test_the_local_render_gives_the_engines_prompt_ids_and_sampling_params(engin
     assert codec.render_ids(body, body["messages"], add_generation_prompt=False) == base["token_ids"]
 
 
-def _derender(engine_url: str, body: dict[str, Any], prompt_ids: list[int], gen: dict[str, Any]) -> dict[str, Any]:
+def _derender(
+    engine_url: str, body: dict[str, Any], prompt_ids: list[int], gen: dict[str, Any]
+) -> dict[str, Any]:
     r = requests.post(engine_url + "/v1/chat/completions/derender", timeout=60, json={
         "generate_response": gen, "prompt_token_ids": prompt_ids, "prompt_tokens": len(prompt_ids),
         "chat_request": body})
@@ -149,7 +230,9 @@ def test_the_local_derender_gives_the_engines_message_for_crafted_outputs(engine
     prompt_ids = codec.render_ids(_engine_body(body))
     checked = 0
     for text in OUTPUTS:
-        ids = codec.tok.encode(text, add_special_tokens=False) or [codec.tok.convert_tokens_to_ids("<|im_start|>")]
+        ids = codec.tok.encode(text, add_special_tokens=False) or [
+            codec.tok.convert_tokens_to_ids("<|im_start|>")
+        ]
         for finish in ("stop", "length"):
             gen = {"request_id": "t", "choices": [{"index": 0, "finish_reason": finish, "stop_reason": None,
                                                    "token_ids": ids}]}
@@ -219,8 +302,16 @@ def test_local_and_engine_render_give_the_same_completion_and_session_samples(en
         try:
             messages: list[dict[str, Any]] = [{"role": "user", "content": "Compute 6*7 with python."}]
             for turn in range(3):
-                out = await router.chat({"messages": messages, "tools": TOOLS, "max_tokens": 32, "seed": 100 + turn,
-                                         "temperature": 1.0}, session_id="s")
+                out = await router.chat(
+                    {
+                        "messages": messages,
+                        "tools": TOOLS,
+                        "max_tokens": 32,
+                        "seed": 100 + turn,
+                        "temperature": 1.0,
+                    },
+                    session_id="s",
+                )
                 outs.append(out)
                 _answer(messages, out["choices"][0]["message"], turn)
         finally:
@@ -240,7 +331,9 @@ def test_local_and_engine_render_give_the_same_completion_and_session_samples(en
     assert local.counters["continued"] == engine.counters["continued"] == 2
     ls, es = local.sessions["s"].samples(), engine.sessions["s"].samples()
     assert len(ls) == len(es) == 1
-    assert np.array_equal(ls[0].token_ids, es[0].token_ids) and np.array_equal(ls[0].loss_mask, es[0].loss_mask)
+    assert np.array_equal(ls[0].token_ids, es[0].token_ids) and np.array_equal(
+        ls[0].loss_mask, es[0].loss_mask
+    )
 
 
 def test_requests_the_local_codec_does_not_know_go_to_the_engine(tiny_tools_model):
@@ -267,8 +360,9 @@ def test_requests_the_local_codec_does_not_know_go_to_the_engine(tiny_tools_mode
 
 @pytest.mark.vllm
 @pytest.mark.parametrize("render", ["auto", "engine"])
-def test_a_five_turn_session_renders_each_turn_once_and_gives_the_two_render_prompts(engine_url, tiny_tools_model,
-                                                                                     render):
+def test_a_five_turn_session_renders_each_turn_once_and_gives_the_two_render_prompts(
+    engine_url, tiny_tools_model, render
+):
     """Five calls cost five template renders plus one: the base conversation a continued call's new
     messages are rendered after, rendered once per tool set and cached. Not 2 per continued call
     (9 here, O(turns^2) tokens). And every continued prompt is exactly what rendering the whole

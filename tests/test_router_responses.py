@@ -30,14 +30,23 @@ def _session(srv, sid: str) -> openai.OpenAI:
                          max_retries=0)
 
 
-def test_a_plain_response_is_the_engines_tokens_and_renders_as_vllms_own(http_router, vllm_engine, tiny_tools_model):
+def test_a_plain_response_is_the_engines_tokens_and_renders_as_vllms_own(
+    http_router, vllm_engine, tiny_tools_model
+):
     c = _session(http_router, "r-plain")
-    body = {"model": "tiny-tools", "instructions": "Be brief.", "input": "tell me a story", "max_output_tokens": 12,
-            "temperature": 0}
+    body = {
+        "model": "tiny-tools",
+        "instructions": "Be brief.",
+        "input": "tell me a story",
+        "max_output_tokens": 12,
+        "temperature": 0,
+    }
     r = c.responses.create(**body)
     own = requests.post(vllm_engine.url + "/v1/responses", json=body, timeout=120).json()
     assert r.usage.input_tokens == own["usage"]["input_tokens"]  # the same prompt as vLLM's Responses server
-    assert r.output_text == "".join(p["text"] for o in own["output"] if o["type"] == "message" for p in o["content"])
+    assert r.output_text == "".join(
+        p["text"] for o in own["output"] if o["type"] == "message" for p in o["content"]
+    )
     assert r.status == own["status"]
     (rec,) = http_router.records("r-plain")
     assert_exact([rec], http_router.generated)
@@ -71,9 +80,14 @@ def test_a_streamed_response_is_the_unstreamed_one(http_router, tiny_tools_model
         [x.logprob for x in whole.output[0].content[0].logprobs], abs=1e-4)
     assert len(whole.output[0].content[0].logprobs) == 10
     a, b = http_router.records("r-stream")
-    assert a["prompt_ids"] == b["prompt_ids"] and a["completions"][0]["token_ids"] == b["completions"][0]["token_ids"]
+    assert (
+        a["prompt_ids"] == b["prompt_ids"]
+        and a["completions"][0]["token_ids"] == b["completions"][0]["token_ids"]
+    )
     assert_exact([a, b], http_router.generated)
-    with c.responses.stream(model="tiny-tools", input=ASK, tools=TOOLS, max_output_tokens=80, temperature=0) as s:
+    with c.responses.stream(
+        model="tiny-tools", input=ASK, tools=TOOLS, max_output_tokens=80, temperature=0
+    ) as s:
         kinds = [e.type for e in s]
         called = s.get_final_response()
     assert "response.function_call_arguments.delta" in kinds and kinds[-1] == "response.completed"
@@ -82,7 +96,9 @@ def test_a_streamed_response_is_the_unstreamed_one(http_router, tiny_tools_model
 
 def test_function_calls_both_ways_become_one_sample(http_router, tiny_tools_model):
     c = _session(http_router, "r-tools")
-    first = c.responses.create(model="tiny-tools", input=ASK, tools=TOOLS, max_output_tokens=80, temperature=0)
+    first = c.responses.create(
+        model="tiny-tools", input=ASK, tools=TOOLS, max_output_tokens=80, temperature=0
+    )
     (call,) = [o for o in first.output if o.type == "function_call"]
     assert call.name == "python" and "code" in json.loads(call.arguments)
     # the client sends the whole conversation back as items, with the call's output
@@ -95,7 +111,10 @@ def test_function_calls_both_ways_become_one_sample(http_router, tiny_tools_mode
     assert_stitched(recs)
     content, calls = reply_of(tiny_tools_model, recs[0]["completions"][0]["token_ids"], tools=True)
     assert calls == [{"name": call.name, "arguments": json.loads(call.arguments)}] and content is None
-    assert reply_of(tiny_tools_model, recs[1]["completions"][0]["token_ids"], tools=True)[0] == second.output_text
+    assert (
+        reply_of(tiny_tools_model, recs[1]["completions"][0]["token_ids"], tools=True)[0]
+        == second.output_text
+    )
     (sample,) = http_router.router.sessions["r-tools"].samples()
     assert sample.token_ids.tolist() == recs[1]["prompt_ids"] + recs[1]["completions"][0]["token_ids"]
 
@@ -118,7 +137,9 @@ def test_a_previous_response_id_chain_is_one_sample_token_for_token(http_router,
     assert_stitched(recs)
     assert len(http_router.router.sessions["r-chain"].samples()) == 1
     for rec, resp in zip(recs[1:], (r2, r3), strict=True):
-        assert reply_of(tiny_tools_model, rec["completions"][0]["token_ids"], tools=True)[0] == (resp.output_text or None)
+        assert reply_of(tiny_tools_model, rec["completions"][0]["token_ids"], tools=True)[0] == (
+            resp.output_text or None
+        )
     assert c.responses.retrieve(r2.id).output_text == r2.output_text
 
 
@@ -127,9 +148,13 @@ def test_stored_responses_are_scoped_and_store_false_keeps_none(http_router):
     kept = a.responses.create(model="tiny-tools", input="hi", max_output_tokens=4, temperature=0)
     gone = a.responses.create(model="tiny-tools", input="hi", max_output_tokens=4, temperature=0, store=False)
     with pytest.raises(openai.BadRequestError, match="not found"):
-        a.responses.create(model="tiny-tools", input="more", previous_response_id=gone.id, max_output_tokens=4)
+        a.responses.create(
+            model="tiny-tools", input="more", previous_response_id=gone.id, max_output_tokens=4
+        )
     with pytest.raises(openai.BadRequestError, match="not found"):  # another session's response
-        b.responses.create(model="tiny-tools", input="more", previous_response_id=kept.id, max_output_tokens=4)
+        b.responses.create(
+            model="tiny-tools", input="more", previous_response_id=kept.id, max_output_tokens=4
+        )
     with pytest.raises(openai.NotFoundError):
         b.responses.retrieve(kept.id)
     assert a.responses.retrieve(kept.id).id == kept.id
@@ -141,23 +166,46 @@ def test_stored_responses_are_scoped_and_store_false_keeps_none(http_router):
 BIG = "x " * 3000
 
 
-@pytest.mark.parametrize(("body", "status", "param"), [
-    ("{not json", 400, None),
-    ({"model": "gpt-9", "input": "hi"}, 404, "model"),
-    ({"model": "tiny-tools"}, 400, "input"),
-    ({"model": "tiny-tools", "input": "hi", "frobnicate": 1}, 400, "frobnicate"),
-    ({"model": "tiny-tools", "input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
-     400, "input[0].content[0].type"),
-    ({"model": "tiny-tools", "input": [{"type": "function_call_output", "call_id": "nope", "output": "1"}]},
-     400, "input[0].call_id"),
-    ({"model": "tiny-tools", "input": [{"type": "reasoning", "summary": []}]}, 400, "input[0].type"),
-    ({"model": "tiny-tools", "input": "hi", "tools": [{"type": "web_search"}]}, 400, "tools[0].type"),
-    ({"model": "tiny-tools", "input": "hi", "tools": [{"type": "function", "name": 3}]}, 400, "tools[0].name"),
-    ({"model": "tiny-tools", "input": "hi", "max_output_tokens": 5000}, 400, "max_output_tokens"),
-    ({"model": "tiny-tools", "input": BIG}, 400, "input"),
-    ({"model": "tiny-tools", "input": "hi", "previous_response_id": "resp_unknown"}, 400, "previous_response_id"),
-    ({"model": "tiny-tools", "input": "hi", "background": True}, 400, "background"),
-])
+@pytest.mark.parametrize(
+    ("body", "status", "param"),
+    [
+        ("{not json", 400, None),
+        ({"model": "gpt-9", "input": "hi"}, 404, "model"),
+        ({"model": "tiny-tools"}, 400, "input"),
+        ({"model": "tiny-tools", "input": "hi", "frobnicate": 1}, 400, "frobnicate"),
+        (
+            {
+                "model": "tiny-tools",
+                "input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}],
+            },
+            400,
+            "input[0].content[0].type",
+        ),
+        (
+            {
+                "model": "tiny-tools",
+                "input": [{"type": "function_call_output", "call_id": "nope", "output": "1"}],
+            },
+            400,
+            "input[0].call_id",
+        ),
+        ({"model": "tiny-tools", "input": [{"type": "reasoning", "summary": []}]}, 400, "input[0].type"),
+        ({"model": "tiny-tools", "input": "hi", "tools": [{"type": "web_search"}]}, 400, "tools[0].type"),
+        (
+            {"model": "tiny-tools", "input": "hi", "tools": [{"type": "function", "name": 3}]},
+            400,
+            "tools[0].name",
+        ),
+        ({"model": "tiny-tools", "input": "hi", "max_output_tokens": 5000}, 400, "max_output_tokens"),
+        ({"model": "tiny-tools", "input": BIG}, 400, "input"),
+        (
+            {"model": "tiny-tools", "input": "hi", "previous_response_id": "resp_unknown"},
+            400,
+            "previous_response_id",
+        ),
+        ({"model": "tiny-tools", "input": "hi", "background": True}, 400, "background"),
+    ],
+)
 def test_bad_requests_get_a_4xx_in_the_openai_shape_and_serve_keeps_serving(http_router, body, status, param):
     data = body if isinstance(body, str) else json.dumps(body)
     r = requests.post(http_router.url + "/v1/responses", data=data, timeout=60,
@@ -166,8 +214,12 @@ def test_bad_requests_get_a_4xx_in_the_openai_shape_and_serve_keeps_serving(http
     err = r.json()["error"]
     assert set(err) >= {"message", "type", "param", "code"} and err["message"]
     assert err["param"] == param
-    ok = requests.post(http_router.url + "/v1/responses", json={"model": "tiny-tools", "input": "hi", "max_output_tokens": 2},
-                       headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
+    ok = requests.post(
+        http_router.url + "/v1/responses",
+        json={"model": "tiny-tools", "input": "hi", "max_output_tokens": 2},
+        headers={"Authorization": f"Bearer {KEY}"},
+        timeout=60,
+    )
     assert ok.status_code == 200
 
 

@@ -29,7 +29,13 @@ def test_the_record_is_the_generate_requests_params_as_vllm_normalises_them():
 def test_the_local_render_sets_top_k_min_p_and_repetition_penalty_as_the_render_route():
     body = {"messages": [], "top_k": 5, "min_p": 0.1, "repetition_penalty": 1.2, "temperature": 0.5}
     sp = render_sampling_params(body, {"top_k": 20, "top_p": 0.8}, 10, 100)
-    assert (sp["top_k"], sp["min_p"], sp["repetition_penalty"], sp["temperature"], sp["top_p"]) == (5, 0.1, 1.2, 0.5, 0.8)
+    assert (sp["top_k"], sp["min_p"], sp["repetition_penalty"], sp["temperature"], sp["top_p"]) == (
+        5,
+        0.1,
+        1.2,
+        0.5,
+        0.8,
+    )
     assert render_sampling_params({"messages": []}, {"top_k": 20}, 10, 100)["top_k"] == 20
     greedy = render_sampling_params({"messages": [], "temperature": 0}, {"top_k": 20, "top_p": 0.8}, 10, 100)
     assert {"top_k", "top_p", "min_p"}.isdisjoint(greedy)  # render leaves out what greedy sampling resets
@@ -47,9 +53,19 @@ def test_sampling_settings_are_validated():
 
 def content(entries: list[list[tuple[int, float]]]) -> dict:
     """A generate choice whose token i was entries[i][0] with top logprobs entries[i]."""
-    return {"token_ids": [e[0][0] for e in entries], "logprobs": {"content": [
-        {"token_id": e[0][0], "logprob": e[0][1], "top_logprobs": [{"token_id": t, "logprob": lp} for t, lp in e]}
-        for e in entries]}}
+    return {
+        "token_ids": [e[0][0] for e in entries],
+        "logprobs": {
+            "content": [
+                {
+                    "token_id": e[0][0],
+                    "logprob": e[0][1],
+                    "top_logprobs": [{"token_id": t, "logprob": lp} for t, lp in e],
+                }
+                for e in entries
+            ]
+        },
+    }
 
 
 def test_a_truncated_call_asks_for_top_k_plus_one_and_reads_the_kept_sets_from_the_masked_entries():
@@ -86,15 +102,35 @@ def test_truncation_without_a_bounded_top_k_is_bounded_or_refused():
 def test_session_samples_carry_each_calls_settings_and_kept_sets_over_their_tokens():
     s = Session("ep")
     hot = {**NEUTRAL, "temperature": 0.7, "top_k": 2.0}
-    s.record(CallRecord("ep", 0, None, 0, [1, 2, 3], [Completion([7, 8], [-0.5, -0.25], [3, 3], "stop",
-                                                                  {"role": "assistant", "content": "a"},
-                                                                  kept=[[7, 9], [8, 1]])], "e0", sampling=hot))
+    s.record(
+        CallRecord(
+            "ep",
+            0,
+            None,
+            0,
+            [1, 2, 3],
+            [
+                Completion(
+                    [7, 8],
+                    [-0.5, -0.25],
+                    [3, 3],
+                    "stop",
+                    {"role": "assistant", "content": "a"},
+                    kept=[[7, 9], [8, 1]],
+                )
+            ],
+            "e0",
+            sampling=hot,
+        )
+    )
     s.record(CallRecord("ep", 1, 0, 0, [1, 2, 3, 7, 8, 5, 6], [Completion([4], [-1.0], [4], "length", {})],
                         "e0", sampling=dict(NEUTRAL, temperature=1.3)))
     (sample,) = s.samples()
     b = sample.behaviour
     assert b.starts.tolist() == [3, 7] and b.lengths.tolist() == [2, 1]
-    assert b.settings(0)["temperature"] == pytest.approx(0.7) and b.settings(1)["temperature"] == pytest.approx(1.3)
+    assert b.settings(0)["temperature"] == pytest.approx(0.7) and b.settings(1)[
+        "temperature"
+    ] == pytest.approx(1.3)
     assert b.kept_counts.tolist() == [0, 0, 0, 2, 2, 0, 0, 0] and b.kept_ids.tolist() == [7, 9, 8, 1]
     assert np.array_equal(sample.loss_mask, [0, 0, 0, 1, 1, 0, 0, 1])
     assert math.isclose(float(sample.logprobs[7]), -1.0)

@@ -11,8 +11,20 @@ from tests.conftest import make_router
 
 pytestmark = pytest.mark.vllm
 
-TOOLS = [{"type": "function", "function": {"name": "python", "description": "Run Python code.",
-          "parameters": {"type": "object", "properties": {"code": {"type": "string"}}, "required": ["code"]}}}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "python",
+            "description": "Run Python code.",
+            "parameters": {
+                "type": "object",
+                "properties": {"code": {"type": "string"}},
+                "required": ["code"],
+            },
+        },
+    }
+]
 
 
 def _learner_logprobs(model_dir: str, prompt_ids: list[int], completion_ids: list[int]) -> list[float]:
@@ -35,8 +47,15 @@ def test_learner_logprobs_match_vllm_behaviour_logprobs(vllm_engine, tiny_tools_
         try:
             for attempt in range(8):  # sampled: now and then the model stops after a token or two
                 sid = f"parity-{attempt}"
-                await router.chat({"messages": [{"role": "user", "content": "What is 12 * 7?"}], "tools": TOOLS,
-                                   "max_tokens": 48, "temperature": 1.0}, session_id=sid)
+                await router.chat(
+                    {
+                        "messages": [{"role": "user", "content": "What is 12 * 7?"}],
+                        "tools": TOOLS,
+                        "max_tokens": 48,
+                        "temperature": 1.0,
+                    },
+                    session_id=sid,
+                )
                 rec = router.sessions[sid].records[0]
                 if len(rec.completions[0].token_ids) > 4:
                     break
@@ -59,7 +78,9 @@ def test_a_three_turn_session_becomes_one_sample_with_exact_tokens(vllm_engine, 
         try:
             messages = [{"role": "user", "content": "What is 3 + 4?"}]
             for turn in range(3):
-                out = await router.chat({"messages": messages, "tools": TOOLS, "max_tokens": 24}, session_id="s")
+                out = await router.chat(
+                    {"messages": messages, "tools": TOOLS, "max_tokens": 24}, session_id="s"
+                )
                 messages.append({k: v for k, v in out["choices"][0]["message"].items()
                                  if k in ("role", "content", "tool_calls") and v is not None})
                 messages.append({"role": "user", "content": f"turn {turn} done"})
@@ -110,9 +131,13 @@ def test_bad_requests_get_openai_style_errors(vllm_engine, tiny_tools_model):
         await router.pool.start()
         results = []
         try:
-            for body in ({"messages": "nope"}, {"model": "gpt-9", "messages": [{"role": "user", "content": "x"}]},
-                         {}, {"messages": [{"role": "user", "content": "x " * 5000}]},
-                         {"messages": [{"role": "user", "content": "x"}], "temperature": 9}):
+            for body in (
+                {"messages": "nope"},
+                {"model": "gpt-9", "messages": [{"role": "user", "content": "x"}]},
+                {},
+                {"messages": [{"role": "user", "content": "x " * 5000}]},
+                {"messages": [{"role": "user", "content": "x"}], "temperature": 9},
+            ):
                 try:
                     await router.chat(body)
                     results.append(None)

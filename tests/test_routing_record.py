@@ -28,7 +28,9 @@ def recorded(wide: bool = False, layers: int = 3, k: int = 2) -> np.ndarray:
 
 
 def test_a_routing_covers_every_token_and_is_uint8_or_int16():
-    assert routing_array(4, 2, 2, wide=False).dtype == np.uint8 and (routing_array(4, 2, 2, False) == 255).all()
+    assert (
+        routing_array(4, 2, 2, wide=False).dtype == np.uint8 and (routing_array(4, 2, 2, False) == 255).all()
+    )
     assert routing_array(4, 2, 2, wide=True).dtype == np.int16 and (routing_array(4, 2, 2, True) == -1).all()
     with pytest.raises(ValueError, match="routing must be"):
         sample(routing_array(9, 3, 2, False))  # 9 positions for 10 tokens
@@ -54,7 +56,9 @@ def test_a_sample_with_a_routing_round_trips_through_a_record_with_a_routing_sec
 
 
 def test_a_routing_and_a_behaviour_travel_together():
-    b = Behaviour.from_calls(10, [(3, 3, {"temperature": 0.7}, None), (7, 3, {"temperature": 1.5}, None)], TOKENS)
+    b = Behaviour.from_calls(
+        10, [(3, 3, {"temperature": 0.7}, None), (7, 3, {"temperature": 1.5}, None)], TOKENS
+    )
     s = sample(recorded(), b)
     back = decode_sample(encode_sample(s)[0])
     assert back == s and back.behaviour == b
@@ -83,8 +87,14 @@ def entry(positions: list[int], experts: np.ndarray) -> dict:
     """A capture as the engine hands it over (agentrl.engines.routing.agentrl_routed_experts)."""
     import base64
 
-    return {"id": "x", "choice": 0, "positions": positions, "dtype": str(experts.dtype), "shape": list(experts.shape),
-            "experts": base64.b64encode(np.ascontiguousarray(experts).tobytes()).decode()}
+    return {
+        "id": "x",
+        "choice": 0,
+        "positions": positions,
+        "dtype": str(experts.dtype),
+        "shape": list(experts.shape),
+        "experts": base64.b64encode(np.ascontiguousarray(experts).tobytes()).decode(),
+    }
 
 
 E1 = np.arange(5 * 2 * 2, dtype=np.uint8).reshape(5, 2, 2) % 7  # call 1 computed positions 0..4
@@ -94,13 +104,42 @@ E2 = np.full((5, 2, 2), 3, dtype=np.uint8)  # call 2 found 0..2 in the prefix ca
 def _two_calls(tmp_path, second_version: int):
     from agentrl.router.sessions import CallRecord, Completion, Session
 
-    first = CallRecord("s", 0, None, 0, [1, 2, 3], [Completion([4, 5, 6], [-0.1] * 3, [0] * 3, "stop",
-                                                              {"role": "assistant", "content": "a"},
-                                                              routing=entry([0, 1, 2, 3, 4], E1))], "engine-0")
-    second = CallRecord("s", 1, 0, 0, [1, 2, 3, 4, 5, 6, 7, 8],
-                        [Completion([9, 10], [-0.2] * 2, [second_version] * 2, "stop",
-                                    {"role": "assistant", "content": "b"}, routing=entry([3, 4, 5, 6, 7], E2))],
-                        "engine-0")
+    first = CallRecord(
+        "s",
+        0,
+        None,
+        0,
+        [1, 2, 3],
+        [
+            Completion(
+                [4, 5, 6],
+                [-0.1] * 3,
+                [0] * 3,
+                "stop",
+                {"role": "assistant", "content": "a"},
+                routing=entry([0, 1, 2, 3, 4], E1),
+            )
+        ],
+        "engine-0",
+    )
+    second = CallRecord(
+        "s",
+        1,
+        0,
+        0,
+        [1, 2, 3, 4, 5, 6, 7, 8],
+        [
+            Completion(
+                [9, 10],
+                [-0.2] * 2,
+                [second_version] * 2,
+                "stop",
+                {"role": "assistant", "content": "b"},
+                routing=entry([3, 4, 5, 6, 7], E2),
+            )
+        ],
+        "engine-0",
+    )
     session = Session("s", log_path=tmp_path / "s.jsonl")
     session.record(first)
     session.record(second)
@@ -131,7 +170,9 @@ def test_positions_a_call_took_from_the_cache_after_an_update_are_not_an_earlier
 def test_a_session_without_captures_has_no_routing():
     from agentrl.router.sessions import CallRecord, Completion, Session
 
-    rec = CallRecord("s", 0, None, 0, [1, 2], [Completion([3], [-0.1], [0], "stop", {"role": "assistant"})], "e")
+    rec = CallRecord(
+        "s", 0, None, 0, [1, 2], [Completion([3], [-0.1], [0], "stop", {"role": "assistant"})], "e"
+    )
     assert Session("s", records=[rec]).samples()[0].routing is None
 
 
@@ -147,7 +188,8 @@ def test_a_request_computed_again_keeps_only_the_experts_of_its_new_computation(
     for positions, expert in ((range(0, 6), 1), (range(6, 10), 1), (range(10, 11), 1), (range(11, 12), 1)):
         rec.add(torch.tensor(list(positions)), torch.full((len(positions), 2, 2), expert, dtype=torch.uint8))
     assert [int(p) for ps, _ in rec.chunks for p in ps] == list(range(12))
-    rec.add(torch.tensor(list(range(4, 12))), torch.full((8, 2, 2), 2, dtype=torch.uint8))  # re-prefill from 4
+    # re-prefill from 4
+    rec.add(torch.tensor(list(range(4, 12))), torch.full((8, 2, 2), 2, dtype=torch.uint8))
     rec.add(torch.tensor([12]), torch.full((1, 2, 2), 2, dtype=torch.uint8))
     assert [int(p) for ps, _ in rec.chunks for p in ps] == list(range(4, 13))
     assert all((e == 2).all() for _, e in rec.chunks)

@@ -21,17 +21,28 @@ pytestmark = [pytest.mark.vllm, pytest.mark.docker, pytest.mark.slow]
 
 
 def test_agentrl_run_trains_three_steps_and_prints_each(tmp_path, tiny_tools_model):
-    out = agentrl_run(tmp_path / "run", "--serve.env.group_size=2", "--serve.buffer.batch_size=4", "--learn.steps=3",
-                      "--eval.tasks=6")
+    out = agentrl_run(
+        tmp_path / "run",
+        "--serve.env.group_size=2",
+        "--serve.buffer.batch_size=4",
+        "--learn.steps=3",
+        "--eval.tasks=6",
+    )
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     lines = out.stdout.splitlines()
     for k in (1, 2, 3):
-        assert any(line.startswith(f"step {k} | version {k} | reward ") and "staleness" in line for line in lines)
+        assert any(
+            line.startswith(f"step {k} | version {k} | reward ") and "staleness" in line for line in lines
+        )
     summary = json.loads(lines[-1])
     assert summary["steps"] == 3 and summary["final_version"] == 3
     assert (tmp_path / "run" / "episodes.jsonl").exists()
     # Held-out evaluation before the first step and after the last, on the same tasks.
-    assert summary["eval_tasks"] == 6 and 0 <= summary["success_before"] <= 1 and 0 <= summary["success_after"] <= 1
+    assert (
+        summary["eval_tasks"] == 6
+        and 0 <= summary["success_before"] <= 1
+        and 0 <= summary["success_after"] <= 1
+    )
     before = json.loads((tmp_path / "run" / "eval_before.json").read_text())
     after = json.loads((tmp_path / "run" / "eval_after.json").read_text())
     assert len(before["episodes"]) == len(after["episodes"]) == 6
@@ -47,16 +58,29 @@ def test_agentrl_run_starts_a_killed_serve_again_and_trains_to_the_end(tmp_path,
 
     run_dir = tmp_path / "run"
     env = {k: v for k, v in os.environ.items() if k != "AGENTRL_ADMIN_TOKEN"}
-    cmd = [sys.executable, "-m", "agentrl.cli", "run", f"--serve.run_dir={run_dir}", f"--serve.router.port={free_port()}",
-           f"--serve.engine.base_port={free_port()}", "--serve.model=tiny-tools", "--serve.env.group_size=2",
-           "--serve.buffer.batch_size=4", "--learn.steps=4", "--eval.tasks=0"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "agentrl.cli",
+        "run",
+        f"--serve.run_dir={run_dir}",
+        f"--serve.router.port={free_port()}",
+        f"--serve.engine.base_port={free_port()}",
+        "--serve.model=tiny-tools",
+        "--serve.env.group_size=2",
+        "--serve.buffer.batch_size=4",
+        "--learn.steps=4",
+        "--eval.tasks=0",
+    ]
     with open(tmp_path / "run.out", "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
     try:
         deadline = time.monotonic() + 600
         loaded = run_dir / "weights" / "v1" / "loaded.json"  # the engine serves the first published version
         while not loaded.exists():
-            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "run.out").read_text()[-3000:]
+            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "run.out").read_text()[
+                -3000:
+            ]
             time.sleep(0.5)
         serve = running_pids(f"agentrl.cli serve --config {run_dir}/serve.toml")  # serve, not its reaper
         assert len(serve) == 1, serve
@@ -75,7 +99,9 @@ def test_agentrl_run_starts_a_killed_serve_again_and_trains_to_the_end(tmp_path,
     assert "restored policy version" in (run_dir / "serve.log").read_text()
 
 
-def test_ctrl_c_during_training_leaves_no_process_nor_container_and_names_the_run_directory(tmp_path, tiny_tools_model):
+def test_ctrl_c_during_training_leaves_no_process_nor_container_and_names_the_run_directory(
+    tmp_path, tiny_tools_model
+):
     """Ctrl-C in the terminal (SIGINT to ``agentrl run``'s whole foreground process group) once the
     learner has printed a step: the run exits with 130, no process it started is left (serve, the
     reapers, the vLLM engine), neither are its sandbox containers nor anything on its ports, and
@@ -83,12 +109,25 @@ def test_ctrl_c_during_training_leaves_no_process_nor_container_and_names_the_ru
     run_dir, tag = tmp_path / "run", uuid.uuid4().hex
     router_port, engine_port = free_port(), free_port()
     env = {k: v for k, v in os.environ.items() if k != "AGENTRL_ADMIN_TOKEN"}
-    cmd = [sys.executable, "-m", "agentrl.cli", "run", f"--serve.run_dir={run_dir}", f"--serve.router.port={router_port}",
-           f"--serve.engine.base_port={engine_port}", "--serve.model=tiny-tools", "--serve.env.group_size=2",
-           "--serve.buffer.batch_size=4", "--learn.steps=1000", "--eval.tasks=0",
-           f'--serve.sandbox.labels={{agentrl_test = "{tag}"}}']
+    cmd = [
+        sys.executable,
+        "-m",
+        "agentrl.cli",
+        "run",
+        f"--serve.run_dir={run_dir}",
+        f"--serve.router.port={router_port}",
+        f"--serve.engine.base_port={engine_port}",
+        "--serve.model=tiny-tools",
+        "--serve.env.group_size=2",
+        "--serve.buffer.batch_size=4",
+        "--learn.steps=1000",
+        "--eval.tasks=0",
+        f'--serve.sandbox.labels={{agentrl_test = "{tag}"}}',
+    ]
     # a session of its own, as a shell's foreground job: the group's SIGINT reaches it and its children only
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, start_new_session=True
+    )
     lines: list[str] = []
     stepped = threading.Event()
 
@@ -132,13 +171,18 @@ def test_ctrl_c_during_training_leaves_no_process_nor_container_and_names_the_ru
 
 def containers(tag: str) -> list[str]:
     """Ids of the containers carrying this test run's label, running or not."""
-    out = subprocess.run(["docker", "ps", "-aq", "--filter", f"label=agentrl_test={tag}"], capture_output=True,
-                         text=True, check=True)
+    out = subprocess.run(
+        ["docker", "ps", "-aq", "--filter", f"label=agentrl_test={tag}"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     return out.stdout.split()
 
 
 def alive(pid: int, created: float) -> bool:
-    """The process ``pid`` started at ``created`` still exists (not a later one with its pid, nor a zombie)."""
+    """The process ``pid`` started at ``created`` still exists (not a later one with its pid, nor a
+    zombie)."""
     try:
         p = psutil.Process(pid)
         return p.create_time() == created and p.status() != psutil.STATUS_ZOMBIE

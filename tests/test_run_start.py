@@ -43,7 +43,9 @@ def _health_server(phases: list[tuple[float, str]]) -> Iterator[str]:
         box["runner"], box["url"] = await start_on_loopback(app)
         ready.set()
 
-    thread = threading.Thread(target=lambda: (loop.run_until_complete(start()), loop.run_forever()), daemon=True)
+    thread = threading.Thread(
+        target=lambda: (loop.run_until_complete(start()), loop.run_forever()), daemon=True
+    )
     thread.start()
     ready.wait(10)
     try:

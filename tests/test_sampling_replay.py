@@ -68,8 +68,11 @@ async def episode(url: str, folder: str, bodies: list[dict[str, Any]], session: 
         for body in bodies:
             out = await r.chat(dict(body, model="tiny-tools", messages=messages), session_id=session)
             replies.append(out)
-            messages = [*messages, {"role": "assistant", "content": out["choices"][0]["message"]["content"] or ""},
-                        {"role": "user", "content": "And 7*8?"}]
+            messages = [
+                *messages,
+                {"role": "assistant", "content": out["choices"][0]["message"]["content"] or ""},
+                {"role": "user", "content": "And 7*8?"},
+            ]
         summary = await r.end(session) if session else None
     finally:
         await pool.close()
@@ -97,7 +100,9 @@ def test_at_temperature_0_7_the_learners_logprobs_are_the_engines(engine, folder
             "ignore_eos": True, "n": 4}
     replies, samples = asyncio.run(episode(engine.url, folder, [body]))
     assert replies[0]["agentrl"]["sampling"] == {**NEUTRAL, "temperature": 0.7}
-    assert len(samples) == 4 and all(s.behaviour.settings(0)["temperature"] == pytest.approx(0.7) for s in samples)
+    assert len(samples) == 4 and all(
+        s.behaviour.settings(0)["temperature"] == pytest.approx(0.7) for s in samples
+    )
     assert all(s.behaviour.kept_counts.sum() == 0 for s in samples)  # nothing truncated: no kept sets
     diff, old = parity(learner, samples)
     assert diff.numel() == 192
@@ -105,7 +110,9 @@ def test_at_temperature_0_7_the_learners_logprobs_are_the_engines(engine, folder
     assert old.mean().item() > 20 * max(diff.mean().item(), 1e-4)
 
 
-def test_top_k_and_top_p_kept_sets_are_recorded_and_the_learner_gives_nothing_outside_them(engine, folder, learner):
+def test_top_k_and_top_p_kept_sets_are_recorded_and_the_learner_gives_nothing_outside_them(
+    engine, folder, learner
+):
     from agentrl.learner.packing import packed_inputs
     from agentrl.learner.replay import RowReplay, replayed_log_softmax
 
@@ -139,7 +146,8 @@ def test_top_k_and_top_p_kept_sets_are_recorded_and_the_learner_gives_nothing_ou
 def test_history_penalties_are_replayed_over_the_calls_prompt_and_output(engine, folder, learner):
     body = {"temperature": 0.8, "top_k": 0, "top_p": 1.0, "repetition_penalty": 1.3, "presence_penalty": 0.5,
             "frequency_penalty": 0.4, "max_tokens": 32, "ignore_eos": True}
-    replies, samples = asyncio.run(episode(engine.url, folder, [body, body]))  # the second call continues the first
+    # the second call continues the first
+    replies, samples = asyncio.run(episode(engine.url, folder, [body, body]))
     assert [r["agentrl"]["parent"] for r in replies] == [None, 0]
     (s,) = samples
     assert s.behaviour.calls == 2 and s.behaviour.settings(1)["repetition_penalty"] == pytest.approx(1.3)
@@ -149,14 +157,17 @@ def test_history_penalties_are_replayed_over_the_calls_prompt_and_output(engine,
     assert old.mean().item() > 20 * max(diff.mean().item(), 1e-4)
 
 
-def test_the_models_generation_config_defaults_are_recorded_as_the_engine_applies_them(engine, folder, learner):
+def test_the_models_generation_config_defaults_are_recorded_as_the_engine_applies_them(
+    engine, folder, learner
+):
     body = {"max_tokens": 48, "ignore_eos": True, "n": 2}
     rendered = requests.post(engine.url + "/v1/chat/completions/render", timeout=60, json={
         "model": "tiny-tools", "messages": ASK, "logprobs": True}).json()["sampling_params"]
     replies, samples = asyncio.run(episode(engine.url, folder, [body]))
     want = {**NEUTRAL, **{k: float(v) for k, v in DEFAULTS.items()}}
     assert replies[0]["agentrl"]["sampling"] == want
-    assert {k: float(rendered[k]) for k in DEFAULTS} == {k: want[k] for k in DEFAULTS}  # what vLLM itself applies
+    # what vLLM itself applies
+    assert {k: float(rendered[k]) for k in DEFAULTS} == {k: want[k] for k in DEFAULTS}
     assert samples[0].behaviour.settings(0) == pytest.approx(want)
     diff, old = parity(learner, samples)
     assert diff.mean().item() < 1e-3, diff.mean().item()
@@ -173,18 +184,34 @@ def test_a_scaffolds_own_temperature_and_top_p_are_honoured_and_recorded(engine,
                                max_retries=0)
         whole = client.chat.completions.create(model="tiny-tools", messages=ASK, temperature=0.5, top_p=0.95,
                                                max_tokens=40, extra_body={"ignore_eos": True})
-        chunks = list(client.chat.completions.create(model="tiny-tools", messages=ASK, temperature=1.2, top_p=0.7,
-                                                     max_tokens=40, stream=True,
-                                                     extra_body={"ignore_eos": True, "repetition_penalty": 1.0}))
+        chunks = list(
+            client.chat.completions.create(
+                model="tiny-tools",
+                messages=ASK,
+                temperature=1.2,
+                top_p=0.7,
+                max_tokens=40,
+                stream=True,
+                extra_body={"ignore_eos": True, "repetition_penalty": 1.0},
+            )
+        )
         assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
         recs = srv.router.sessions["sc"].records
         samples = [decode_sample(encode_sample(s)[0]) for s in srv.router.sessions["sc"].samples()]
     # the scaffold's settings, and the model's defaults for what it left unset (top_k 20, repetition 1.05)
     got = whole.model_extra["agentrl"]["sampling"]
-    assert (got["temperature"], got["top_p"], got["top_k"], got["repetition_penalty"]) == (0.5, 0.95, 20.0, 1.05)
+    assert (got["temperature"], got["top_p"], got["top_k"], got["repetition_penalty"]) == (
+        0.5,
+        0.95,
+        20.0,
+        1.05,
+    )
     assert recs[0].sampling == got
-    assert (recs[1].sampling["temperature"], recs[1].sampling["top_p"], recs[1].sampling["repetition_penalty"]) == (
-        1.2, 0.7, 1.0)
+    assert (
+        recs[1].sampling["temperature"],
+        recs[1].sampling["top_p"],
+        recs[1].sampling["repetition_penalty"],
+    ) == (1.2, 0.7, 1.0)
     assert all(len(c.kept) == len(c.token_ids) == 40 for r in recs for c in r.completions)  # streamed too
     assert [s.behaviour.settings(0)["temperature"] for s in samples] == pytest.approx([0.5, 1.2])
     diff, old = parity(learner, samples)
@@ -193,7 +220,8 @@ def test_a_scaffolds_own_temperature_and_top_p_are_honoured_and_recorded(engine,
 
 @pytest.fixture(scope="module")
 def raw_engine(folder: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    """The same folder with the model's defaults off and, as an engine started by hand might be, raw logprobs."""
+    """The same folder with the model's defaults off and, as an engine started by hand might be, raw
+    logprobs."""
     e = start_vllm(folder, tmp_path_factory.mktemp("raw-engine"), generation_config="vllm",
                      extra_args=["--logprobs-mode", "raw_logprobs"])
     yield e
@@ -216,6 +244,8 @@ def test_an_engine_with_raw_logprobs_is_refused_non_neutral_training_calls(raw_e
     with pytest.raises(EngineError, match="raw logprobs"):
         asyncio.run(episode(raw_engine.url, folder, [{"max_tokens": 8, "temperature": 0.7}], retries=0))
     # outside a session (nothing is recorded for training) the same call is served
-    replies, _ = asyncio.run(episode(raw_engine.url, folder, [{"max_tokens": 8, "temperature": 0.7}], session=None))
+    replies, _ = asyncio.run(
+        episode(raw_engine.url, folder, [{"max_tokens": 8, "temperature": 0.7}], session=None)
+    )
     assert replies[0]["choices"][0]["message"]["content"] is not None
 

@@ -46,8 +46,9 @@ def run(coro):  # plain functions + asyncio.run: no async test plugin needed
 
 
 def docker_ids(label: str) -> list[str]:
-    out = subprocess.run(["docker", "ps", "-aq", "--filter", f"label={label}"], capture_output=True, text=True,
-                         check=True)
+    out = subprocess.run(
+        ["docker", "ps", "-aq", "--filter", f"label={label}"], capture_output=True, text=True, check=True
+    )
     return out.stdout.split()
 
 
@@ -165,7 +166,8 @@ def test_a_fork_bomb_hits_the_pids_limit_and_the_host_stays_healthy(backend: str
                 assert r.timed_out and r.exit_code == 124
                 assert host_is_healthy()
                 # The group is gone: the box answers again, with few processes left.
-                r = await sb.exec(["python3", "-c", "import os; print(sum(p.isdigit() for p in os.listdir('/proc')))"])
+                r = await sb.exec(["python3", "-c", "import os; print(sum(p.isdigit() "
+                                                    "for p in os.listdir('/proc')))"])
                 assert r.ok and int(r.stdout) < 10
             async with pool.acquire() as sb:  # the timed-out box was replaced; a fresh one works
                 assert (await sb.exec("echo ok")).stdout == "ok\n"
@@ -210,7 +212,8 @@ def test_a_reset_box_has_no_trace_of_the_previous_episode(backend: str) -> None:
         async with SandboxPool(config(backend, warm=1), f"t-{uuid.uuid4().hex[:8]}") as pool:
             async with pool.acquire() as sb:
                 await sb.write_file("/work/secret.txt", "episode one")
-                await sb.exec("mkdir -p /work/d/e && touch /work/.hidden /tmp/t /dev/shm/s && chmod 500 /work/d")
+                await sb.exec("mkdir -p /work/d/e && touch /work/.hidden "
+                              "/tmp/t /dev/shm/s && chmod 500 /work/d")
                 await sb.start_background(["sleep", "1000"])
                 first = sb.id
             await pool.wait_idle()
@@ -263,7 +266,11 @@ def test_500_episodes_with_30_percent_cancelled_leave_nothing_behind(backend: st
                 await asyncio.sleep(rng.uniform(0, 0.01))
                 tasks[i].cancel()
             results = await asyncio.gather(*tasks, return_exceptions=True)
-            errors = [r for r in results if isinstance(r, BaseException) and not isinstance(r, asyncio.CancelledError)]
+            errors = [
+                r
+                for r in results
+                if isinstance(r, BaseException) and not isinstance(r, asyncio.CancelledError)
+            ]
             assert not errors, errors[:3]
             await pool.wait_idle()
             stats = pool.stats()
@@ -292,8 +299,12 @@ asyncio.run(main())
 
 def test_after_kill_9_of_the_owner_the_next_start_removes_every_leftover(backend: str) -> None:
     instance = f"t-victim-{uuid.uuid4().hex[:8]}"
-    child = subprocess.Popen([sys.executable, "-c", CHILD, backend, instance], stdout=subprocess.PIPE, text=True,
-                             cwd=Path(__file__).resolve().parents[1])
+    child = subprocess.Popen(
+        [sys.executable, "-c", CHILD, backend, instance],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=Path(__file__).resolve().parents[1],
+    )
     try:
         assert child.stdout is not None and child.stdout.readline().strip() == "ready"
         if backend == "docker":
@@ -333,7 +344,9 @@ def test_start_removes_containers_whose_owner_pid_is_dead() -> None:
 @pytest.mark.docker
 def test_containers_are_locked_down() -> None:
     async def body() -> None:
-        async with SandboxPool(config("docker", memory_mb=256, pids=64, cpus=0.5), f"t-{uuid.uuid4().hex[:8]}") as pool:
+        async with SandboxPool(
+            config("docker", memory_mb=256, pids=64, cpus=0.5), f"t-{uuid.uuid4().hex[:8]}"
+        ) as pool:
             async with pool.acquire() as sb:
                 info = await DockerAPI(SandboxConfig().resolved_docker_host()).inspect(sb.id)
                 assert info is not None

@@ -53,8 +53,8 @@ def test_a_command_cannot_open_kernel_settings_for_writing(backend: str) -> None
     # Opened for writing and closed without a byte written: on the old bubblewrap backend the open
     # succeeded (a write of "|program" to core_pattern would have run as host root on a crash).
     code = """
-        for path in ("/proc/sys/kernel/core_pattern", "/proc/sys/kernel/modprobe", "/proc/sys/vm/overcommit_memory",
-                     "/proc/sys/net/ipv4/ip_forward"):
+        for path in ("/proc/sys/kernel/core_pattern", "/proc/sys/kernel/modprobe",
+                     "/proc/sys/vm/overcommit_memory", "/proc/sys/net/ipv4/ip_forward"):
             try:
                 os.close(os.open(path, os.O_WRONLY))
                 print("WRITABLE", path)

@@ -28,7 +28,10 @@ def test_a_scaffold_program_sees_no_secret_and_no_answer(monkeypatch: pytest.Mon
     text = json.dumps(env)
     assert "admin-secret" not in text and "client-key-1" not in text and "cloud-secret" not in text
     assert "AGENTRL_TASK" not in env and '"answer"' not in text
-    assert env["OPENAI_BASE_URL"] == "http://127.0.0.1:8000/sessions/abc/v1" and env["OPENAI_API_KEY"] == "sess-abc"
+    assert (
+        env["OPENAI_BASE_URL"] == "http://127.0.0.1:8000/sessions/abc/v1"
+        and env["OPENAI_API_KEY"] == "sess-abc"
+    )
     assert env["AGENTRL_PROMPT"] == "What is 2 + 2?" and "PATH" in env
 
 

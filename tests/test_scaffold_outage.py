@@ -61,8 +61,14 @@ async def _play(agent: Any, episodes: int) -> tuple[Orchestrator, Sink]:
     try:
         loop = ScaffoldLoop(router, "guess_number", {}, EpisodeLimits(max_turns=2), scaffold=agent,
                             base_url=f"http://127.0.0.1:{port}")
-        orch = Orchestrator(loop, sink, env_name="guess_number", group_size=episodes, max_concurrency=episodes,
-                            max_episodes=episodes)
+        orch = Orchestrator(
+            loop,
+            sink,
+            env_name="guess_number",
+            group_size=episodes,
+            max_concurrency=episodes,
+            max_episodes=episodes,
+        )
         await asyncio.wait_for(orch.run(), 120)
     finally:
         await runner.cleanup()

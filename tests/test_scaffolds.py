@@ -53,8 +53,9 @@ def test_a_tool_calling_agent_trains_on_exact_stitched_tokens(vllm_engine, tmp_p
     # so each run exercises a continued call (sampled, a group of two sometimes had none).
     run = run_group(vllm_engine.url, tmp_path / "run", env="arithmetic", scaffold=scaffold, temperature=0.0)
     assert len(run.episodes) == 2
-    assert {e["info"]["scaffold"] for e in run.episodes} == {scaffold.get("agent") or
-                                                             scaffold["command"].replace("{python}", sys.executable)}
+    assert {e["info"]["scaffold"] for e in run.episodes} == {
+        scaffold.get("agent") or scaffold["command"].replace("{python}", sys.executable)
+    }
     check_exact_samples(run)
     _check_stitched(run)
     _arithmetic_rewards_are_the_environments(run)
@@ -67,8 +68,14 @@ def test_the_shell_swe_agent_streams_works_in_the_container_and_is_scored_by_its
     from agentrl.sandbox import SandboxConfig, SandboxPool
     from environments.coding import TASKS, CodingEnv
 
-    run = run_group(vllm_engine.url, tmp_path / "run", env="coding", scaffold={"agent": "scaffolds.swe_shell:agent"},
-                    max_turns=3, max_tokens=64)
+    run = run_group(
+        vllm_engine.url,
+        tmp_path / "run",
+        env="coding",
+        scaffold={"agent": "scaffolds.swe_shell:agent"},
+        max_turns=3,
+        max_tokens=64,
+    )
     check_exact_samples(run)
     _check_stitched(run)
     assert run.router_counters["streams"] == sum(len(r) for r in run.records.values())
@@ -105,7 +112,9 @@ def test_the_readme_example_agent_plays_episodes_as_written(vllm_engine, tmp_pat
     assert len(code.strip().splitlines()) < 15
     (tmp_path / "my_agent.py").write_text(code)
     monkeypatch.syspath_prepend(str(tmp_path))
-    run = run_group(vllm_engine.url, tmp_path / "run", env="guess_number", scaffold={"agent": "my_agent:agent"})
+    run = run_group(
+        vllm_engine.url, tmp_path / "run", env="guess_number", scaffold={"agent": "my_agent:agent"}
+    )
     check_exact_samples(run)
     _check_stitched(run)
     for ep in run.episodes:

@@ -32,8 +32,10 @@ def _decodes_to_what_was_sent(run, model_dir: str) -> None:
             msg = r["completions"][0]["message"]
             content, calls = reply_of(model_dir, r["completions"][0]["token_ids"], tools=True)
             assert (content or None) == (msg.get("content") or None), r["index"]
-            assert calls == [{"name": c["function"]["name"], "arguments": json.loads(c["function"]["arguments"])}
-                             for c in msg.get("tool_calls") or []]
+            assert calls == [
+                {"name": c["function"]["name"], "arguments": json.loads(c["function"]["arguments"])}
+                for c in msg.get("tool_calls") or []
+            ]
 
 
 def _exact_run(engine_url: str, model_dir: str, tmp_path, **group: Any):
@@ -56,13 +58,19 @@ def _one_sample_per_episode(run) -> None:
         assert ep["splits"] == 0 and ep["num_samples"] == 1
 
 
-@pytest.mark.parametrize(("agent", "route"), [
-    pytest.param("scaffolds.openai_agents_sdk:responses_agent", "responses", id="openai-agents-responses-api"),
-    pytest.param("scaffolds.anthropic_tools:agent", "messages", id="anthropic-sdk-messages-api"),
-    pytest.param("scaffolds.langchain_tools:agent", "chat", id="langchain-openai-bound-tools"),
-])
-def test_an_agent_that_appends_to_its_conversation_trains_on_one_exact_sample(vllm_engine, tiny_tools_model, tmp_path,
-                                                                            agent, route):
+@pytest.mark.parametrize(
+    ("agent", "route"),
+    [
+        pytest.param(
+            "scaffolds.openai_agents_sdk:responses_agent", "responses", id="openai-agents-responses-api"
+        ),
+        pytest.param("scaffolds.anthropic_tools:agent", "messages", id="anthropic-sdk-messages-api"),
+        pytest.param("scaffolds.langchain_tools:agent", "chat", id="langchain-openai-bound-tools"),
+    ],
+)
+def test_an_agent_that_appends_to_its_conversation_trains_on_one_exact_sample(
+    vllm_engine, tiny_tools_model, tmp_path, agent, route
+):
     # Greedy: the tiny-tools model opens each arithmetic task with a python call, so every episode
     # has a tool round trip (a continued call)
     run = _exact_run(vllm_engine.url, tiny_tools_model, tmp_path, env="arithmetic", scaffold={"agent": agent},
@@ -78,7 +86,9 @@ def test_an_agent_that_appends_to_its_conversation_trains_on_one_exact_sample(vl
             assert ep["info"]["answer"] == (last.get("content") or "")
 
 
-def test_smolagents_calls_are_exact_and_its_rebuilt_prompts_are_new_samples(vllm_engine, tiny_tools_model, tmp_path):
+def test_smolagents_calls_are_exact_and_its_rebuilt_prompts_are_new_samples(
+    vllm_engine, tiny_tools_model, tmp_path
+):
     run = _exact_run(vllm_engine.url, tiny_tools_model, tmp_path, env="arithmetic", temperature=0.0,
                      scaffold={"agent": "scaffolds.smolagents_agent:agent"})
     assert run.routes == {"chat"}
@@ -98,13 +108,17 @@ async def scripted_mini_swe_agent(ctx: Any) -> str:
     constraint (vLLM structured outputs), so the reply is scripted and its tokens still sampled."""
     from scaffolds.mini_swe_agent import agent
 
-    command = (f"cd /work/repo && {ctx.task['fix']} && python3 -m unittest discover -s tests -t . >/dev/null 2>&1 "
-               "&& echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT")
-    call = "<tool_call>\n" + json.dumps({"name": "bash", "arguments": {"command": command}}) + "\n</tool_call>"
+    command = (f"cd /work/repo && {ctx.task['fix']} && python3 -m unittest discover -s "
+               "tests -t . >/dev/null 2>&1 && echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT")
+    call = (
+        "<tool_call>\n" + json.dumps({"name": "bash", "arguments": {"command": command}}) + "\n</tool_call>"
+    )
     return await agent(ctx, model_kwargs={"extra_body": {"structured_outputs": {"choice": [call]}}})
 
 
-def test_mini_swe_agent_fixes_a_shipped_swe_task_with_a_scripted_reply(vllm_engine, tiny_tools_model, tmp_path):
+def test_mini_swe_agent_fixes_a_shipped_swe_task_with_a_scripted_reply(
+    vllm_engine, tiny_tools_model, tmp_path
+):
     run = _exact_run(vllm_engine.url, tiny_tools_model, tmp_path, env="swe", max_turns=6, max_tokens=400,
                      scaffold={"agent": "tests.test_scaffolds_frameworks:scripted_mini_swe_agent"})
     for ep in run.episodes:
@@ -113,7 +127,9 @@ def test_mini_swe_agent_fixes_a_shipped_swe_task_with_a_scripted_reply(vllm_engi
         assert ep["reward"] == 1.0  # the task's failing test passes in the container, tests untouched
 
 
-def test_mini_swe_agent_unscripted_ends_at_a_limit_cleanly_and_is_data(vllm_engine, tiny_tools_model, tmp_path):
+def test_mini_swe_agent_unscripted_ends_at_a_limit_cleanly_and_is_data(
+    vllm_engine, tiny_tools_model, tmp_path
+):
     run = _exact_run(vllm_engine.url, tiny_tools_model, tmp_path, env="swe", max_turns=6, max_tokens=64,
                      scaffold={"agent": "scaffolds.mini_swe_agent:agent"})
     for ep in run.episodes:

@@ -128,7 +128,9 @@ def test_calls_beyond_the_turn_limit_are_refused_and_the_episode_is_truncated(vl
 
 
 @pytest.mark.vllm
-def test_a_fresh_conversation_starts_a_new_sample_and_the_environment_scores_the_answer(vllm_engine, tmp_path):
+def test_a_fresh_conversation_starts_a_new_sample_and_the_environment_scores_the_answer(
+    vllm_engine, tmp_path
+):
     from environments.guess_number import GuessNumberEnv
 
     run = run_group(vllm_engine.url, tmp_path / "run", env="guess_number",
@@ -223,7 +225,10 @@ command = "{{python}} -m scaffolds.openai_minimal"
     assert code == 0, log
     for ep in episodes:
         assert ep["error"] is None and ep["info"]["scaffold"].endswith("-m scaffolds.openai_minimal")
-        records = [json.loads(x) for x in (run_dir / "sessions" / f"{ep['episode_id']}.jsonl").read_text().splitlines()]
+        records = [
+            json.loads(x)
+            for x in (run_dir / "sessions" / f"{ep['episode_id']}.jsonl").read_text().splitlines()
+        ]
         assert len(records) == ep["turns"] >= 1
         assert all(r["completions"][0]["token_ids"] for r in records)
 
@@ -232,7 +237,9 @@ def _router_without_engine() -> Any:
     """A real Router whose pool is never called: for episodes that make no model call."""
     from agentrl.router import EnginePool, Router
 
-    return Router(EnginePool(["http://127.0.0.1:9"]), model_name="tiny-tools", eos_token_ids={2}, max_model_len=2048)
+    return Router(
+        EnginePool(["http://127.0.0.1:9"]), model_name="tiny-tools", eos_token_ids={2}, max_model_len=2048
+    )
 
 
 def test_a_scaffold_that_makes_no_call_is_still_scored_and_leaves_one_flagged_empty_sample():
@@ -249,7 +256,9 @@ def test_a_scaffold_that_makes_no_call_is_still_scored_and_leaves_one_flagged_em
                                           scaffold=answer_at_once, base_url="http://127.0.0.1:8000/"))
     assert seen["base_url"] == f"http://127.0.0.1:8000/sessions/{ep.episode_id}/v1"
     assert seen["api_key"] == f"sess-{ep.episode_id}" == seen["env"]["OPENAI_API_KEY"]
-    assert seen["prompt"].startswith("I picked an integer") and seen["env"]["AGENTRL_PROMPT"] == seen["prompt"]
+    assert (
+        seen["prompt"].startswith("I picked an integer") and seen["env"]["AGENTRL_PROMPT"] == seen["prompt"]
+    )
     assert ep.terminated and ep.error is None and ep.reward == 1.0 and ep.turns == 0
     assert len(ep.samples) == 1 and ep.samples[0].error == "NoModelCall" and len(ep.samples[0].token_ids) == 0
 
@@ -274,8 +283,16 @@ def test_an_environment_that_fails_at_reset_is_an_environment_error_not_a_scaffo
         raise AssertionError("the scaffold must not start")
 
     try:
-        ep = asyncio.run(run_scaffold_episode(_router_without_engine(), "scaffold-test-broken-reset", {"id": "x"},
-                                              group_id="g", scaffold=never, base_url="http://127.0.0.1:8000"))
+        ep = asyncio.run(
+            run_scaffold_episode(
+                _router_without_engine(),
+                "scaffold-test-broken-reset",
+                {"id": "x"},
+                group_id="g",
+                scaffold=never,
+                base_url="http://127.0.0.1:8000",
+            )
+        )
     finally:
         unregister("scaffold-test-broken-reset")
     assert ep.error == "EnvironmentError: reset raised RuntimeError: no such task file"
@@ -285,8 +302,15 @@ def test_an_environment_that_fails_at_reset_is_an_environment_error_not_a_scaffo
 def test_a_command_that_cannot_start_is_a_scaffold_error():
     from agentrl.rollout.scaffold import run_scaffold_episode
 
-    ep = asyncio.run(run_scaffold_episode(_router_without_engine(), "guess_number", {"id": "t", "seed": 1, "secret": 3},
-                                          group_id="g", scaffold=load_scaffold("/nonexistent/agent --x"),
-                                          base_url="http://127.0.0.1:8000"))
+    ep = asyncio.run(
+        run_scaffold_episode(
+            _router_without_engine(),
+            "guess_number",
+            {"id": "t", "seed": 1, "secret": 3},
+            group_id="g",
+            scaffold=load_scaffold("/nonexistent/agent --x"),
+            base_url="http://127.0.0.1:8000",
+        )
+    )
     assert ep.error is not None and ep.error.startswith("ScaffoldError: FileNotFoundError")
     assert not ep.terminated and ep.reward == 0.0

@@ -109,8 +109,15 @@ def test_agent_loops_keep_playing_while_every_scoring_slot_is_held_by_a_hanging_
 
         producer, sink = _Producer(), _Sink()
         stage = _stage({"blocks": (blocks, 1.0)}, concurrency=2, timeout_s=600)
-        orch = Orchestrator(producer, sink, env_name="scoring-unit", group_size=2, max_concurrency=4, max_episodes=40,
-                            scoring=stage)
+        orch = Orchestrator(
+            producer,
+            sink,
+            env_name="scoring-unit",
+            group_size=2,
+            max_concurrency=4,
+            max_episodes=40,
+            scoring=stage,
+        )
         run = asyncio.create_task(orch.run())
         await asyncio.wait_for(producer.many.wait(), 60)  # 24 episodes played; the 2 slots never freed
         held, status = entered, orch.status()
@@ -135,7 +142,9 @@ def test_a_judge_that_is_down_is_retried_with_back_off_and_no_zero_reward_is_inj
             return web.json_response({"error": {"message": "overloaded"}}, status=503)
 
         runner, url = await stand_in_endpoint(unavailable)
-        stage = ScoringStage(ScoringConfig(judge=JudgeConfig(url=url, model="judge"), retries=2, timeout_s=30))
+        stage = ScoringStage(
+            ScoringConfig(judge=JudgeConfig(url=url, model="judge"), retries=2, timeout_s=30)
+        )
         answered_503 = finished_episode()
         await stage(TASK, answered_503)
         await runner.cleanup()
@@ -182,11 +191,22 @@ def test_a_judge_that_answers_is_combined_with_the_environments_reward_by_weight
             body = await request.json()
             bodies.append(body)
             grade = "7" if "42" in body["messages"][0]["content"] else "no idea"
-            return web.json_response({"choices": [{"index": 0, "message": {"role": "assistant", "content": grade},
-                                                   "finish_reason": "stop"}]})
+            return web.json_response(
+                {
+                    "choices": [
+                        {
+                            "index": 0,
+                            "message": {"role": "assistant", "content": grade},
+                            "finish_reason": "stop",
+                        }
+                    ]
+                }
+            )
 
         runner, url = await stand_in_endpoint(grades)
-        stage = ScoringStage(ScoringConfig(env_weight=0.5, judge=JudgeConfig(url=url, model="judge-m", weight=0.5)))
+        stage = ScoringStage(
+            ScoringConfig(env_weight=0.5, judge=JudgeConfig(url=url, model="judge-m", weight=0.5))
+        )
         good, unparsable = finished_episode(), finished_episode()
         unparsable.answer = "I am not sure"
         await stage(TASK, good)
@@ -237,12 +257,22 @@ def test_a_group_judge_grades_a_groups_finished_members_together_in_one_call() -
             body = await request.json()
             prompts.append(body["messages"][0]["content"])
             reply = "1: 9\n2: 3\nAnswer 3: 10" if len(prompts) == 1 else "1: 4\n2: x"
-            return web.json_response({"choices": [{"index": 0, "message": {"role": "assistant", "content": reply},
-                                                   "finish_reason": "stop"}]})
+            return web.json_response(
+                {
+                    "choices": [
+                        {
+                            "index": 0,
+                            "message": {"role": "assistant", "content": reply},
+                            "finish_reason": "stop",
+                        }
+                    ]
+                }
+            )
 
         runner, url = await stand_in_endpoint(ranks)
-        stage = ScoringStage(ScoringConfig(env_weight=0.0, judge=JudgeConfig(url=url, model="j", mode="group")),
-                             group_size=4)
+        stage = ScoringStage(
+            ScoringConfig(env_weight=0.0, judge=JudgeConfig(url=url, model="j", mode="group")), group_size=4
+        )
         group = [finished_episode("g1") for _ in range(4)]
         for ep, answer in zip(group, ("fourty-two", "41", "42", "43"), strict=True):
             ep.answer = answer
@@ -267,8 +297,17 @@ def test_a_group_judge_grades_a_groups_finished_members_together_in_one_call() -
 def test_a_group_judge_grades_the_members_present_when_the_rest_never_come() -> None:
     async def main() -> list[EpisodeResult]:
         async def ranks(request: web.Request) -> web.Response:
-            return web.json_response({"choices": [{"index": 0, "message": {"role": "assistant", "content": "1: 5\n2: 6"},
-                                                   "finish_reason": "stop"}]})
+            return web.json_response(
+                {
+                    "choices": [
+                        {
+                            "index": 0,
+                            "message": {"role": "assistant", "content": "1: 5\n2: 6"},
+                            "finish_reason": "stop",
+                        }
+                    ]
+                }
+            )
 
         runner, url = await stand_in_endpoint(ranks)
         stage = ScoringStage(ScoringConfig(env_weight=0.0, group_wait_s=0.3,
@@ -285,21 +324,37 @@ def test_a_group_judge_grades_the_members_present_when_the_rest_never_come() -> 
 def test_serves_metrics_carry_each_scorers_calls_failures_seconds_and_rewards() -> None:
     from agentrl.serve.app import prometheus_series
 
-    status = {"rollout": {"in_flight": 3, "episodes": 10, "failed": 1, "backing_off": False,
-                          "scoring": {"scored": 9, "failed": 1, "timeouts": 1, "waiting": 0, "scoring": 2, "outage": 0,
-                                      "waiting_for_group": 0,
-                                      "scorers": {"judge": {"calls": 10, "failures": 1, "seconds": 20.5, "reward_sum": 6.0},
-                                                  'odd"name': {"calls": 1, "failures": 0, "seconds": 0.1,
-                                                               "reward_sum": 0.5}}}},
-              "buffer": {"depth": 4, "identity_holds": True, "dropped_by_reason": {"stale": 2}},
-              "teacher": {"version": 3, "lag": 1}}
+    status = {
+        "rollout": {
+            "in_flight": 3,
+            "episodes": 10,
+            "failed": 1,
+            "backing_off": False,
+            "scoring": {
+                "scored": 9,
+                "failed": 1,
+                "timeouts": 1,
+                "waiting": 0,
+                "scoring": 2,
+                "outage": 0,
+                "waiting_for_group": 0,
+                "scorers": {
+                    "judge": {"calls": 10, "failures": 1, "seconds": 20.5, "reward_sum": 6.0},
+                    'odd"name': {"calls": 1, "failures": 0, "seconds": 0.1, "reward_sum": 0.5},
+                },
+            },
+        },
+        "buffer": {"depth": 4, "identity_holds": True, "dropped_by_reason": {"stale": 2}},
+        "teacher": {"version": 3, "lag": 1},
+    }
     series = prometheus_series(status)
     assert series["scoring_scored_total"] == 9 and series["scoring_timeouts_total"] == 1
     assert series['scoring_calls_total{scorer="judge"}'] == 10
     assert series['scoring_failures_total{scorer="judge"}'] == 1
     assert series['scoring_seconds_total{scorer="judge"}'] == 20.5
     assert series['scoring_reward_sum{scorer="judge"}'] == 6.0
-    assert series['scoring_calls_total{scorer="odd\\"name"}'] == 1  # a label value escaped as Prometheus reads it
+    # a label value escaped as Prometheus reads it
+    assert series['scoring_calls_total{scorer="odd\\"name"}'] == 1
     assert series["rollout_episodes_total"] == 10 and series["rollout_in_flight"] == 3
     assert series["buffer_depth"] == 4 and "buffer_identity_holds" not in series  # numbers only
     assert series["teacher_version"] == 3
@@ -312,11 +367,22 @@ def test_a_judge_on_serves_own_engine_is_asked_there_with_its_key_and_serves_mod
 
         async def grades(request: web.Request) -> web.Response:
             seen.append((request.headers.get("Authorization", ""), await request.json()))
-            return web.json_response({"choices": [{"index": 0, "message": {"role": "assistant", "content": "9"},
-                                                   "finish_reason": "stop"}]})
+            return web.json_response(
+                {
+                    "choices": [
+                        {
+                            "index": 0,
+                            "message": {"role": "assistant", "content": "9"},
+                            "finish_reason": "stop",
+                        }
+                    ]
+                }
+            )
 
         runner, url = await stand_in_endpoint(grades)
-        stage = ScoringStage(ScoringConfig(judge=JudgeConfig(engine=True)), judge_endpoint=(url, "engine-key", "tiny"))
+        stage = ScoringStage(
+            ScoringConfig(judge=JudgeConfig(engine=True)), judge_endpoint=(url, "engine-key", "tiny")
+        )
         ep = finished_episode()
         try:
             await stage(TASK, ep)
@@ -331,7 +397,11 @@ def test_a_judge_on_serves_own_engine_is_asked_there_with_its_key_and_serves_mod
     with pytest.raises(ConfigError, match="scoring.judge.engine"):
         ScoringStage(ScoringConfig(judge=JudgeConfig(engine=True)))  # outside serve: no engine to name
     cfg = ServeConfig()
-    cfg.scoring.judge.engine, cfg.scoring.judge.url, cfg.scoring.judge.model = True, "http://127.0.0.1:1/v1", "j"
+    cfg.scoring.judge.engine, cfg.scoring.judge.url, cfg.scoring.judge.model = (
+        True,
+        "http://127.0.0.1:1/v1",
+        "j",
+    )
     with pytest.raises(ConfigError, match="exclude each other"):
         cfg.check()
     cfg.scoring.judge.url, cfg.ray.address = "", "auto"

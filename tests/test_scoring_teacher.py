@@ -51,10 +51,14 @@ async def _teacher_server(drop: int | None = None,
     return runner, url, bodies
 
 
-def _scored(drop: int | None = None, short: int | None = None, **cfg: Any) -> tuple[Any, list[dict[str, Any]], dict[str, Any]]:
+def _scored(
+    drop: int | None = None, short: int | None = None, **cfg: Any
+) -> tuple[Any, list[dict[str, Any]], dict[str, Any]]:
     async def main() -> tuple[Any, list[dict[str, Any]], dict[str, Any]]:
         runner, url, bodies = await _teacher_server(drop, short)
-        stage = ScoringStage(ScoringConfig(teacher=TeacherConfig(url=url, model="teacher-m", **cfg), timeout_s=30))
+        stage = ScoringStage(
+            ScoringConfig(teacher=TeacherConfig(url=url, model="teacher-m", **cfg), timeout_s=30)
+        )
         ep = finished_episode(reward=1.0)
         try:
             await stage(TASK, ep)
@@ -85,7 +89,10 @@ def test_the_teachers_top_k_land_on_the_generated_positions_in_rank_order() -> N
     (s,) = ep.samples  # tokens [1, 2, 3], mask [0, 1, 1]
     assert bodies[0]["prompt_logprobs"] == 2
     assert s.teacher_topk_ids.tolist() == [[-1, -1], [100, 101], [100, 101]]
-    assert np.isnan(s.teacher_topk_logprobs[0]).all() and s.teacher_topk_logprobs[1:].tolist() == [[-0.5, -1.0]] * 2
+    assert (
+        np.isnan(s.teacher_topk_logprobs[0]).all()
+        and s.teacher_topk_logprobs[1:].tolist() == [[-0.5, -1.0]] * 2
+    )
     assert s.teacher_logprobs[1:].tolist() == [_logprob(2), _logprob(3)]  # the sampled tokens' as before
     assert ep.error is None
 

@@ -25,7 +25,12 @@ def test_serve_scores_each_episode_with_a_vllm_judge_and_weighs_it_with_the_envi
     serve's model, asked at its engine)."""
     port = free_port()
     judge = f'url = "{vllm_engine.url}/v1"\nmodel = "tiny-tools"' if where == "url" else "engine = true"
-    config, run_dir = endless_serve_config(tmp_path, vllm_engine.url, port, top="max_episodes = 8", sections=f"""
+    config, run_dir = endless_serve_config(
+        tmp_path,
+        vllm_engine.url,
+        port,
+        top="max_episodes = 8",
+        sections=f"""
 [scoring]
 env_weight = 0.25
 concurrency = 2
@@ -34,7 +39,8 @@ timeout_s = 120
 {judge}
 weight = 0.75
 choices_only = true
-""")
+""",
+    )
     ran = serve_until(config, run_dir, port, 8, tmp_path / "serve.out")
     episodes, code, status, metrics = ran["episodes"], ran["code"], ran["status"], ran["metrics"]
     assert len(episodes) == 8, ran["log"]
@@ -62,11 +68,22 @@ def test_a_group_judge_on_vllm_is_held_to_one_grade_line_per_answer(vllm_engine)
     from agentrl.scoring.stage import Judge
 
     async def main() -> list[list[float]]:
-        judge = Judge(JudgeConfig(url=f"{vllm_engine.url}/v1", model="tiny-tools", mode="group", choices_only=True,
-                                  temperature=1.0), timeout_s=120, retries=1)
+        judge = Judge(
+            JudgeConfig(
+                url=f"{vllm_engine.url}/v1",
+                model="tiny-tools",
+                mode="group",
+                choices_only=True,
+                temperature=1.0,
+            ),
+            timeout_s=120,
+            retries=1,
+        )
         try:  # sampled at temperature 1: whatever the tiny model writes, the format holds
-            return [await judge.grade_group({"question": f"Say {n}."}, [str(n), "no", f"{n} {n}"][: 2 + n % 2])
-                    for n in range(4)]
+            return [
+                await judge.grade_group({"question": f"Say {n}."}, [str(n), "no", f"{n} {n}"][: 2 + n % 2])
+                for n in range(4)
+            ]
         finally:
             await judge.close()
 
@@ -106,8 +123,9 @@ def test_a_vllm_teacher_gives_its_models_own_logprobs_of_the_students_tokens(vll
         samples = [sample]
 
     async def main() -> float:
-        teacher = Teacher(TeacherConfig(url=f"{vllm_engine.url}/v1", model="tiny-tools", top_k=5), timeout_s=120,
-                          retries=1)
+        teacher = Teacher(
+            TeacherConfig(url=f"{vllm_engine.url}/v1", model="tiny-tools", top_k=5), timeout_s=120, retries=1
+        )
         try:
             return await teacher({}, Episode())
         finally:
@@ -157,7 +175,9 @@ def test_a_teacher_engine_serve_launches_serves_its_own_model_and_stays_there(tm
     cfg.engine.base_port = free_port() - cfg.engine.count  # the teacher's engine follows serve's own
     check_same_tokenizer(tiny_tools_model, tiny_model)
     with pytest.raises(ConfigError, match="another tokenizer"):
-        check_same_tokenizer(tiny_tools_model, str(build_tiny_model(tmp_path / "other", seed=1, vocab_size=1024)))
+        check_same_tokenizer(
+            tiny_tools_model, str(build_tiny_model(tmp_path / "other", seed=1, vocab_size=1024))
+        )
     ids = list(range(40, 90))
     mask = [0] * 10 + [1] * 40
     sample = Sample(ids, mask, [-1.0 if m else 0.0 for m in mask], [0 if m else -1 for m in mask],
@@ -170,7 +190,9 @@ def test_a_teacher_engine_serve_launches_serves_its_own_model_and_stays_there(tm
         engine = TeacherEngine(cfg, tiny_model, "teacher-key", tmp_path / "logs")
         try:
             await engine.start(300)
-            teacher = Teacher(cfg.scoring.teacher, timeout_s=120, retries=1, url=f"{engine.url}/v1", key="teacher-key")
+            teacher = Teacher(
+                cfg.scoring.teacher, timeout_s=120, retries=1, url=f"{engine.url}/v1", key="teacher-key"
+            )
             await teacher({}, Episode())
             await teacher.close()
             await engine.advance(5, tmp_path / "weights")  # the student moved on: this teacher stays

@@ -28,5 +28,7 @@ def test_agentrl_run_distils_from_its_own_policy_one_version_back(tmp_path: Path
         assert 0 <= s["teacher_version_min"] <= s["teacher_version_max"] <= max(0, s["version"] - 2), s
     log = (run_dir / "serve.log").read_text()
     # each publish from version 2 on brought the teacher to the version before it, in order
-    assert [int(v) for v in re.findall(r"teacher now serves policy version (\d+)", log)] == [1, 2, 3], log[-3000:]
+    assert [int(v) for v in re.findall(r"teacher now serves policy version (\d+)", log)] == [1, 2, 3], log[
+        -3000:
+    ]
     assert "self-distillation teacher's engine" in log

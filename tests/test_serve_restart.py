@@ -45,7 +45,9 @@ class Serve:
         return code
 
 
-def test_a_restarted_serve_comes_back_at_the_last_published_version(tmp_path: Path, tiny_tools_model: str) -> None:
+def test_a_restarted_serve_comes_back_at_the_last_published_version(
+    tmp_path: Path, tiny_tools_model: str
+) -> None:
     from safetensors.torch import load_file
 
     from agentrl.weights.transfer import publish, serialize_state_dict

@@ -17,7 +17,9 @@ SHIPPED_NAMES = ["smollm2-tools", "tiny", "tiny-agent", "tiny-arith", "tiny-moe"
 
 
 def _digest(folder: Path) -> dict[str, str]:
-    return {f.name: hashlib.sha256(f.read_bytes()).hexdigest() for f in sorted(folder.iterdir()) if f.is_file()}
+    return {
+        f.name: hashlib.sha256(f.read_bytes()).hexdigest() for f in sorted(folder.iterdir()) if f.is_file()
+    }
 
 
 def test_every_shipped_model_carries_the_stamp_of_its_current_recipe(tmp_path, monkeypatch):
@@ -28,8 +30,8 @@ def test_every_shipped_model_carries_the_stamp_of_its_current_recipe(tmp_path, m
         file, wanted = models.recipe_stamp(name)
         stamp = shipped.read_stamp(shipped.SHIPPED / name, file)
         stale = {k: (stamp.get(k), v) for k, v in wanted.items() if stamp.get(k) != v}
-        assert not stale, (f"the shipped {name} was made by another recipe (shipped, now): {stale}; rebuild and "
-                           f"re-ship it: agentrl model build --rebuild --ship {name}")
+        assert not stale, (f"the shipped {name} was made by another recipe (shipped, now): {stale}; "
+                           f"rebuild and re-ship it: agentrl model build --rebuild --ship {name}")
 
 
 def test_a_shipped_model_is_installed_into_an_empty_cache_without_building(tmp_path, monkeypatch):

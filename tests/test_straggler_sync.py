@@ -75,7 +75,9 @@ def test_sync_mode_starts_a_batch_only_after_the_engines_serve_new_weights():
         starts.append((pool.version, loop.time()))
         await asyncio.sleep(random.random() * 0.05)
         ends.append(loop.time())
-        return EpisodeResult(episode_id="e", group_id=group_id, env="straggler", task_id=task["id"], terminated=True)
+        return EpisodeResult(
+            episode_id="e", group_id=group_id, env="straggler", task_id=task["id"], terminated=True
+        )
 
     async def learner():
         for _ in range(3):

@@ -48,7 +48,11 @@ def _run(local, body, chunks, finish="stop", eos=(2,)):
 @pytest.mark.parametrize("text", OUTPUTS)
 @pytest.mark.parametrize("tools", [True, False])
 def test_any_chunking_streams_exactly_the_unstreamed_reply(local, text, tools):
-    body = {"model": "m", "messages": [{"role": "user", "content": "x"}], **({"tools": TOOLS} if tools else {})}
+    body = {
+        "model": "m",
+        "messages": [{"role": "user", "content": "x"}],
+        **({"tools": TOOLS} if tools else {}),
+    }
     ids = local.tok.encode(text, add_special_tokens=False) + [2]
     want = local.derender_chat({"choices": [{"token_ids": ids[:-1], "finish_reason": "stop"}]}, body)
     msg = want["choices"][0]["message"]
@@ -66,7 +70,9 @@ def test_any_chunking_streams_exactly_the_unstreamed_reply(local, text, tools):
 
 def test_an_eos_whose_finish_comes_in_a_later_chunk_is_not_text(local):
     body = {"model": "m", "messages": [], "tools": TOOLS}
-    ids = local.tok.encode('<tool_call>\n{"name": "python", "arguments": {"code": "1"}}', add_special_tokens=False)
+    ids = local.tok.encode(
+        '<tool_call>\n{"name": "python", "arguments": {"code": "1"}}', add_special_tokens=False
+    )
     # the call is not closed; the eos comes in the last token chunk and the finish after it
     content, calls, _ = _run(local, body, [ids[:3], ids[3:] + [2], []])
     assert content == "" and calls == [{"name": "python", "arguments": '{"code": "1"}'}]  # as unstreamed
@@ -74,14 +80,18 @@ def test_an_eos_whose_finish_comes_in_a_later_chunk_is_not_text(local):
 
 def test_an_eos_in_the_middle_is_text_when_special_tokens_are_kept(local):
     body = {"model": "m", "messages": [], "tools": TOOLS}  # tools: the chat route keeps special tokens
-    a, b = local.tok.encode("one", add_special_tokens=False), local.tok.encode("two", add_special_tokens=False)
+    a, b = (
+        local.tok.encode("one", add_special_tokens=False),
+        local.tok.encode("two", add_special_tokens=False),
+    )
     content, _, _ = _run(local, body, [a + [2], b + [2]], finish="length")
     assert content == "one<|im_end|>two<|im_end|>"
 
 
 def test_a_tool_call_sends_nothing_until_it_is_parsed(local):
     body = {"model": "m", "messages": [], "tools": TOOLS}
-    ids = local.tok.encode('Let me run it.\n<tool_call>\n{"name": "python", "arguments": {"code": "1"}}\n</tool_call>',
+    ids = local.tok.encode('Let me run it.\n<tool_call>\n{"name": "python", "arguments": {"code": "1"}}\n'
+                           '</tool_call>',
                            add_special_tokens=False)
     content, calls, deltas = _run(local, body, [[t] for t in ids] + [[2]])
     assert content == "Let me run it.\n" and calls == [{"name": "python", "arguments": '{"code": "1"}'}]

@@ -22,7 +22,12 @@ SECRET = "s3cret-token-value"
 
 @pytest.fixture(autouse=True)
 def _no_token_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in ("AGENTRL_ADMIN_TOKEN", "AGENTRL_ADMIN_TOKEN_FILE", "AGENTRL_API_KEYS", "AGENTRL_API_KEYS_FILE"):
+    for name in (
+        "AGENTRL_ADMIN_TOKEN",
+        "AGENTRL_ADMIN_TOKEN_FILE",
+        "AGENTRL_API_KEYS",
+        "AGENTRL_API_KEYS_FILE",
+    ):
         monkeypatch.delenv(name, raising=False)
 
 
@@ -40,14 +45,21 @@ def test_a_secret_given_as_a_command_line_setting_is_refused_with_the_way_to_giv
 
 def test_the_cli_refuses_a_token_value_and_names_the_file_setting() -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("AGENTRL_")}
-    out = subprocess.run([sys.executable, "-m", "agentrl.cli", "config", "show", "serve", f"--admin_token={SECRET}"],
-                         capture_output=True, text=True, timeout=60, cwd=ROOT, env=env)
+    out = subprocess.run(
+        [sys.executable, "-m", "agentrl.cli", "config", "show", "serve", f"--admin_token={SECRET}"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+        env=env,
+    )
     assert out.returncode != 0
     assert "--admin_token_file=FILE" in out.stderr and "AGENTRL_ADMIN_TOKEN" in out.stderr
 
 
-def test_admin_token_comes_from_file_setting_then_env_then_env_file_then_run_dir(tmp_path: Path,
-                                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+def test_admin_token_comes_from_file_setting_then_env_then_env_file_then_run_dir(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     f = tmp_path / "tok"
     f.write_text("from-file\n")
     f.chmod(0o600)
@@ -72,7 +84,9 @@ def test_serve_generates_a_token_once_and_keeps_it_in_a_private_file(tmp_path: P
     assert settle_admin_token("", "", tmp_path) == token
 
 
-def test_api_keys_come_from_a_file_and_the_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_api_keys_come_from_a_file_and_the_environment(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     f = tmp_path / "keys"
     f.write_text("# client keys\nkey-a\n\nkey-b\n")
     monkeypatch.setenv("AGENTRL_API_KEYS", "key-c, key-a")

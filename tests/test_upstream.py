@@ -73,7 +73,9 @@ def test_content_length_answers_reuse_one_connection() -> None:
 
 
 def test_chunked_answers_arriving_a_few_bytes_at_a_time_and_an_answer_that_runs_until_close() -> None:
-    async def chunked(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, state: dict[str, Any]) -> None:
+    async def chunked(
+        reader: asyncio.StreamReader, writer: asyncio.StreamWriter, state: dict[str, Any]
+    ) -> None:
         while await read_request(reader) is not None:
             msg = (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
                    b"5;ext=1\r\nhello\r\n7\r\n, world\r\n0\r\nX-Trailer: t\r\n\r\n")
@@ -82,7 +84,9 @@ def test_chunked_answers_arriving_a_few_bytes_at_a_time_and_an_answer_that_runs_
                 await writer.drain()
                 await asyncio.sleep(0)
 
-    async def http10(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, state: dict[str, Any]) -> None:
+    async def http10(
+        reader: asyncio.StreamReader, writer: asyncio.StreamWriter, state: dict[str, Any]
+    ) -> None:
         await read_request(reader)
         writer.write(b"HTTP/1.0 201 Created\r\n\r\nbody until close")
         await writer.drain()
@@ -131,13 +135,17 @@ def test_failures_are_named_closed_mid_answer_not_http_refused_and_timed_out() -
         writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n{\"partial")
         await writer.drain()
 
-    async def garbage(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, state: dict[str, Any]) -> None:
+    async def garbage(
+        reader: asyncio.StreamReader, writer: asyncio.StreamWriter, state: dict[str, Any]
+    ) -> None:
         await read_request(reader)
         writer.write(b"SSH-2.0-OpenSSH_9.2\r\n\r\n")
         await writer.drain()
         await asyncio.sleep(1)
 
-    async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, state: dict[str, Any]) -> None:
+    async def silent(
+        reader: asyncio.StreamReader, writer: asyncio.StreamWriter, state: dict[str, Any]
+    ) -> None:
         await read_request(reader)
         await asyncio.sleep(10)
 
@@ -157,7 +165,8 @@ def test_failures_are_named_closed_mid_answer_not_http_refused_and_timed_out() -
             servers.append(s)
             with pytest.raises(TimeoutError):
                 await up.post(url, "/x", b"{}", 0.3)
-            assert not up._idle.get(("127.0.0.1", int(url.rsplit(":", 1)[1])))  # the timed-out one is not kept
+            # the timed-out one is not kept
+            assert not up._idle.get(("127.0.0.1", int(url.rsplit(":", 1)[1])))
             port = url.rsplit(":", 1)[1]
             s.close()
             await s.wait_closed()

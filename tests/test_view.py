@@ -32,7 +32,9 @@ TOKEN = "view-token-for-tests-0123456789"
 ADMIN = "admin-token-for-tests-9876543210"
 
 
-def _completion(ids: list[int], versions: list[int], message: dict[str, Any], finish: str = "stop") -> Completion:
+def _completion(
+    ids: list[int], versions: list[int], message: dict[str, Any], finish: str = "stop"
+) -> Completion:
     return Completion(ids, [-0.1 * (i + 1) for i in range(len(ids))], versions, finish, message)
 
 
@@ -40,7 +42,8 @@ def multi_turn_records(sid: str) -> list[CallRecord]:
     """Two calls of one episode, the second continuing the first token for token (a tool round trip),
     whose sampled tokens come from versions 0, 1 and 2."""
     system = [{"role": "system", "content": "Use the tool."}, {"role": "user", "content": "What is 2+3?"}]
-    call = {"id": "call_0", "type": "function", "function": {"name": "python", "arguments": '{"code": "print(2+3)"}'}}
+    call = {"id": "call_0", "type": "function", "function": {"name": "python", "arguments": '{"code": '
+                                                                                            '"print(2+3)"}'}}
     reply0 = {"role": "assistant", "content": "", "tool_calls": [call]}
     p0 = [1, 40, 41, 42, 2, 1, 43, 44, 45, 46]
     c0 = [50, 51, 52, 53, 2]
@@ -65,10 +68,26 @@ def write_view_run(run_dir: Path, steps: int = 6) -> dict[str, Any]:
     sessions = run_dir / "sessions"
     sessions.mkdir(exist_ok=True)
     multi = multi_turn_records("e1")
-    split = [CallRecord("e2", 0, None, 0, [1, 40, 41], [_completion([80, 81], [3, 3], {"role": "assistant",
-                                                                                    "content": "hi"})], "engine-0"),
-             CallRecord("e2", 1, None, 0, [1, 40, 42], [_completion([82], [4], {"role": "assistant", "content": "x"})],
-                        "engine-0")]
+    split = [
+        CallRecord(
+            "e2",
+            0,
+            None,
+            0,
+            [1, 40, 41],
+            [_completion([80, 81], [3, 3], {"role": "assistant", "content": "hi"})],
+            "engine-0",
+        ),
+        CallRecord(
+            "e2",
+            1,
+            None,
+            0,
+            [1, 40, 42],
+            [_completion([82], [4], {"role": "assistant", "content": "x"})],
+            "engine-0",
+        ),
+    ]
     for sid, recs in (("e1", multi), ("e2", split), ("in-flight", split)):
         (sessions / f"{sid}.jsonl").write_text("".join(r.to_json() + "\n" for r in recs))
     return {"e1": Session("e1", records=multi).samples(), "e2": Session("e2", records=split).samples()}
@@ -98,7 +117,9 @@ def run_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return d
 
 
-def test_the_view_refuses_a_missing_or_wrong_token_and_trades_the_right_one_for_a_cookie(run_dir: Path) -> None:
+def test_the_view_refuses_a_missing_or_wrong_token_and_trades_the_right_one_for_a_cookie(
+    run_dir: Path,
+) -> None:
     async def body(c: TestClient) -> None:
         r = await c.get("/view/", allow_redirects=False)
         assert r.status == 401 and "token" in await r.text()
@@ -135,11 +156,17 @@ def test_the_admin_token_and_a_bearer_header_open_the_view_too(run_dir: Path) ->
 
 def test_the_login_form_sets_the_cookie_and_only_sends_the_browser_within_the_view(run_dir: Path) -> None:
     async def body(c: TestClient) -> None:
-        r = await c.post("/view/login", data={"token": "wrong", "next": "/view/episodes"}, allow_redirects=False)
+        r = await c.post(
+            "/view/login", data={"token": "wrong", "next": "/view/episodes"}, allow_redirects=False
+        )
         assert r.status == 401
-        r = await c.post("/view/login", data={"token": TOKEN, "next": "//evil.example/x"}, allow_redirects=False)
+        r = await c.post(
+            "/view/login", data={"token": TOKEN, "next": "//evil.example/x"}, allow_redirects=False
+        )
         assert r.status == 303 and r.headers["Location"] == "/view/"
-        r = await c.post("/view/login", data={"token": TOKEN, "next": "/view/episode/e1"}, allow_redirects=False)
+        r = await c.post(
+            "/view/login", data={"token": TOKEN, "next": "/view/episode/e1"}, allow_redirects=False
+        )
         assert r.status == 303 and r.headers["Location"] == "/view/episode/e1"
         assert (await c.get("/view/api/episode/e1")).status == 200
 
@@ -169,7 +196,11 @@ def test_no_page_answer_or_log_line_contains_a_token(run_dir: Path, caplog: pyte
 
 
 def _tree(d: Path) -> dict[str, str]:
-    return {str(p.relative_to(d)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(d.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(d)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(d.rglob("*"))
+        if p.is_file()
+    }
 
 
 def test_the_view_only_reads_the_run(run_dir: Path) -> None:
@@ -177,12 +208,20 @@ def test_the_view_only_reads_the_run(run_dir: Path) -> None:
 
     async def body(c: TestClient) -> None:
         auth = {"Authorization": f"Bearer {TOKEN}"}
-        for path in ("/view/", "/view/api/run", "/view/api/series", "/view/api/episodes", "/view/api/episode/e1",
-                     "/view/api/episode/e1/sample/0", "/view/static/run.js"):
+        for path in (
+            "/view/",
+            "/view/api/run",
+            "/view/api/series",
+            "/view/api/episodes",
+            "/view/api/episode/e1",
+            "/view/api/episode/e1/sample/0",
+            "/view/static/run.js",
+        ):
             for method in ("POST", "PUT", "DELETE", "PATCH"):
                 r = await c.request(method, path, headers=auth)
                 assert r.status == 405, (method, path, r.status)
-            assert (await c.get(path, headers=auth)).status in (200, 401)  # pages need the cookie, not a header
+            # pages need the cookie, not a header
+            assert (await c.get(path, headers=auth)).status in (200, 401)
 
     run_app(run_dir, body)
     assert _tree(run_dir) == before
@@ -213,37 +252,51 @@ def test_episode_tokens_carry_the_mask_and_versions_of_the_routers_stitching(run
                 page = await (await c.get(f"/view/api/episode/{sid}/sample/{k}", headers=auth)).json()
                 assert page["ids"] == s.token_ids.tolist() and page["mask"] == s.loss_mask.tolist()
                 assert page["version"] == s.versions.tolist()
-                assert [lp for lp in page["logprob"] if lp is not None] == [lp for lp, m in
-                                                                            zip(s.logprobs, s.loss_mask, strict=True) if m]
+                assert [lp for lp in page["logprob"] if lp is not None] == [
+                    lp for lp, m in zip(s.logprobs, s.loss_mask, strict=True) if m
+                ]
                 assert ep["samples"][k]["trained"] == sum(s.loss_mask)
-                assert ep["samples"][k]["versions"] == sorted({v for v, m in zip(s.versions, s.loss_mask, strict=True) if m})
+                assert ep["samples"][k]["versions"] == sorted(
+                    {v for v, m in zip(s.versions, s.loss_mask, strict=True) if m}
+                )
         ep = await (await c.get("/view/api/episode/e1", headers=auth)).json()
         assert ep["samples"][0]["versions"] == [0, 1, 2] and ep["samples"][0]["calls"] == [0, 1]
         assert ep["episode"]["episode_id"] == "e1" and ep["episode"]["reward"] in (0.0, 1.0)
         live = await (await c.get("/view/api/episode/in-flight", headers=auth)).json()
         assert live["episode"] is None and len(live["samples"]) == 2  # no line yet: still being played
         second = ep["calls"][1]
-        assert [m["role"] for m in second["new_messages"]] == ["tool"]  # the tool output, what the sandbox said
+        # the tool output, what the sandbox said
+        assert [m["role"] for m in second["new_messages"]] == ["tool"]
         assert second["new_messages"][0]["content"] == "5\n"
-        assert ep["calls"][0]["choices"][0]["tool_calls"] == [{"name": "python", "arguments": '{"code": "print(2+3)"}'}]
+        assert ep["calls"][0]["choices"][0]["tool_calls"] == [
+            {"name": "python", "arguments": '{"code": "print(2+3)"}'}
+        ]
         page = await (await c.get("/view/api/episode/e1/sample/0?offset=3&limit=4", headers=auth)).json()
-        assert page["offset"] == 3 and len(page["ids"]) == 4 and page["total"] == len(truth["e1"][0].token_ids)
+        assert (
+            page["offset"] == 3 and len(page["ids"]) == 4 and page["total"] == len(truth["e1"][0].token_ids)
+        )
         spans = page["spans"]
         assert spans == [{"call": 0, "start": 10, "end": 15}, {"call": 1, "start": 22, "end": 26}]
 
     run_app(run_dir, body)
 
 
-def test_token_text_is_each_id_decoded_alone_with_special_tokens_shown(run_dir: Path, tiny_tools_model: str) -> None:
+def test_token_text_is_each_id_decoded_alone_with_special_tokens_shown(
+    run_dir: Path, tiny_tools_model: str
+) -> None:
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(tiny_tools_model)
 
     async def body(c: TestClient) -> None:
-        page = await (await c.get("/view/api/episode/e1/sample/0", headers={"Authorization": f"Bearer {TOKEN}"})).json()
+        page = await (
+            await c.get("/view/api/episode/e1/sample/0", headers={"Authorization": f"Bearer {TOKEN}"})
+        ).json()
         assert page["text"] == [tok.decode([i], skip_special_tokens=False) for i in page["ids"]]
         marks = {"<|im_start|>", "<|im_end|>", "<|endoftext|>"}
-        assert page["special"] == [i for i, t in enumerate(page["ids"]) if tok.convert_ids_to_tokens(t) in marks]
+        assert page["special"] == [
+            i for i, t in enumerate(page["ids"]) if tok.convert_ids_to_tokens(t) in marks
+        ]
         assert page["special"] and page["raw"][0] == "<|im_start|>"
 
     run_app(run_dir, body, model=tiny_tools_model)
@@ -281,7 +334,9 @@ def test_the_episode_browser_filters_and_pages_newest_first(run_dir: Path) -> No
         got = await (await c.get("/view/api/episodes?limit=100000&offset=10", headers=auth)).json()
         assert got["limit"] == 200 and got["total"] == n and len(got["rows"]) == n - 10
         assert got["facets"]["envs"] == ["arithmetic"]
-        got = await (await c.get("/view/api/episodes?version_min=2&version_max=3&limit=5", headers=auth)).json()
+        got = await (
+            await c.get("/view/api/episodes?version_min=2&version_max=3&limit=5", headers=auth)
+        ).json()
         assert got["total"] == 32 and [r["version_min"] for r in got["rows"]] == [3] * 5
         assert (await c.get("/view/api/episodes?reward_min=abc", headers=auth)).status == 400
 
@@ -356,17 +411,22 @@ def test_a_cookie_is_signed_and_lapses() -> None:
     c = auth.cookie(now=1000.0)
     assert auth.cookie_ok(c, now=1030.0) and not auth.cookie_ok(c, now=1061.0)
     version, expiry, sig = c.split(".")
-    assert not auth.cookie_ok(f"{version}.{int(expiry) + 3600}.{sig}", now=1030.0)  # a longer life is not signed
+    # a longer life is not signed
+    assert not auth.cookie_ok(f"{version}.{int(expiry) + 3600}.{sig}", now=1030.0)
     assert not ViewAuth(["t1"]).cookie_ok(c, now=1030.0)  # another process's key
     assert auth.token_ok("t2") and not auth.token_ok("t3") and not auth.token_ok("")
     with pytest.raises(ValueError):
         ViewAuth(["", ""])
 
 
-def test_agentrl_view_serves_a_run_directory_and_prints_where_the_token_is_not_the_token(tmp_path: Path) -> None:
+def test_agentrl_view_serves_a_run_directory_and_prints_where_the_token_is_not_the_token(
+    tmp_path: Path,
+) -> None:
     run = tmp_path / "run"
     write_view_run(run, steps=2)
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("AGENTRL_VIEW_TOKEN", "AGENTRL_ADMIN_TOKEN"))}
+    env = {
+        k: v for k, v in os.environ.items() if not k.startswith(("AGENTRL_VIEW_TOKEN", "AGENTRL_ADMIN_TOKEN"))
+    }
     proc = subprocess.Popen([sys.executable, "-m", "agentrl.cli", "view", str(run), "--port", "0"], cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     lines: queue.Queue[str] = queue.Queue()
@@ -390,7 +450,9 @@ def test_agentrl_view_serves_a_run_directory_and_prints_where_the_token_is_not_t
         with pytest.raises(urllib.error.HTTPError) as e:
             urllib.request.urlopen(url, timeout=10)
         assert e.value.code == 401
-        req = urllib.request.Request(url.replace("/view/", "/view/api/run"), headers={"Authorization": f"Bearer {token}"})
+        req = urllib.request.Request(
+            url.replace("/view/", "/view/api/run"), headers={"Authorization": f"Bearer {token}"}
+        )
         with urllib.request.urlopen(req, timeout=10) as r:
             assert json.loads(r.read())["model"] == "tiny-tools"
     finally:

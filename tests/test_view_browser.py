@@ -57,23 +57,32 @@ def test_every_page_loads_without_console_errors_and_the_episode_shows_its_stitc
                 assert page.locator(f"#sample-{k} .tok").count() == len(s.token_ids)
                 versions = {v for v, m in zip(s.versions, s.loss_mask, strict=True) if m}
                 assert page.locator(f"#sample-{k} .legend .ver").count() == len(versions)
-                shown = page.eval_on_selector_all(f"#sample-{k} .tok.t", "ts => [...new Set(ts.map(t => t.dataset.v))]")
+                shown = page.eval_on_selector_all(f"#sample-{k} .tok.t", "ts => [...new Set(ts.map(t "
+                                                                         "=> t.dataset.v))]")
                 assert sorted(int(v) for v in shown) == sorted(versions)
         page.goto(f"{base}/view/episode/e1")
         wait_for(page, "document.body.dataset.ready === '1'")
-        assert page.locator("#sample-0 .tok.t").count() == 9 and page.locator("#sample-0 .legend .ver").count() == 3
+        assert (
+            page.locator("#sample-0 .tok.t").count() == 9
+            and page.locator("#sample-0 .legend .ver").count() == 3
+        )
         page.locator("#sample-0 .tok.t").nth(4).hover()
         tip = page.inner_text("#tooltip")
         assert "trained · version 1 · logprob -0.5000" in tip, tip
         assert "<|im_start|>" in page.inner_text("#sample-0 .tokens")  # special tokens are shown
         assert page.locator("#sample-0 .tok.sp").count() > 0
-        assert "5" in page.inner_text("#call-1 .msg.tool") and "tool output" in page.inner_text("#call-1 .msg.tool").lower()
+        assert (
+            "5" in page.inner_text("#call-1 .msg.tool")
+            and "tool output" in page.inner_text("#call-1 .msg.tool").lower()
+        )
         assert "python" in page.inner_text("#call-0 .toolcall")
         assert console.errors == []
         page.close()
 
 
-def test_the_browser_is_refused_without_the_token_and_the_token_leaves_the_address(tmp_path: Path, browser) -> None:
+def test_the_browser_is_refused_without_the_token_and_the_token_leaves_the_address(
+    tmp_path: Path, browser
+) -> None:
     run = tmp_path / "run"
     write_view_run(run, steps=2)
     with agentrl_view(run) as base:
@@ -134,11 +143,37 @@ def test_the_run_page_plots_new_rows_as_the_logs_grow_without_a_reload(tmp_path:
         page.evaluate("window.__sameDocument = 'yes'")
         counts = [page.evaluate(POINTS)]
         for step in (4, 5):  # a learner step, four episodes and a serve row arrive, twice
-            _append(run / "learner.jsonl", [{"step": step, "version": step, "time": t0 + 20 * step, "reward_mean": 0.5,
-                                             "staleness_mean": 0.5, "staleness_max": 1, "is/mean": 1.0,
-                                             "mismatch/kl_k3": 1e-4, "tokens_per_s": 120.0, "idle_fraction": 0.1}])
-            _append(run / "episodes.jsonl", [{"time": t0 + 20 * step, "episode_id": f"n{step}-{i}", "env": "arithmetic",
-                                              "reward": 1.0, "versions": [step], "truncated": False} for i in range(4)])
+            _append(
+                run / "learner.jsonl",
+                [
+                    {
+                        "step": step,
+                        "version": step,
+                        "time": t0 + 20 * step,
+                        "reward_mean": 0.5,
+                        "staleness_mean": 0.5,
+                        "staleness_max": 1,
+                        "is/mean": 1.0,
+                        "mismatch/kl_k3": 1e-4,
+                        "tokens_per_s": 120.0,
+                        "idle_fraction": 0.1,
+                    }
+                ],
+            )
+            _append(
+                run / "episodes.jsonl",
+                [
+                    {
+                        "time": t0 + 20 * step,
+                        "episode_id": f"n{step}-{i}",
+                        "env": "arithmetic",
+                        "reward": 1.0,
+                        "versions": [step],
+                        "truncated": False,
+                    }
+                    for i in range(4)
+                ],
+            )
             _append(run / "serve_metrics.jsonl", [{"time": t0 + 600 + step, "version": step,
                                                    "router": {"completion_tokens": 10_000 * step},
                                                    "rollout": {"episodes": 500 + step, "in_flight": 3}}])

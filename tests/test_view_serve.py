@@ -104,7 +104,9 @@ def test_serves_view_shows_a_real_episodes_tokens_with_the_trainers_mask_and_ver
             assert len(episodes) == 4 and all(e["error"] is None for e in episodes), episodes
             wait_for(page, "Number(document.querySelector('#chart-episode-reward')?.dataset.points) === 8",
                      timeout_s=60)  # four episodes: their rewards and the moving average
-            later = wait_for(page, f"{POINTS} > {max(grown, page.evaluate(POINTS))} && {POINTS}", timeout_s=60)
+            later = wait_for(
+                page, f"{POINTS} > {max(grown, page.evaluate(POINTS))} && {POINTS}", timeout_s=60
+            )
             assert first < grown < later
             assert page.evaluate("window.__sameDocument") == "yes"  # no reload: the page polled
             if shots:
@@ -128,7 +130,8 @@ def test_serves_view_shows_a_real_episodes_tokens_with_the_trainers_mask_and_ver
                 assert page.locator(f"#sample-{k} .tok").count() == len(s.token_ids)
                 assert page.locator(f"#sample-{k} .tok.t").count() == int(mask.sum()) > 0
                 assert page.locator(f"#sample-{k} .legend .ver").count() == len(versions)
-                shown = page.eval_on_selector_all(f"#sample-{k} .tok.t", "ts => [...new Set(ts.map(t => t.dataset.v))]")
+                shown = page.eval_on_selector_all(f"#sample-{k} .tok.t", "ts => [...new Set(ts.map(t "
+                                                                         "=> t.dataset.v))]")
                 assert sorted(int(v) for v in shown) == versions
             assert page.locator(".call").count() == ep["turns"]
             if ep["info"].get("tool_calls", 0):

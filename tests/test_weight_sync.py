@@ -62,10 +62,14 @@ class FakeEngine:
             ready = self.polls_left < 0
             if ready:
                 self.staged = self.calls[-1][0]
-            return web.json_response({"results": [{"ready": ready, "ok": ready, "seconds": 0.1, "error": None}]})
+            return web.json_response(
+                {"results": [{"ready": ready, "ok": ready, "seconds": 0.1, "error": None}]}
+            )
         elif path == "/collective_rpc" and body.get("method") == "agentrl_reload_weights":
             head = "staged" if self.staged is not None else "rebuilt"
-            return web.json_response({"results": [{"reload_s": 0.25, "retie_s": 0.05, "tied": True, "head": head}]})
+            return web.json_response(
+                {"results": [{"reload_s": 0.25, "retie_s": 0.05, "tied": True, "head": head}]}
+            )
         return web.json_response({"ok": True})
 
     def paths(self) -> list[str]:
@@ -134,8 +138,13 @@ def test_an_update_pauses_reloads_resets_stamps_and_resumes_every_engine_in_that
                 bodies = [(p, b) for _, p, b in f.calls if p not in ("/health", "/is_paused")]
                 assert bodies[0][1] == {"method": "agentrl_stage_head", "kwargs": {"weights_path": "/w/v1"}}
                 assert bodies[3] == ("/pause", {"mode": "keep"})
-                assert bodies[4][1] == {"method": "agentrl_reload_weights", "kwargs": {"weights_path": "/w/v1"}}
-                assert next(b for _, p, b in f.calls if p == "/reset_prefix_cache") == {"reset_running_requests": "true"}
+                assert bodies[4][1] == {
+                    "method": "agentrl_reload_weights",
+                    "kwargs": {"weights_path": "/w/v1"},
+                }
+                assert next(b for _, p, b in f.calls if p == "/reset_prefix_cache") == {
+                    "reset_running_requests": "true"
+                }
                 assert f.version == "1" and not f.paused
             eng = result["engines"]["engine-0"]
             # vLLM's reload and the re-tie as the worker timed them; the RPC as the pool saw it
@@ -174,7 +183,8 @@ def test_two_updates_asked_at_once_run_one_after_the_other():
         try:
             await asyncio.gather(up.update_weights("/w/v1", 1), up.update_weights("/w/v2", 2))
             paths = fakes[0].paths()
-            assert in_order(paths) == FILE_UPDATE + FILE_UPDATE  # the second pause comes after the first resume
+            # the second pause comes after the first resume
+            assert in_order(paths) == FILE_UPDATE + FILE_UPDATE
             assert pool.version == 2
         finally:
             await _close(pool, fakes)
@@ -211,8 +221,9 @@ def test_engines_without_the_retie_extension_are_asked_once_and_still_take_updat
             await up.update_weights("/w/v2", 2)
             assert up.retie_supported is False and pool.version == 2 and f.version == "2"
             methods = [b["method"] for _, p, b in f.calls if p == "/collective_rpc"]
+            # asked once, then vLLM's reload alone
             assert methods == ["agentrl_stage_head", "agentrl_reload_weights", "reload_weights",
-                               "agentrl_retie_word_embeddings", "reload_weights"]  # asked once, then vLLM's reload alone
+                               "agentrl_retie_word_embeddings", "reload_weights"]
         finally:
             await _close(pool, [f])
 
@@ -240,7 +251,9 @@ async def _serve(updater: EngineUpdater, root: Any) -> tuple[web.AppRunner, str]
     return await start_on_loopback(app)
 
 
-def test_when_every_engine_fails_the_learner_gets_an_error_naming_them_and_the_next_version_goes_through(tmp_path):
+def test_when_every_engine_fails_the_learner_gets_an_error_naming_them_and_the_next_version_goes_through(
+    tmp_path,
+):
     async def go():
         pool, up, (a, b) = await _pool(2, health_interval_s=0.1)
         runner, url = await _serve(up, tmp_path / "weights")
@@ -311,9 +324,16 @@ def test_an_nccl_update_receives_inside_the_pause_window_on_every_member_with_it
             result = await up.update_weights_nccl(1, info)
             assert result["kind"] == "nccl" and result["failed"] == [] and pool.version == 1
             for f in fakes:
-                assert in_order(f.paths()) == ["/pause", "/start_weight_update", "/update_weights",
-                                               "/finish_weight_update", "/collective_rpc", "/reset_prefix_cache",
-                                               "/update_weight_version", "/resume"]
+                assert in_order(f.paths()) == [
+                    "/pause",
+                    "/start_weight_update",
+                    "/update_weights",
+                    "/finish_weight_update",
+                    "/collective_rpc",
+                    "/reset_prefix_cache",
+                    "/update_weight_version",
+                    "/resume",
+                ]
                 assert f.calls[2][2] == {"update_info": info}
         finally:
             await _close(pool, fakes)

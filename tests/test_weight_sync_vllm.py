@@ -68,7 +68,9 @@ def learner_logprobs(model_dir: str, weights: Path | None, ids: list[int]) -> li
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     if weights is not None:
-        missing, unexpected = model.load_state_dict(load_file(str(weights / "model.safetensors")), strict=False)
+        missing, unexpected = model.load_state_dict(
+            load_file(str(weights / "model.safetensors")), strict=False
+        )
         assert not unexpected and all("lm_head" in m for m in missing)
         model.tie_weights()
     t = torch.tensor([ids])
@@ -102,8 +104,14 @@ def test_generations_in_flight_survive_an_update_and_each_token_matches_the_weig
             # length, so the update lands in the middle of each however fast the machine; the update's
             # own pause and resume then let them go on under the new weights.
             tag, calls = await hold_under_way(
-                router, lambda tag: [asyncio.create_task(router.chat(
-                    body, session_id=f"{tag}-long-{i}")) for i in range(n)], n, tokens_each=40, most_each=max_tokens // 4)
+                router,
+                lambda tag: [
+                    asyncio.create_task(router.chat(body, session_id=f"{tag}-long-{i}")) for i in range(n)
+                ],
+                n,
+                tokens_each=40,
+                most_each=max_tokens // 4,
+            )
             sync = await up.update_weights(str(new), 1)
             assert up.retie_supported  # the tied LM head follows the new embedding
             outs = await asyncio.gather(*calls, return_exceptions=True)
@@ -134,8 +142,11 @@ def test_generations_in_flight_survive_an_update_and_each_token_matches_the_weig
         new_lp = learner_logprobs(tiny_tools_model, new, full)[start:]
         before = sum(abs(a - b) for a, b in zip(old_lp[:split], lps[:split], strict=True)) / split
         after = sum(abs(a - b) for a, b in zip(new_lp[split:], lps[split:], strict=True)) / (len(ids) - split)
-        off = [(i - split, round(lps[i], 4), round(old_lp[i], 4), round(new_lp[i], 4)) for i in range(len(ids))
-               if abs(lps[i] - (old_lp[i] if i < split else new_lp[i])) > 1e-2]
+        off = [
+            (i - split, round(lps[i], 4), round(old_lp[i], 4), round(new_lp[i], 4))
+            for i in range(len(ids))
+            if abs(lps[i] - (old_lp[i] if i < split else new_lp[i])) > 1e-2
+        ]
         assert before < 1e-3, (before, off)  # off: (index from the switch, vLLM, old weights, new weights)
         assert after < 1e-3, (after, off)
         assert not off  # token by token too: the first token after the switch is the new weights' as well

@@ -54,13 +54,17 @@ async def _put(http: aiohttp.ClientSession, url: str, version: int, index: int, 
         return r.status
 
 
-async def _commit(http: aiohttp.ClientSession, url: str, version: int, body: dict[str, Any]) -> tuple[int, str]:
+async def _commit(
+    http: aiohttp.ClientSession, url: str, version: int, body: dict[str, Any]
+) -> tuple[int, str]:
     async with http.post(f"{url}/admin/weights/{version}/commit", json=body) as r:
         return r.status, await r.text()
 
 
 @pytest.mark.parametrize("size", [0, 1, 64 * 1024, 1_000_003])
-def test_published_weights_arrive_byte_for_byte_with_chunks_in_flight_at_once(tmp_path: Path, size: int) -> None:
+def test_published_weights_arrive_byte_for_byte_with_chunks_in_flight_at_once(
+    tmp_path: Path, size: int
+) -> None:
     data = os.urandom(size)
 
     async def go() -> None:
@@ -105,7 +109,8 @@ def test_a_corrupt_chunk_is_refused_and_the_commit_waits_for_it(tmp_path: Path) 
         try:
             async with aiohttp.ClientSession() as http:
                 assert await _put(http, url, 1, 0, 0, a) == 200
-                assert await _put(http, url, 1, 1, 4000, b"x" * 4000, sha=_sha(b)) == 400  # damaged in transit
+                # damaged in transit
+                assert await _put(http, url, 1, 1, 4000, b"x" * 4000, sha=_sha(b)) == 400
                 body = {"chunks_sha256": _digest_of([_sha(a), _sha(b)]), "chunks": 2, "bytes": 8000}
                 status, text = await _commit(http, url, 1, body)
                 assert status == 409 and "missing [1]" in text and pool.loaded == []
@@ -118,7 +123,9 @@ def test_a_corrupt_chunk_is_refused_and_the_commit_waits_for_it(tmp_path: Path) 
     asyncio.run(go())
 
 
-def test_a_commit_whose_digests_disagree_loads_nothing_and_the_next_attempt_starts_clean(tmp_path: Path) -> None:
+def test_a_commit_whose_digests_disagree_loads_nothing_and_the_next_attempt_starts_clean(
+    tmp_path: Path,
+) -> None:
     data = os.urandom(6000)
 
     async def go() -> None:
@@ -137,7 +144,8 @@ def test_a_commit_whose_digests_disagree_loads_nothing_and_the_next_attempt_star
                 assert await _put(http, url, 1, 0, 0, data[:3000]) == 200
                 assert await _put(http, url, 1, 1, 3000, data[3000:]) == 200
                 right = {"chunks_sha256": _digest_of([_sha(data[:3000]), _sha(data[3000:])]), "chunks": 2}
-                status, text = await _commit(http, url, 1, dict(right, bytes=7000))  # not what the chunks make
+                # not what the chunks make
+                status, text = await _commit(http, url, 1, dict(right, bytes=7000))
                 assert status == 400 and "6000" not in text and "7000 bytes" in text and pool.loaded == []
                 # an attempt that sent a longer payload and never committed...
                 assert await _put(http, url, 1, 5, 5000, data[5000:]) == 200
@@ -155,8 +163,12 @@ def test_a_chunk_without_an_offset_is_a_clear_400_and_publish_does_not_retry_it(
     async def go() -> None:
         runner, url, _ = await _serve(tmp_path / "w")
         try:
-            async with aiohttp.ClientSession() as http, http.put(f"{url}/admin/weights/1/chunks/0", data=b"abc",
-                                                                headers={"X-Sha256": _sha(b"abc")}) as r:
+            async with (
+                aiohttp.ClientSession() as http,
+                http.put(
+                    f"{url}/admin/weights/1/chunks/0", data=b"abc", headers={"X-Sha256": _sha(b"abc")}
+                ) as r,
+            ):
                 assert r.status == 400 and "X-Offset" in await r.text()
             with pytest.raises(WeightTransferError, match="could not publish version 0"):
                 await publish(b"abc", 0, url + "/no-such-prefix", "", attempts=2)  # 404: not retried
@@ -179,8 +191,11 @@ def test_admin_inputs_of_the_weight_routes_are_validated_and_answered_4xx(tmp_pa
                 async with http.put(f"{url}/admin/weights/1/chunks/0", data=data,
                                     headers={"X-Sha256": _sha(data), "X-Offset": str(2**40)}) as r:
                     assert r.status == 400  # no 1 TiB sparse staging file
-                async with http.put(f"{url}/admin/weights/1/chunks/0", data=data,
-                                    headers={"X-Sha256": _sha(data), "X-Offset": "0", "X-Total-Bytes": "50"}) as r:
+                async with http.put(
+                    f"{url}/admin/weights/1/chunks/0",
+                    data=data,
+                    headers={"X-Sha256": _sha(data), "X-Offset": "0", "X-Total-Bytes": "50"},
+                ) as r:
                     assert r.status == 400  # ends beyond the size it declares
                 async with http.post(f"{url}/admin/weights/1/commit", data=b"not json") as r:
                     assert r.status == 400 and "error" in await r.json()

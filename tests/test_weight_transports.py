@@ -212,6 +212,8 @@ def test_a_publish_to_a_serve_that_is_not_listening_is_marked_unreachable() -> N
     from tests.conftest import free_port
 
     with pytest.raises(WeightTransferError) as err:
-        asyncio.run(publish(b"weights", 1, f"http://127.0.0.1:{free_port()}", "token", attempts=1, timeout_s=10))
+        asyncio.run(
+            publish(b"weights", 1, f"http://127.0.0.1:{free_port()}", "token", attempts=1, timeout_s=10)
+        )
     assert err.value.unreachable and err.value.status is None
 

@@ -32,7 +32,9 @@ FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-ne
 
 
 def chromium_path() -> str | None:
-    return shutil.which("chromium") or (("/usr/bin/chromium") if os.path.exists("/usr/bin/chromium") else None)
+    return shutil.which("chromium") or (
+        ("/usr/bin/chromium") if os.path.exists("/usr/bin/chromium") else None
+    )
 
 
 def need_browser() -> str:
@@ -95,8 +97,12 @@ def wait_for(page: Any, js: str, timeout_s: float = 60.0) -> Any:
 @contextmanager
 def agentrl_view(run_dir: Path, model: str = "", timeout_s: float = 120.0) -> Iterator[str]:
     """``agentrl view RUN_DIR --port 0`` as a child process; yields its base URL (http://127.0.0.1:P)."""
-    cmd = [sys.executable, "-m", "agentrl.cli", "view", str(run_dir), "--port", "0"] + (["--model", model] if model else [])
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("AGENTRL_VIEW_TOKEN", "AGENTRL_ADMIN_TOKEN"))}
+    cmd = [sys.executable, "-m", "agentrl.cli", "view", str(run_dir), "--port", "0"] + (
+        ["--model", model] if model else []
+    )
+    env = {
+        k: v for k, v in os.environ.items() if not k.startswith(("AGENTRL_VIEW_TOKEN", "AGENTRL_ADMIN_TOKEN"))
+    }
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                             cwd=Path(__file__).resolve().parents[1])
     lines: queue.Queue[str] = queue.Queue()

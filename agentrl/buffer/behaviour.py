@@ -33,8 +33,15 @@ import numpy as np
 
 PARAMS: tuple[str, ...] = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                            "repetition_penalty")
-NEUTRAL: dict[str, float] = {"temperature": 1.0, "top_p": 1.0, "top_k": 0.0, "min_p": 0.0, "presence_penalty": 0.0,
-                             "frequency_penalty": 0.0, "repetition_penalty": 1.0}
+NEUTRAL: dict[str, float] = {
+    "temperature": 1.0,
+    "top_p": 1.0,
+    "top_k": 0.0,
+    "min_p": 0.0,
+    "presence_penalty": 0.0,
+    "frequency_penalty": 0.0,
+    "repetition_penalty": 1.0,
+}
 T, TOP_P, TOP_K, MIN_P, PRESENCE, FREQUENCY, REPETITION = range(len(PARAMS))
 _INT32, _FLOAT32 = np.dtype(np.int32), np.dtype(np.float32)
 
@@ -54,25 +61,37 @@ class Behaviour:
         self.kept_counts = np.ascontiguousarray(self.kept_counts, dtype=np.int32)
         self.kept_ids = np.ascontiguousarray(self.kept_ids, dtype=np.int32)
         c, n = self.starts.shape[0], self.kept_counts.shape[0]
-        if self.starts.ndim != 1 or self.lengths.shape != (c,) or self.params.shape[0] != c or self.kept_ids.ndim != 1:
-            raise ValueError(f"behaviour: {c} call starts, lengths {self.lengths.shape}, params {self.params.shape}")
+        if (
+            self.starts.ndim != 1
+            or self.lengths.shape != (c,)
+            or self.params.shape[0] != c
+            or self.kept_ids.ndim != 1
+        ):
+            raise ValueError(f"behaviour: {c} call starts, lengths "
+                             f"{self.lengths.shape}, params {self.params.shape}")
         ends = self.starts.astype(np.int64) + self.lengths
         if c and (int(self.starts.min()) < 0 or int(self.lengths.min()) < 0 or int(ends.max()) > n
                   or bool(np.any(self.starts[1:] < ends[:-1]))):
-            raise ValueError(f"behaviour: call spans {list(zip(self.starts.tolist(), ends.tolist(), strict=True))} do not lie "
-                             f"ascending and disjoint inside {n} tokens")
+            raise ValueError("behaviour: call spans "
+                             f"{list(zip(self.starts.tolist(), ends.tolist(), strict=True))} "
+                             f"do not lie ascending and disjoint inside {n} tokens")
         if n and int(self.kept_counts.min()) < 0:
             raise ValueError("behaviour: a kept count is negative")
         cum = np.zeros(n + 1, dtype=np.int64)
         np.cumsum(self.kept_counts, out=cum[1:])
         if int(cum[-1]) != self.kept_ids.shape[0]:
-            raise ValueError(f"behaviour: kept counts add up to {int(cum[-1])}, not the {self.kept_ids.shape[0]} kept ids")
+            raise ValueError(f"behaviour: kept counts add up to {int(cum[-1])}, "
+                             f"not the {self.kept_ids.shape[0]} kept ids")
         if int((cum[ends] - cum[self.starts]).sum()) != int(cum[-1]):
             raise ValueError("behaviour: a token outside every call span has a kept set")
 
     @classmethod
-    def from_calls(cls, n: int, calls: Sequence[tuple[int, int, Mapping[str, float], Sequence[Sequence[int]] | None]],
-                   token_ids: np.ndarray) -> Behaviour:
+    def from_calls(
+        cls,
+        n: int,
+        calls: Sequence[tuple[int, int, Mapping[str, float], Sequence[Sequence[int]] | None]],
+        token_ids: np.ndarray,
+    ) -> Behaviour:
         """From ``(start, length, settings, kept sets or None)`` per call of a sample of ``n`` tokens
         (settings missing a key take its neutral value). Raises ValueError when a sampled token is
         not in its own kept set: the record would give the token no probability."""
@@ -87,14 +106,19 @@ class Behaviour:
             for i, ks in enumerate(kept):
                 if ks:
                     if int(token_ids[start + i]) not in ks:
-                        raise ValueError(f"behaviour: token {int(token_ids[start + i])} at {start + i} is not in "
-                                         f"its kept set")
+                        raise ValueError(f"behaviour: token {int(token_ids[start + i])} "
+                                         f"at {start + i} is not in its kept set")
                     counts[start + i] = len(ks)
                     ids.append(np.asarray(ks, dtype=np.int32))
         params = np.array([[float(s.get(p, NEUTRAL[p])) for p in PARAMS] for _, _, s, _ in calls],
                           dtype=np.float32).reshape(-1, len(PARAMS))
-        return cls(np.array([c[0] for c in calls], dtype=np.int32), np.array([c[1] for c in calls], dtype=np.int32),
-                   params, counts, np.concatenate(ids) if ids else np.zeros(0, dtype=np.int32))
+        return cls(
+            np.array([c[0] for c in calls], dtype=np.int32),
+            np.array([c[1] for c in calls], dtype=np.int32),
+            params,
+            counts,
+            np.concatenate(ids) if ids else np.zeros(0, dtype=np.int32),
+        )
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Behaviour):

@@ -8,7 +8,9 @@ from typing import Literal
 
 @dataclass
 class BufferConfig:
-    path: str | None = field(default=None, metadata={"derived": "run_dir (RUN_DIR/buffer) and buffer.durable"})
+    path: str | None = field(
+        default=None, metadata={"derived": "run_dir (RUN_DIR/buffer) and buffer.durable"}
+    )
     """Directory of the durable log (``<path>/buffer.log``); None keeps samples in memory only."""
     durable: bool = True
     """Keep the log on disk at ``path`` (under serve: RUN_DIR/buffer); false keeps samples in memory
@@ -71,7 +73,8 @@ class BufferConfig:
         if self.max_staleness < 0:
             raise ValueError(f"buffer.max_staleness must be >= 0, got {self.max_staleness}")
         if self.stale_policy not in ("drop", "keep_weighted"):
-            raise ValueError(f"buffer.stale_policy must be 'drop' or 'keep_weighted', got {self.stale_policy!r}")
+            raise ValueError("buffer.stale_policy must be 'drop' or "
+                             f"'keep_weighted', got {self.stale_policy!r}")
         if self.partial_groups not in ("serve", "drop"):
             raise ValueError(f"buffer.partial_groups must be 'serve' or 'drop', got {self.partial_groups!r}")
         if self.sync not in ("fsync", "flush"):

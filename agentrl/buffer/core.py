@@ -132,7 +132,11 @@ class Buffer:
     def _encode_and_write(self, samples: list[Sample], now: float) -> list[Entry]:
         entries = []
         for s in samples:
-            if s.error is not None and self.cfg.error_reward is not None and s.reward != self.cfg.error_reward:
+            if (
+                s.error is not None
+                and self.cfg.error_reward is not None
+                and s.reward != self.cfg.error_reward
+            ):
                 s = replace(s, reward=self.cfg.error_reward)
             payload, head = encode_with_prefix(s, prefix=ARRIVAL.pack(now))
             entries.append(Entry(s.sample_id, s.episode_id, s.group_id, head["min_version"], now, payload))
@@ -416,8 +420,12 @@ class Buffer:
             drops.setdefault("stale", []).extend(i for i in g.ids if stale(i))
             rest = [i for i in g.ids if not stale(i)]
             self._close_partial("g:" + gid, rest, {self._entries[i].episode_id for i in rest}, drops)
-        ids = [i for u in self._ready.values() for i in u.ids] + [i for g in self._waiting.values() for i in g.ids]
-        self._version_floor = min((mv for i in ids if (mv := self._entries[i].min_version) >= 0), default=_NO_FLOOR)
+        ids = [i for u in self._ready.values() for i in u.ids] + [
+            i for g in self._waiting.values() for i in g.ids
+        ]
+        self._version_floor = min(
+            (mv for i in ids if (mv := self._entries[i].min_version) >= 0), default=_NO_FLOOR
+        )
 
     def _expire_leases(self, now: float) -> None:
         expired = [b for b, lease in self._leases.items() if lease.deadline <= now]
@@ -607,9 +615,11 @@ class Buffer:
 
     def stream(self, policy: str | None) -> Buffer:
         """The buffer a learner's request for ``policy`` reads: this one when it names none (a
-        serve of one policy); ValueError for a named one (see :class:`~agentrl.buffer.streams.PolicyBuffers`)."""
+        serve of one policy); ValueError for a named one (see
+        :class:`~agentrl.buffer.streams.PolicyBuffers`)."""
         if policy:
-            raise ValueError(f"no policy {policy[:60]!r}: serve runs one policy (set serve.policies to name several)")
+            raise ValueError(f"no policy {policy[:60]!r}: serve runs one "
+                             "policy (set serve.policies to name several)")
         return self
 
     def changed(self) -> asyncio.Event:

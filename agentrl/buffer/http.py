@@ -90,8 +90,9 @@ def add_buffer_routes(app: web.Application, buf: Buffer | PolicyBuffers, admin_t
             return bad(f"bad body, need {{'batch_id': str}}: {e}")
         if buf.ack(batch_id):
             return web.json_response({"acked": True})
-        return error_response("unknown batch (lease expired, released, or buffer restarted); its samples will "
-                              "be served again", 409, code="unknown_batch", acked=False)
+        return error_response("unknown batch (lease expired, "
+                              "released, or buffer restarted); "
+                              "its samples will be served again", 409, code="unknown_batch", acked=False)
 
     async def release(request: web.Request) -> web.Response:
         require_admin(request)
@@ -180,8 +181,12 @@ class BufferClient:
 
     async def wait_for_room(self, producer: str, in_flight: int, timeout_s: float) -> int:
         """Admission control for a remote producer: how many episodes it may start now."""
-        got = await self.http.json("POST", "/buffer/room", timeout_s=self.http.timeout_s + timeout_s,
-                                   json={"producer": producer, "in_flight": in_flight, "timeout_s": timeout_s})
+        got = await self.http.json(
+            "POST",
+            "/buffer/room",
+            timeout_s=self.http.timeout_s + timeout_s,
+            json={"producer": producer, "in_flight": in_flight, "timeout_s": timeout_s},
+        )
         return int(got["room"])
 
     async def release_leases(self) -> int:

@@ -88,8 +88,14 @@ class PolicyBuffers:
         return max([await b.group_progress(group_id) for b in self.streams.values()])
 
     # -- the learner side ------------------------------------------------------------------------
-    async def get_batch(self, learner_version: int, max_staleness: int | None = None, batch_size: int | None = None,
-                        timeout_s: float = 0.0, policy: str | None = None) -> Any:
+    async def get_batch(
+        self,
+        learner_version: int,
+        max_staleness: int | None = None,
+        batch_size: int | None = None,
+        timeout_s: float = 0.0,
+        policy: str | None = None,
+    ) -> Any:
         return await self.stream(policy).get_batch(learner_version, max_staleness, batch_size, timeout_s)
 
     def ack(self, batch_id: str) -> bool:

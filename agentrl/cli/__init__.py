@@ -148,7 +148,9 @@ def cmd_model_build(args: argparse.Namespace, extra: list[str]) -> int:
     if args.ship:
         from agentrl.models.shipped import ship
 
-        print(f"shipped {args.name} in {ship(args.name, Path(path), recipe_stamp(args.name))}", file=sys.stderr)
+        print(
+            f"shipped {args.name} in {ship(args.name, Path(path), recipe_stamp(args.name))}", file=sys.stderr
+        )
     print(path)
     return 0
 
@@ -309,23 +311,32 @@ def parser() -> argparse.ArgumentParser:
         return sp
 
     sv = with_config(sub.add_parser("serve", help="engines, router, agent loops, sandboxes and buffer"))
-    sv.add_argument("--ray", metavar="ADDRESS", help="place engines and rollout workers as actors on this Ray "
-                    "cluster (\"auto\": the local one; same as --ray.address=ADDRESS)")
-    sv.add_argument("--endpoint-only", action="store_true", help="engines, router, buffer and weight routes, "
-                    "but no agent loops, sandboxes or rollout workers: episodes come from outside, from programs "
-                    "that open sessions (POST /admin/sessions), call /sessions/<id>/v1 and put the scored samples "
-                    "into the buffer (POST /buffer/samples), as agentrl.rollout.remote does (same as "
-                    "--endpoint_only=true)")
+    sv.add_argument("--ray", metavar="ADDRESS", help="place engines and rollout workers as "
+                                                     "actors on this Ray cluster (\"auto\": the "
+                                                     "local one; same as --ray.address=ADDRESS)")
+    sv.add_argument("--endpoint-only", action="store_true", help="engines, router, buffer and weight "
+                                                                 "routes, but no agent loops, sandboxes "
+                                                                 "or rollout workers: episodes come "
+                                                                 "from outside, from programs that "
+                                                                 "open sessions (POST /admin/sessions), "
+                                                                 "call /sessions/<id>/v1 and put the "
+                                                                 "scored samples into the buffer "
+                                                                 "(POST /buffer/samples), as "
+                                                                 "agentrl.rollout.remote does (same "
+                                                                 "as --endpoint_only=true)")
     sv.set_defaults(fn=cmd_serve)
     sp = with_config(sub.add_parser("learn", help="the trainer; pulls batches from serve"))
     sp.add_argument("--serve", help="serve's URL, e.g. http://HOST:8000")
     sp.set_defaults(fn=cmd_learn)
     with_config(sub.add_parser("run", help="serve and learn on this machine")).set_defaults(fn=cmd_run)
-    dp = with_config(sub.add_parser("doctor", help="what this machine has and lacks for agentrl run, and how to get it",
+    dp = with_config(sub.add_parser("doctor", help="what this machine has and lacks "
+                                                   "for agentrl run, and how to get it",
                                     description=cmd_doctor.__doc__))
-    dp.add_argument("--before-setup", action="store_true", help="what scripts/setup.sh installs or builds (Debian "
-                    "packages, .venv's packages, the Docker engine, the sandbox image, the model) is a warning, "
-                    "not missing; packages are looked up in the checkout's .venv")
+    dp.add_argument("--before-setup", action="store_true", help="what scripts/setup.sh installs or builds "
+                                                                "(Debian packages, .venv's packages, the "
+                                                                "Docker engine, the sandbox image, the "
+                                                                "model) is a warning, not missing; packages "
+                                                                "are looked up in the checkout's .venv")
     dp.set_defaults(fn=cmd_doctor)
 
     cp = sub.add_parser("config", help="inspect configuration")
@@ -349,24 +360,27 @@ def parser() -> argparse.ArgumentParser:
 
     sbp = sub.add_parser("sandbox", help="sandbox images")
     sbsub = sbp.add_subparsers(dest="action", required=True)
-    sbsub.add_parser("build", help="build the sandbox images under sandbox/ (skips up-to-date ones)").set_defaults(
-        fn=cmd_sandbox_build)
+    sbsub.add_parser(
+        "build", help="build the sandbox images under sandbox/ (skips up-to-date ones)"
+    ).set_defaults(fn=cmd_sandbox_build)
 
     ep = sub.add_parser("envs", help="registered environments")
     esub = ep.add_subparsers(dest="action", required=True)
     def with_import(sp: argparse.ArgumentParser) -> argparse.ArgumentParser:
         sp.add_argument("--import", dest="imports", action="append", metavar="MODULE_OR_FILE",
-                        help="import this module (my_envs) or file (./my_env.py) first, so the environments it "
-                        "registers are known (repeatable)")
+                        help="import this module (my_envs) or file (./my_env.py) first, "
+                             "so the environments it registers are known (repeatable)")
         return sp
 
     with_import(esub.add_parser("list", help="list registered environments")).set_defaults(fn=cmd_envs)
     es = with_import(esub.add_parser("show", help="show an environment's tools and an example opening"))
     es.add_argument("name")
     es.add_argument("--config", dest="env_config", default="{}", metavar="JSON",
-                    help='the environment\'s keyword arguments as JSON (as env.config), e.g. \'{"envs": {"guess_number": {}}}\'')
+                    help='the environment\'s keyword arguments as JSON (as '
+                         'env.config), e.g. \'{"envs": {"guess_number": {}}}\'')
     es.set_defaults(fn=cmd_envs)
-    et = with_import(esub.add_parser("try", help="play one episode against an OpenAI-compatible endpoint, turn by turn"))
+    et = with_import(esub.add_parser("try", help="play one episode against an "
+                                                 "OpenAI-compatible endpoint, turn by turn"))
     et.add_argument("name")
     et.add_argument("--endpoint", required=True, help="base URL ending in /v1, e.g. http://127.0.0.1:8000/v1")
     et.add_argument("--model", default="", help="model name (default: the endpoint's first model)")
@@ -381,27 +395,34 @@ def parser() -> argparse.ArgumentParser:
                         description=cmd_status.__doc__)
     st.add_argument("--serve", default="http://127.0.0.1:8000", help="serve's URL (default: %(default)s)")
     st.add_argument("--admin-token-file", help="file holding serve's admin token")
-    st.add_argument("--run-dir", default="runs/latest", help="serve's run directory, for its admin_token file")
+    st.add_argument(
+        "--run-dir", default="runs/latest", help="serve's run directory, for its admin_token file"
+    )
     st.add_argument("--watch", type=float, default=0.0, metavar="SECONDS", help="refresh every SECONDS")
     st.add_argument("--json", action="store_true", help="print the raw status JSON")
     st.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for serve")
     st.set_defaults(fn=cmd_status)
 
-    ev = sub.add_parser("eval", help="success rate and reward on held-out tasks, with 95%% confidence intervals",
+    ev = sub.add_parser("eval", help="success rate and reward on held-out "
+                                     "tasks, with 95%% confidence intervals",
                         description=cmd_eval.__doc__)
     ev.add_argument("--env", required=True, help="a registered environment (agentrl envs list)")
     with_import(ev)
-    ev.add_argument("--endpoint", required=True, help="OpenAI base URL ending in /v1, e.g. http://127.0.0.1:8000/v1")
+    ev.add_argument("--endpoint", required=True, help="OpenAI base URL ending in /v1, "
+                                                      "e.g. http://127.0.0.1:8000/v1")
     ev.add_argument("--tasks", type=int, default=EVAL.tasks,
                     help="how many tasks, from the start of the split (default: %(default)s)")
-    ev.add_argument("--split", default="test", help="task split: test (alias heldout) or train (default: %(default)s)")
+    ev.add_argument("--split", default="test", help="task split: test (alias heldout) "
+                                                    "or train (default: %(default)s)")
     ev.add_argument("--env-config", default="", help="environment keyword arguments as a JSON object")
     ev.add_argument("--model", default="", help="model name (default: the endpoint's first model)")
     ev.add_argument("--api-key-file", help="file holding the endpoint's API key")
     ev.add_argument("--max-turns", type=int, default=LIMITS.max_turns)
-    ev.add_argument("--max-tokens", type=int, default=LIMITS.max_tokens, help="completion tokens per model call")
+    ev.add_argument("--max-tokens", type=int, default=LIMITS.max_tokens, help="completion tokens "
+                                                                              "per model call")
     ev.add_argument("--temperature", type=float, default=EVAL.temperature,
-                    help="sampling temperature (default: %(default)s, as the agent acts in training; 0: greedy)")
+                    help="sampling temperature (default: %(default)s, "
+                         "as the agent acts in training; 0: greedy)")
     ev.add_argument("--concurrency", type=int, default=EVAL.concurrency, help="episodes in flight")
     ev.add_argument("--success-reward", type=float, default=EVAL.success_reward,
                     help="an episode succeeds above this reward")
@@ -420,7 +441,8 @@ def parser() -> argparse.ArgumentParser:
     vp.add_argument("--port", type=int, default=8800, help="port (default: %(default)s; 0: a free one)")
     vp.add_argument("--token-file", help="file holding the view token (default: RUN_DIR/view_token, "
                     "$AGENTRL_VIEW_TOKEN or $AGENTRL_VIEW_TOKEN_FILE)")
-    vp.add_argument("--model", help="model folder or name for the token text (default: serve_config.json's model)")
+    vp.add_argument("--model", help="model folder or name for the token text "
+                                    "(default: serve_config.json's model)")
     vp.set_defaults(fn=cmd_view)
     return p
 

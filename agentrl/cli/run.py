@@ -42,7 +42,9 @@ _progress = logging.getLogger("agentrl.progress")
 
 def serve_command(serve_cfg: ServeConfig, run_dir: Path) -> list[str]:
     """Write ``run_dir/serve.toml`` (0600, no token in it) and return the serve child's argv."""
-    cfg = dataclasses.replace(serve_cfg, admin_token="", admin_token_file=str((run_dir / "admin_token").resolve()))
+    cfg = dataclasses.replace(
+        serve_cfg, admin_token="", admin_token_file=str((run_dir / "admin_token").resolve())
+    )
     path = run_dir / "serve.toml"
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # router.api_keys may be in it
     with os.fdopen(fd, "w") as f:
@@ -104,17 +106,27 @@ class ServeChild:
             if time.monotonic() - started > self.STABLE_S:
                 in_row = 0
             if self.restarts != -1 and in_row >= self.restarts:
-                self.failed = (f"serve exited with code {code} and was relaunched {in_row} times in a row "
-                               f"(restarts = {self.restarts}); see {self.run_dir / 'serve.log'}, which ends:\n"
-                               f"{self.log_tail()}")
+                self.failed = (f"serve exited with code {code} and was relaunched {in_row} "
+                               f"times in a row (restarts = {self.restarts}); see "
+                               f"{self.run_dir / 'serve.log'}, which ends:\n{self.log_tail()}")
                 log.error("agentrl run: %s; stopping", self.failed)
                 _thread.interrupt_main()
                 return
-            log.warning("serve exited with code %s; its last lines in %s:\n%s", code, self.run_dir / "serve.log",
-                        self.log_tail())
+            log.warning(
+                "serve exited with code %s; its last lines in %s:\n%s",
+                code,
+                self.run_dir / "serve.log",
+                self.log_tail(),
+            )
             wait = min(300.0, self.backoff_s * 2 ** in_row)
-            _progress.info("serve exited with code %s; starting it again on %s in %.0f s (relaunch %d%s)", code,
-                           self.run_dir, wait, in_row + 1, "" if self.restarts == -1 else f" of {self.restarts}")
+            _progress.info(
+                "serve exited with code %s; starting it again on %s in %.0f s (relaunch %d%s)",
+                code,
+                self.run_dir,
+                wait,
+                in_row + 1,
+                "" if self.restarts == -1 else f" of {self.restarts}",
+            )
             if self._stopping.wait(wait):
                 return
             self.cfg = dataclasses.replace(self.cfg, restore=True)  # back at the learner's version
@@ -189,7 +201,9 @@ def wait_for_serve(url: str, serve: subprocess.Popen | ServeChild, timeout_s: fl
                         return
                     state = got.json() or {}
                     phase = str(state.get("phase", "starting"))
-                    engines = ", ".join(f"{e.get('port')} {e.get('phase')}" for e in state.get("engines") or [])
+                    engines = ", ".join(
+                        f"{e.get('port')} {e.get('phase')}" for e in state.get("engines") or []
+                    )
                     now = phase + (f" [{engines}]" if engines else "")
                     elapsed = float(state.get("elapsed_s") or 0)
                     if now != said:  # serve's own start-up phases, as they change
@@ -198,7 +212,9 @@ def wait_for_serve(url: str, serve: subprocess.Popen | ServeChild, timeout_s: fl
                     if phase.startswith(PREPARING):
                         deadline = time.monotonic() + timeout_s
                         if time.monotonic() - said_at > STILL_SAY_S:
-                            _progress.info("serve: still %s (%.0f s; its progress is in serve.log)", phase, elapsed)
+                            _progress.info(
+                                "serve: still %s (%.0f s; its progress is in serve.log)", phase, elapsed
+                            )
                             said_at = time.monotonic()
                 except (TransportError, ValueError):
                     pass
@@ -217,18 +233,32 @@ def held_out_eval(cfg: RunConfig, url: str, label: str, run_dir: Path) -> Any:
     import_user_code(cfg.serve)  # the evaluation plays the user's environment here too
     e, ev = cfg.serve.env, cfg.eval
     keys = find_api_keys(cfg.serve.router.api_keys, cfg.serve.router.api_keys_file)
-    print(f"eval {label}: {ev.tasks} held-out {e.name} tasks at temperature {ev.temperature:g} ...", flush=True)
-    result = asyncio.run(evaluate(
-        e.name, f"{url}/v1", ev.tasks, split="test", env_config=e.config, api_key=keys[0] if keys else "",
-        limits=e.limits(temperature=ev.temperature), concurrency=ev.concurrency, success_reward=ev.success_reward,
-        sandbox_config=dataclasses.replace(cfg.serve.sandbox, warm=0, max_concurrency=ev.concurrency)))
+    print(
+        f"eval {label}: {ev.tasks} held-out {e.name} tasks at temperature {ev.temperature:g} ...", flush=True
+    )
+    result = asyncio.run(
+        evaluate(
+            e.name,
+            f"{url}/v1",
+            ev.tasks,
+            split="test",
+            env_config=e.config,
+            api_key=keys[0] if keys else "",
+            limits=e.limits(temperature=ev.temperature),
+            concurrency=ev.concurrency,
+            success_reward=ev.success_reward,
+            sandbox_config=dataclasses.replace(cfg.serve.sandbox, warm=0, max_concurrency=ev.concurrency),
+        )
+    )
     write_result(result, run_dir / f"eval_{label}.json")
     lo, hi = result.success_ci95
-    print(f"eval {label}: success {result.success_rate:.3f} (95% CI {lo:.3f}-{hi:.3f}) over {result.n} tasks, "
-          f"reward mean {result.reward_mean:.3f}, {result.failed} failed, {result.seconds:.0f} s", flush=True)
+    print(f"eval {label}: success {result.success_rate:.3f} (95% CI "
+          f"{lo:.3f}-{hi:.3f}) over {result.n} tasks, reward mean "
+          f"{result.reward_mean:.3f}, {result.failed} failed, {result.seconds:.0f} s", flush=True)
     for name, e in result.by_env.items():  # a mix: each environment's own
         lo, hi = e["success_ci95"]
-        print(f"eval {label}:   {name}: success {e['success_rate']:.3f} (95% CI {lo:.3f}-{hi:.3f}) over {e['n']} tasks",
+        print(f"eval {label}:   {name}: success {e['success_rate']:.3f} "
+              f"(95% CI {lo:.3f}-{hi:.3f}) over {e['n']} tasks",
               flush=True)
     return result
 
@@ -245,8 +275,12 @@ def run(cfg: RunConfig) -> int:
     serve_child = ServeChild(dataclasses.replace(cfg.serve, restore=cfg.learn.resume), run_dir, cfg.restarts)
     # the learner on this machine: serve's address and run directory filled in (it asks serve for
     # the batch size and staleness bound, which the buffer section says once)
-    learn_cfg = dataclasses.replace(cfg.learn, serve=f"http://{cfg.serve.router.host}:{cfg.serve.router.port}",
-                                    run_dir=cfg.serve.run_dir, admin_token=cfg.learn.admin_token or token)
+    learn_cfg = dataclasses.replace(
+        cfg.learn,
+        serve=f"http://{cfg.serve.router.host}:{cfg.serve.router.port}",
+        run_dir=cfg.serve.run_dir,
+        admin_token=cfg.learn.admin_token or token,
+    )
     log.info("starting serve (log: %s)", run_dir / "serve.log")
     serve_child.start()
     import_ahead("transformers", "AutoModelForCausalLM")  # the learner's model stack, while serve starts
@@ -263,8 +297,11 @@ def run(cfg: RunConfig) -> int:
     try:
         wait_for_serve(learn_cfg.serve, serve_child, cfg.serve.engine.start_timeout_s + 120)
         serve_child.supervise()
-        _progress.info("watch the run: %s/view/ (open it once with ?token= and the token in %s)", learn_cfg.serve,
-                       run_dir / "view_token")
+        _progress.info(
+            "watch the run: %s/view/ (open it once with ?token= and the token in %s)",
+            learn_cfg.serve,
+            run_dir / "view_token",
+        )
         if cfg.eval.tasks:
             before = held_out_eval(cfg, learn_cfg.serve, "before", run_dir)
         history = learn(learn_cfg)
@@ -295,8 +332,8 @@ def run(cfg: RunConfig) -> int:
             summary["success_by_env"] = {name: [round(e["success_rate"], 4),
                                                 round(after.by_env.get(name, {}).get("success_rate", 0.0), 4)]
                                          for name, e in before.by_env.items()}
-        print(f"success on held-out tasks: {before.success_rate:.3f} before -> {after.success_rate:.3f} after "
-              f"({len(history)} learner steps, {summary['wall_minutes']} min)", flush=True)
+        print(f"success on held-out tasks: {before.success_rate:.3f} before -> {after.success_rate:.3f} "
+              f"after ({len(history)} learner steps, {summary['wall_minutes']} min)", flush=True)
     try:
         from agentrl.plot import plot_run
 

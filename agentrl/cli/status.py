@@ -25,7 +25,8 @@ class StatusError(AgentrlError, RuntimeError):
 
 
 def resolve_token(token_file: str | None = None, run_dir: str | Path | None = "runs/latest") -> str:
-    """The admin token: ``token_file``, ``$AGENTRL_ADMIN_TOKEN``, ``$AGENTRL_ADMIN_TOKEN_FILE``, ``run_dir/admin_token``."""
+    """The admin token: ``token_file``, ``$AGENTRL_ADMIN_TOKEN``, ``$AGENTRL_ADMIN_TOKEN_FILE``,
+    ``run_dir/admin_token``."""
     from agentrl.credentials import SecretError, find_admin_token
 
     try:
@@ -33,8 +34,9 @@ def resolve_token(token_file: str | None = None, run_dir: str | Path | None = "r
     except SecretError as e:
         raise StatusError(str(e)) from None
     if not token:
-        raise StatusError("no admin token: pass --admin-token-file FILE, set $AGENTRL_ADMIN_TOKEN, or point "
-                          f"--run-dir at serve's run directory (looked for {Path(run_dir or '.') / 'admin_token'})")
+        raise StatusError("no admin token: pass --admin-token-file FILE, set "
+                          "$AGENTRL_ADMIN_TOKEN, or point --run-dir at serve's run "
+                          f"directory (looked for {Path(run_dir or '.') / 'admin_token'})")
     return token
 
 
@@ -53,8 +55,8 @@ def fetch_status(url: str, token: str, timeout_s: float = 10.0) -> dict[str, Any
         data = asyncio.run(get())
     except TransportError as e:
         if e.status in (401, 403):
-            raise StatusError(f"serve at {url} refused the admin token ({e.status}); use the token from serve's "
-                              "run_dir/admin_token") from None
+            raise StatusError(f"serve at {url} refused the admin token ({e.status}); "
+                              "use the token from serve's run_dir/admin_token") from None
         if e.status is not None:
             raise StatusError(f"serve at {url} answered {e.status}: {e.message}") from None
         raise StatusError(f"cannot reach serve at {url}: {e.message}") from None
@@ -98,7 +100,9 @@ def table(header: list[str], rows: list[list[str]]) -> list[str]:
 
 
 def rates(now: dict[str, Any], before: dict[str, Any] | None = None) -> dict[str, float | None]:
-    """Generated tokens/s, episodes/min and samples consumed/min: since ``before`` if given, else since start."""
+    """Generated tokens/s, episodes/min and samples consumed/min: since ``before`` if given, else since
+    start."""
+
     def get(d: dict[str, Any], section: str, key: str) -> float | None:
         v = (d.get(section) or {}).get(key)
         return float(v) if isinstance(v, int | float) and not isinstance(v, bool) else None
@@ -124,24 +128,52 @@ def format_status(url: str, status: dict[str, Any], before: dict[str, Any] | Non
         for e in status.get("engines") or []:
             lines.append(f"  engine {e.get('port')}: {e.get('phase')} ({_duration(e.get('phase_s'))})")
         return "\n".join(lines)
-    lines = [f"serve {url}   up {_duration(status.get('uptime_s'))}   policy version {_n(status.get('version'))}"]
+    lines = [f"serve {url}   up {_duration(status.get('uptime_s'))} "
+             f"  policy version {_n(status.get('version'))}"]
     engines = status.get("engines") or []
     healthy = sum(bool(e.get("healthy")) for e in engines)
     lines.append("")
     lines.append(f"engines: {healthy}/{len(engines)} healthy")
     if engines:
         supervised = any("state" in e for e in engines)  # engines serve launched: relaunched when they die
-        rows = [[e.get("name", "?"), e.get("url", "?"), _n(e.get("healthy")),
-                 *([str(e.get("state", "-")), _n(e.get("restarts"))] if supervised else []), _n(e.get("version")),
-                 _n(e.get("outstanding")), _n(e.get("served")), _n(e.get("failures")),
-                 (e.get("last_error") or "")[:60]] for e in engines]
-        lines += ["  " + r for r in table(["name", "url", "healthy", *(["state", "restarts"] if supervised else []),
-                                           "version", "in flight", "served", "failures", "last error"], rows)]
+        rows = [
+            [
+                e.get("name", "?"),
+                e.get("url", "?"),
+                _n(e.get("healthy")),
+                *([str(e.get("state", "-")), _n(e.get("restarts"))] if supervised else []),
+                _n(e.get("version")),
+                _n(e.get("outstanding")),
+                _n(e.get("served")),
+                _n(e.get("failures")),
+                (e.get("last_error") or "")[:60],
+            ]
+            for e in engines
+        ]
+        lines += [
+            "  " + r
+            for r in table(
+                [
+                    "name",
+                    "url",
+                    "healthy",
+                    *(["state", "restarts"] if supervised else []),
+                    "version",
+                    "in flight",
+                    "served",
+                    "failures",
+                    "last error",
+                ],
+                rows,
+            )
+        ]
     lines.append("")
 
     ro = status.get("rollout") or {}
     episodes = ro.get("episodes") or 0
-    reward_mean = ro["reward_sum"] / episodes if episodes and isinstance(ro.get("reward_sum"), int | float) else None
+    reward_mean = (
+        ro["reward_sum"] / episodes if episodes and isinstance(ro.get("reward_sum"), int | float) else None
+    )
     lines.append(f"rollout   in flight {_n(ro.get('in_flight'))} | episodes {_n(ro.get('episodes'))} "
                  f"(failed {_n(ro.get('failed'))}, truncated {_n(ro.get('truncated'))}) | "
                  f"mean reward {_n(reward_mean, 3)} | tool calls {_n(ro.get('tool_calls'))}")
@@ -161,10 +193,11 @@ def format_status(url: str, status: dict[str, Any], before: dict[str, Any] | Non
                  f"learners polling {_n(bu.get('pollers'))}")
     sb = status.get("sandbox")
     if isinstance(sb, dict):
-        lines.append(f"sandbox   {sb.get('backend') or '-'} | in use {_n(sb.get('in_use'))} warm {_n(sb.get('warm'))} "
-                     f"creating {_n(sb.get('creating'))} | exec p50 {_n(sb.get('exec_p50_ms'), 1)} ms "
-                     f"p99 {_n(sb.get('exec_p99_ms'), 1)} ms | timeouts {_n(sb.get('timeouts'))} "
-                     f"oom {_n(sb.get('oom_kills'))} errors {_n(sb.get('infra_errors'))}")
+        lines.append(f"sandbox   {sb.get('backend') or '-'} | in use {_n(sb.get('in_use'))} "
+                     f"warm {_n(sb.get('warm'))} creating {_n(sb.get('creating'))} | "
+                     f"exec p50 {_n(sb.get('exec_p50_ms'), 1)} ms p99 {_n(sb.get('exec_p99_ms'), 1)} "
+                     f"ms | timeouts {_n(sb.get('timeouts'))} oom {_n(sb.get('oom_kills'))} "
+                     f"errors {_n(sb.get('infra_errors'))}")
     else:
         lines.append("sandbox   none (this environment runs no tools in sandboxes)")
     rt = status.get("router") or {}
@@ -172,8 +205,8 @@ def format_status(url: str, status: dict[str, Any], before: dict[str, Any] | Non
                  f"5xx {_n(rt.get('errors_5xx'))} retries {_n(rt.get('retries'))}")
     r = rates(status, before)
     window = "last interval" if before is not None else "since start"
-    lines.append(f"rate      {_n(r['tokens_per_s'])} generated tokens/s | {_n(r['episodes_per_min'], 1)} episodes/min | "
-                 f"{_n(r['consumed_per_min'], 1)} samples trained/min  ({window})")
+    lines.append(f"rate      {_n(r['tokens_per_s'])} generated tokens/s | {_n(r['episodes_per_min'], 1)} "
+                 f"episodes/min | {_n(r['consumed_per_min'], 1)} samples trained/min  ({window})")
     return "\n".join(lines)
 
 

@@ -29,8 +29,26 @@ from agentrl.learner.config import LearnConfig, LossConfig
 from agentrl.rollout.config import EpisodeLimits, EvalConfig
 from agentrl.serve.config import ServeConfig, redacted
 
-__all__ = ["RUN_DEFAULTS", "ConfigError", "EpisodeLimits", "EvalConfig", "LearnConfig", "LossConfig", "RunConfig", "ServeConfig",
-           "build", "field_docs", "load", "merge", "parse", "redacted", "resolve", "to_dict", "to_toml", "union_kinds"]
+__all__ = [
+    "RUN_DEFAULTS",
+    "ConfigError",
+    "EpisodeLimits",
+    "EvalConfig",
+    "LearnConfig",
+    "LossConfig",
+    "RunConfig",
+    "ServeConfig",
+    "build",
+    "field_docs",
+    "load",
+    "merge",
+    "parse",
+    "redacted",
+    "resolve",
+    "to_dict",
+    "to_toml",
+    "union_kinds",
+]
 
 
 # What `agentrl run` changes from serve's and learn's own defaults: the quickstart's model and RL
@@ -47,7 +65,8 @@ class RunConfig:
     serve: ServeConfig = field(default_factory=ServeConfig)
     learn: LearnConfig = field(default_factory=LearnConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
-    restarts: int = 3  # relaunches in a row of a serve child that died while the learner runs (-1: no limit, 0: none)
+    restarts: int = 3
+    """relaunches in a row of a serve child that died while the learner runs (-1: no limit, 0: none)"""
 
     def check(self) -> None:
         if self.restarts < -1:
@@ -60,11 +79,13 @@ class RunConfig:
         b, lc = self.serve.buffer, self.learn
         # said once: the learner takes serve's batch size and staleness bound
         if lc.batch_size not in (0, b.batch_size):
-            raise ConfigError(f"learn.batch_size ({lc.batch_size}) differs from serve.buffer.batch_size "
-                              f"({b.batch_size}); agentrl run shares the buffer's: set serve.buffer.batch_size")
+            raise ConfigError(f"learn.batch_size ({lc.batch_size}) differs from "
+                              f"serve.buffer.batch_size ({b.batch_size}); agentrl "
+                              "run shares the buffer's: set serve.buffer.batch_size")
         if lc.max_staleness not in (-1, b.max_staleness):
-            raise ConfigError(f"learn.max_staleness ({lc.max_staleness}) differs from serve.buffer.max_staleness "
-                              f"({b.max_staleness}); agentrl run shares the buffer's: set serve.buffer.max_staleness")
+            raise ConfigError(f"learn.max_staleness ({lc.max_staleness}) differs from "
+                              f"serve.buffer.max_staleness ({b.max_staleness}); agentrl "
+                              "run shares the buffer's: set serve.buffer.max_staleness")
 
 
     def wire_lora(self) -> None:

@@ -85,7 +85,9 @@ def _pick_variant(value: Any, kinds: dict[str, type], key: str, default: Any) ->
         return fits[0], value
     given = ", ".join(f"{key}.{k}" for k in sorted(value))
     if not fits:
-        owners = {k: [n for n, c in kinds.items() if k in {f.name for f in dataclasses.fields(c)}] for k in value}
+        owners = {
+            k: [n for n, c in kinds.items() if k in {f.name for f in dataclasses.fields(c)}] for k in value
+        }
         detail = "; ".join(f"{key}.{k} belongs to kind {o or 'none'}" for k, o in owners.items())
         raise ConfigError(f"{key}: {given} do not go together ({detail}); set one kind's settings, not both")
     raise ConfigError(f"{key}: say which kind ({key}.kind = one of {sorted(kinds)}) for {given}")
@@ -130,7 +132,9 @@ def _coerce(value: Any, tp: Any, key: str, default: Any = None) -> Any:
         if origin is tuple and args and args[-1] is not Ellipsis:
             if len(value) != len(args):
                 raise ConfigError(f"{key}: expected {len(args)} values, got {value!r}")
-            return tuple(_coerce(v, a, f"{key}[{i}]") for i, (v, a) in enumerate(zip(value, args, strict=True)))
+            return tuple(
+                _coerce(v, a, f"{key}[{i}]") for i, (v, a) in enumerate(zip(value, args, strict=True))
+            )
         item = args[0] if args else Any
         out = [_coerce(v, item, f"{key}[{i}]") for i, v in enumerate(value)]
         return tuple(out) if origin is tuple else out
@@ -149,7 +153,8 @@ def _coerce(value: Any, tp: Any, key: str, default: Any = None) -> Any:
 
 
 def parse(tp: Any, value: Any, key: str = "value") -> Any:
-    """``value`` read as type ``tp`` (a dataclass, a tagged union, a Literal, ...), named ``key`` in errors."""
+    """``value`` read as type ``tp`` (a dataclass, a tagged union, a Literal, ...), named ``key`` in
+    errors."""
     return _coerce(value, tp, key)
 
 
@@ -283,7 +288,8 @@ def to_dict(cfg: Any) -> dict[str, Any]:
 
 
 def resolve(cls: type, dotted: str) -> bool:
-    """Whether ``dotted`` (e.g. ``buffer.lease_s``) names a setting of ``cls``'s tree (any variant of a union)."""
+    """Whether ``dotted`` (e.g. ``buffer.lease_s``) names a setting of ``cls``'s tree (any variant of a
+    union)."""
     parts = dotted.split(".")
 
     def walk(tp: Any, rest: list[str]) -> bool:
@@ -327,7 +333,11 @@ def field_docs(cls: type) -> dict[str, str]:
                 continue
             name = node.target.id
             after = stmts[i + 1] if i + 1 < len(stmts) else None
-            if isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant) and isinstance(after.value.value, str):
+            if (
+                isinstance(after, ast.Expr)
+                and isinstance(after.value, ast.Constant)
+                and isinstance(after.value.value, str)
+            ):
                 docs[name] = " ".join(after.value.value.split())
             elif node.end_lineno in comments:
                 docs[name] = comments[node.end_lineno].removeprefix("noqa").strip()
@@ -387,7 +397,9 @@ def to_toml(cfg: Any, docs: bool = False) -> str:
             out += ["", f"[{prefix}{name}]"]
             doc = (type(v).__doc__ or "").strip() if docs else ""
             if doc and not doc.startswith(type(v).__name__ + "("):  # not dataclass's generated signature
-                out += textwrap.wrap(" ".join(doc.split()), 100, initial_indent="## ", subsequent_indent="## ")
+                out += textwrap.wrap(
+                    " ".join(doc.split()), 100, initial_indent="## ", subsequent_indent="## "
+                )
             out += emit(v, f"{prefix}{name}.")
         return out
 

@@ -55,7 +55,8 @@ class EngineConfig(EngineOptions):
     """Relaunches in a row of an engine serve launched that died (an engine that then stays up for
     10 minutes starts a new row); after the last one fails, the engine is marked failed (-1: no
     limit, 0: never relaunch). Engines at ``urls`` are not serve's to relaunch."""
-    restart_backoff_s: float = 2.0  # wait before the first relaunch in a row; doubles for each next one (at most 5 min)
+    restart_backoff_s: float = 2.0
+    """wait before the first relaunch in a row; doubles for each next one (at most 5 min)"""
     unhealthy_restart_s: float = 60.0
     """An engine whose process is up but whose ``/health`` has failed for this long (e.g. its
     engine core died and the API server stayed up) is killed and relaunched (0: only a process
@@ -63,13 +64,15 @@ class EngineConfig(EngineOptions):
 
     def __post_init__(self) -> None:
         if self.max_restarts < -1 or self.restart_backoff_s < 0 or self.unhealthy_restart_s < 0:
-            raise ValueError("engine.max_restarts must be -1 (no limit) or more, engine.restart_backoff_s and "
-                             "engine.unhealthy_restart_s 0 or more")
+            raise ValueError("engine.max_restarts must be -1 (no limit) or more, "
+                             "engine.restart_backoff_s and engine.unhealthy_restart_s 0 or more")
 
     def spec(self, index: int, model: str, served_name: str, host: str = "127.0.0.1") -> EngineSpec:
         """The launch spec of engine ``index`` (port ``base_port + index``) serving ``model``."""
         options = {f.name: getattr(self, f.name) for f in dataclasses.fields(EngineOptions)}
-        return EngineSpec(model=model, served_name=served_name, host=host, port=self.base_port + index, **options)
+        return EngineSpec(
+            model=model, served_name=served_name, host=host, port=self.base_port + index, **options
+        )
 
 
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the --max-lora-rank values vLLM 0.32 accepts

@@ -53,6 +53,14 @@ class EngineGuard:
             return
         body = json.dumps({"error": {"message": "this engine answers only the serve that launched it",
                                      "type": "authentication_error", "param": None, "code": None}}).encode()
-        await send({"type": "http.response.start", "status": 401,
-                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 401,
+                "headers": [
+                    (b"content-type", b"application/json"),
+                    (b"content-length", str(len(body)).encode()),
+                ],
+            }
+        )
         await send({"type": "http.response.body", "body": body})

@@ -155,7 +155,9 @@ class EnginePool:
         if count:
             engine.outstanding += 1
         try:
-            status, raw = await self._upstream.post(engine.url, path, dumps(body), timeout_s or self.request_timeout_s)
+            status, raw = await self._upstream.post(
+                engine.url, path, dumps(body), timeout_s or self.request_timeout_s
+            )
             if status >= 400:
                 message = _engine_message(raw.decode(errors="replace"))
                 if 400 <= status < 500:
@@ -210,7 +212,8 @@ class EnginePool:
                         break
                     event = json.loads(data)
                     if isinstance(event, dict) and "error" in event and "choices" not in event:
-                        raise EngineError(f"engine {engine.name} failed mid-stream: {_engine_message(data.decode())}")
+                        raise EngineError(f"engine {engine.name} failed mid-stream: "
+                                          f"{_engine_message(data.decode())}")
                     yield event
                 engine.served += 1
         except (TimeoutError, aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as e:
@@ -265,8 +268,12 @@ class EnginePool:
         timeouts propagate as aiohttp / TimeoutError for the caller to name its step.
         """
         assert self._http is not None, "EnginePool.start() was not awaited"
-        async with self._http.post(engine.url + path, json=body, params=params,
-                                   timeout=aiohttp.ClientTimeout(total=timeout_s or self.control_timeout_s)) as r:
+        async with self._http.post(
+            engine.url + path,
+            json=body,
+            params=params,
+            timeout=aiohttp.ClientTimeout(total=timeout_s or self.control_timeout_s),
+        ) as r:
             text = await r.text()
             if r.status >= 400:
                 raise EngineError(f"{engine.name} {path} answered {r.status}: {text[:300]}")

@@ -64,7 +64,8 @@ class _Connection(asyncio.Protocol):
         try:
             done = self._parse()
         except (ValueError, UpstreamProtocolError) as e:
-            err = e if isinstance(e, UpstreamProtocolError) else UpstreamProtocolError(f"malformed HTTP response: {e}")
+            err = e if isinstance(e, UpstreamProtocolError) else UpstreamProtocolError("malformed HTTP "
+                                                                                       f"response: {e}")
             self._fail(err)
             return
         if done is not None:
@@ -188,8 +189,10 @@ class Upstream:
     async def post(self, base_url: str, path: str, payload: bytes, timeout_s: float) -> tuple[int, bytes]:
         """POST ``payload`` (JSON) to ``base_url + path``: (status, body). Bounded by ``timeout_s``."""
         host, port, prefix = self._address(base_url)
-        request = (f"POST {prefix}{path} HTTP/1.1\r\nHost: {host}:{port}\r\n{self._auth}"
-                   f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\n\r\n").encode("latin-1") + payload
+        request = (
+            f"POST {prefix}{path} HTTP/1.1\r\nHost: {host}:{port}\r\n{self._auth}"
+            f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\n\r\n"
+        ).encode("latin-1") + payload
         key = (host, port)
         async with asyncio.timeout(timeout_s):
             conn = self._take(key)

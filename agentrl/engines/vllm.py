@@ -98,8 +98,9 @@ async def wait_ports_free(specs: list[EngineSpec], timeout_s: float) -> None:
     deadline, told = time.monotonic() + timeout_s, False
     while taken := [s.port for s in specs if port_taken(s.host, s.port)]:
         if time.monotonic() > deadline:
-            raise EngineStartError(f"engine port(s) {taken} still held by another process after {timeout_s:.0f} s "
-                                   f"(`ss -ltnp` names it); stop it, or set engine.base_port to free ports")
+            raise EngineStartError(f"engine port(s) {taken} still held by another process "
+                                   f"after {timeout_s:.0f} s (`ss -ltnp` names it); "
+                                   "stop it, or set engine.base_port to free ports")
         if not told:
             _progress.info("engine port(s) %s still held by another process (an earlier engine shutting "
                            "down?); waiting up to %.0f s", taken, timeout_s)
@@ -169,7 +170,9 @@ class VLLMEngine:
                             self.group = child_group(self.proc.pid)
                             self.phase, self.phase_since = "ready", time.monotonic()
                             if progress:
-                                _progress.info("engine %d: ready (%.0f s)", self.spec.port, time.monotonic() - t0)
+                                _progress.info(
+                                    "engine %d: ready (%.0f s)", self.spec.port, time.monotonic() - t0
+                                )
                             return
                 except (TimeoutError, aiohttp.ClientError):
                     pass
@@ -193,7 +196,11 @@ class VLLMEngine:
 
     def startup(self) -> dict[str, Any]:
         """The start-up phase and how long it has lasted (for serve's status while it starts)."""
-        return {"port": self.spec.port, "phase": self.phase, "phase_s": round(time.monotonic() - self.phase_since, 1)}
+        return {
+            "port": self.spec.port,
+            "phase": self.phase,
+            "phase_s": round(time.monotonic() - self.phase_since, 1),
+        }
 
     def log_tail(self, n: int = 30) -> str:
         try:

@@ -57,7 +57,8 @@ def render_messages(messages: list[Message]) -> str:
         body = m.get("content") or ""
         for call in m.get("tool_calls") or []:
             fn = call.get("function") or {}
-            body += f"\n<tool_call>\n{{\"name\": \"{fn.get('name')}\", \"arguments\": {fn.get('arguments')}}}\n</tool_call>"
+            body += (f"\n<tool_call>\n{{\"name\": \"{fn.get('name')}\", "
+                     f"\"arguments\": {fn.get('arguments')}}}\n</tool_call>")
         parts.append(f"[{m.get('role', 'user')}]\n{body.strip()}")
     return "\n\n".join(parts)
 
@@ -123,7 +124,8 @@ class GymEnv(gymnasium.Env):
         self.env.sandbox = None
         if self.env.sandbox_image and self._pool is None:
             if self._sandbox_config is None:
-                raise ValueError(f"{type(self.env).__name__} needs a sandbox: pass sandbox_config=SandboxConfig(...)")
+                raise ValueError(f"{type(self.env).__name__} needs a sandbox: "
+                                 "pass sandbox_config=SandboxConfig(...)")
             from agentrl.sandbox.attach import pool_for
 
             self._pool = await pool_for(self.env.sandbox_image, self._sandbox_config, f"gym-{id(self):x}")
@@ -132,7 +134,9 @@ class GymEnv(gymnasium.Env):
         await self._episode.enter_async_context(attached(self.env, self._pool))
         return await self.env.reset(task)
 
-    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> tuple[str, dict[str, Any]]:
+    def reset(
+        self, *, seed: int | None = None, options: dict[str, Any] | None = None
+    ) -> tuple[str, dict[str, Any]]:
         super().reset(seed=seed)
         options = options or {}
         self.task = options["task"] if "task" in options else self._next_task(seed)
@@ -149,7 +153,13 @@ class GymEnv(gymnasium.Env):
         result: StepResult = self._runner.run(self.env.step(message))
         self.messages += [message, *result.messages]
         info = dict(result.info, messages=result.messages)
-        return render_messages(result.messages), float(result.reward), result.terminated, result.truncated, info
+        return (
+            render_messages(result.messages),
+            float(result.reward),
+            result.terminated,
+            result.truncated,
+            info,
+        )
 
     def render(self) -> str | None:
         return render_messages(self.messages) if self.render_mode == "ansi" else None
@@ -238,6 +248,7 @@ def register_gym(name: str, gym_env: str | Callable[[], gymnasium.Env], **adapte
     def factory(**config: Any) -> GymAdapter:
         return GymAdapter(gym_env, **{**adapter_kwargs, **config})
 
-    factory.__doc__ = f"gymnasium env {gym_env if isinstance(gym_env, str) else getattr(gym_env, '__name__', gym_env)}"
+    factory.__doc__ = ("gymnasium env "
+                       f"{gym_env if isinstance(gym_env, str) else getattr(gym_env, '__name__', gym_env)}")
     factory.__qualname__ = factory.__name__ = f"gym_{name}"
     environment(name)(factory)

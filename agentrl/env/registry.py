@@ -155,8 +155,9 @@ def import_user_code(spec: str) -> ModuleType:
         return importlib.import_module(spec)
     except ModuleNotFoundError as e:
         if e.name and spec.startswith(e.name):
-            raise UserCodeError(f"cannot import {spec!r}: no module named {e.name!r} on the Python path "
-                                f"(sys.path[0] is {sys.path[0]!r}); give a file path instead, e.g. ./{spec}.py") from e
+            raise UserCodeError(f"cannot import {spec!r}: no module named {e.name!r} "
+                                f"on the Python path (sys.path[0] is {sys.path[0]!r}); "
+                                f"give a file path instead, e.g. ./{spec}.py") from e
         raise UserCodeError(f"importing {spec!r} failed: {e}") from e
     except Exception as e:
         raise UserCodeError(f"importing {spec!r} raised {type(e).__name__}: {e}") from e
@@ -187,12 +188,13 @@ def lookup(name: str) -> Callable[..., Any]:
         known = ", ".join(registered()) or "none"
         failed = "".join(f"\n  entry point {k} failed to load: {v}" for k, v in _FAILED_ENTRY_POINTS.items())
         raise UnknownEnvironmentError(
-            f"unknown environment {name!r}; registered: {known}. To make it known, import the module or "
-            f"file that defines it (whose class uses @agentrl.environment({name!r})): `--env.import=my_env.py` "
-            f"or `--env.import=my_package.envs` (in Python: `import my_envs`), or pip install the package "
-            f"that provides it (it registers through the {ENTRY_POINT_GROUP!r} entry-point group: "
-            f"[project.entry-points.{ENTRY_POINT_GROUP!r}] {name} = \"my_envs:MyEnv\"), or name an ecosystem's "
-            f"environment as prefix:name (e.g. reasoning_gym:basic_arithmetic); {adapters.describe()}.{failed}"
+            f"unknown environment {name!r}; registered: {known}. To make it known, import the "
+            f"module or file that defines it (whose class uses @agentrl.environment({name!r})): "
+            "`--env.import=my_env.py` or `--env.import=my_package.envs` (in Python: `import "
+            "my_envs`), or pip install the package that provides it (it registers through the "
+            f"{ENTRY_POINT_GROUP!r} entry-point group: [project.entry-points.{ENTRY_POINT_GROUP!r}] "
+            f"{name} = \"my_envs:MyEnv\"), or name an ecosystem's environment as prefix:name "
+            f"(e.g. reasoning_gym:basic_arithmetic); {adapters.describe()}.{failed}"
         )
     return _REGISTRY[name]
 

@@ -59,7 +59,9 @@ class TaskSource:
 
     def take(self, n: int) -> TaskSource:
         """The first ``n`` records."""
-        return TaskSource(self._opener, self.name, self._transform, n if self._limit is None else min(n, self._limit))
+        return TaskSource(
+            self._opener, self.name, self._transform, n if self._limit is None else min(n, self._limit)
+        )
 
     def __repr__(self) -> str:
         return f"TaskSource({self.name!r})"

@@ -198,7 +198,7 @@ def parse_tool_calls(text: str, id_prefix: str = "call") -> ParsedToolCalls:
             errors.append(ToolCallError("bad_json", f"tool call {i + 1} is not valid JSON: {e}"))
             continue
         if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-            errors.append(ToolCallError("bad_json", f"tool call {i + 1} must be a JSON object with a \"name\""))
+            errors.append(ToolCallError("bad_json", f'tool call {i + 1} must be a JSON object with a "name"'))
             continue
         args = obj.get("arguments", {})
         calls.append({"id": f"{id_prefix}_{i}", "type": "function",

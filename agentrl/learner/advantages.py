@@ -131,7 +131,11 @@ def distilled_advantages(advantages: Tensor, teacher: Tensor, behaviour: Tensor,
     teacher scored keep their reward advantage (0 without ``with_reward``). Returns [B, T]."""
     scored = torch.isfinite(teacher)
     gap = torch.where(scored, teacher - behaviour, torch.zeros_like(teacher))
-    base = advantages.to(teacher.dtype).unsqueeze(-1).expand_as(teacher) if with_reward else torch.zeros_like(teacher)
+    base = (
+        advantages.to(teacher.dtype).unsqueeze(-1).expand_as(teacher)
+        if with_reward
+        else torch.zeros_like(teacher)
+    )
     return base + coef * gap
 
 

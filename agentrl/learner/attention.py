@@ -29,8 +29,15 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 PACKED = "agentrl_packed_sdpa"
 
 
-def packed_sdpa(module: torch.nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
-                position_ids: Tensor | None = None, **kwargs: Any) -> tuple[Tensor, None]:
+def packed_sdpa(
+    module: torch.nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask: Tensor | None,
+    position_ids: Tensor | None = None,
+    **kwargs: Any,
+) -> tuple[Tensor, None]:
     """``query``/``key``/``value``: [1, heads, N, head_dim]; returns [1, N, heads, head_dim] like sdpa."""
     n = query.shape[2]
     if attention_mask is not None or position_ids is None or query.shape[0] != 1 or key.shape[2] != n:
@@ -41,8 +48,10 @@ def packed_sdpa(module: torch.nn.Module, query: Tensor, key: Tensor, value: Tens
     if len(starts) == 1:
         return sdpa_attention_forward(module, query, key, value, None, **kwargs)
     bounds = [*starts, n]
-    spans = [sdpa_attention_forward(module, query[:, :, a:b], key[:, :, a:b], value[:, :, a:b], None, **kwargs)[0]
-             for a, b in zip(bounds, bounds[1:], strict=False)]
+    spans = [
+        sdpa_attention_forward(module, query[:, :, a:b], key[:, :, a:b], value[:, :, a:b], None, **kwargs)[0]
+        for a, b in zip(bounds, bounds[1:], strict=False)
+    ]
     return torch.cat(spans, dim=1), None
 
 

@@ -131,5 +131,9 @@ def prepare(samples: Sequence[Sample], loss: LossConfig) -> TrainBatch:
                                  normalize_std=loss.advantage_std)
         process = [rtg[i] for i in keep]
         trained = [r[m != 0] for r, m in zip(rtg, masks, strict=True) if r is not None]
-        stats["process_advantage_abs_mean"] = float(np.abs(np.concatenate(trained)).mean()) if trained else 0.0
-    return TrainBatch([usable[i] for i in keep], [masks[i] for i in keep], adv[keep], len(usable), stats, process)
+        stats["process_advantage_abs_mean"] = (
+            float(np.abs(np.concatenate(trained)).mean()) if trained else 0.0
+        )
+    return TrainBatch(
+        [usable[i] for i in keep], [masks[i] for i in keep], adv[keep], len(usable), stats, process
+    )

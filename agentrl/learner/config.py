@@ -30,17 +30,34 @@ class LossConfig:
     tis_cap: float = 2.0  # tis: weights are min(pi_old / mu, tis_cap)
     mis_low: float = 0.5  # mis: units whose ratio is below this are dropped (and leave the denominator)
     mis_high: float = 2.0  # mis: units whose ratio is above this are dropped (and leave the denominator)
-    mismatch_band: tuple[float, float] | None = None  # drop single tokens whose pi_old / mu leaves [low, high]
+    mismatch_band: tuple[float, float] | None = None
+    """drop single tokens whose pi_old / mu leaves [low, high]"""
     agg: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = \
-        "token-mean"  # loss aggregation; seq-mean-token-sum-norm is Dr. GRPO's (a constant length, norm_tokens)
-    norm_tokens: int = 0  # seq-mean-token-sum-norm: the constant length L per sequence (0: the batch's longest completion)
-    advantage_std: bool = field(default=True, metadata=STEP)  # divide group-centred rewards by the group's std (GRPO); false: Dr. GRPO
-    overlong: Literal["keep", "mask", "penalize"] = field(default="keep", metadata=STEP)  # truncated episodes: train as they are, mask them out of the loss (DAPO's overlong filtering; still in their group's baseline), or subtract overlong_penalty from their reward
-    overlong_penalty: float = field(default=1.0, metadata=STEP)  # overlong = "penalize": subtracted from a truncated episode's reward before advantages
-    distill_coef: float = field(default=0.0, metadata=STEP)  # on-policy distillation: a token a teacher scored gains distill_coef * (its teacher logprob - its behaviour logprob) in its advantage (a per-token reverse KL; docs/scoring.md); 0: off
-    process_coef: float = field(default=1.0, metadata=STEP)  # process rewards (samples' token_rewards, a per-turn scorer's): each token's advantage gains process_coef * the return-to-go of its group's normalized step rewards (DeepSeekMath's process supervision; docs/scoring.md); 0: ignore them
-    distill_topk_coef: float = field(default=0.0, metadata=STEP)  # on-policy distillation over the teacher's top-k (scoring.teacher.top_k): the loss gains distill_topk_coef * the forward KL from the teacher's renormalized top-k to the student at each position a teacher scored, aggregated as the loss (docs/scoring.md); 0: off
-    distill_reward: bool = field(default=True, metadata=STEP)  # with distill_coef > 0: keep the episodes' reward advantages beside the teacher's term (false: distillation alone)
+        "token-mean"
+    """loss aggregation; seq-mean-token-sum-norm is Dr. GRPO's (a constant length, norm_tokens)"""
+    norm_tokens: int = 0
+    """seq-mean-token-sum-norm: the constant length L per sequence (0: the batch's longest completion)"""
+    advantage_std: bool = field(default=True, metadata=STEP)
+    """divide group-centred rewards by the group's std (GRPO); false: Dr. GRPO"""
+    overlong: Literal["keep", "mask", "penalize"] = field(default="keep", metadata=STEP)
+    """truncated episodes: train as they are, mask them out of the loss (DAPO's overlong filtering; still in
+    their group's baseline), or subtract overlong_penalty from their reward"""
+    overlong_penalty: float = field(default=1.0, metadata=STEP)
+    """overlong = "penalize": subtracted from a truncated episode's reward before advantages"""
+    distill_coef: float = field(default=0.0, metadata=STEP)
+    """on-policy distillation: a token a teacher scored gains distill_coef * (its teacher logprob - its
+    behaviour logprob) in its advantage (a per-token reverse KL; docs/scoring.md); 0: off"""
+    process_coef: float = field(default=1.0, metadata=STEP)
+    """process rewards (samples' token_rewards, a per-turn scorer's): each token's advantage gains
+    process_coef * the return-to-go of its group's normalized step rewards (DeepSeekMath's process
+    supervision; docs/scoring.md); 0: ignore them"""
+    distill_topk_coef: float = field(default=0.0, metadata=STEP)
+    """on-policy distillation over the teacher's top-k (scoring.teacher.top_k): the loss gains
+    distill_topk_coef * the forward KL from the teacher's renormalized top-k to the student at each position a
+    teacher scored, aggregated as the loss (docs/scoring.md); 0: off"""
+    distill_reward: bool = field(default=True, metadata=STEP)
+    """with distill_coef > 0: keep the episodes' reward advantages beside the teacher's term (false:
+    distillation alone)"""
 
     def arguments(self) -> dict[str, Any]:
         """``compute_loss``'s keyword arguments for this loss (``kind`` included)."""
@@ -61,20 +78,26 @@ class PPOLoss(LossConfig):
     kind: Literal["ppo"] = "ppo"
     clip_low: float = 0.2  # ratio floor 1 - clip_low
     clip_high: float = 0.2  # ratio ceiling 1 + clip_high (above clip_low: DAPO's clip-higher)
-    minibatches: int = field(default=1, metadata=STEP)  # optimizer updates per epoch: the batch split into this many minibatches
-    epochs: int = field(default=1, metadata=STEP)  # passes over the batch; pi_old stays the weights at the start of the step
+    minibatches: int = field(default=1, metadata=STEP)
+    """optimizer updates per epoch: the batch split into this many minibatches"""
+    epochs: int = field(default=1, metadata=STEP)
+    """passes over the batch; pi_old stays the weights at the start of the step"""
 
 
 @dataclass
 class DecoupledPPOLoss(LossConfig):
-    """Decoupled PPO (AReaL): the trust region around a proximal policy, pi_prox / mu correcting for staleness."""
+    """Decoupled PPO (AReaL): the trust region around a proximal policy, pi_prox / mu correcting for
+    staleness."""
 
     kind: Literal["decoupled_ppo"] = "decoupled_ppo"
     clip_low: float = 0.2  # ratio floor 1 - clip_low
     clip_high: float = 0.2  # ratio ceiling 1 + clip_high
-    minibatches: int = field(default=1, metadata=STEP)  # optimizer updates per epoch: the batch split into this many minibatches
-    epochs: int = field(default=1, metadata=STEP)  # passes over the batch; pi_prox stays the weights at the start of the step
-    proximal: Literal["recompute", "approx"] = field(default="recompute", metadata=STEP)  # pi_prox: a no-grad forward pass at the start of the step, or approx_proximal_logp (no extra pass)
+    minibatches: int = field(default=1, metadata=STEP)
+    """optimizer updates per epoch: the batch split into this many minibatches"""
+    epochs: int = field(default=1, metadata=STEP)
+    """passes over the batch; pi_prox stays the weights at the start of the step"""
+    proximal: Literal["recompute", "approx"] = field(default="recompute", metadata=STEP)
+    """pi_prox: a no-grad forward pass at the start of the step, or approx_proximal_logp (no extra pass)"""
 
 
 @dataclass
@@ -82,13 +105,17 @@ class GSPOLoss(LossConfig):
     """GSPO (Zheng et al. 2025): PPO's clip on the length-normalised sequence ratio, one unit per sequence."""
 
     kind: Literal["gspo"] = "gspo"
-    level: Literal["token", "sequence", "geometric"] = "geometric"  # unit of the correction's ratio (GSPO's own: the sequence's geometric mean)
+    level: Literal["token", "sequence", "geometric"] = "geometric"
+    """unit of the correction's ratio (GSPO's own: the sequence's geometric mean)"""
     agg: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = \
         "seq-mean-token-mean"  # loss aggregation; GSPO's own counts each sequence once
-    clip_low: float = 3e-4  # sequence-ratio floor 1 - clip_low (GSPO's ratios are geometric means: a narrow range)
+    clip_low: float = 3e-4
+    """sequence-ratio floor 1 - clip_low (GSPO's ratios are geometric means: a narrow range)"""
     clip_high: float = 4e-4  # sequence-ratio ceiling 1 + clip_high
-    minibatches: int = field(default=1, metadata=STEP)  # optimizer updates per epoch: the batch split into this many minibatches
-    epochs: int = field(default=1, metadata=STEP)  # passes over the batch; pi_old stays the weights at the start of the step
+    minibatches: int = field(default=1, metadata=STEP)
+    """optimizer updates per epoch: the batch split into this many minibatches"""
+    epochs: int = field(default=1, metadata=STEP)
+    """passes over the batch; pi_old stays the weights at the start of the step"""
 
 
 @dataclass
@@ -98,8 +125,10 @@ class CISPOLoss(LossConfig):
     kind: Literal["cispo"] = "cispo"
     clip_low: float = 1.0  # weight floor 1 - clip_low (1: no floor, as MiniMax-M1)
     clip_high: float = 1.0  # weight ceiling 1 + clip_high
-    minibatches: int = field(default=1, metadata=STEP)  # optimizer updates per epoch: the batch split into this many minibatches
-    epochs: int = field(default=1, metadata=STEP)  # passes over the batch; pi_old stays the weights at the start of the step
+    minibatches: int = field(default=1, metadata=STEP)
+    """optimizer updates per epoch: the batch split into this many minibatches"""
+    epochs: int = field(default=1, metadata=STEP)
+    """passes over the batch; pi_old stays the weights at the start of the step"""
 
 
 Loss = PGLoss | PPOLoss | DecoupledPPOLoss | GSPOLoss | CISPOLoss
@@ -117,16 +146,19 @@ class WandbConfig:
 class LearnConfig:
     serve: str = "http://127.0.0.1:8000"  # serve's URL
     admin_token: str = ""  # serve's admin token; config file only (never --admin_token=)
-    admin_token_file: str = ""  # file holding it; empty: $AGENTRL_ADMIN_TOKEN(_FILE), then run_dir/admin_token
+    admin_token_file: str = ""
+    """file holding it; empty: $AGENTRL_ADMIN_TOKEN(_FILE), then run_dir/admin_token"""
     model: str = ""  # empty: the model serve reports
     run_dir: str = "runs/latest"
     steps: int = 3  # optimizer steps, then exit (0: run until stopped)
     batch_size: int = 0  # samples per optimizer step (0: serve's buffer.batch_size)
-    max_staleness: int = -1  # train on samples at most this many versions old (-1: serve's buffer.max_staleness)
+    max_staleness: int = -1
+    """train on samples at most this many versions old (-1: serve's buffer.max_staleness)"""
     lr: float = 1e-4
     weight_decay: float = 0.0
     warmup_steps: int = 0  # linear warm-up of the learning rate from lr/warmup_steps to lr
-    decay_steps: int = 0  # after warm-up, linear decay to min_lr_ratio * lr over this many steps (0: constant)
+    decay_steps: int = 0
+    """after warm-up, linear decay to min_lr_ratio * lr over this many steps (0: constant)"""
     min_lr_ratio: float = 0.0  # floor of the decay, as a fraction of lr
     grad_clip: float = 1.0  # max global gradient norm (0: no clipping)
     micro_batch_tokens: int = 2048
@@ -140,7 +172,8 @@ class LearnConfig:
     """Positions per chunk of the LM head (agentrl.learner.head): about three [chunk, vocabulary] fp32
     tensors exist at once (0.6 GB for SmolLM2's 49,152-token vocabulary); 0: the whole row's logits."""
     activation_checkpointing: bool = False  # recompute decoder-layer activations in backward (less memory)
-    precision: Literal["auto", "bf16", "fp32"] = "auto"  # auto: bf16 compute + fp32 master weights on GPU, fp32 on CPU
+    precision: Literal["auto", "bf16", "fp32"] = "auto"
+    """auto: bf16 compute + fp32 master weights on GPU, fp32 on CPU"""
     loss: Loss = field(default_factory=PGLoss)
     batch_timeout_s: float = 600.0  # give up waiting for a batch after this long
     policy_wait_s: float = 2.0
@@ -152,10 +185,15 @@ class LearnConfig:
     keep_checkpoints: int = 2  # newest checkpoints kept on disk (0: keep all)
     resume: bool = False  # continue from the latest checkpoint in checkpoint_dir (none there: start fresh)
     export_dir: str = ""  # at exit, write the policy here as a Hugging Face folder (empty: no export)
-    metrics_port: int = 0  # Prometheus /metrics of the learner (rank 0); 0: a free port (logged, in run_dir/learner_metrics_url); -1: off
+    metrics_port: int = 0
+    """Prometheus /metrics of the learner (rank 0); 0: a free port (logged, in run_dir/learner_metrics_url);
+    -1: off"""
     metrics_host: str = "127.0.0.1"  # bind address of /metrics; loopback unless told otherwise
-    no_signal_steps: int = 3  # warn once when a run has had no learning signal for this many steps in a row (0: never)
-    tensorboard: bool = False  # also write each step's metrics as TensorBoard events in run_dir/tensorboard (extra agentrl[tensorboard])
+    no_signal_steps: int = 3
+    """warn once when a run has had no learning signal for this many steps in a row (0: never)"""
+    tensorboard: bool = False
+    """also write each step's metrics as TensorBoard events in run_dir/tensorboard (extra
+    agentrl[tensorboard])"""
     wandb: WandbConfig = field(default_factory=WandbConfig)
     weights: WeightsConfig = field(default_factory=WeightsConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
@@ -165,8 +203,8 @@ class LearnConfig:
     def check(self) -> None:
         self.lora.check()
         if self.weights.transport.kind == "adapter" and not self.lora.enabled:
-            raise ConfigError("weights.transport.kind = \"adapter\" sends a LoRA adapter: set learn.lora.rank > 0 "
-                              "(or another transport for full fine-tuning)")
+            raise ConfigError("weights.transport.kind = \"adapter\" sends a LoRA adapter: set "
+                              "learn.lora.rank > 0 (or another transport for full fine-tuning)")
         if self.lr <= 0:
             raise ConfigError("lr must be positive")
         if self.micro_batch_tokens < 2:
@@ -184,8 +222,8 @@ class LearnConfig:
         if getattr(loss, "minibatches", 1) < 1 or getattr(loss, "epochs", 1) < 1:
             raise ConfigError("loss.minibatches and loss.epochs must be at least 1")
         if min(loss.norm_tokens, loss.overlong_penalty, loss.distill_coef, loss.process_coef) < 0:
-            raise ConfigError("loss.norm_tokens, loss.overlong_penalty, loss.distill_coef and loss.process_coef "
-                              "must not be negative")
+            raise ConfigError("loss.norm_tokens, loss.overlong_penalty, loss.distill_coef "
+                              "and loss.process_coef must not be negative")
         clip = (getattr(loss, "clip_low", 0.0), getattr(loss, "clip_high", 0.0))
         if not (0 <= clip[0] <= 1 and clip[1] >= 0):
             raise ConfigError(f"loss.clip_low must be in [0, 1] and loss.clip_high >= 0, got {list(clip)}")

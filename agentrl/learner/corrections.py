@@ -20,8 +20,16 @@ from torch import Tensor
 
 from agentrl.learner.masked import as_bool, masked_max, masked_mean, safe
 
-__all__ = ["Level", "Stats", "approx_proximal_logp", "log_ratio", "masked_is", "mismatch_kl", "mismatch_token_mask",
-           "truncated_is"]
+__all__ = [
+    "Level",
+    "Stats",
+    "approx_proximal_logp",
+    "log_ratio",
+    "masked_is",
+    "mismatch_kl",
+    "mismatch_token_mask",
+    "truncated_is",
+]
 
 Level = Literal["token", "sequence", "geometric"]
 Stats = dict[str, Tensor]

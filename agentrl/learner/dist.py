@@ -116,7 +116,9 @@ def decoder_layers(model: Any) -> list[torch.nn.Module]:
     inner = getattr(model, "model", None)
     layers = getattr(inner, "layers", None)
     if layers is None:
-        raise ValueError(f"cannot find decoder layers in {type(model).__name__} (expected model.model.layers)")
+        raise ValueError(
+            f"cannot find decoder layers in {type(model).__name__} (expected model.model.layers)"
+        )
     return list(layers)
 
 
@@ -138,7 +140,8 @@ def load_model(model_path: str, ctx: Dist, *, precision: str = "auto", activatio
 
         model = add_adapters(model, lora, seed=seed, **({"names": list(adapters)} if adapters else {}))
         if activation_checkpointing:
-            model.enable_input_require_grads()  # a frozen embedding would leave checkpointed layers without grads
+            # a frozen embedding would leave checkpointed layers without grads
+            model.enable_input_require_grads()
     if activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
@@ -170,8 +173,9 @@ def tied_names(model: torch.nn.Module) -> set[str]:
     return {n for n, _ in model.named_parameters(remove_duplicate=False)} - unique
 
 
-def full_state_dict(model: torch.nn.Module, ctx: Dist, *, on_device: bool = False, trainable_only: bool = False
-                    ) -> dict[str, torch.Tensor]:
+def full_state_dict(
+    model: torch.nn.Module, ctx: Dist, *, on_device: bool = False, trainable_only: bool = False
+) -> dict[str, torch.Tensor]:
     """Unsharded weights on rank 0 (empty elsewhere); tied duplicates left out. Collective.
 
     In host memory by default (what the HTTP transport serialises). ``on_device``: on the

@@ -31,5 +31,7 @@ def disable_dropout(model: torch.nn.Module) -> int:
         if isinstance(getattr(config, name, None), float):
             setattr(config, name, 0.0)
     if changed:
-        log.info("dropout off in %d place(s): the learner's logprobs are those of the sampling policy", changed)
+        log.info(
+            "dropout off in %d place(s): the learner's logprobs are those of the sampling policy", changed
+        )
     return changed

@@ -65,12 +65,18 @@ def row_terms(model: Any, ids: Tensor, pos: Tensor, plan: RowReplay, topk_ids: T
     if type(head) is not torch.nn.Linear:
         logits = model(input_ids=ids, position_ids=pos, attention_mask=None, use_cache=False).logits
         return full_terms(logits[0, :-1], ids[0, 1:], plan, topk_ids)
-    out = model(input_ids=ids, position_ids=pos, attention_mask=None, use_cache=False, output_hidden_states=True,
-                logits_to_keep=_NO_LOGITS.to(ids.device))
+    out = model(
+        input_ids=ids,
+        position_ids=pos,
+        attention_mask=None,
+        use_cache=False,
+        output_hidden_states=True,
+        logits_to_keep=_NO_LOGITS.to(ids.device),
+    )
     weight = head.weight
     if type(weight) is not torch.nn.Parameter and type(weight) is not Tensor:  # e.g. a DTensor shard
-        raise RuntimeError(f"the LM head's weight is a {type(weight).__name__} after the forward, not a whole "
-                           "tensor; set learn.head_chunk_tokens = 0 to compute the logits unchunked")
+        raise RuntimeError(f"the LM head's weight is a {type(weight).__name__} after the forward, not a "
+                           "whole tensor; set learn.head_chunk_tokens = 0 to compute the logits unchunked")
     hidden = out.hidden_states[-1][0, :-1]  # the final norm's output: what the head maps to logits
     return chunked_terms(hidden, weight, head.bias, ids[0, 1:], plan, topk_ids, chunk_tokens)
 
@@ -151,8 +157,16 @@ class ChunkedHead(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx: Any, hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor, topk_ids: Tensor,
-                plan: RowReplay, chunk: int) -> tuple[Tensor, Tensor, Tensor]:
+    def forward(
+        ctx: Any,
+        hidden: Tensor,
+        weight: Tensor,
+        bias: Tensor | None,
+        targets: Tensor,
+        topk_ids: Tensor,
+        plan: RowReplay,
+        chunk: int,
+    ) -> tuple[Tensor, Tensor, Tensor]:
         rows = hidden.shape[0]
         logp = torch.empty(rows, dtype=torch.float32, device=hidden.device)
         entropy, lse, lse_raw = torch.empty_like(logp), torch.empty_like(logp), torch.empty_like(logp)
@@ -169,7 +183,8 @@ class ChunkedHead(torch.autograd.Function):
                 picked = z.gather(-1, ids.clamp(min=0)) - lse_raw[a:b].unsqueeze(-1)
                 topk[a:b] = torch.where(ids >= 0, picked, torch.zeros((), dtype=z.dtype, device=z.device))
             _behaviour_(z, sub)
-            zt = z.gather(-1, targets[a:b].unsqueeze(-1)).squeeze(-1)  # before the kept set, as replay takes it
+            # before the kept set, as replay takes it
+            zt = z.gather(-1, targets[a:b].unsqueeze(-1)).squeeze(-1)
             outside = _outside(sub, z.shape, z.device)
             if outside is not None:
                 z.masked_fill_(outside, float("-inf"))
@@ -204,7 +219,9 @@ class ChunkedHead(torch.autograd.Function):
             grad = None
             if g_topk is not None:  # raw logits: d(z_i - lse(z)) = onehot(i) - softmax(z)
                 ids = topk_ids[a:b]
-                g = torch.where(ids >= 0, g_topk[a:b], torch.zeros((), dtype=g_topk.dtype, device=g_topk.device))
+                g = torch.where(
+                    ids >= 0, g_topk[a:b], torch.zeros((), dtype=g_topk.dtype, device=g_topk.device)
+                )
                 grad = torch.exp(z - lse_raw[a:b].unsqueeze(-1))
                 grad.mul_(-g.sum(-1, keepdim=True)).scatter_add_(-1, ids.clamp(min=0), g)
             if g_logp is not None or g_entropy is not None:

@@ -36,8 +36,19 @@ from typing import Any
 
 from agentrl.weights.adapters import ADAPTER, adapter_config, adapter_state, is_adapter_key
 
-__all__ = ["ALL_LINEAR", "LoraConfig", "activate", "adapter_config", "adapter_state", "add_adapters", "is_adapter_key",
-           "merged_state", "of_adapter", "perturbed_model", "save_adapter"]
+__all__ = [
+    "ALL_LINEAR",
+    "LoraConfig",
+    "activate",
+    "adapter_config",
+    "adapter_state",
+    "add_adapters",
+    "is_adapter_key",
+    "merged_state",
+    "of_adapter",
+    "perturbed_model",
+    "save_adapter",
+]
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +81,9 @@ class LoraConfig:
             raise ConfigError(f"learn.lora: rank must be >= 0, alpha > 0 and dropout in [0, 1); got rank "
                               f"{self.rank}, alpha {self.alpha}, dropout {self.dropout}")
         if self.enabled and not self.target_modules:
-            raise ConfigError("learn.lora.target_modules is empty: name the linear layers that get an adapter")
+            raise ConfigError(
+                "learn.lora.target_modules is empty: name the linear layers that get an adapter"
+            )
 
 
 def add_adapters(model: Any, cfg: LoraConfig, *, seed: int = 0, names: Sequence[str] = (ADAPTER,)) -> Any:
@@ -91,8 +104,8 @@ def add_adapters(model: Any, cfg: LoraConfig, *, seed: int = 0, names: Sequence[
     for name in names:
         # the name is a module-path part of every adapter key: it may not be one of the model's own
         if not re.fullmatch(r"[A-Za-z0-9_-]+", name) or name in taken or name.startswith("lora_"):
-            raise ValueError(f"adapter name {name!r}: use letters, digits, '_' or '-', and not a module name of "
-                             f"the model (such as {sorted(taken)[:4]})")
+            raise ValueError(f"adapter name {name!r}: use letters, digits, '_' or '-', and "
+                             f"not a module name of the model (such as {sorted(taken)[:4]})")
     peft_cfg = PeftLoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout,
                               target_modules=list(cfg.target_modules), bias="none")
     for i, name in enumerate(names):

@@ -21,7 +21,17 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-__all__ = ["AGGS", "Agg", "aggregate", "as_bool", "loss_units", "masked_max", "masked_mean", "masked_sum", "safe"]
+__all__ = [
+    "AGGS",
+    "Agg",
+    "aggregate",
+    "as_bool",
+    "loss_units",
+    "masked_max",
+    "masked_mean",
+    "masked_sum",
+    "safe",
+]
 
 Agg = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 AGGS: tuple[str, ...] = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")

@@ -171,7 +171,8 @@ class WandbWriter:
 
 
 def make_writers(cfg: Any, run_dir: Path, config: dict[str, Any] | None = None) -> list[Writer]:
-    """The writers ``cfg`` (a LearnConfig) enables: TensorBoard if ``tensorboard``, W&B if ``wandb.project``."""
+    """The writers ``cfg`` (a LearnConfig) enables: TensorBoard if ``tensorboard``, W&B if
+    ``wandb.project``."""
     writers: list[Writer] = []
     if cfg.tensorboard:
         writers.append(TensorBoardWriter(run_dir / "tensorboard"))
@@ -184,7 +185,8 @@ def make_writers(cfg: Any, run_dir: Path, config: dict[str, Any] | None = None) 
 
 
 def start_metrics_server(cfg: Any, run_dir: Path) -> MetricsServer | None:
-    """The learner's /metrics per ``cfg.metrics_port`` (-1: none); its URL is logged and written to run_dir."""
+    """The learner's /metrics per ``cfg.metrics_port`` (-1: none); its URL is logged and written to
+    run_dir."""
     if cfg.metrics_port < 0:
         return None
     server = MetricsServer(cfg.metrics_host, cfg.metrics_port)

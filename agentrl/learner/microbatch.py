@@ -150,7 +150,9 @@ def unpack_index(lengths: Sequence[int], device: torch.device | str = "cpu") -> 
     n = torch.tensor(lengths, dtype=torch.long)
     t = torch.arange(max(width, 0), dtype=torch.long)
     valid = t.unsqueeze(0) < (n - 1).unsqueeze(1)
-    index = torch.where(valid, offsets.unsqueeze(1) + t.unsqueeze(0), torch.zeros_like(valid, dtype=torch.long))
+    index = torch.where(
+        valid, offsets.unsqueeze(1) + t.unsqueeze(0), torch.zeros_like(valid, dtype=torch.long)
+    )
     return index.to(device), valid.to(device)
 
 
@@ -169,7 +171,9 @@ def topk_ids(samples: Sequence[Sample]) -> Tensor | None:
     at = 0
     for s in samples:
         if s.teacher_topk_ids is not None:
-            ids[at : at + len(s.token_ids), : s.teacher_topk_ids.shape[1]] = torch.from_numpy(s.teacher_topk_ids)
+            ids[at : at + len(s.token_ids), : s.teacher_topk_ids.shape[1]] = torch.from_numpy(
+                s.teacher_topk_ids
+            )
         at += len(s.token_ids)
     return ids[1:]
 

@@ -24,7 +24,14 @@ from torch import Tensor
 from agentrl.learner.corrections import Stats, log_ratio
 from agentrl.learner.masked import Agg, aggregate, as_bool, masked_max, masked_mean
 
-__all__ = ["Reduction", "cispo_loss", "decoupled_ppo_loss", "gspo_loss", "policy_gradient_loss", "ppo_clip_loss"]
+__all__ = [
+    "Reduction",
+    "cispo_loss",
+    "decoupled_ppo_loss",
+    "gspo_loss",
+    "policy_gradient_loss",
+    "ppo_clip_loss",
+]
 
 
 class Reduction(TypedDict, total=False):
@@ -56,7 +63,8 @@ def _clip_stats(high: Tensor, low: Tensor, m: Tensor, ratio: Tensor, rows: Tenso
 
 def _clipped_surrogate(ratio: Tensor, a: Tensor, m: Tensor, clip_low: float, clip_high: float,
                        is_weights: Tensor | None, reduce: Reduction) -> tuple[Tensor, Tensor, Tensor]:
-    """PPO's clipped term, aggregated: per token ``-w * min(r * A, clip(r, 1 - clip_low, 1 + clip_high) * A)``.
+    """PPO's clipped term, aggregated: per token ``-w * min(r * A, clip(r, 1 - clip_low, 1 + clip_high) *
+    A)``.
     Also the tokens the clip took from the gradient (detached): A > 0 above the range, A < 0 below it."""
     unclipped = ratio * a
     clipped = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high) * a
@@ -103,10 +111,18 @@ def ppo_clip_loss(logp: Tensor, logp_prox: Tensor, advantages: Tensor, mask: Ten
     return loss, _clip_stats(high, low, m, ratio.detach(), m)
 
 
-def decoupled_ppo_loss(logp: Tensor, logp_prox: Tensor, logp_behaviour: Tensor, advantages: Tensor, mask: Tensor,
-                       clip_low: float = 0.2, clip_high: float = 0.2, is_cap: float | None = None,
-                       is_cap_mode: Literal["truncate", "mask"] = "truncate",
-                       **reduce: Unpack[Reduction]) -> tuple[Tensor, Stats]:
+def decoupled_ppo_loss(
+    logp: Tensor,
+    logp_prox: Tensor,
+    logp_behaviour: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    is_cap: float | None = None,
+    is_cap_mode: Literal["truncate", "mask"] = "truncate",
+    **reduce: Unpack[Reduction],
+) -> tuple[Tensor, Stats]:
     """Decoupled PPO (AReaL): ``-(pi_prox / mu) * min(r * A, clip(r) * A)``, ``r = pi_theta / pi_prox``.
 
     The trust region is taken around the proximal policy, and the detached factor ``pi_prox / mu``

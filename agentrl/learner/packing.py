@@ -59,7 +59,9 @@ def token_logprobs(model: Any, input_ids: Tensor, attention_mask: Tensor) -> Ten
     return logp.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
 
 
-def pad_batch(samples: Sequence[Sample], pad_id: int, masks: Sequence[np.ndarray] | None = None) -> dict[str, Tensor]:
+def pad_batch(
+    samples: Sequence[Sample], pad_id: int, masks: Sequence[np.ndarray] | None = None
+) -> dict[str, Tensor]:
     """The right-padded view of ``samples``: ``input_ids`` and ``attention_mask`` [B, T] (for
     :func:`token_logprobs`, the unpacked reference) and the micro-batch's per-sample tensors [B, T-1]
     (:class:`~agentrl.learner.microbatch.MicroBatch`): ``mask``, ``behaviour``, ``versions``,

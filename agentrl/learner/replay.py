@@ -80,7 +80,9 @@ class RowReplay:
                     if first >= start + length:
                         continue
                     t = float(b.params[c, T])
-                    temp[o + first - 1 : o + start + length - 1] = b.params[c, T] if t >= _GREEDY_BELOW else 1.0
+                    temp[o + first - 1 : o + start + length - 1] = (
+                        b.params[c, T] if t >= _GREEDY_BELOW else 1.0
+                    )
                     pen = b.params[c, [PRESENCE, FREQUENCY, REPETITION]]
                     if pen[0] != 0 or pen[1] != 0 or pen[2] != 1:
                         pens.append(_penalty_entries(s.token_ids, start, length, o, pen))
@@ -123,8 +125,11 @@ class RowReplay:
             assert self.kept_ids is not None and self.kept_valid is not None
             sel = (self.kept_rows >= start) & (self.kept_rows < stop)
             if bool(sel.any()):
-                out.kept_rows, out.kept_ids, out.kept_valid = self.kept_rows[sel] - start, self.kept_ids[sel], \
-                    self.kept_valid[sel]
+                out.kept_rows, out.kept_ids, out.kept_valid = (
+                    self.kept_rows[sel] - start,
+                    self.kept_ids[sel],
+                    self.kept_valid[sel],
+                )
         if self.pen_rows is not None:
             assert self.pen_cols is not None and self.pen_count is not None and self.pen_params is not None
             sel = (self.pen_rows >= start) & (self.pen_rows < stop)
@@ -155,7 +160,8 @@ def _penalty_entries(tokens: np.ndarray, start: int, length: int, offset: int,
 
 
 def behaviour_logits(logits: Tensor, plan: RowReplay) -> Tensor:
-    """Steps 1-2 of the module doc (penalties, temperature) on ``logits`` [R, V] (fp32); no copy when neither applies."""
+    """Steps 1-2 of the module doc (penalties, temperature) on ``logits`` [R, V] (fp32); no copy when neither
+    applies."""
     z = logits
     if plan.pen_rows is not None:
         assert plan.pen_cols is not None and plan.pen_count is not None and plan.pen_params is not None

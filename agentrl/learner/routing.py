@@ -106,7 +106,8 @@ def replay_routing(model: torch.nn.Module, experts: torch.Tensor | None,
     routers = moe_routers(model)
     stats = stats if stats is not None else ReplayStats()
     if experts is not None and experts.shape[-2] != len(routers):
-        raise ValueError(f"routing replay: {experts.shape[-2]} recorded layers for a model with {len(routers)}")
+        raise ValueError(f"routing replay: {experts.shape[-2]} recorded "
+                         f"layers for a model with {len(routers)}")
     for i, r in enumerate(routers):
         r._agentrl_recorded = None if experts is None else experts[..., i, :]
         r._agentrl_stats = stats

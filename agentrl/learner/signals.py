@@ -41,7 +41,9 @@ class SignalWatch:
     runs: dict[str, int] = field(default_factory=dict)
     warned: set[str] = field(default_factory=set)
 
-    def observe(self, samples: Sequence[Sample], advantage_std: float, per_token_signal: bool = False) -> list[str]:
+    def observe(
+        self, samples: Sequence[Sample], advantage_std: float, per_token_signal: bool = False
+    ) -> list[str]:
         """Look at one step's samples; the warnings this step raises (each condition at most once a run).
         ``per_token_signal``: the step's tokens had advantages of their own (a teacher's term, process
         rewards), which are a signal where the episodes' rewards are flat."""

@@ -91,8 +91,14 @@ def build_state(cfg: LearnConfig, model: torch.nn.Module, ctx: Dist,
         opt, lambda s: lr_factor(s, cfg.warmup_steps, cfg.decay_steps, cfg.min_lr_ratio))
     config = getattr(model, "config", None)
     pad_id = getattr(config, "pad_token_id", None)
-    return TrainState(model=model, optimizer=opt, scheduler=sched, ctx=ctx, pad_id=pad_id if pad_id is not None else 0,
-                      lora=cfg.lora if cfg.lora.enabled else None)
+    return TrainState(
+        model=model,
+        optimizer=opt,
+        scheduler=sched,
+        ctx=ctx,
+        pad_id=pad_id if pad_id is not None else 0,
+        lora=cfg.lora if cfg.lora.enabled else None,
+    )
 
 
 @contextmanager
@@ -160,12 +166,22 @@ def _old_logprobs(state: TrainState, prep: TrainBatch, plan: list[list[list[int]
                     continue
                 mb = MicroBatch.build([prep.samples[j] for j in rows[mine[i]]], device=ctx.device)
                 with routing_replayed(state.model, mb):
-                    out[(m, mine[i])] = packed_logprobs(state.model, mb, ctx.device, chunk_tokens=chunk_tokens)
+                    out[(m, mine[i])] = packed_logprobs(
+                        state.model, mb, ctx.device, chunk_tokens=chunk_tokens
+                    )
     return out
 
 
-def _update(state: TrainState, cfg: LearnConfig, prep: TrainBatch, rows: list[list[int]], old: dict[int, torch.Tensor],
-            version: int, progress: float, norm_tokens: float) -> dict[str, Any]:
+def _update(
+    state: TrainState,
+    cfg: LearnConfig,
+    prep: TrainBatch,
+    rows: list[list[int]],
+    old: dict[int, torch.Tensor],
+    version: int,
+    progress: float,
+    norm_tokens: float,
+) -> dict[str, Any]:
     """One optimizer update on ``rows`` (lists of indexes into ``prep.samples``); collective."""
     from agentrl.learner.corrections import approx_proximal_logp
     from agentrl.learner.losses import compute_loss
@@ -193,18 +209,29 @@ def _update(state: TrainState, cfg: LearnConfig, prep: TrainBatch, rows: list[li
             logp = forward.logp
             routed[0] += row_routing.tokens  # read now: a recompute in backward counts again
             routed[1] += row_routing.tokens_differed
-            routed[2] += sum(len(s.token_ids) for s in mb.samples if s.routing is not None) - row_routing.tokens
+            routed[2] += (
+                sum(len(s.token_ids) for s in mb.samples if s.routing is not None) - row_routing.tokens
+            )
             logp_old = old.get(mine[i])
             if approx:  # pi_prox at the step's start version, interpolated from this update's logprobs
                 logp_old = approx_proximal_logp(mb.behaviour, logp.detach(), mb.versions,
                                                 current_version=version + progress, proximal_version=version)
-            loss, st = compute_loss(**loss_cfg.arguments(), logp=logp, logp_old=logp_old, logp_behaviour=mb.behaviour,
-                                    advantages=_advantages(prep, idx, mb, loss_cfg), mask=mb.mask, denominator=1.0)
+            loss, st = compute_loss(
+                **loss_cfg.arguments(),
+                logp=logp,
+                logp_old=logp_old,
+                logp_behaviour=mb.behaviour,
+                advantages=_advantages(prep, idx, mb, loss_cfg),
+                mask=mb.mask,
+                denominator=1.0,
+            )
             if topk:  # the forward KL over the teacher's top-k, in the loss's sum form beside it
                 assert forward.topk is not None
                 kl, scored = topk_forward_kl(forward.topk, mb.sections[TEACHER_TOPK])
                 scored = scored & trained
-                loss = loss + loss_cfg.distill_topk_coef * aggregate(kl, scored, loss_cfg.agg, 1.0, norm_tokens)
+                loss = loss + loss_cfg.distill_topk_coef * aggregate(
+                    kl, scored, loss_cfg.agg, 1.0, norm_tokens
+                )
                 st["distill/topk_kl"] = masked_mean(kl.detach(), scored)
             loss = loss + _section_terms(mb, logp, trained, loss_cfg, norm_tokens, st)
             # the policy's entropy on the trained tokens, of the distribution each was sampled from
@@ -218,7 +245,9 @@ def _update(state: TrainState, cfg: LearnConfig, prep: TrainBatch, rows: list[li
         sequences += float(st.pop("loss/sequences"))
         st.pop("loss/loss")
         row_stats.append((float(mb.mask.sum()) / weight_of, {k: float(v) for k, v in st.items()}))
-    loss_sum, tokens, sequences, replayed, differed, own = ctx.all_reduce_sum([loss_sum, tokens, sequences, *routed])
+    loss_sum, tokens, sequences, replayed, differed, own = ctx.all_reduce_sum(
+        [loss_sum, tokens, sequences, *routed]
+    )
     parts = ctx.all_gather_object((row_stats, bad_ids))
     stats = _merge_stats([p[0] for p in parts])
     bad_ids = [i for p in parts for i in p[1]]
@@ -267,7 +296,9 @@ def _minibatches(n: int, count: int) -> list[list[int]]:
     return [part.tolist() for part in np.array_split(np.arange(n), min(count, n)) if len(part)] if n else []
 
 
-def train_step(state: TrainState, samples: Sequence[Sample], cfg: LearnConfig, version: int) -> dict[str, Any]:
+def train_step(
+    state: TrainState, samples: Sequence[Sample], cfg: LearnConfig, version: int
+) -> dict[str, Any]:
     """One step on ``samples`` (the whole batch, identical on every rank); global stats."""
     loss_cfg = cfg.loss
     t0 = time.monotonic()
@@ -282,7 +313,11 @@ def train_step(state: TrainState, samples: Sequence[Sample], cfg: LearnConfig, v
     plan = [[[part[j] for j in row] for row in pack([len(prep.samples[j].token_ids) for j in part],
                                                       cfg.micro_batch_tokens)] for part in parts]
     updates = epochs * len(plan)
-    recompute = loss_cfg.kind in NEEDS_OLD and updates > 1 and getattr(loss_cfg, "proximal", "recompute") == "recompute"
+    recompute = (
+        loss_cfg.kind in NEEDS_OLD
+        and updates > 1
+        and getattr(loss_cfg, "proximal", "recompute") == "recompute"
+    )
     old = _old_logprobs(state, prep, plan, cfg.head_chunk_tokens) if recompute else {}
     lr = state.scheduler.get_last_lr()[0]
     done: list[dict[str, Any]] = []
@@ -294,35 +329,52 @@ def train_step(state: TrainState, samples: Sequence[Sample], cfg: LearnConfig, v
     skipped = [u for u in done if not u["applied"]]
     offending = sorted({i for u in skipped for i in u["offending"]})
     if offending:
-        log.warning("step at version %d: %d of %d update(s) not applied (%s); samples: %s", version, len(skipped),
-                    len(done), ", ".join(sorted({u["skipped"] for u in skipped})), ", ".join(offending))
+        log.warning(
+            "step at version %d: %d of %d update(s) not applied (%s); samples: %s",
+            version,
+            len(skipped),
+            len(done),
+            ", ".join(sorted({u["skipped"] for u in skipped})),
+            ", ".join(offending),
+        )
     if applied:
         state.scheduler.step()
         state.step += 1
     stats = _average([u["stats"] for u in (applied or done)])
     seconds = time.monotonic() - t0
     out: dict[str, Any] = {
-        "updated": bool(applied), "updates": len(applied), "updates_skipped": len(skipped),
+        "updated": bool(applied),
+        "updates": len(applied),
+        "updates_skipped": len(skipped),
         "skipped": None if applied else (skipped[0]["skipped"] if skipped else "nothing_to_train"),
         "loss": sum(u["loss"] for u in applied) / max(1, len(applied)),
         "grad_norm": sum(u["grad_norm"] for u in applied) / max(1, len(applied)),
         "grad_norm_max": max((u["grad_norm"] for u in applied), default=0.0),
-        "lr": lr, "samples": len(samples), "trained_samples": n, "usable_samples": prep.candidates,
+        "lr": lr,
+        "samples": len(samples),
+        "trained_samples": n,
+        "usable_samples": prep.candidates,
         "failed_samples": sum(s.error is not None for s in samples),
         "reward_mean": sum(float(s.reward) for s in samples) / max(1, len(samples)),
         **prep.stats,
-        "staleness_mean": sum(staleness) / max(1, len(staleness)), "staleness_max": max(staleness, default=0),
+        "staleness_mean": sum(staleness) / max(1, len(staleness)),
+        "staleness_max": max(staleness, default=0),
         "staleness_hist": {str(k): staleness.count(k) for k in sorted(set(staleness))},
-        "tokens": sum(counted), "packed_rows": sum(len(rows) for rows in plan),
-        "tokens_per_s": sum(counted) / max(1e-9, seconds), "step_s": seconds, **stats,
-        "loss/tokens": done[0]["tokens"] if done else 0.0, "loss/sequences": done[0]["sequences"] if done else 0.0,
+        "tokens": sum(counted),
+        "packed_rows": sum(len(rows) for rows in plan),
+        "tokens_per_s": sum(counted) / max(1e-9, seconds),
+        "step_s": seconds,
+        **stats,
+        "loss/tokens": done[0]["tokens"] if done else 0.0,
+        "loss/sequences": done[0]["sequences"] if done else 0.0,
     }
     once = done[:len(plan)]  # the first epoch's updates: every sample once
     replayed = sum(u["routing"][0] for u in once)
     if replayed:  # an MoE model trained through the engines' recorded experts
         out["routing_replayed_tokens"] = replayed
         out["routing_own_tokens"] = sum(u["routing"][2] for u in once)  # no record: the learner routed them
-        out["routing_disagreement"] = sum(u["routing"][1] for u in once) / replayed  # tokens whose own routing differed
+        # tokens whose own routing differed
+        out["routing_disagreement"] = sum(u["routing"][1] for u in once) / replayed
     by_env = reward_by_env(samples)
     if by_env:  # a mix: each environment's mean reward in the batch too
         out["reward_by_env"] = by_env
@@ -377,7 +429,10 @@ def teacher_stats(samples: Sequence[Sample], masks: Sequence[np.ndarray]) -> dic
     if not gaps:
         return {}
     gap = np.concatenate(gaps)
-    out: dict[str, float] = {"teacher_kl": float(gap.mean()) if gap.size else 0.0, "teacher_tokens": int(gap.size)}
+    out: dict[str, float] = {
+        "teacher_kl": float(gap.mean()) if gap.size else 0.0,
+        "teacher_tokens": int(gap.size),
+    }
     if versions:
         out["teacher_version_min"], out["teacher_version_max"] = min(versions), max(versions)
     return out

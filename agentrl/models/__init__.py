@@ -179,8 +179,13 @@ def build_tiny_arith_model(out: Path) -> Path:
             figures = warm_start(folder, steps=ARITH_RECIPE["steps"], copy_steps=ARITH_RECIPE["copy_steps"],
                                  seed=seed)
             accuracy = copy_accuracy(folder)
-            log.info("tiny-arith seed %d: %.0f%% of sampled first replies call the tool with the exact "
-                     "expression (wanted: %.0f%%)", seed, 100 * accuracy, 100 * ARITH_RECIPE["min_copy_accuracy"])
+            log.info(
+                "tiny-arith seed %d: %.0f%% of sampled first replies call the tool with the exact "
+                "expression (wanted: %.0f%%)",
+                seed,
+                100 * accuracy,
+                100 * ARITH_RECIPE["min_copy_accuracy"],
+            )
             if best is None or accuracy > best[0]:
                 if best is not None:
                     shutil.rmtree(best[2], ignore_errors=True)
@@ -192,8 +197,10 @@ def build_tiny_arith_model(out: Path) -> Path:
         assert best is not None
         accuracy, seed, folder, figures = best
         if accuracy < ARITH_RECIPE["min_copy_accuracy"]:
-            log.warning("tiny-arith: no try reached %.0f%% exact tool calls; keeping seed %d's %.0f%% (RL from it "
-                        "and from tiny-agent will gain less)", 100 * ARITH_RECIPE["min_copy_accuracy"], seed,
+            log.warning("tiny-arith: no try reached %.0f%% "
+                        "exact tool calls; keeping seed "
+                        "%d's %.0f%% (RL from it and from "
+                        "tiny-agent will gain less)", 100 * ARITH_RECIPE["min_copy_accuracy"], seed,
                         100 * accuracy)
         folder.rename(tmp)
         return {**figures, "seed": seed, "copy_accuracy": accuracy}
@@ -205,7 +212,10 @@ def tiny_arith_stamp() -> dict[str, Any]:
     """The recipe a ``tiny-arith`` folder's ``agentrl_warmstart.json`` must hold."""
     from agentrl.models.tiny import tiny_recipe
 
-    return {"base": tiny_recipe(), **{k: ARITH_RECIPE[k] for k in ("steps", "copy_steps", "min_copy_accuracy")}}
+    return {
+        "base": tiny_recipe(),
+        **{k: ARITH_RECIPE[k] for k in ("steps", "copy_steps", "min_copy_accuracy")},
+    }
 
 
 # the tiny-agent recipe: tiny-arith, then this many whole-transcript steps, half of them answering
@@ -237,7 +247,9 @@ def tiny_agent_stamp() -> dict[str, Any]:
     """The recipe a ``tiny-agent`` folder's ``agentrl_warmstart.json`` must hold. The base's build
     figures are part of it: a rebuilt tiny-arith (another seed) rebuilds this one."""
     base_stamp = Path(resolve_model(AGENT_RECIPE["base"])) / "agentrl_warmstart.json"
-    base_build = {k: v for k, v in json.loads(base_stamp.read_text()).items() if k in ("seed", "copy_accuracy")}
+    base_build = {
+        k: v for k, v in json.loads(base_stamp.read_text()).items() if k in ("seed", "copy_accuracy")
+    }
     return {"recipe": AGENT_RECIPE, "base_build": base_build}
 
 

@@ -34,17 +34,30 @@ def build_tiny_moe_model(out_dir: str | Path, *, overwrite: bool = False) -> Pat
     log.info("building tiny MoE model in %s", out)
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    dense = build_tiny_model(tmp / "dense", seed=MOE_RECIPE["seed"], overwrite=True)  # its tokenizer, deterministically
+    # its tokenizer, deterministically
+    dense = build_tiny_model(tmp / "dense", seed=MOE_RECIPE["seed"], overwrite=True)
     tokenizer = AutoTokenizer.from_pretrained(dense)
     r = MOE_RECIPE
     config = Qwen3MoeConfig(
-        vocab_size=len(tokenizer), hidden_size=r["hidden_size"], intermediate_size=r["hidden_size"] * 2,
-        moe_intermediate_size=r["moe_intermediate_size"], num_hidden_layers=r["num_layers"],
-        num_attention_heads=4, num_key_value_heads=2, head_dim=r["hidden_size"] // 4,
-        num_experts=r["num_experts"], num_experts_per_tok=r["top_k"], decoder_sparse_step=1, mlp_only_layers=[],
-        norm_topk_prob=True, max_position_embeddings=4096, tie_word_embeddings=True,
+        vocab_size=len(tokenizer),
+        hidden_size=r["hidden_size"],
+        intermediate_size=r["hidden_size"] * 2,
+        moe_intermediate_size=r["moe_intermediate_size"],
+        num_hidden_layers=r["num_layers"],
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=r["hidden_size"] // 4,
+        num_experts=r["num_experts"],
+        num_experts_per_tok=r["top_k"],
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        norm_topk_prob=True,
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
         eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
-        pad_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"), bos_token_id=None)
+        pad_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"),
+        bos_token_id=None,
+    )
     torch.manual_seed(r["seed"])
     model = Qwen3MoeForCausalLM(config).to(torch.float32)
     model.generation_config.eos_token_id = config.eos_token_id

@@ -72,7 +72,9 @@ def _train_tokenizer(vocab_size: int, seed: int):
     return fast
 
 
-def tiny_recipe(*, seed: int = 0, vocab_size: int = 2048, hidden_size: int = 128, num_layers: int = 2) -> dict:
+def tiny_recipe(
+    *, seed: int = 0, vocab_size: int = 2048, hidden_size: int = 128, num_layers: int = 2
+) -> dict:
     """The stamp a tiny model folder built with these settings carries (``agentrl_recipe.json``)."""
     return {
         "build_version": BUILD_VERSION,

@@ -29,8 +29,12 @@ CAPITALS = {"France": "Paris", "Japan": "Tokyo", "Kenya": "Nairobi", "Peru": "Li
             "Egypt": "Cairo", "Canada": "Ottawa", "Chile": "Santiago", "Spain": "Madrid",
             "Ghana": "Accra", "Cuba": "Havana", "Nepal": "Kathmandu", "Poland": "Warsaw"}
 
-SYSTEMS = ("Use the tool, then answer with the result.", "Call a tool to find the answer, then reply with it.",
-           "You have tools. Use one, then give the answer.", "Answer using the tools you are given.")
+SYSTEMS = (
+    "Use the tool, then answer with the result.",
+    "Call a tool to find the answer, then reply with it.",
+    "You have tools. Use one, then give the answer.",
+    "Answer using the tools you are given.",
+)
 
 
 @dataclass(frozen=True)
@@ -95,22 +99,62 @@ def _ask_repeat(rng: random.Random) -> tuple[str, dict[str, Any]]:
 
 TEXT = {"text": ("string", "the text.")}
 TOOLS = (
-    Tool(("upper", "to_upper", "capitalize_all", "shout"), "Write a text in capital letters.", TEXT, lambda text: text.upper(), _ask_upper),
-    Tool(("length", "char_count", "strlen", "size_of"), "Count the characters of a text.", TEXT, lambda text: len(text), _ask_length),
-    Tool(("count", "count_letter", "occurrences", "tally"), "Count how often a letter occurs in a text.",
-         {"text": ("string", "the text to search."), "letter": ("string", "one character.")},
-         lambda text, letter: text.count(letter), _ask_count),
-    Tool(("add", "sum_two", "plus", "adder"), "Add two integers.", {"a": ("integer", "the first number."), "b": ("integer", "the second number.")},
-         lambda a, b: a + b, _ask_add),
-    Tool(("multiply", "times", "product", "mul"), "Multiply two integers.", {"x": ("integer", "a number."), "y": ("integer", "another number.")},
-         lambda x, y: x * y, _ask_multiply),
-    Tool(("sort_letters", "alphabetize", "order_chars", "sorted_word"), "Sort the letters of a word alphabetically.", {"word": ("string", "the word.")},
-         lambda word: "".join(sorted(word)), _ask_sort),
-    Tool(("capital", "capital_of", "lookup_capital", "city"), "Look up the capital city of a country.", {"country": ("string", "the country's name.")},
-         lambda country: CAPITALS[country], _ask_capital),
-    Tool(("repeat", "duplicate", "echo_n", "say_times"), "Repeat a word several times, joined by spaces.",
-         {"word": ("string", "the word."), "times": ("integer", "how many times.")},
-         lambda word, times: " ".join([word] * times), _ask_repeat),
+    Tool(
+        ("upper", "to_upper", "capitalize_all", "shout"),
+        "Write a text in capital letters.",
+        TEXT,
+        lambda text: text.upper(),
+        _ask_upper,
+    ),
+    Tool(
+        ("length", "char_count", "strlen", "size_of"),
+        "Count the characters of a text.",
+        TEXT,
+        lambda text: len(text),
+        _ask_length,
+    ),
+    Tool(
+        ("count", "count_letter", "occurrences", "tally"),
+        "Count how often a letter occurs in a text.",
+        {"text": ("string", "the text to search."), "letter": ("string", "one character.")},
+        lambda text, letter: text.count(letter),
+        _ask_count,
+    ),
+    Tool(
+        ("add", "sum_two", "plus", "adder"),
+        "Add two integers.",
+        {"a": ("integer", "the first number."), "b": ("integer", "the second number.")},
+        lambda a, b: a + b,
+        _ask_add,
+    ),
+    Tool(
+        ("multiply", "times", "product", "mul"),
+        "Multiply two integers.",
+        {"x": ("integer", "a number."), "y": ("integer", "another number.")},
+        lambda x, y: x * y,
+        _ask_multiply,
+    ),
+    Tool(
+        ("sort_letters", "alphabetize", "order_chars", "sorted_word"),
+        "Sort the letters of a word alphabetically.",
+        {"word": ("string", "the word.")},
+        lambda word: "".join(sorted(word)),
+        _ask_sort,
+    ),
+    Tool(
+        ("capital", "capital_of", "lookup_capital", "city"),
+        "Look up the capital city of a country.",
+        {"country": ("string", "the country's name.")},
+        lambda country: CAPITALS[country],
+        _ask_capital,
+    ),
+    Tool(
+        ("repeat", "duplicate", "echo_n", "say_times"),
+        "Repeat a word several times, joined by spaces.",
+        {"word": ("string", "the word."), "times": ("integer", "how many times.")},
+        lambda word, times: " ".join([word] * times),
+        _ask_repeat,
+    ),
 )
 
 
@@ -131,7 +175,11 @@ def tool_use_transcript(rng: random.Random) -> tuple[list[dict[str, Any]], list[
     question, args = offered[pick].ask(rng)
     result = str(offered[pick].run(**args))
     answer = result if rng.random() < 0.6 else f"The answer is {result}."
-    call = {"id": "call_0", "type": "function", "function": {"name": names[pick], "arguments": json.dumps(args)}}
+    call = {
+        "id": "call_0",
+        "type": "function",
+        "function": {"name": names[pick], "arguments": json.dumps(args)},
+    }
     messages = [
         {"role": "system", "content": rng.choice(SYSTEMS)},
         {"role": "user", "content": question},

@@ -100,8 +100,12 @@ def warm_start(model_dir: str | Path, *, steps: int = 300, batch_size: int = 16,
 
     def batch(tok: Any, step: int) -> list[tuple[list[int], list[int]]]:
         if step < copy_steps:
-            return [_encode(tok, _episode_messages(rng, system_prompt)[1:], []) for _ in range(copy_batch_size)]
-        return [_encode(tok, _episode_messages(rng, system_prompt, direct_frac), tools) for _ in range(batch_size)]
+            return [
+                _encode(tok, _episode_messages(rng, system_prompt)[1:], []) for _ in range(copy_batch_size)
+            ]
+        return [
+            _encode(tok, _episode_messages(rng, system_prompt, direct_frac), tools) for _ in range(batch_size)
+        ]
 
     def lr_at(s: int) -> float:
         decay = 1.0 if s < copy_steps else max(0.05, 1 - (s - copy_steps) / max(1, steps))
@@ -132,11 +136,21 @@ def copy_accuracy(model_dir: str | Path, *, questions: int = 128, seed: int = 12
         torch.manual_seed(seed)
         for _ in range(questions):
             expr, _value = arithmetic_problem(rng)
-            messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": f"What is {expr}?"}]
+            messages = [
+                {"role": "system", "content": SYSTEM},
+                {"role": "user", "content": f"What is {expr}?"},
+            ]
             out = tok.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True)
             ids = torch.tensor([list(out["input_ids"] if hasattr(out, "keys") else out)])
-            reply = model.generate(ids, max_new_tokens=40, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
-                                   pad_token_id=tok.pad_token_id or 0)
+            reply = model.generate(
+                ids,
+                max_new_tokens=40,
+                do_sample=True,
+                temperature=1.0,
+                top_k=0,
+                top_p=1.0,
+                pad_token_id=tok.pad_token_id or 0,
+            )
             right += f"print({expr})" in tok.decode(reply[0, ids.shape[1]:])
     return right / questions
 
@@ -175,10 +189,19 @@ def _masked_loss(model: Any, ids: Any, attn: Any, labels: Any) -> Any:
     return F.cross_entropy(model.lm_head(hidden[keep]).float(), target[keep])
 
 
-def fine_tune(model_dir: str | Path, batch: Callable[[Any, int], list[tuple[list[int], list[int]]]], steps: int,
-              lr_at: Callable[[int], float], *, seed: int = 0, log_every: int = 50, top_layers: int | None = None,
-              phase: Callable[[int], str] = lambda s: "", lora: dict[str, int] | None = None,
-              adapter_dir: Path | None = None) -> dict[str, float]:
+def fine_tune(
+    model_dir: str | Path,
+    batch: Callable[[Any, int], list[tuple[list[int], list[int]]]],
+    steps: int,
+    lr_at: Callable[[int], float],
+    *,
+    seed: int = 0,
+    log_every: int = 50,
+    top_layers: int | None = None,
+    phase: Callable[[int], str] = lambda s: "",
+    lora: dict[str, int] | None = None,
+    adapter_dir: Path | None = None,
+) -> dict[str, float]:
     """The supervised loop the warm-starts share: ``batch(tokenizer, step)`` gives (ids, mask)
     pairs, the loss is on masked-in tokens, AdamW at ``lr_at(step)`` with gradients clipped to 1
     (on the last ``top_layers`` decoder layers and the final norm only, when given; on a LoRA

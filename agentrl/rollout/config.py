@@ -66,7 +66,8 @@ class FunctionScaffold:
 
 @dataclass
 class ProgramScaffold:
-    """A program plays each episode, run on the host with OPENAI_BASE_URL / OPENAI_API_KEY set; its stdout is the answer."""
+    """A program plays each episode, run on the host with OPENAI_BASE_URL / OPENAI_API_KEY set; its stdout is
+    the answer."""
 
     kind: Literal["command"] = "command"
     command: str = ""  # the command line ({python}: serve's own Python), split as a shell would
@@ -84,6 +85,7 @@ class EvalConfig:
     """Held-out evaluation: ``agentrl eval``, and what ``agentrl run`` does before training and after it."""
 
     tasks: int = 100  # held-out ("test" split) tasks, one episode each (0: no evaluation in agentrl run)
-    temperature: float = 1.0  # sampling temperature of the evaluated agent (1.0: as it acts in training; 0: greedy)
+    temperature: float = 1.0
+    """sampling temperature of the evaluated agent (1.0: as it acts in training; 0: greedy)"""
     concurrency: int = 32  # evaluation episodes in flight
     success_reward: float = 0.0  # an episode succeeds when its reward is above this

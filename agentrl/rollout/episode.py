@@ -243,7 +243,10 @@ async def _episode_body(client: ChatClient, env_name: str, task: dict[str, Any],
             if result.truncated:
                 ep.truncated, ep.truncation = True, "env"
                 return
-            if out["choices"][0].get("finish_reason") == "length" and ep.completion_tokens >= limits.max_episode_tokens:
+            if (
+                out["choices"][0].get("finish_reason") == "length"
+                and ep.completion_tokens >= limits.max_episode_tokens
+            ):
                 ep.truncated, ep.truncation = True, "max_tokens"
                 return
 
@@ -261,7 +264,9 @@ class SessionModel:
     episode's session, under the episode's limits (the built-in loop's sampling, the per-call and
     per-episode token budgets, the turn limit). Counts what it spends on ``ep``."""
 
-    def __init__(self, client: ChatClient, ep: EpisodeResult, limits: EpisodeLimits, policy: str = "") -> None:
+    def __init__(
+        self, client: ChatClient, ep: EpisodeResult, limits: EpisodeLimits, policy: str = ""
+    ) -> None:
         self.client, self.ep, self.limits = client, ep, limits
         self.policy = policy  # the named LoRA policy the episode's calls sample from ("": the default)
         # the named policies a call may pick by its own "model" (a seat of a self-play game); any
@@ -377,5 +382,12 @@ class BuiltinLoop(EpisodeLoop):
     """The orchestrator's producer for the built-in agent loop."""
 
     async def __call__(self, task: dict[str, Any], group_id: str) -> EpisodeResult:
-        return await run_episode(self.client, self.env_name, task, group_id=group_id, env_config=self.env_config,
-                                 sandbox_pool=self.sandbox_pool, limits=self.limits)
+        return await run_episode(
+            self.client,
+            self.env_name,
+            task,
+            group_id=group_id,
+            env_config=self.env_config,
+            sandbox_pool=self.sandbox_pool,
+            limits=self.limits,
+        )

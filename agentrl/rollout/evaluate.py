@@ -90,9 +90,9 @@ class EvalResult:
         lo, hi = self.success_ci95
         rlo, rhi = self.reward_ci95
         out = (f"{self.env} [{self.split}] {self.n} tasks: success {self.success_rate:.1%} "
-               f"(95% CI {lo:.1%}-{hi:.1%}) | mean reward {self.reward_mean:.3f} (95% CI {rlo:.3f}-{rhi:.3f}) | "
-               f"failed {self.failed} truncated {self.truncated} | mean turns {self.turns_mean:.2f} | "
-               f"{self.seconds:.1f} s")
+               f"(95% CI {lo:.1%}-{hi:.1%}) | mean reward {self.reward_mean:.3f} (95% "
+               f"CI {rlo:.3f}-{rhi:.3f}) | failed {self.failed} truncated {self.truncated} "
+               f"| mean turns {self.turns_mean:.2f} | {self.seconds:.1f} s")
         for name, e in self.by_env.items():
             lo, hi = e["success_ci95"]
             out += f"\n  {name}: {e['n']} tasks, success {e['success_rate']:.1%} (95% CI {lo:.1%}-{hi:.1%})"
@@ -104,11 +104,19 @@ def tally(wins: list[bool], rewards: list[float]) -> dict[str, Any]:
     fields of the same names)."""
     n = len(wins)
     reward_mean, rlo, rhi = mean_interval(rewards)
-    return {"n": n, "successes": sum(wins), "success_rate": sum(wins) / n if n else 0.0,
-            "success_ci95": wilson_interval(sum(wins), n), "reward_mean": reward_mean, "reward_ci95": (rlo, rhi)}
+    return {
+        "n": n,
+        "successes": sum(wins),
+        "success_rate": sum(wins) / n if n else 0.0,
+        "success_ci95": wilson_interval(sum(wins), n),
+        "reward_mean": reward_mean,
+        "reward_ci95": (rlo, rhi),
+    }
 
 
-def tally_by_env(tasks: list[dict[str, Any]], wins: list[bool], rewards: list[float]) -> dict[str, dict[str, Any]]:
+def tally_by_env(
+    tasks: list[dict[str, Any]], wins: list[bool], rewards: list[float]
+) -> dict[str, dict[str, Any]]:
     """:func:`tally` per environment of a mix's tasks (by their ``mix_env``), in the order they first
     appear; empty when no task names one (a single environment's evaluation)."""
     groups: dict[str, list[int]] = {}
@@ -119,7 +127,8 @@ def tally_by_env(tasks: list[dict[str, Any]], wins: list[bool], rewards: list[fl
 
 
 def eval_tasks(env_name: str, env_config: dict[str, Any], split: str, n: int) -> list[dict[str, Any]]:
-    """The first ``n`` tasks of ``split`` (aliases: heldout, eval -> test); fewer when the split is smaller."""
+    """The first ``n`` tasks of ``split`` (aliases: heldout, eval -> test); fewer when the split is
+    smaller."""
     from agentrl.env import make
 
     real = SPLIT_ALIASES.get(split, split)
@@ -165,9 +174,11 @@ async def evaluate(env: str, endpoint: Any, tasks: int | list[dict[str, Any]] = 
         else:
             client, endpoint_name = endpoint, "in-process router"
         if sandbox_pool is None:
-            sandbox_pool = await pool_for(sandbox_image_of(env, env_config),
-                                          sandbox_config or SandboxConfig(warm=0, max_concurrency=concurrency),
-                                          f"eval-{uuid.uuid4().hex[:6]}")
+            sandbox_pool = await pool_for(
+                sandbox_image_of(env, env_config),
+                sandbox_config or SandboxConfig(warm=0, max_concurrency=concurrency),
+                f"eval-{uuid.uuid4().hex[:6]}",
+            )
             if sandbox_pool is not None:
                 stack.push_async_callback(sandbox_pool.close)
         gate = asyncio.Semaphore(max(1, concurrency))
@@ -217,7 +228,9 @@ def main(env: str, endpoint: str, *, out: str | None, api_key_file: str = "", **
         result = asyncio.run(evaluate(env, endpoint, api_key=api_key, **kwargs))
     except (RouterError, ValueError) as e:
         raise SystemExit(f"agentrl eval: {getattr(e, 'message', e)}") from None
-    path = write_result(result, out or f"runs/eval/{env}-{result.split}-{time.strftime('%Y%m%d-%H%M%S')}.json")
+    path = write_result(
+        result, out or f"runs/eval/{env}-{result.split}-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    )
     print(result.line(), flush=True)
     print(f"wrote {path}", flush=True)
     print(json.dumps(result.summary()), flush=True)

@@ -63,7 +63,9 @@ class TaskFrontier:
         if torn:
             log.warning("task frontier %s: skipped %d torn line(s)", self.path, torn)
         if self.cursor or self.open:
-            log.info("task frontier: %d task(s) drawn before, %d group(s) to resume", self.cursor, len(self.open))
+            log.info(
+                "task frontier: %d task(s) drawn before, %d group(s) to resume", self.cursor, len(self.open)
+            )
 
     def _rewrite(self) -> None:
         tmp = self.path.with_name(self.path.name + ".tmp")

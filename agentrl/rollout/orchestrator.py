@@ -107,7 +107,8 @@ class Orchestrator:
 
     @property
     def _failures_in_a_row(self) -> int:
-        """Episodes in a row lost to an outage: an engine, the transport, a sandbox, or a scorer's endpoint."""
+        """Episodes in a row lost to an outage: an engine, the transport, a sandbox, or a scorer's
+        endpoint."""
         return self._infra_failures + (self.scoring.outage if self.scoring is not None else 0)
 
     async def run(self) -> None:
@@ -127,7 +128,8 @@ class Orchestrator:
                     await asyncio.sleep(0.05)
                     continue
                 if failures := self._failures_in_a_row:
-                    # No engine, no judge (every call failing): back off instead of churning out failed episodes.
+                    # No engine, no judge (every call failing): back off instead of churning out failed
+                    # episodes.
                     await asyncio.sleep(min(10.0, 0.1 * 2 ** min(failures, 7)))
                 self._start_group(self._draw(tasks))
                 await asyncio.sleep(0)  # let the new episodes (and HTTP handlers) run
@@ -138,7 +140,8 @@ class Orchestrator:
                 t.cancel()
             await asyncio.gather(*self._tasks, return_exceptions=True)
             if self.scoring is not None:
-                await self.scoring.close()  # its judge's connections, wherever this runs (serve, a Ray worker)
+                # its judge's connections, wherever this runs (serve, a Ray worker)
+                await self.scoring.close()
 
     async def _run_sync(self, tasks: Iterator[dict[str, Any]]) -> None:
         if self.policy_version is None:
@@ -250,5 +253,9 @@ class Orchestrator:
         if self.scoring is not None:
             out["scoring"] = self.scoring.status()
         if self.frontier is not None:
-            out["frontier"] = {"cursor": self._cursor, "open_groups": len(self.frontier.open), "resumed": dict(self.resumed)}
+            out["frontier"] = {
+                "cursor": self._cursor,
+                "open_groups": len(self.frontier.open),
+                "resumed": dict(self.resumed),
+            }
         return out

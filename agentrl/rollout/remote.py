@@ -52,7 +52,9 @@ class OpenAIChat:
     # TransportError for serve's own router (the episode is a transport failure)
     no_answer_is_transport = False
 
-    def __init__(self, endpoint: str, *, api_key: str = "", model: str = "", timeout_s: float = 600.0) -> None:
+    def __init__(
+        self, endpoint: str, *, api_key: str = "", model: str = "", timeout_s: float = 600.0
+    ) -> None:
         self.endpoint = endpoint.rstrip("/")
         self.model_name = model
         self.http = ServeClient(self.endpoint, api_key, timeout_s=timeout_s, retries=0)
@@ -73,7 +75,9 @@ class OpenAIChat:
         try:
             got = await self.http.request("GET", "/models", timeout_s=30.0)
         except TransportError as e:
-            raise EngineError(f"cannot list the models of {self.endpoint}: {e}", status=e.status or 502) from None
+            raise EngineError(
+                f"cannot list the models of {self.endpoint}: {e}", status=e.status or 502
+            ) from None
         return str(got.json()["data"][0]["id"])
 
     # the session seam of the agent loop: a plain endpoint records nothing
@@ -97,7 +101,8 @@ class OpenAIChat:
                 raise
             raise EngineError(f"chat call to {self.http.base_url}{path} failed: {e.message}") from None
         except ValueError as e:
-            raise EngineError(f"chat call to {self.http.base_url}{path} answered something that is not JSON: {e}") \
+            raise EngineError(f"chat call to {self.http.base_url}{path} "
+                              f"answered something that is not JSON: {e}") \
                 from None
         if got.status >= 400 or not isinstance(data, dict) or "choices" not in data:
             raise _chat_error(self.http.base_url + path, got.status, data)
@@ -123,7 +128,9 @@ class RemoteRouter(OpenAIChat):
         try:
             return str((await self.control.json("GET", "/v1/models"))["data"][0]["id"])
         except TransportError as e:
-            raise EngineError(f"cannot list the models of {self.endpoint}: {e}", status=e.status or 502) from None
+            raise EngineError(
+                f"cannot list the models of {self.endpoint}: {e}", status=e.status or 502
+            ) from None
 
     def chat_path(self, session_id: str | None) -> str:
         return "/v1/chat/completions" if session_id is None else f"/sessions/{session_id}/v1/chat/completions"
@@ -150,11 +157,17 @@ def summary_from_batch(raw: bytes) -> SessionSummary:
     except CodecError as e:
         raise TransportError(f"serve's session answer is not a batch of samples: {e}") from None
     info = batch.info
-    return SessionSummary(session_id=str(info.get("session_id", batch.batch_id)), samples=batch.samples,
-                          splits=int(info.get("splits", 0)), calls=int(info.get("calls", 0)),
-                          completion_tokens=int(info.get("completion_tokens", 0)),
-                          versions=[int(v) for v in info.get("versions", [])], last_reply=str(info.get("last_reply", "")),
-                          refused=info.get("refused"), model_failures=int(info.get("model_failures", 0)))
+    return SessionSummary(
+        session_id=str(info.get("session_id", batch.batch_id)),
+        samples=batch.samples,
+        splits=int(info.get("splits", 0)),
+        calls=int(info.get("calls", 0)),
+        completion_tokens=int(info.get("completion_tokens", 0)),
+        versions=[int(v) for v in info.get("versions", [])],
+        last_reply=str(info.get("last_reply", "")),
+        refused=info.get("refused"),
+        model_failures=int(info.get("model_failures", 0)),
+    )
 
 
 class RemoteBuffer:

@@ -97,8 +97,25 @@ class ScaffoldContext:
 Scaffold = Callable[[ScaffoldContext], Awaitable[str | None]]
 
 # what any program needs from the host to start and find its libraries; nothing that is a secret
-HOST_VARS = ("PATH", "HOME", "USER", "LOGNAME", "SHELL", "LANG", "LANGUAGE", "LC_ALL", "LC_CTYPE", "TERM", "TZ",
-             "TMPDIR", "PYTHONPATH", "VIRTUAL_ENV", "SSL_CERT_FILE", "SSL_CERT_DIR", "DOCKER_HOST")
+HOST_VARS = (
+    "PATH",
+    "HOME",
+    "USER",
+    "LOGNAME",
+    "SHELL",
+    "LANG",
+    "LANGUAGE",
+    "LC_ALL",
+    "LC_CTYPE",
+    "TERM",
+    "TZ",
+    "TMPDIR",
+    "PYTHONPATH",
+    "VIRTUAL_ENV",
+    "SSL_CERT_FILE",
+    "SSL_CERT_DIR",
+    "DOCKER_HOST",
+)
 
 
 def scrubbed_env(ctx: ScaffoldContext, passthrough: Sequence[str] = ()) -> dict[str, str]:
@@ -166,7 +183,9 @@ def load_scaffold(spec: str | Sequence[str], passthrough: Sequence[str] = ()) ->
     argv = shlex.split(spec) if isinstance(spec, str) else [str(a) for a in spec]
     if not argv:
         raise ScaffoldError("empty scaffold command")
-    return CommandScaffold([sys.executable if a == "{python}" else a for a in argv], passthrough=tuple(passthrough))
+    return CommandScaffold(
+        [sys.executable if a == "{python}" else a for a in argv], passthrough=tuple(passthrough)
+    )
 
 
 def scaffold_name(scaffold: Any) -> str:
@@ -176,9 +195,18 @@ def scaffold_name(scaffold: Any) -> str:
     return f"{getattr(scaffold, '__module__', '?')}:{getattr(scaffold, '__qualname__', repr(scaffold))}"
 
 
-async def run_scaffold_episode(client: ChatClient, env_name: str, task: dict[str, Any], *, group_id: str,
-                               scaffold: Scaffold, base_url: str, env_config: dict[str, Any] | None = None,
-                               sandbox_pool: Any = None, limits: EpisodeLimits | None = None) -> EpisodeResult:
+async def run_scaffold_episode(
+    client: ChatClient,
+    env_name: str,
+    task: dict[str, Any],
+    *,
+    group_id: str,
+    scaffold: Scaffold,
+    base_url: str,
+    env_config: dict[str, Any] | None = None,
+    sandbox_pool: Any = None,
+    limits: EpisodeLimits | None = None,
+) -> EpisodeResult:
     """One episode played by ``scaffold`` through a router session at ``base_url`` (the router's
     address, e.g. ``http://127.0.0.1:8000``). Never raises for scaffold or environment failures.
 
@@ -202,9 +230,16 @@ async def run_scaffold_episode(client: ChatClient, env_name: str, task: dict[str
             except Exception as e:
                 raise EnvironmentFailure(f"reset raised {type(e).__name__}: {e}") from e
             ctx = ScaffoldContext(
-                base_url=f"{base_url.rstrip('/')}/sessions/{ep.episode_id}/v1", api_key=f"sess-{ep.episode_id}",
-                model=client.model_name, messages=list(opening.messages), tools=list(opening.tools), task=task,
-                sandbox=env.sandbox, max_tokens=limits.max_tokens, temperature=limits.temperature)
+                base_url=f"{base_url.rstrip('/')}/sessions/{ep.episode_id}/v1",
+                api_key=f"sess-{ep.episode_id}",
+                model=client.model_name,
+                messages=list(opening.messages),
+                tools=list(opening.tools),
+                task=task,
+                sandbox=env.sandbox,
+                max_tokens=limits.max_tokens,
+                temperature=limits.temperature,
+            )
             outcome, answer = await _play(scaffold, ctx, limits.episode_timeout_s)
             summary = await client.end(ep.episode_id)  # what the session spent decides how it ended
             if _settle(outcome, answer, summary, ep):
@@ -219,12 +254,17 @@ async def run_scaffold_episode(client: ChatClient, env_name: str, task: dict[str
         ep.seconds = time.monotonic() - t0
         summary = await finish_samples(client, ep, summary)
         if summary is not None:
-            ep.turns, ep.completion_tokens, ep.versions = summary.calls, summary.completion_tokens, summary.versions
+            ep.turns, ep.completion_tokens, ep.versions = (
+                summary.calls,
+                summary.completion_tokens,
+                summary.versions,
+            )
     return ep
 
 
 async def _play(scaffold: Scaffold, ctx: ScaffoldContext, timeout_s: float) -> tuple[Any, str | None]:
-    """Run the scaffold under the wall-clock limit: ("done", answer), ("timeout", None) or (the exception, None)."""
+    """Run the scaffold under the wall-clock limit: ("done", answer), ("timeout", None) or (the exception,
+    None)."""
     try:
         async with asyncio.timeout(timeout_s):
             answer = await scaffold(ctx)
@@ -273,9 +313,18 @@ class ScaffoldLoop(EpisodeLoop):
     """The orchestrator's producer for an external scaffold."""
 
     scaffold: Scaffold = field(kw_only=True)
-    base_url: str = field(kw_only=True)  # the router's address as the scaffold reaches it, e.g. http://127.0.0.1:8000
+    base_url: str = field(kw_only=True)
+    """the router's address as the scaffold reaches it, e.g. http://127.0.0.1:8000"""
 
     async def __call__(self, task: dict[str, Any], group_id: str) -> EpisodeResult:
-        return await run_scaffold_episode(self.client, self.env_name, task, group_id=group_id, scaffold=self.scaffold,
-                                          base_url=self.base_url, env_config=self.env_config,
-                                          sandbox_pool=self.sandbox_pool, limits=self.limits)
+        return await run_scaffold_episode(
+            self.client,
+            self.env_name,
+            task,
+            group_id=group_id,
+            scaffold=self.scaffold,
+            base_url=self.base_url,
+            env_config=self.env_config,
+            sandbox_pool=self.sandbox_pool,
+            limits=self.limits,
+        )

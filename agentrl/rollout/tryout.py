@@ -159,7 +159,8 @@ async def try_episode(name: str, endpoint: str, *, model: str = "", task: dict[s
             summary.update(ended="failed", error=f"{type(e).__name__}: {e}")
             out(f"\n== failed after {summary['turns']} turn(s): {summary['error']}\n")
             return summary
-        summary["ended"] = f"truncated (timeout after {timeout_s:g} s)"  # as the rollout counts the wall clock
+        # as the rollout counts the wall clock
+        summary["ended"] = f"truncated (timeout after {timeout_s:g} s)"
     out(f"\n== {summary['ended']} after {summary['turns']} turn(s), total reward {summary['reward']:.3f}\n")
     return summary
 

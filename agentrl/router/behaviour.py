@@ -39,12 +39,16 @@ class BehaviourCapture:
         sp = prep.gen_req["sampling_params"]
         prep.sampling = applied(sp)
         adapter = prep.engine.adapter(prep.policy)
-        if adapter is not None:  # a LoRA policy: the newest version of it this engine holds, for the whole call
+        if (
+            adapter is not None
+        ):  # a LoRA policy: the newest version of it this engine holds, for the whole call
             prep.gen_req["model"], prep.adapter_version = adapter
         if prep.session is None:
             return
         if expert_ids:
-            prep.gen_req["request_id"] = f"{prep.gen_req.get('request_id') or 'agentrl'}-{uuid.uuid4().hex[:12]}"
+            prep.gen_req["request_id"] = (
+                f"{prep.gen_req.get('request_id') or 'agentrl'}-{uuid.uuid4().hex[:12]}"
+            )
         if not neutral(prep.sampling):
             await self._check_processed(prep.engine, prep.prompt_ids, prep.gen_req.get("model"))
         if truncates(prep.sampling):
@@ -52,9 +56,11 @@ class BehaviourCapture:
             prep.capture = Capture.plan(sp, prep.sampling, max_kept=self.max_kept_tokens)
             if top_k != prep.sampling["top_k"]:
                 if not self.counters["kept_bounded"]:
-                    log.warning("a training call truncates the vocabulary with top_k %d (top_p %g, min_p %g): it "
-                                "samples with top_k %d (router.max_kept_tokens) so each token's kept set can be "
-                                "recorded; the bound is recorded and returned", top_k, prep.sampling["top_p"],
+                    log.warning("a training call truncates the vocabulary "
+                                "with top_k %d (top_p %g, min_p %g): it "
+                                "samples with top_k %d (router.max_kept_tokens) "
+                                "so each token's kept set can be recorded; "
+                                "the bound is recorded and returned", top_k, prep.sampling["top_p"],
                                 prep.sampling["min_p"], self.max_kept_tokens)
                 self.counters["kept_bounded"] += 1
 
@@ -64,11 +70,12 @@ class BehaviourCapture:
         if ok is None:
             ok = self._processed[engine.name] = await check_processed(self.pool, engine, prompt_ids, model)
             if not ok:
-                log.error("engine %s reports raw logprobs: training calls with non-neutral sampling are refused",
+                log.error("engine %s reports raw logprobs: training "
+                          "calls with non-neutral sampling are refused",
                           engine.name)
         if not ok:
-            raise EngineError(f"engine {engine.name} reports raw logprobs, which ignore temperature, penalties and "
-                              "top-k/top-p: start it with --logprobs-mode processed_logprobs")
+            raise EngineError(f"engine {engine.name} reports raw logprobs, which ignore temperature, "
+                              "penalties and top-k/top-p: start it with --logprobs-mode processed_logprobs")
 
     def read_kept(self, prep: Prepared, choice: dict[str, Any]) -> list[list[int]] | None:
         """A recorded truncated call's kept sets for ``choice`` (its top logprobs trimmed to the
@@ -80,7 +87,7 @@ class BehaviourCapture:
         self.counters["kept_captured"] += len(kept)
         if prep.capture.incomplete > before:
             if not self.counters["kept_incomplete"]:
-                log.warning("a kept set held more than the call's top_k %d ids (ties at the boundary): recorded "
-                            "as far as seen, counted as kept_incomplete", prep.capture.k)
+                log.warning("a kept set held more than the call's top_k %d ids (ties at the "
+                            "boundary): recorded as far as seen, counted as kept_incomplete", prep.capture.k)
             self.counters["kept_incomplete"] += prep.capture.incomplete - before
         return kept

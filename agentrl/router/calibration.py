@@ -26,10 +26,25 @@ from agentrl.router.sessions import continuation_tail
 
 # The base a continued call's new messages are rendered after: short, and ending with an assistant
 # reply as a continued call's conversation does. Tools, when the request has any, render with it.
-BASE_CONVERSATION: list[dict[str, Any]] = [{"role": "user", "content": "."}, {"role": "assistant", "content": "."}]
+BASE_CONVERSATION: list[dict[str, Any]] = [
+    {"role": "user", "content": "."},
+    {"role": "assistant", "content": "."},
+]
 
-TOOLS = [{"type": "function", "function": {"name": "python", "description": "Run Python code.", "parameters": {
-    "type": "object", "properties": {"code": {"type": "string"}}, "required": ["code"]}}}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "python",
+            "description": "Run Python code.",
+            "parameters": {
+                "type": "object",
+                "properties": {"code": {"type": "string"}},
+                "required": ["code"],
+            },
+        },
+    }
+]
 
 _CALL = {"id": "c1", "type": "function", "function": {"name": "python", "arguments": '{"code": "print(1)"}'}}
 _BAD = {"id": "c2", "type": "function", "function": {"name": "python", "arguments": "{not json"}}
@@ -40,19 +55,48 @@ def calibration_bodies(model: str) -> list[dict[str, Any]]:
     (temperature, top_p, top_k, min_p, the three penalties; greedy; a temperature vLLM raises)."""
     return [
         {"model": model, "messages": [{"role": "user", "content": "hi"}], "logprobs": True},
-        {"model": model, "messages": [{"role": "system", "content": "Be brief."},
-                                      {"role": "user", "content": "héllo ✓"}], "logprobs": True,
-         "n": 2, "temperature": 0.5, "top_p": 0.9, "seed": 3, "stop": ["x"], "max_tokens": 7},
-        {"model": model, "messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_k": 7,
-         "min_p": 0.05, "repetition_penalty": 1.1, "presence_penalty": 0.5, "frequency_penalty": -0.5},
+        {
+            "model": model,
+            "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "héllo ✓"}],
+            "logprobs": True,
+            "n": 2,
+            "temperature": 0.5,
+            "top_p": 0.9,
+            "seed": 3,
+            "stop": ["x"],
+            "max_tokens": 7,
+        },
+        {
+            "model": model,
+            "messages": [{"role": "user", "content": "hi"}],
+            "logprobs": True,
+            "top_k": 7,
+            "min_p": 0.05,
+            "repetition_penalty": 1.1,
+            "presence_penalty": 0.5,
+            "frequency_penalty": -0.5,
+        },
         {"model": model, "messages": [{"role": "user", "content": "hi"}], "logprobs": True, "temperature": 0},
-        {"model": model, "messages": [{"role": "user", "content": "hi"}], "logprobs": True, "temperature": 0.001,
-         "top_k": -1},
-        {"model": model, "tools": TOOLS, "logprobs": True, "max_tokens": 16, "messages": [
-            {"role": "system", "content": "Use tools."}, {"role": "user", "content": "1+1?"},
-            {"role": "assistant", "content": None, "tool_calls": [_CALL, _BAD]},
-            {"role": "tool", "tool_call_id": "c1", "content": "2"}, {"role": "tool", "tool_call_id": "c2",
-                                                                      "content": "error"}]},
+        {
+            "model": model,
+            "messages": [{"role": "user", "content": "hi"}],
+            "logprobs": True,
+            "temperature": 0.001,
+            "top_k": -1,
+        },
+        {
+            "model": model,
+            "tools": TOOLS,
+            "logprobs": True,
+            "max_tokens": 16,
+            "messages": [
+                {"role": "system", "content": "Use tools."},
+                {"role": "user", "content": "1+1?"},
+                {"role": "assistant", "content": None, "tool_calls": [_CALL, _BAD]},
+                {"role": "tool", "tool_call_id": "c1", "content": "2"},
+                {"role": "tool", "tool_call_id": "c2", "content": "error"},
+            ],
+        },
     ]
 
 
@@ -63,31 +107,79 @@ CALIBRATION_OUTPUTS = (
 )
 
 
-def continuation_probes() -> list[tuple[str, list[dict[str, Any]] | None, list[dict[str, Any]], list[dict[str, Any]]]]:
+def continuation_probes() -> list[
+    tuple[str, list[dict[str, Any]] | None, list[dict[str, Any]], list[dict[str, Any]]]
+]:
     """(name, tools, C, N): a conversation ending with an assistant reply, and what follows it."""
     user, sys_ = {"role": "user", "content": "What is 1+1?"}, {"role": "system", "content": "Use the tools."}
     calls = {"role": "assistant", "content": None, "tool_calls": [_CALL]}
     return [
-        ("multi-turn", None, [user, {"role": "assistant", "content": "2"}], [{"role": "user", "content": "and 2+2?"}]),
-        ("empty reply, several new messages", None,
-         [{"role": "user", "content": "one"}, {"role": "assistant", "content": "two"},
-          {"role": "user", "content": "three"}, {"role": "assistant", "content": ""}],
-         [{"role": "user", "content": "four"}, {"role": "assistant", "content": "five"},
-          {"role": "user", "content": "héllo ✓"}]),
-        ("system prompt", None, [{"role": "system", "content": "Be brief."}, user,
-                                 {"role": "assistant", "content": "2"}], [{"role": "user", "content": "sure?"}]),
-        ("reasoning in a past reply", None, [user, {"role": "assistant", "content": "<think>1+1</think>2"}],
-         [{"role": "user", "content": "thanks"}]),
-        ("tool call, its result", TOOLS, [sys_, user, calls], [{"role": "tool", "tool_call_id": "c1", "content": "2"}]),
-        ("text and tool calls with valid and invalid JSON arguments", TOOLS,
-         [sys_, user, {"role": "assistant", "content": "Let me check.", "tool_calls": [_CALL, _BAD]}],
-         [{"role": "tool", "tool_call_id": "c1", "content": "2"},
-          {"role": "tool", "tool_call_id": "c2", "content": "error: bad arguments"}]),
-        ("a user turn after tools", TOOLS,
-         [sys_, user, calls, {"role": "tool", "tool_call_id": "c1", "content": "2"},
-          {"role": "assistant", "content": "It is 2."}], [{"role": "user", "content": "And 2+2?"}]),
-        ("tools, plain reply", TOOLS, [user, {"role": "assistant", "content": "2"}],
-         [{"role": "user", "content": "use python"}]),
+        (
+            "multi-turn",
+            None,
+            [user, {"role": "assistant", "content": "2"}],
+            [{"role": "user", "content": "and 2+2?"}],
+        ),
+        (
+            "empty reply, several new messages",
+            None,
+            [
+                {"role": "user", "content": "one"},
+                {"role": "assistant", "content": "two"},
+                {"role": "user", "content": "three"},
+                {"role": "assistant", "content": ""},
+            ],
+            [
+                {"role": "user", "content": "four"},
+                {"role": "assistant", "content": "five"},
+                {"role": "user", "content": "héllo ✓"},
+            ],
+        ),
+        (
+            "system prompt",
+            None,
+            [{"role": "system", "content": "Be brief."}, user, {"role": "assistant", "content": "2"}],
+            [{"role": "user", "content": "sure?"}],
+        ),
+        (
+            "reasoning in a past reply",
+            None,
+            [user, {"role": "assistant", "content": "<think>1+1</think>2"}],
+            [{"role": "user", "content": "thanks"}],
+        ),
+        (
+            "tool call, its result",
+            TOOLS,
+            [sys_, user, calls],
+            [{"role": "tool", "tool_call_id": "c1", "content": "2"}],
+        ),
+        (
+            "text and tool calls with valid and invalid JSON arguments",
+            TOOLS,
+            [sys_, user, {"role": "assistant", "content": "Let me check.", "tool_calls": [_CALL, _BAD]}],
+            [
+                {"role": "tool", "tool_call_id": "c1", "content": "2"},
+                {"role": "tool", "tool_call_id": "c2", "content": "error: bad arguments"},
+            ],
+        ),
+        (
+            "a user turn after tools",
+            TOOLS,
+            [
+                sys_,
+                user,
+                calls,
+                {"role": "tool", "tool_call_id": "c1", "content": "2"},
+                {"role": "assistant", "content": "It is 2."},
+            ],
+            [{"role": "user", "content": "And 2+2?"}],
+        ),
+        (
+            "tools, plain reply",
+            TOOLS,
+            [user, {"role": "assistant", "content": "2"}],
+            [{"role": "user", "content": "use python"}],
+        ),
     ]
 
 
@@ -119,7 +211,8 @@ async def check_continuations(render: Render, eos_ids: set[int], model: str) -> 
             return f"{name}: the template does not extend the conversation by the new messages' tokens"
         got = continuation_tail(dbase, dfull, eos_ids)
         if got != want:
-            return f"{name}: after the base conversation the new messages render as {got}, after their own as {want}"
+            return (f"{name}: after the base conversation the new "
+                    f"messages render as {got}, after their own as {want}")
         return None
 
     results = await asyncio.gather(*(one(*p) for p in continuation_probes()))
@@ -137,16 +230,33 @@ async def served_model(pool: Any, engine: Any) -> str:
 
 # vLLM's SamplingParams defaults: its render route leaves out some fields that hold them.
 SAMPLING_DEFAULTS: dict[str, Any] = {
-    "n": 1, "max_tokens": 16, "top_k": 0, "skip_special_tokens": True, "seed": None, "stop": [],
-    "stop_token_ids": [], "logprobs": None, "output_kind": 0, "skip_clone": False, "bad_words": [],
-    "skip_reading_prefix_cache": False, "temperature": 1.0, "top_p": 1.0, "min_p": 0.0,
-    "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0, "output_text_buffer_length": 0,
+    "n": 1,
+    "max_tokens": 16,
+    "top_k": 0,
+    "skip_special_tokens": True,
+    "seed": None,
+    "stop": [],
+    "stop_token_ids": [],
+    "logprobs": None,
+    "output_kind": 0,
+    "skip_clone": False,
+    "bad_words": [],
+    "skip_reading_prefix_cache": False,
+    "temperature": 1.0,
+    "top_p": 1.0,
+    "min_p": 0.0,
+    "presence_penalty": 0.0,
+    "frequency_penalty": 0.0,
+    "repetition_penalty": 1.0,
+    "output_text_buffer_length": 0,
 }
 
 
 def same_sampling(a: dict[str, Any], b: dict[str, Any]) -> bool:
     """The same sampling parameters once fields left out are read as vLLM's defaults."""
-    return all(a.get(k, SAMPLING_DEFAULTS.get(k)) == b.get(k, SAMPLING_DEFAULTS.get(k)) for k in a.keys() | b.keys())
+    return all(
+        a.get(k, SAMPLING_DEFAULTS.get(k)) == b.get(k, SAMPLING_DEFAULTS.get(k)) for k in a.keys() | b.keys()
+    )
 
 
 def same_message(a: dict[str, Any], b: dict[str, Any]) -> bool:
@@ -159,7 +269,9 @@ def same_message(a: dict[str, Any], b: dict[str, Any]) -> bool:
     return strip(a) == strip(b)
 
 
-def _probe_body(model: str, tools: list[dict[str, Any]] | None, messages: list[dict[str, Any]]) -> dict[str, Any]:
+def _probe_body(
+    model: str, tools: list[dict[str, Any]] | None, messages: list[dict[str, Any]]
+) -> dict[str, Any]:
     body: dict[str, Any] = {"model": model, "messages": messages, "logprobs": True}
     if tools:
         body["tools"] = tools

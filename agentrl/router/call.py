@@ -39,7 +39,8 @@ class Prepared:
     messages: list[dict[str, Any]] | None = None  # normalised request messages (a session's chat call)
     sampling: dict[str, float] = field(default_factory=dict)  # the settings the engine applies (recorded)
     capture: Capture | None = None  # how a recorded truncated call's kept sets are read
-    adapter_version: int | None = None  # the LoRA policy version the call samples from (None: the engine's weights)
+    adapter_version: int | None = None
+    """the LoRA policy version the call samples from (None: the engine's weights)"""
     policy: str = DEFAULT_POLICY  # the LoRA policy the call samples from (the request's model names it)
 
 
@@ -53,10 +54,20 @@ def token_versions(weight_versions: list[dict[str, Any]] | None, n: int) -> list
     return versions
 
 
-def completion_entry(engine: Engine, ids: list[int], lps: list[float], weight_versions: list[dict[str, Any]] | None,
-                     finish_reason: str | None, stop_reason: Any, message: dict[str, Any],
-                     kept: list[list[int]] | None, routing: dict[str, Any] | None, *,
-                     adapter_version: int | None, eos_token_ids: set[int]) -> Completion:
+def completion_entry(
+    engine: Engine,
+    ids: list[int],
+    lps: list[float],
+    weight_versions: list[dict[str, Any]] | None,
+    finish_reason: str | None,
+    stop_reason: Any,
+    message: dict[str, Any],
+    kept: list[list[int]] | None,
+    routing: dict[str, Any] | None,
+    *,
+    adapter_version: int | None,
+    eos_token_ids: set[int],
+) -> Completion:
     """One choice as captured: exact ids, behaviour logprobs, per-token versions, kept sets, routed
     experts. A stop on a token the engine names no stop string for is an end-of-sequence token:
     it joins ``eos_token_ids`` (the renderers close a continued turn with it)."""

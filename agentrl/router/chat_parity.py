@@ -58,7 +58,12 @@ def shown_choice(choice: dict[str, Any], eos_ids: set[int], hidden: frozenset[in
     """
     ids = choice.get("token_ids") or []
     keep = ids
-    if ids and choice.get("finish_reason") == "stop" and choice.get("stop_reason") is None and ids[-1] in eos_ids:
+    if (
+        ids
+        and choice.get("finish_reason") == "stop"
+        and choice.get("stop_reason") is None
+        and ids[-1] in eos_ids
+    ):
         keep = ids[:-1]
     if hidden:
         keep = [t for t in keep if t not in hidden]
@@ -113,7 +118,8 @@ class TokenText:
         self._pieces: dict[int, str] = {}
 
     def piece(self, token_id: int) -> str:
-        """``tokenizer.decode([id])``, what vLLM's logprobs show for one token (cached: the vocabulary is small)."""
+        """``tokenizer.decode([id])``, what vLLM's logprobs show for one token (cached: the vocabulary is
+        small)."""
         s = self._pieces.get(token_id)
         if s is None:
             s = self._pieces[token_id] = self.tok.decode([token_id]) or ""
@@ -176,12 +182,19 @@ def check_tools(body: dict[str, Any]) -> None:
         raise InvalidRequest("'tools' must be a list of function tools", param="tools")
     for i, t in enumerate(tools):
         where = f"tools[{i}]"
-        if not isinstance(t, dict) or t.get("type", "function") != "function" or not isinstance(t.get("function"), dict):
-            raise InvalidRequest(f"{where} must be {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}",
+        if (
+            not isinstance(t, dict)
+            or t.get("type", "function") != "function"
+            or not isinstance(t.get("function"), dict)
+        ):
+            raise InvalidRequest(f"{where} must be {{\"type\": \"function\", "
+                                 "\"function\": {\"name\": ...}}",
                                  param=where)
         f = t["function"]
         if not isinstance(f.get("name"), str) or not f["name"]:
-            raise InvalidRequest(f"{where}.function.name must be a non-empty string", param=f"{where}.function.name")
+            raise InvalidRequest(
+                f"{where}.function.name must be a non-empty string", param=f"{where}.function.name"
+            )
         if f.get("description") is not None and not isinstance(f["description"], str):
             raise InvalidRequest(f"{where}.function.description must be a string",
                                  param=f"{where}.function.description")
@@ -189,11 +202,14 @@ def check_tools(body: dict[str, Any]) -> None:
             raise InvalidRequest(f"{where}.function.parameters must be a JSON Schema object",
                                  param=f"{where}.function.parameters")
         if f.get("strict") is not None and not isinstance(f["strict"], bool):
-            raise InvalidRequest(f"{where}.function.strict must be a boolean", param=f"{where}.function.strict")
+            raise InvalidRequest(
+                f"{where}.function.strict must be a boolean", param=f"{where}.function.strict"
+            )
 
 
-def check_max_tokens(body: dict[str, Any], max_model_len: int, keys: tuple[str, ...] = ("max_tokens",
-                                                                                   "max_completion_tokens")) -> None:
+def check_max_tokens(
+    body: dict[str, Any], max_model_len: int, keys: tuple[str, ...] = ("max_tokens", "max_completion_tokens")
+) -> None:
     """vLLM answers 400 for a completion budget larger than the whole context (a budget that only
     overflows with the prompt is capped to the room after it, there as here)."""
     for key in keys:

@@ -10,9 +10,12 @@ from typing import Literal
 @dataclass
 class RouterConfig:
     host: str = "127.0.0.1"  # bind address; loopback unless told otherwise
-    port: int = 8000  # the router's port: OpenAI routes, sessions, /health, /metrics, admin, buffer and weight routes
-    api_keys: list[str] = field(default_factory=list)  # client keys for OpenAI routes (empty: open); config file only
-    api_keys_file: str = ""  # file with client keys, one a line (also $AGENTRL_API_KEYS / $AGENTRL_API_KEYS_FILE)
+    port: int = 8000
+    """the router's port: OpenAI routes, sessions, /health, /metrics, admin, buffer and weight routes"""
+    api_keys: list[str] = field(default_factory=list)
+    """client keys for OpenAI routes (empty: open); config file only"""
+    api_keys_file: str = ""
+    """file with client keys, one a line (also $AGENTRL_API_KEYS / $AGENTRL_API_KEYS_FILE)"""
     request_timeout_s: float = 600.0  # per engine call
     retries: int = 1  # retries of calls that failed before anything was returned (never 4xx)
     render: Literal["auto", "engine"] = "auto"

@@ -333,7 +333,11 @@ class Router:
         gen = await self.pool.call(engine, "/inference/v1/generate", prep.gen_req)
         kept = [self.read_kept(prep, ch) for ch in gen["choices"]]  # trims the top logprobs to the client's
         chat = prep.kind == "chat"
-        hidden = self.token_text.special if chat and self.token_text and skips_special(prep.gen_req) else frozenset()
+        hidden = (
+            self.token_text.special
+            if chat and self.token_text and skips_special(prep.gen_req)
+            else frozenset()
+        )
         stripped = [shown_choice(ch, self.eos_token_ids, hidden) for ch in gen["choices"]]
         shown = dict(gen, choices=[ch for ch, _ in stripped])
         # logprobs in the chat route's shape are built here when the tokenizer is at hand (the
@@ -357,15 +361,27 @@ class Router:
             entries = (ch.get("logprobs") or {}).get("content") or []
             lps = [c["logprob"] for c in entries]
             message = oc.get("message") if chat else {"role": "assistant", "content": oc.get("text")}
-            comps.append(self.completion_entry(engine, ids, lps, ch.get("weight_versions"),
-                                               ch.get("finish_reason"), ch.get("stop_reason"), message, ks, routing,
-                                               adapter_version=prep.adapter_version))
+            comps.append(
+                self.completion_entry(
+                    engine,
+                    ids,
+                    lps,
+                    ch.get("weight_versions"),
+                    ch.get("finish_reason"),
+                    ch.get("stop_reason"),
+                    message,
+                    ks,
+                    routing,
+                    adapter_version=prep.adapter_version,
+                )
+            )
             if chat:
                 oc["finish_reason"] = tool_finish_reason(prep.body, message, oc.get("finish_reason"))
             if own_logprobs:
                 assert self.token_text is not None
-                oc["logprobs"] = {"content": self.token_text.entries(entries, int(prep.body.get("top_logprobs") or 0),
-                                                                     [])}
+                oc["logprobs"] = {
+                    "content": self.token_text.entries(entries, int(prep.body.get("top_logprobs") or 0), [])
+                }
             elif not prep.want_logprobs:
                 oc["logprobs"] = None
             oc["token_ids"] = ids

@@ -69,7 +69,9 @@ class ExpertCapture:
                         engine.name, e)
             return
         if not self.layers[engine.name]:
-            log.warning("%s serves no MoE layer to capture: its calls' tokens are routed by the learner", engine.name)
+            log.warning(
+                "%s serves no MoE layer to capture: its calls' tokens are routed by the learner", engine.name
+            )
         else:
             log.info("%s captures the routed experts of %d MoE layers", engine.name, self.layers[engine.name])
 
@@ -84,8 +86,9 @@ class ExpertCapture:
                 got = {int(e["choice"]): e for e in entries}
             except (EngineError, aiohttp.ClientError, TimeoutError, ValueError, TypeError, KeyError) as e:
                 if not self.counters["routing_missing"]:
-                    log.warning("the routed experts of a call on %s could not be fetched (%s): the learner routes "
-                                "its tokens itself (counted as routing_missing)", engine.name, e)
+                    log.warning("the routed experts of a call on %s could not "
+                                "be fetched (%s): the learner routes its "
+                                "tokens itself (counted as routing_missing)", engine.name, e)
         out = [got.get(i) for i in range(n)]
         self.counters["routing_missing"] += sum(x is None for x in out)
         self.counters["routing_captured"] += sum(x is not None for x in out)

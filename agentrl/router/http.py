@@ -75,7 +75,8 @@ def model_call(request: web.Request) -> tuple[Router, str | None]:
 
 @web.middleware
 async def errors_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
-    """The router's own errors in their OpenAI shape; anything else falls to :func:`agentrl.web.error_middleware`."""
+    """The router's own errors in their OpenAI shape; anything else falls to
+    :func:`agentrl.web.error_middleware`."""
     try:
         return await handler(request)
     except RouterError as e:

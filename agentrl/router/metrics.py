@@ -71,7 +71,8 @@ def metrics_text(router: Any, extra: dict[str, float] | None = None) -> str:
     lines.append(f"agentrl_router_sessions {len(router.sessions)}")
     for e in router.pool.engines:
         lab = f'{{engine="{e.name}"}}'
-        lines += [f"agentrl_engine_healthy{lab} {int(e.healthy)}", f"agentrl_engine_outstanding{lab} {e.outstanding}",
+        lines += [f"agentrl_engine_healthy{lab} {int(e.healthy)}", f"agentrl_engine_outstanding{lab} "
+                                                                   f"{e.outstanding}",
                   f"agentrl_engine_version{lab} {e.version}", f"agentrl_engine_served_total{lab} {e.served}",
                   f"agentrl_engine_failures_total{lab} {e.failures}"]
     for h in router.metrics.histograms():

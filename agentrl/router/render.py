@@ -68,11 +68,31 @@ log = logging.getLogger(__name__)
 
 # Body keys the local path handles; any other key sends the request to the engine's routes (and
 # keeps a continued call on the two-render path: the key might change how the template renders).
-LOCAL_CHAT_KEYS = frozenset({
-    "messages", "model", "tools", "tool_choice", "n", "max_tokens", "max_completion_tokens", "temperature",
-    "top_p", "top_k", "min_p", "repetition_penalty", "seed", "stop", "logprobs", "top_logprobs", "presence_penalty",
-    "frequency_penalty", "stream", "stream_options", "user",
-})
+LOCAL_CHAT_KEYS = frozenset(
+    {
+        "messages",
+        "model",
+        "tools",
+        "tool_choice",
+        "n",
+        "max_tokens",
+        "max_completion_tokens",
+        "temperature",
+        "top_p",
+        "top_k",
+        "min_p",
+        "repetition_penalty",
+        "seed",
+        "stop",
+        "logprobs",
+        "top_logprobs",
+        "presence_penalty",
+        "frequency_penalty",
+        "stream",
+        "stream_options",
+        "user",
+    }
+)
 _MESSAGE_KEYS = frozenset({"role", "content", "tool_calls", "tool_call_id", "name"})
 _ROLES = frozenset({"system", "user", "assistant", "tool"})
 _TOOL_KEYS = frozenset({"type", "function"})
@@ -105,9 +125,16 @@ def _plain_message(m: dict[str, Any]) -> bool:
     if text is None or (m["role"] == "system" and text.startswith(_BILLING_HEADER)):
         return False
     calls = m.get("tool_calls")
-    return calls is None or (m["role"] == "assistant" and isinstance(calls, list) and all(
-        isinstance(c, dict) and c.get("type", "function") == "function" and isinstance(c.get("function"), dict)
-        for c in calls))
+    return calls is None or (
+        m["role"] == "assistant"
+        and isinstance(calls, list)
+        and all(
+            isinstance(c, dict)
+            and c.get("type", "function") == "function"
+            and isinstance(c.get("function"), dict)
+            for c in calls
+        )
+    )
 
 
 def cap_to_room(sampling: dict[str, Any], prompt_len: int, max_model_len: int) -> None:
@@ -229,7 +256,9 @@ class Renderer(ABC):
             try:
                 why = await check_continuations(render, eos_ids, model)
             except EngineError as e:
-                log.warning("could not check continued-call rendering (%s renderer): %s", self.name, e.message)
+                log.warning(
+                    "could not check continued-call rendering (%s renderer): %s", self.name, e.message
+                )
                 return
             except Exception as e:  # a probe the template or the engine refuses: not shown to be exact
                 why = f"a probe failed to render: {type(e).__name__}: {e}"
@@ -238,7 +267,9 @@ class Renderer(ABC):
                 log.info("continued calls render only their new messages (%s renderer)", self.name)
             else:
                 self.continuations = "two-render"
-                log.warning("continued calls render the whole conversation twice (%s renderer): %s", self.name, why)
+                log.warning(
+                    "continued calls render the whole conversation twice (%s renderer): %s", self.name, why
+                )
 
 
 class EngineRenderer(Renderer):
@@ -329,24 +360,30 @@ class LocalRenderer(Renderer):
              counters: dict[str, float] | None = None) -> LocalRenderer | None:
         """The renderer for a model folder, or None (with the reason logged) when it cannot be exact."""
         if not model_dir or not Path(model_dir).is_dir():
-            log.info("no local model folder (%s): the router uses the engine's render/derender routes", model_dir)
+            log.info(
+                "no local model folder (%s): the router uses the engine's render/derender routes", model_dir
+            )
             return None
         try:
             from transformers import AutoTokenizer
 
             tok = AutoTokenizer.from_pretrained(str(model_dir))
         except Exception as e:
-            log.warning("could not load the tokenizer from %s (%s): using the engine's render/derender", model_dir, e)
+            log.warning(
+                "could not load the tokenizer from %s (%s): using the engine's render/derender", model_dir, e
+            )
             return None
         decoder = getattr(getattr(tok, "backend_tokenizer", None), "decoder", None)
         byte_level = "ByteLevel" in type(decoder).__name__ or "ByteLevel" in repr(decoder)
         if not getattr(tok, "is_fast", False) or not tok.chat_template or not byte_level:
             # Metaspace (sentencepiece-style) decoders need the prompt tail to place a leading
             # space; only byte-level decoding is concatenative, so only that is done here.
-            log.warning("the tokenizer in %s is not a byte-level fast tokenizer with a chat template: using the "
-                        "engine's render/derender", model_dir)
+            log.warning("the tokenizer in %s is not a byte-level fast tokenizer "
+                        "with a chat template: using the engine's render/derender", model_dir)
             return None
-        return cls(tok, max_model_len=max_model_len, model_dir=str(model_dir), fallback=fallback, counters=counters)
+        return cls(
+            tok, max_model_len=max_model_len, model_dir=str(model_dir), fallback=fallback, counters=counters
+        )
 
     # -- render -----------------------------------------------------------------------------------
     def can_render(self, body: dict[str, Any]) -> bool:
@@ -418,10 +455,20 @@ class LocalRenderer(Renderer):
         if self._compiled is None:
             return self.render_ids_reference(body, messages, add_generation_prompt)
         tmpl = self._compiled
-        ctx = new_context(tmpl.environment, tmpl.name, tmpl.blocks, dict(
-            self._template_vars, messages=self.conversation(body["messages"] if messages is None else messages),
-            tools=self.tool_dicts(body), documents=None, add_generation_prompt=add_generation_prompt),
-            False, self._globals)
+        ctx = new_context(
+            tmpl.environment,
+            tmpl.name,
+            tmpl.blocks,
+            dict(
+                self._template_vars,
+                messages=self.conversation(body["messages"] if messages is None else messages),
+                tools=self.tool_dicts(body),
+                documents=None,
+                add_generation_prompt=add_generation_prompt,
+            ),
+            False,
+            self._globals,
+        )
         try:
             text = tmpl.environment.concat(tmpl.root_render_func(ctx))
         except Exception:
@@ -431,10 +478,17 @@ class LocalRenderer(Renderer):
     def render_ids_reference(self, body: dict[str, Any], messages: list[dict[str, Any]] | None = None,
                              add_generation_prompt: bool = True) -> list[int]:
         """The same through ``apply_chat_template`` itself (calibration checks the two agree)."""
-        return list(self.tok.apply_chat_template(
-            self.conversation(body["messages"] if messages is None else messages), tools=self.tool_dicts(body),
-            chat_template=self.template, tokenize=True, return_dict=False,
-            add_generation_prompt=add_generation_prompt, continue_final_message=False))
+        return list(
+            self.tok.apply_chat_template(
+                self.conversation(body["messages"] if messages is None else messages),
+                tools=self.tool_dicts(body),
+                chat_template=self.template,
+                tokenize=True,
+                return_dict=False,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=False,
+            )
+        )
 
     def sampling_params(self, body: dict[str, Any], prompt_len: int) -> dict[str, Any]:
         """The render route's ``sampling_params`` for a body whose ``logprobs`` the router forced on."""
@@ -477,8 +531,14 @@ class LocalRenderer(Renderer):
             text = self.decode(ch["token_ids"])
             if text.endswith("\ufffd"):
                 return None  # vLLM's incremental detokeniser holds back an unfinished character
-            message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None, "annotations": None,
-                                       "audio": None, "function_call": None}
+            message: dict[str, Any] = {
+                "role": "assistant",
+                "content": text,
+                "refusal": None,
+                "annotations": None,
+                "audio": None,
+                "function_call": None,
+            }
             if parse:
                 calls, content = parse_hermes(text)
                 message["content"] = content
@@ -513,7 +573,8 @@ class LocalRenderer(Renderer):
                 return f"prompt ids differ for {_brief(body)}"
             mine = self.sampling_params(body, len(ids))
             if not same_sampling(mine, ref.get("sampling_params") or {}):
-                return f"sampling params differ for {_brief(body)}: local {mine}, engine {ref.get('sampling_params')}"
+                return (f"sampling params differ for {_brief(body)}: local "
+                        f"{mine}, engine {ref.get('sampling_params')}")
             for text in CALIBRATION_OUTPUTS:
                 out = self.tok.encode(text, add_special_tokens=False)
                 gen = {"request_id": "calibrate", "choices": [{"index": 0, "finish_reason": "stop",
@@ -524,8 +585,9 @@ class LocalRenderer(Renderer):
                 local = self.derender_chat(gen, body)
                 if local is None or not same_message(local["choices"][0]["message"],
                                                      theirs["choices"][0]["message"]):
-                    return (f"derender differs for {text!r} ({_brief(body)}): local "
-                            f"{local and local['choices'][0]['message']}, engine {theirs['choices'][0]['message']}")
+                    return (f"derender differs for {text!r} ({_brief(body)}): "
+                            f"local {local and local['choices'][0]['message']}, "
+                            f"engine {theirs['choices'][0]['message']}")
         for body, messages, gen_prompt in probe_renders(model):
             req = dict(body, messages=messages) if gen_prompt else dict(body, messages=messages,
                                                                         add_generation_prompt=False)

@@ -51,7 +51,8 @@ class Renderers:
         return self.local.state if self.local is not None else "off"
 
     async def calibrate_local(self, engine: Engine) -> None:
-        """Calibrate the local renderer on a live engine, once; until it agreed, calls use the engine's routes."""
+        """Calibrate the local renderer on a live engine, once; until it agreed, calls use the engine's
+        routes."""
         async with self._calibrating:
             local = self.local
             if local is None or local.state != "unchecked":

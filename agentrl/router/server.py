@@ -85,7 +85,8 @@ async def health(request: web.Request) -> web.Response:
 
 
 async def create_session(request: web.Request) -> web.Response:
-    """Open a session (a rollout worker elsewhere, or a scaffold host): ``{"session_id", "meta", "limits"}``."""
+    """Open a session (a rollout worker elsewhere, or a scaffold host): ``{"session_id", "meta",
+    "limits"}``."""
     require_admin(request)
     body = await json_body(request) if request.can_read_body else {}
     if not isinstance(body, dict):
@@ -95,12 +96,16 @@ async def create_session(request: web.Request) -> web.Response:
     except TypeError as e:
         raise InvalidRequest(f"'limits' must hold max_calls, max_tokens, max_session_tokens: {e}",
                              param="limits") from None
-    s = request.app[ROUTER_KEY].open_session(body.get("session_id"), limits=limits, **(body.get("meta") or {}))
+    s = request.app[ROUTER_KEY].open_session(
+        body.get("session_id"), limits=limits, **(body.get("meta") or {})
+    )
     base = f"{request.scheme}://{request.host}/sessions/{s.session_id}/v1"
     return web.json_response({"session_id": s.session_id, "base_url": base})
 
 
-def _samples_response(router: Router, session_id: str, samples: list[Any], info: dict[str, Any]) -> web.Response:
+def _samples_response(
+    router: Router, session_id: str, samples: list[Any], info: dict[str, Any]
+) -> web.Response:
     """A session's samples as one binary batch whose header carries the session's figures (see the
     module docstring): the per-token numbers are encoded once, as the buffer stores them."""
     batch = Batch(batch_id=session_id, samples=samples, learner_version=router.pool.version,

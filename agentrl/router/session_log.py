@@ -63,7 +63,9 @@ class SessionLog:
         if self._thread is not None:
             self._queue.put(_STOP)
             self._thread.join()
-            while not self._queue.empty():  # a flush marker queued behind the stop: nothing is left to wait for
+            while (
+                not self._queue.empty()
+            ):  # a flush marker queued behind the stop: nothing is left to wait for
                 item = self._queue.get_nowait()
                 if isinstance(item, threading.Event):
                     item.set()

@@ -42,7 +42,9 @@ class SessionStore:
             sessions_dir.mkdir(parents=True, exist_ok=True)
             self.log = SessionLog()
 
-    def open(self, session_id: str | None = None, limits: SessionLimits | None = None, **meta: Any) -> Session:
+    def open(
+        self, session_id: str | None = None, limits: SessionLimits | None = None, **meta: Any
+    ) -> Session:
         """The session ``session_id`` (a new id when None), opened now unless it is open already."""
         sid = session_id or uuid.uuid4().hex
         if not valid_session_id(sid):
@@ -93,11 +95,16 @@ class SessionStore:
                                  param="messages", code="max_turns_exceeded")
         caps = [lim.max_tokens] if lim.max_tokens else []
         if lim.max_session_tokens:
-            left = lim.max_session_tokens - sum(len(c.token_ids) for r in session.records for c in r.completions)
+            left = lim.max_session_tokens - sum(
+                len(c.token_ids) for r in session.records for c in r.completions
+            )
             if left <= 0:
                 lim.refused = "max_tokens"
-                raise InvalidRequest(f"this episode allows at most {lim.max_session_tokens} completion tokens",
-                                     param="max_tokens", code="max_tokens_exceeded")
+                raise InvalidRequest(
+                    f"this episode allows at most {lim.max_session_tokens} completion tokens",
+                    param="max_tokens",
+                    code="max_tokens_exceeded",
+                )
             caps.append(left)
         return min(caps, default=0)
 

@@ -153,10 +153,20 @@ class Session:
 
     def summary(self, refused: str | None = None) -> SessionSummary:
         comps = [c for r in self.records for c in r.completions]
-        last = next((str(c.message["content"]) for c in reversed(comps) if (c.message or {}).get("content")), "")
-        return SessionSummary(self.session_id, self.samples(), self.splits, len(self.records),
-                              sum(len(c.token_ids) for c in comps), sorted({int(v) for c in comps for v in c.versions}),
-                              last, refused, self.model_failures)
+        last = next(
+            (str(c.message["content"]) for c in reversed(comps) if (c.message or {}).get("content")), ""
+        )
+        return SessionSummary(
+            self.session_id,
+            self.samples(),
+            self.splits,
+            len(self.records),
+            sum(len(c.token_ids) for c in comps),
+            sorted({int(v) for c in comps for v in c.versions}),
+            last,
+            refused,
+            self.model_failures,
+        )
 
     def record(self, rec: CallRecord) -> None:
         """Add ``rec`` and append it to the session's log, as the call completes (a crashed scaffold
@@ -171,7 +181,9 @@ class Session:
                 with open(self.log_path, "a") as f:
                     f.write(line + "\n")
 
-    def find_parent(self, messages: list[dict[str, Any]], policy: str | None = None) -> tuple[CallRecord, int] | None:
+    def find_parent(
+        self, messages: list[dict[str, Any]], policy: str | None = None
+    ) -> tuple[CallRecord, int] | None:
         """The latest call whose messages + returned reply are a prefix of ``messages`` (already
         normalised with :func:`normalize_message`, as the caller also records them). With named
         policies, only a call of the same ``policy``: a sample holds one policy's tokens."""
@@ -231,11 +243,25 @@ class Session:
                         break
                     rec, c = by_index[rec.parent], rec.choice
                 behaviour = Behaviour.from_calls(n, calls, tokens) if any(x[2] for x in calls) else None
-                out.append(Sample(tokens, mask, logprobs, versions, episode_id=self.session_id,
-                                  group_id=str(self.meta.get("group_id", "")), env=str(self.meta.get("env", "")),
-                                  reward=0.0, info={"calls": chain[::-1], "finish_reason": comp.finish_reason,
-                                                    **({POLICY_KEY: leaf.policy} if leaf.policy else {})},
-                                  behaviour=behaviour, routing=chain_routing(n, routings[::-1], last_versions[::-1])))
+                out.append(
+                    Sample(
+                        tokens,
+                        mask,
+                        logprobs,
+                        versions,
+                        episode_id=self.session_id,
+                        group_id=str(self.meta.get("group_id", "")),
+                        env=str(self.meta.get("env", "")),
+                        reward=0.0,
+                        info={
+                            "calls": chain[::-1],
+                            "finish_reason": comp.finish_reason,
+                            **({POLICY_KEY: leaf.policy} if leaf.policy else {}),
+                        },
+                        behaviour=behaviour,
+                        routing=chain_routing(n, routings[::-1], last_versions[::-1]),
+                    )
+                )
         return out
 
 
@@ -265,7 +291,8 @@ def chain_routing(n: int, routings: list[dict[str, Any] | None],
     _, first = captured[0]
     out = routing_array(n, first.shape[1], first.shape[2], wide=any(e.dtype != np.uint8 for _, e in captured))
     for positions, experts in captured:
-        keep = positions < n  # the last sampled token is never computed; positions beyond the sample are not its own
+        # the last sampled token is never computed; positions beyond the sample are not its own
+        keep = positions < n
         out[positions[keep]] = experts[keep]
     return out
 

@@ -101,8 +101,15 @@ class LocalChoiceStream:
         if not calls:  # malformed: the whole text is the content, as unstreamed
             return self._content(len(self.text))
         delta = self._content(len(content or ""))
-        self.calls = [{"index": i, "id": f"chatcmpl-tool-{secrets.token_hex(8)}", "type": "function",
-                       "function": {"name": c["name"], "arguments": c["arguments"]}} for i, c in enumerate(calls)]
+        self.calls = [
+            {
+                "index": i,
+                "id": f"chatcmpl-tool-{secrets.token_hex(8)}",
+                "type": "function",
+                "function": {"name": c["name"], "arguments": c["arguments"]},
+            }
+            for i, c in enumerate(calls)
+        ]
         delta["tool_calls"] = self.calls
         return delta
 
@@ -134,8 +141,14 @@ class EngineChoiceStream:
         one = dict(event or {}, choices=[shown])
         if prep.kind == "chat":
             path = "/v1/chat/completions/derender"
-            req = {"stream": True, "generate_chunk": one, "stream_state": self.state, "chat_request": prep.body,
-                   "prompt_token_ids": prep.prompt_ids, "prompt_tokens": len(prep.prompt_ids)}
+            req = {
+                "stream": True,
+                "generate_chunk": one,
+                "stream_state": self.state,
+                "chat_request": prep.body,
+                "prompt_token_ids": prep.prompt_ids,
+                "prompt_tokens": len(prep.prompt_ids),
+            }
         else:
             path = "/v1/completions/derender"
             req = {"stream": True, "generate_chunk": one, "stream_state": self.state,

@@ -88,8 +88,11 @@ class Stream:
         sp = prep.gen_req.get("sampling_params") or {}
         self.n = int(sp.get("n") or 1)
         text = router.token_text
-        self._hidden = text.special if text is not None and prep.kind == "chat" and skips_special(prep.gen_req) \
+        self._hidden = (
+            text.special
+            if text is not None and prep.kind == "chat" and skips_special(prep.gen_req)
             else frozenset()
+        )
         # the local derender mirrors the chat route for what the local renderer takes, stop strings aside
         self._local = (prep.kind == "chat" and router.local is not None and prep.renderer is router.local
                        and not sp.get("stop") and not sp.get("stop_token_ids"))
@@ -114,8 +117,14 @@ class Stream:
         try:
             if prep.kind == "chat":
                 for i in range(self.n):
-                    yield self._wrap({"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                                      "finish_reason": None})
+                    yield self._wrap(
+                        {
+                            "index": i,
+                            "delta": {"role": "assistant", "content": ""},
+                            "logprobs": None,
+                            "finish_reason": None,
+                        }
+                    )
             event = self._first
             while event is not None:
                 for ch in event.get("choices") or []:
@@ -126,8 +135,14 @@ class Stream:
             self.finished = True
             if include_usage:
                 completion = self.completion_tokens()
-                yield self._wrap(None, usage={"prompt_tokens": len(prep.prompt_ids), "completion_tokens": completion,
-                                              "total_tokens": len(prep.prompt_ids) + completion})
+                yield self._wrap(
+                    None,
+                    usage={
+                        "prompt_tokens": len(prep.prompt_ids),
+                        "completion_tokens": completion,
+                        "total_tokens": len(prep.prompt_ids) + completion,
+                    },
+                )
         finally:
             await self.close()
 
@@ -149,8 +164,13 @@ class Stream:
 
     def _wrap(self, choice: dict[str, Any] | None, usage: dict[str, Any] | None = None) -> dict[str, Any]:
         obj = "chat.completion.chunk" if self.prep.kind == "chat" else "text_completion"
-        out: dict[str, Any] = {"id": self.id, "object": obj, "created": self.created, "model": self.router.model_name,
-                               "choices": [choice] if choice is not None else []}
+        out: dict[str, Any] = {
+            "id": self.id,
+            "object": obj,
+            "created": self.created,
+            "model": self.router.model_name,
+            "choices": [choice] if choice is not None else [],
+        }
         if usage is not None:
             out["usage"] = usage
         return out
@@ -213,8 +233,13 @@ class Stream:
         text = out.get("text") or ""
         if text:
             c.content.append(text)
-        choice = {"index": index, "text": text, "logprobs": out.get("logprobs") if self.prep.want_logprobs else None,
-                  "finish_reason": finish, "stop_reason": c.stop_reason if finish else None}
+        choice = {
+            "index": index,
+            "text": text,
+            "logprobs": out.get("logprobs") if self.prep.want_logprobs else None,
+            "finish_reason": finish,
+            "stop_reason": c.stop_reason if finish else None,
+        }
         choice["token_ids"], c.unsent = c.unsent, []
         return self._wrap(choice)
 
@@ -227,7 +252,9 @@ class Stream:
             lps = c.logprobs[:len(c.ids)] if len(c.logprobs) >= len(c.ids) else c.logprobs
             ids = c.ids[:len(lps)]  # a torn chunk never leaves ids without logprobs
             kept = c.kept[:len(ids)] if prep.capture is not None else None
-            message = c.message() if prep.kind == "chat" else {"role": "assistant", "content": "".join(c.content)}
+            message = (
+                c.message() if prep.kind == "chat" else {"role": "assistant", "content": "".join(c.content)}
+            )
             comps.append(router.completion_entry(prep.engine, ids, lps, c.weight_versions,
                                                  c.finish_reason or "abort", c.stop_reason, message, kept,
                                                  routings[i], adapter_version=prep.adapter_version))

@@ -30,7 +30,8 @@ def typed_tools(tools: Any, wanted: str, *, untyped: str | None, path: str, not_
         at = path.format(i=i)
         if not isinstance(t, dict) or t.get("type", untyped) != wanted:
             kind = t.get("type") if isinstance(t, dict) else None
-            raise InvalidRequest(f"{at}: tools of type {kind!r} are not supported by this router ({supported} are)",
+            raise InvalidRequest(f"{at}: tools of type {kind!r} are not "
+                                 f"supported by this router ({supported} are)",
                                  param=f"{at}.type", code=code)
         out.append((at, t))
     return out
@@ -100,7 +101,11 @@ def text_size(body: dict[str, Any]) -> int:
         if isinstance(content, str):
             n += len(content)
         elif isinstance(content, list):
-            n += sum(len(p.get("text") or "") for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
+            n += sum(
+                len(p.get("text") or "")
+                for p in content
+                if isinstance(p, dict) and isinstance(p.get("text"), str)
+            )
         for c in m.get("tool_calls") or []:
             args = (c.get("function") or {}).get("arguments") if isinstance(c, dict) else None
             n += len(args) if isinstance(args, str) else 0
@@ -114,8 +119,12 @@ def check_size(body: dict[str, Any], max_chars: int) -> None:
     """Refuse a request whose text cannot fit the context however it tokenises (``max_chars`` =
     context length x the longest token's characters): a huge prompt costs no tokenising at all."""
     if max_chars and (n := text_size(body)) > max_chars:
-        raise InvalidRequest(f"the prompt has {n} characters: more than this model's context can hold "
-                             f"({max_chars} characters at most)", param="messages", code="context_length_exceeded")
+        raise InvalidRequest(
+            f"the prompt has {n} characters: more than this model's context can hold "
+            f"({max_chars} characters at most)",
+            param="messages",
+            code="context_length_exceeded",
+        )
 
 
 def validate_chat(body: Any, model_name: str, max_chars: int = 0) -> dict[str, Any]:
@@ -162,7 +171,9 @@ def validate_completion(body: Any, model_name: str) -> dict[str, Any]:
     check_sampling(body)
     lp = body.get("logprobs")
     if lp is not None and (isinstance(lp, bool) or not isinstance(lp, int) or not 0 <= lp <= 5):
-        raise InvalidRequest("'logprobs' must be an integer between 0 and 5 for completions", param="logprobs")
+        raise InvalidRequest(
+            "'logprobs' must be an integer between 0 and 5 for completions", param="logprobs"
+        )
     if body.get("echo"):
         raise InvalidRequest("'echo' is not supported by this router", param="echo")
     body = dict(body, prompt=prompt, model=model_name)

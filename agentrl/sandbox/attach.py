@@ -94,7 +94,8 @@ async def attached(env: E, pool: SandboxPool | ImagePools | None,
         raise EnvironmentFailure(f"{type(env).__name__} needs a sandbox ({image}) but none is configured")
     if isinstance(pool, ImagePools):
         if not per_task:
-            raise EnvironmentFailure(f"{type(env).__name__} uses several images; which one depends on the task")
+            raise EnvironmentFailure(f"{type(env).__name__} uses several "
+                                     "images; which one depends on the task")
         acquiring = pool.acquire(image)
     else:
         acquiring = pool.acquire()

@@ -51,7 +51,9 @@ class Cgroups:
     def __init__(self, owner: str) -> None:
         self.v2 = (CGROUP_ROOT / "cgroup.controllers").exists()
         self.owner = owner
-        self.bases = [CGROUP_ROOT / "agentrl"] if self.v2 else [CGROUP_ROOT / c / "agentrl" for c in V1_CONTROLLERS]
+        self.bases = (
+            [CGROUP_ROOT / "agentrl"] if self.v2 else [CGROUP_ROOT / c / "agentrl" for c in V1_CONTROLLERS]
+        )
 
     def usable(self) -> bool:
         try:
@@ -128,7 +130,9 @@ def _user_ids(user: str) -> tuple[int, int]:
     try:
         return int(uid or 65534), int(gid or uid or 65534)
     except ValueError:
-        raise SandboxError(f"sandbox.user={user!r}: bubblewrap needs numeric uid:gid, e.g. 65534:65534") from None
+        raise SandboxError(
+            f"sandbox.user={user!r}: bubblewrap needs numeric uid:gid, e.g. 65534:65534"
+        ) from None
 
 
 def _mkdir_open(base: Path, d: Path) -> None:
@@ -171,7 +175,11 @@ class BubblewrapBackend(SandboxBackend):
         self._host_ids: tuple[int, int] | None = None
         self._procs: dict[str, asyncio.subprocess.Process] = {}
         self._create_sem = asyncio.Semaphore(cfg.create_concurrency)
-        self._python = "/usr/bin/python3" if os.path.exists("/usr/bin/python3") else (shutil.which("python3") or "python3")
+        self._python = (
+            "/usr/bin/python3"
+            if os.path.exists("/usr/bin/python3")
+            else (shutil.which("python3") or "python3")
+        )
 
     async def start(self) -> int:
         if not shutil.which(self.cfg.bwrap_path):
@@ -230,7 +238,14 @@ class BubblewrapBackend(SandboxBackend):
                  "--setenv", "PATH", "/usr/local/bin:/usr/bin:/bin", "--setenv", "HOME", "/work",
                  "--setenv", "LANG", "C.UTF-8", "--setenv", "PYTHONDONTWRITEBYTECODE", "1"]
         if oom_file is not None:
-            argv += ["--ro-bind", str(oom_file), "/run/agentrl/oom", "--setenv", "AGENTRL_OOM_FILE", "/run/agentrl/oom"]
+            argv += [
+                "--ro-bind",
+                str(oom_file),
+                "/run/agentrl/oom",
+                "--setenv",
+                "AGENTRL_OOM_FILE",
+                "/run/agentrl/oom",
+            ]
         argv += ["--remount-ro", "/"]  # bwrap's root tmpfs would otherwise be writable (and ours)
         return [*argv, "--", self._python, "-u", "-I", "-c", execd_source()]
 
@@ -316,7 +331,11 @@ class BubblewrapBackend(SandboxBackend):
     async def live_ids(self) -> list[str]:
         ids = {sid for sid, p in self._procs.items() if p.returncode is None}
         if self._use_cg:
-            ids |= {sid for sid in self._cg.sandboxes(self._cg.owner) if any(_pids_in(d) for d in self._cg.dirs(sid))}
+            ids |= {
+                sid
+                for sid in self._cg.sandboxes(self._cg.owner)
+                if any(_pids_in(d) for d in self._cg.dirs(sid))
+            }
         return sorted(ids)
 
 

@@ -87,7 +87,9 @@ class DockerAPI:
 
     async def remove(self, cid: str) -> None:
         # 404: gone; 409: removal already in progress (AutoRemove racing us).
-        await self.request("DELETE", f"/containers/{cid}", params={"force": "1", "v": "1"}, ok=(204, 404, 409))
+        await self.request(
+            "DELETE", f"/containers/{cid}", params={"force": "1", "v": "1"}, ok=(204, 404, 409)
+        )
 
     async def inspect(self, cid: str) -> dict[str, Any] | None:
         status, data = await self.request("GET", f"/containers/{cid}/json", ok=(200, 404))
@@ -103,7 +105,9 @@ class DockerAPI:
         nothing is missed). Returns (stdout chunks, stdin writer)."""
         try:
             if self._unix:
-                reader, writer = await asyncio.wait_for(asyncio.open_unix_connection(self._unix), self.timeout)
+                reader, writer = await asyncio.wait_for(
+                    asyncio.open_unix_connection(self._unix), self.timeout
+                )
             else:
                 reader, writer = await asyncio.wait_for(
                     asyncio.open_connection(self._tcp_host, self._tcp_port), self.timeout)

@@ -151,8 +151,12 @@ class DockerBackend(SandboxBackend):
             deadline = time.monotonic() + self.cfg.api_timeout_s
             while ids := await self._listed_ids():
                 if time.monotonic() > deadline:
-                    log.warning("%d sandbox containers still listed after %.0f s of removing them: %s", len(ids),
-                                self.cfg.api_timeout_s, ", ".join(i[:12] for i in ids))
+                    log.warning(
+                        "%d sandbox containers still listed after %.0f s of removing them: %s",
+                        len(ids),
+                        self.cfg.api_timeout_s,
+                        ", ".join(i[:12] for i in ids),
+                    )
                     break
                 await asyncio.gather(*(self.api.remove(cid) for cid in ids))  # 404 and 409 count as done
                 removed.update(ids)

@@ -389,7 +389,10 @@ def op_bg_poll(req):
     if proc is None:
         return {"error": "ProcessLookupError", "message": "no background process {}".format(req["pid"])}
     code = proc.poll()
-    return {"running": code is None, "exit_code": None if code is None else (128 - code if code < 0 else code)}
+    return {
+        "running": code is None,
+        "exit_code": None if code is None else (128 - code if code < 0 else code),
+    }
 
 
 def op_bg_kill(req):

@@ -45,7 +45,9 @@ class SandboxPool:
 
     def __init__(self, cfg: SandboxConfig | None = None, instance_id: str | None = None) -> None:
         self.cfg = cfg or SandboxConfig()
-        self.instance_id = instance_id or f"agentrl-{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
+        self.instance_id = (
+            instance_id or f"agentrl-{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
+        )
         self.backend: SandboxBackend | None = None
         self._stats = PoolStats()
         self._idle: list[Slot] = []
@@ -130,7 +132,9 @@ class SandboxPool:
         if self.backend is not None and not self._closed:
             try:
                 n = self.backend.close_sync()
-                log.warning("sandbox pool %s was not closed; at-exit removed %d sandboxes", self.instance_id, n)
+                log.warning(
+                    "sandbox pool %s was not closed; at-exit removed %d sandboxes", self.instance_id, n
+                )
             except Exception:
                 log.exception("at-exit sandbox cleanup failed")
 

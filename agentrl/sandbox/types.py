@@ -22,7 +22,9 @@ class SandboxConfig:
     backend: Backend = "auto"
     """"docker" (strong isolation), "bubblewrap" (weaker: shares the host kernel's user namespaces and
     the host's /usr read-only; for machines without Docker), or "auto" (Docker when an engine answers)."""
-    image: str = field(default="agentrl/base:bookworm", metadata={"derived": "the environment's sandbox_image"})
+    image: str = field(
+        default="agentrl/base:bookworm", metadata={"derived": "the environment's sandbox_image"}
+    )
     """Docker image the sandboxes run (must contain python3 3.9+). Ignored by bubblewrap, which uses
     the host's /usr."""
     warm: int = 2
@@ -63,7 +65,9 @@ class SandboxConfig:
 
     def __post_init__(self) -> None:
         if self.backend not in ("docker", "bubblewrap", "auto"):
-            raise ValueError(f"sandbox.backend must be 'docker', 'bubblewrap' or 'auto', not {self.backend!r}")
+            raise ValueError(
+                f"sandbox.backend must be 'docker', 'bubblewrap' or 'auto', not {self.backend!r}"
+            )
         for name in ("memory_mb", "pids", "max_concurrency", "create_concurrency", "work_size_mb"):
             if getattr(self, name) < 1:
                 raise ValueError(f"sandbox.{name} must be at least 1, got {getattr(self, name)}")

@@ -21,7 +21,9 @@ GROUP_RUBRIC = (
 class JudgeConfig:
     """An LLM judge: any OpenAI-compatible chat endpoint grades each episode's final answer."""
 
-    url: str = ""  # the endpoint's base URL, e.g. http://127.0.0.1:8001/v1; empty: no judge, or serve's own engine (engine)
+    url: str = ""
+    """the endpoint's base URL, e.g. http://127.0.0.1:8001/v1; empty: no judge, or serve's own engine
+    (engine)"""
     model: str = ""  # the model name to ask for at that endpoint (with engine: serve's model, by default)
     engine: bool = False
     """The judge is serve's own model on serve's first engine (the policy as it is now), asked
@@ -52,14 +54,17 @@ class TeacherConfig:
     """A teacher for on-policy distillation: any vLLM endpoint serving a model with the student's
     tokenizer scores the student's sampled tokens (``Sample.teacher_logprobs``; docs/scoring.md)."""
 
-    url: str = ""  # the endpoint's base URL, e.g. http://127.0.0.1:8002/v1; empty: no teacher, or one serve launches (model)
+    url: str = ""
+    """the endpoint's base URL, e.g. http://127.0.0.1:8002/v1; empty: no teacher, or one serve launches
+    (model)"""
     model: str = ""
     """The model name to ask for at ``url``; without a ``url``, the model serve launches an engine of
     for the teacher (as ``serve.model``: a built-in name such as ``tiny-agent``, a folder, a hub
     name), which must share the student's tokenizer."""
     api_key_env: str = ""  # environment variable that holds the endpoint's key (empty: none sent)
     name: str = ""  # recorded on each scored sample (info["teacher"]); default: the model name
-    weight: float = 0.0  # the episode's teacher KL (mean log mu - log pi_teacher) in its reward (negative: a penalty); 0: none
+    weight: float = 0.0
+    """the episode's teacher KL (mean log mu - log pi_teacher) in its reward (negative: a penalty); 0: none"""
     top_k: int = 0
     """Also keep the teacher's ``top_k`` most likely tokens and their logprobs at each position it
     scores (``Sample.teacher_topk_ids`` / ``_logprobs``; vLLM's prompt logprobs, at most the
@@ -103,8 +108,15 @@ class ScoringConfig:
 
     @property
     def enabled(self) -> bool:
-        return bool(self.judge.url or self.judge.engine or self.teacher.url or self.teacher.model or self.teacher.lag or self.scorers
-                    or self.teachers)
+        return bool(
+            self.judge.url
+            or self.judge.engine
+            or self.teacher.url
+            or self.teacher.model
+            or self.teacher.lag
+            or self.scorers
+            or self.teachers
+        )
 
     def check(self) -> None:
         if self.concurrency < 1:
@@ -114,8 +126,8 @@ class ScoringConfig:
         if self.retries < 0:
             raise ConfigError("scoring.retries must be at least 0")
         if self.judge.url and self.judge.engine:
-            raise ConfigError("scoring.judge.url (a judge of your own) and scoring.judge.engine (serve's own engine) "
-                              "exclude each other")
+            raise ConfigError("scoring.judge.url (a judge of your own) and "
+                              "scoring.judge.engine (serve's own engine) exclude each other")
         if self.judge.url and not self.judge.model:
             raise ConfigError("scoring.judge.url is set: name the judge's model in scoring.judge.model")
         if self.teacher.url and not self.teacher.model:
@@ -125,18 +137,20 @@ class ScoringConfig:
         if self.teacher.lag < 0 or self.teacher.every < 1:
             raise ConfigError("scoring.teacher.lag must be at least 0 and scoring.teacher.every at least 1")
         if self.teacher.lag and self.teacher.model and not self.teacher.url:
-            raise ConfigError("scoring.teacher.lag (self-distillation: the teacher is the student's own model) and "
-                              "scoring.teacher.model (a model serve launches for the teacher) exclude each other")
+            raise ConfigError("scoring.teacher.lag (self-distillation: the teacher is "
+                              "the student's own model) and scoring.teacher.model (a "
+                              "model serve launches for the teacher) exclude each other")
         if self.teacher.lag and self.teacher.url:
             raise ConfigError("scoring.teacher.lag (self-distillation: serve launches the teacher) and "
                               "scoring.teacher.url (a teacher of your own) exclude each other")
         for env, t in self.teachers.items():
             if not (t.url and t.model) or t.lag:
-                raise ConfigError(f"scoring.teachers.{env} needs a url and a model of its own (serve launches at "
-                                  f"most one teacher engine, scoring.teacher's), and no lag")
+                raise ConfigError(f"scoring.teachers.{env} needs a url and a model of its own (serve "
+                                  "launches at most one teacher engine, scoring.teacher's), and no lag")
             if t.top_k != self.teacher.top_k:
-                raise ConfigError(f"scoring.teachers.{env}.top_k ({t.top_k}) differs from scoring.teacher.top_k "
-                                  f"({self.teacher.top_k}): one run's teachers keep the same top-k")
+                raise ConfigError(f"scoring.teachers.{env}.top_k ({t.top_k}) differs "
+                                  f"from scoring.teacher.top_k ({self.teacher.top_k}): "
+                                  "one run's teachers keep the same top-k")
         if self.judge.mode not in ("pointwise", "group"):
             raise ConfigError(f"scoring.judge.mode must be 'pointwise' or 'group', not {self.judge.mode!r}")
         if self.group_wait_s <= 0:

@@ -139,8 +139,11 @@ class Judge:
         from agentrl.client import ServeClient
 
         self.cfg = cfg
-        url, key, model = endpoint or (cfg.url, os.environ.get(cfg.api_key_env, "") if cfg.api_key_env else "",
-                                       cfg.model)
+        url, key, model = endpoint or (
+            cfg.url,
+            os.environ.get(cfg.api_key_env, "") if cfg.api_key_env else "",
+            cfg.model,
+        )
         self.model = cfg.model or model
         self.client = ServeClient(url, key, timeout_s=timeout_s, retries=retries, backoff_s=0.5)
         grades = "|".join(str(g) for g in range(cfg.scale, -1, -1))  # longest first: 10 before 1
@@ -148,7 +151,9 @@ class Judge:
 
     async def __call__(self, task: dict[str, Any], episode: EpisodeResult) -> float:
         c = self.cfg
-        prompt = _fill(c.rubric, task=task_text(task), answer=episode.answer or "(no answer)", scale=str(c.scale))
+        prompt = _fill(
+            c.rubric, task=task_text(task), answer=episode.answer or "(no answer)", scale=str(c.scale)
+        )
         text = await self._ask(prompt, {"choice": [str(g) for g in range(c.scale + 1)]}, c.max_tokens)
         found = _GRADE.search(text)
         grade = int(found.group()) if found else None
@@ -166,9 +171,11 @@ class Judge:
         for line in text.splitlines():
             if m := _LINE.match(line):
                 grades.setdefault(int(m.group(1)), int(m.group(2)))
-        if sorted(grades) != list(range(1, len(answers) + 1)) or not all(0 <= g <= c.scale for g in grades.values()):
-            raise ValueError(f"the judge's reply {text[:300]!r} is not one line 'N: G' (G from 0 to {c.scale}) "
-                             f"for each of the {len(answers)} answers")
+        if sorted(grades) != list(range(1, len(answers) + 1)) or not all(
+            0 <= g <= c.scale for g in grades.values()
+        ):
+            raise ValueError(f"the judge's reply {text[:300]!r} is not one line 'N: G' (G "
+                             f"from 0 to {c.scale}) for each of the {len(answers)} answers")
         return [grades[i] / c.scale for i in range(1, len(answers) + 1)]
 
     async def _ask(self, prompt: str, structured: dict[str, Any], max_tokens: int) -> str:
@@ -219,10 +226,12 @@ class ScoringStage:
         if scorers is None:
             scorers = {name: (get_scorer(name), weight) for name, weight in cfg.scorers.items()}
             if cfg.judge.engine and judge_endpoint is None:
-                raise ConfigError("scoring.judge.engine: the judge is serve's own engine, which agentrl serve "
-                                  "names (not with serve --ray, whose engines are the cluster's)")
+                raise ConfigError("scoring.judge.engine: the judge is serve's own engine, which agentrl "
+                                  "serve names (not with serve --ray, whose engines are the cluster's)")
             if cfg.judge.url or cfg.judge.engine:
-                judge = Judge(cfg.judge, timeout_s=cfg.timeout_s, retries=cfg.retries, endpoint=judge_endpoint)
+                judge = Judge(
+                    cfg.judge, timeout_s=cfg.timeout_s, retries=cfg.retries, endpoint=judge_endpoint
+                )
                 self._own.append(judge)
                 if cfg.judge.mode == "group":
                     self.group_judge = judge
@@ -330,8 +339,13 @@ class ScoringStage:
         except TimeoutError:
             if not group.complete.is_set():
                 gid = group.arrived[0].group_id
-                log.warning("group %s: %d of %d episodes after %.0f s; grading those", gid, len(group.arrived),
-                            group.expected, self.cfg.group_wait_s)
+                log.warning(
+                    "group %s: %d of %d episodes after %.0f s; grading those",
+                    gid,
+                    len(group.arrived),
+                    group.expected,
+                    self.cfg.group_wait_s,
+                )
                 group.complete.set()
                 if self._groups.get(gid) is group:
                     del self._groups[gid]
@@ -391,7 +405,11 @@ class ScoringStage:
         return value
 
     def status(self) -> dict[str, Any]:
-        return {**self.counters, "outage": self.outage, "scorers": {n: dict(s) for n, s in self.per_scorer.items()}}
+        return {
+            **self.counters,
+            "outage": self.outage,
+            "scorers": {n: dict(s) for n, s in self.per_scorer.items()},
+        }
 
     async def close(self) -> None:
         for client in self._own:  # the judge's and the teacher's HTTP clients

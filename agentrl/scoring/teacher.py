@@ -45,7 +45,8 @@ class Teacher:
         gaps = []
         who: dict[str, Any] = {"name": self.cfg.name or self.cfg.model or self.model}
         if self.version is not None:
-            who["version"] = self.version()  # before the calls: a version that changes mid-episode is not mixed
+            # before the calls: a version that changes mid-episode is not mixed
+            who["version"] = self.version()
         for s in episode.samples:
             mask = s.loss_mask != 0
             mask[0] = False  # the first token has no context to be predicted from
@@ -61,7 +62,9 @@ class Teacher:
             gaps.append(s.logprobs[mask] - teacher[mask])
         return float(np.concatenate(gaps).mean()) if gaps else 0.0
 
-    async def logprobs(self, token_ids: list[int], top_k: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    async def logprobs(
+        self, token_ids: list[int], top_k: int = 0
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The teacher's log p(token_t | tokens_<t) at each position (NaN at 0), float32; with
         ``top_k``, also its ``top_k`` most likely tokens at each position and their logprobs,
         [positions, top_k] in rank order (-1 and NaN at 0), else [positions, 0]."""
@@ -73,8 +76,8 @@ class Teacher:
         except (KeyError, IndexError, TypeError):
             raise ValueError(f"the teacher answered no prompt logprobs: {str(reply)[:300]}") from None
         if not isinstance(rows, list) or len(rows) != len(token_ids):
-            raise ValueError(f"the teacher gave {len(rows) if isinstance(rows, list) else rows!r} prompt logprobs "
-                             f"for {len(token_ids)} tokens")
+            raise ValueError(f"the teacher gave {len(rows) if isinstance(rows, list) else rows!r} "
+                             f"prompt logprobs for {len(token_ids)} tokens")
         out = np.full(len(token_ids), math.nan, dtype=np.float32)
         top_ids = np.full((len(token_ids), top_k), -1, dtype=np.int32)
         top_lps = np.full((len(token_ids), top_k), math.nan, dtype=np.float32)
@@ -100,7 +103,8 @@ def _top(row: dict[str, Any], k: int, t: int) -> tuple[list[int], list[float]]:
         ranked = sorted((int(e["rank"]), int(tok), float(e["logprob"])) for tok, e in row.items()
                         if isinstance(e, dict) and isinstance(e.get("rank"), int) and 1 <= e["rank"] <= k)
     except (KeyError, TypeError, ValueError):
-        raise ValueError(f"the teacher's top-{k} prompt logprobs at position {t} are malformed: {str(row)[:200]}") from None
+        raise ValueError(f"the teacher's top-{k} prompt logprobs at "
+                         f"position {t} are malformed: {str(row)[:200]}") from None
     ranked = ranked[:k]  # a tie with the k-th can rank the token that is there within k too
     if len(ranked) < k or not all(math.isfinite(lp) for *_, lp in ranked):
         raise ValueError(f"the teacher gave {len(ranked)} of the top {k} prompt logprobs at position {t}: "

@@ -153,7 +153,9 @@ class Serve:
         if not urls:
             from agentrl.serve.local import LocalEngines
 
-            self.local = LocalEngines(build.engine_specs(cfg, self.model_path, self.engine_key), self.run_dir / "logs")
+            self.local = LocalEngines(
+                build.engine_specs(cfg, self.model_path, self.engine_key), self.run_dir / "logs"
+            )
             await self.local.wait_ports_free()  # an engine of a serve killed just now may still hold one
             self.local.launch()  # from this (main) thread: the reaper dies with us
             self._phase(f"starting {cfg.engine.count} engine(s)")
@@ -172,12 +174,15 @@ class Serve:
         if self.local is not None:  # a dead engine is relaunched and rejoins at the current version
             self.local.supervise(self.pool, build.restart_policy(cfg))
         lag, teacher_cfg = cfg.scoring.teacher.lag, cfg.scoring.teacher
-        if lag or teacher_cfg.launched:  # one more engine: the student some versions back, or a model of its own
+        if (
+            lag or teacher_cfg.launched
+        ):  # one more engine: the student some versions back, or a model of its own
             if self.local is None:
                 from agentrl.errors import ConfigError
 
-                raise ConfigError("a teacher serve launches (scoring.teacher.lag, or scoring.teacher.model without "
-                                  "a url) needs the engines serve launches itself: not engine.urls, not ray.address")
+                raise ConfigError("a teacher serve launches (scoring.teacher.lag, or "
+                                  "scoring.teacher.model without a url) needs the engines "
+                                  "serve launches itself: not engine.urls, not ray.address")
             from agentrl.serve.teacher_engine import TeacherEngine, check_same_tokenizer
 
             teacher_path = self.model_path
@@ -185,8 +190,11 @@ class Serve:
                 teacher_path = await asyncio.to_thread(resolve_model, teacher_cfg.model)
                 await asyncio.to_thread(check_same_tokenizer, self.model_path, teacher_path)
             self.teacher_engine = TeacherEngine(cfg, teacher_path, self.engine_key, self.run_dir / "logs")
-            self._phase(f"starting the self-distillation teacher's engine (the policy {lag} version(s) back)" if lag
-                        else f"starting the teacher's engine ({teacher_cfg.model})")
+            self._phase(
+                f"starting the self-distillation teacher's engine (the policy {lag} version(s) back)"
+                if lag
+                else f"starting the teacher's engine ({teacher_cfg.model})"
+            )
             await self.teacher_engine.start(cfg.engine.start_timeout_s)
         self.router = build.build_router(cfg, self.pool, self.model_path, self.run_dir)
         if is_moe(self.model_path):  # the learner replays the experts the engines routed each token through
@@ -194,17 +202,33 @@ class Serve:
         self.buffer = build.build_buffer(cfg, self.run_dir)
         from agentrl.weights import WeightReceiver
 
-        keep = max(2, lag + cfg.scoring.teacher.every)  # the teacher loads a version up to lag + every - 1 back
+        # the teacher loads a version up to lag + every - 1 back
+        keep = max(2, lag + cfg.scoring.teacher.every)
         # named policies: one receiver each (weights/<policy>/v<N>, adapters only); the first is the default
-        self.policy_weights = {name: WeightReceiver(self.run_dir / "weights" / name, self.updater.policy(name),
-                                                    keep=keep, max_bytes=weights_cap(self.model_path),
-                                                    adapters_only=True) for name in staleness}
-        self.weights = self.policy_weights[self.updater.default_policy] if staleness else \
-            WeightReceiver(self.run_dir / "weights", self.updater, keep=keep, max_bytes=weights_cap(self.model_path))
+        self.policy_weights = {
+            name: WeightReceiver(
+                self.run_dir / "weights" / name,
+                self.updater.policy(name),
+                keep=keep,
+                max_bytes=weights_cap(self.model_path),
+                adapters_only=True,
+            )
+            for name in staleness
+        }
+        self.weights = (
+            self.policy_weights[self.updater.default_policy]
+            if staleness
+            else WeightReceiver(
+                self.run_dir / "weights", self.updater, keep=keep, max_bytes=weights_cap(self.model_path)
+            )
+        )
         for name, receiver in (self.policy_weights or {"": self.weights}).items():
             latest = receiver.latest_loaded()
-            if cfg.restore and latest is not None and latest[0] > receiver.updater.version:  # a restart: carry on
-                self._phase(f"restoring {f'policy {name} ' if name else 'policy '}version {latest[0]} from {latest[1]}")
+            if (
+                cfg.restore and latest is not None and latest[0] > receiver.updater.version
+            ):  # a restart: carry on
+                self._phase(f"restoring {f'policy {name} ' if name else 'policy '}version "
+                            f"{latest[0]} from {latest[1]}")
                 await receiver.restore(*latest)
         teacher = None
         if self.teacher_engine is not None:
@@ -214,26 +238,45 @@ class Serve:
             if st.follows:
                 self.weights.on_loaded.append(lambda version: st.advance(version, root))
                 await st.advance(self.pool.version, root)  # a restarted serve: the teacher of its version
-            teacher = Teacher(cfg.scoring.teacher, timeout_s=cfg.scoring.timeout_s, retries=cfg.scoring.retries,
-                              url=f"{st.url}/v1", key=self.engine_key,
-                              version=(lambda: st.version) if st.follows else None)
+            teacher = Teacher(
+                cfg.scoring.teacher,
+                timeout_s=cfg.scoring.timeout_s,
+                retries=cfg.scoring.retries,
+                url=f"{st.url}/v1",
+                key=self.engine_key,
+                version=(lambda: st.version) if st.follows else None,
+            )
         await self._serve_http()
 
         if cfg.endpoint_only:
-            log.info("endpoint only: no agent loops; external clients' sessions at %s/sessions/<id>/v1", self.url)
+            log.info(
+                "endpoint only: no agent loops; external clients' sessions at %s/sessions/<id>/v1", self.url
+            )
         elif self.cluster is not None:  # the rollout workers on the cluster play the episodes
             from agentrl.serve.ray import default_serve_url
 
             self._rollout_task = asyncio.create_task(
-                self.cluster.run_workers(default_serve_url(cfg), self.admin_token, self.pool), name="rollout-workers")
+                self.cluster.run_workers(default_serve_url(cfg), self.admin_token, self.pool),
+                name="rollout-workers",
+            )
         else:
             self.sandbox_pool = await build.build_sandbox_pool(cfg, "serve")
             producer = build.build_producer(cfg, self.router, self.sandbox_pool, scaffold=scaffold)
             # scoring.judge.engine: the judge is the policy on serve's first engine, asked there directly
-            judge = (f"{self.pool.engines[0].url}/v1", self.engine_key, cfg.model) if cfg.scoring.judge.engine else None
-            self.orchestrator = build.build_orchestrator(cfg, producer, self.buffer, run_dir=self.run_dir,
-                                                         policy_version=lambda: self.pool.version, teacher=teacher,
-                                                         judge_endpoint=judge)
+            judge = (
+                (f"{self.pool.engines[0].url}/v1", self.engine_key, cfg.model)
+                if cfg.scoring.judge.engine
+                else None
+            )
+            self.orchestrator = build.build_orchestrator(
+                cfg,
+                producer,
+                self.buffer,
+                run_dir=self.run_dir,
+                policy_version=lambda: self.pool.version,
+                teacher=teacher,
+                judge_endpoint=judge,
+            )
             self._rollout_task = asyncio.create_task(self.orchestrator.run(), name="orchestrator")
         self.phase = "serving"
         settle_gc()
@@ -260,9 +303,18 @@ class Serve:
             return web.json_response({"starting": True, **self.startup_status()})
 
         async def not_yet(request: web.Request) -> web.Response:  # retryable: come back when it is up
-            return web.json_response({"error": {"message": f"serve is starting ({self.phase})", "type": "starting",
-                                                "param": None, "code": "starting"}}, status=503,
-                                     headers={"Retry-After": "2"})
+            return web.json_response(
+                {
+                    "error": {
+                        "message": f"serve is starting ({self.phase})",
+                        "type": "starting",
+                        "param": None,
+                        "code": "starting",
+                    }
+                },
+                status=503,
+                headers={"Retry-After": "2"},
+            )
 
         # nobody keeps a connection to this page across its handover to the real routes
         app = web.Application(middlewares=[close_after_response, error_middleware])
@@ -294,7 +346,9 @@ class Serve:
         app.router.add_get("/admin/info", self._info)
         app.router.add_get("/admin/status", self._status)
         # Rollout workers on other machines (serve --ray) send their episode lines here.
-        app.router.add_post("/admin/episodes", episode_log_route(self.run_dir / "episodes.jsonl", require_admin))
+        app.router.add_post(
+            "/admin/episodes", episode_log_route(self.run_dir / "episodes.jsonl", require_admin)
+        )
         from agentrl.view import mount as mount_view
 
         mount_view(app, self.view)  # read-only pages under /view
@@ -326,7 +380,8 @@ class Serve:
                                                for name, bound in self.cfg.staleness().items()}})
 
     def status(self) -> dict[str, Any]:
-        """What /admin/status answers and serve_metrics.jsonl logs every 5 s (/metrics: :func:`prometheus_series`)."""
+        """What /admin/status answers and serve_metrics.jsonl logs every 5 s (/metrics:
+        :func:`prometheus_series`)."""
         rollout = self.cluster or self.orchestrator
         engines = self.pool.status()
         if self.local is not None:  # supervision: state (up / restarting / failed), restarts, pid
@@ -404,9 +459,17 @@ class Serve:
                 t.cancel()
                 await asyncio.gather(t, return_exceptions=True)
         # then each part that was started, in this order, by its own closing method (sync or async)
-        parts = ((self._runner, "cleanup"), (self._listener, "close"), (self.sandbox_pool, "close"),
-                 (self.router, "close"), (self.pool, "close"), (self.buffer, "close"), (self.local, "stop"), (self.teacher_engine, "close"),
-                 (self.cluster, "close"))
+        parts = (
+            (self._runner, "cleanup"),
+            (self._listener, "close"),
+            (self.sandbox_pool, "close"),
+            (self.router, "close"),
+            (self.pool, "close"),
+            (self.buffer, "close"),
+            (self.local, "stop"),
+            (self.teacher_engine, "close"),
+            (self.cluster, "close"),
+        )
         for part, method in parts:
             t0 = time.monotonic()
             if part is not None and inspect.isawaitable(done := getattr(part, method)()):

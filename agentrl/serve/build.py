@@ -68,31 +68,48 @@ def restart_policy(cfg: ServeConfig) -> RestartPolicy:
     from agentrl.serve.local import RestartPolicy
 
     e = cfg.engine
-    return RestartPolicy(max_restarts=e.max_restarts, backoff_s=e.restart_backoff_s, unhealthy_s=e.unhealthy_restart_s,
-                         start_timeout_s=e.start_timeout_s)
+    return RestartPolicy(
+        max_restarts=e.max_restarts,
+        backoff_s=e.restart_backoff_s,
+        unhealthy_s=e.unhealthy_restart_s,
+        start_timeout_s=e.start_timeout_s,
+    )
 
 
 def build_pool(cfg: ServeConfig, urls: list[str], api_key: str = "") -> EnginePool:
     """The engine pool; ``api_key``: the key of the engines serve launched (none for ``engine.urls``)."""
     from agentrl.engines.pool import EnginePool
 
-    return EnginePool(urls, request_timeout_s=cfg.router.request_timeout_s, health_failures=cfg.router.health_failures,
-                      api_key=api_key)
+    return EnginePool(
+        urls,
+        request_timeout_s=cfg.router.request_timeout_s,
+        health_failures=cfg.router.health_failures,
+        api_key=api_key,
+    )
 
 
 def build_router(cfg: ServeConfig, pool: EnginePool, model_path: str, run_dir: Path | None) -> Router:
     from agentrl.models import eos_token_ids
     from agentrl.router import Router
 
-    return Router(pool, model_name=cfg.model, eos_token_ids=eos_token_ids(model_path),
-                  max_model_len=cfg.engine.max_model_len, sessions_dir=run_dir / "sessions" if run_dir else None,
-                  retries=cfg.router.retries, model_dir=model_path, render=cfg.router.render,
-                  ignore_seed=drops_seeds(cfg), max_kept_tokens=cfg.router.max_kept_tokens,
-                  policies=list(cfg.policies))
+    return Router(
+        pool,
+        model_name=cfg.model,
+        eos_token_ids=eos_token_ids(model_path),
+        max_model_len=cfg.engine.max_model_len,
+        sessions_dir=run_dir / "sessions" if run_dir else None,
+        retries=cfg.router.retries,
+        model_dir=model_path,
+        render=cfg.router.render,
+        ignore_seed=drops_seeds(cfg),
+        max_kept_tokens=cfg.router.max_kept_tokens,
+        policies=list(cfg.policies),
+    )
 
 
 def buffer_config(cfg: ServeConfig, run_dir: Path) -> BufferConfig:
-    """The buffer's config: the ``buffer`` section, its log under the run directory, groups of ``env.group_size``."""
+    """The buffer's config: the ``buffer`` section, its log under the run directory, groups of
+    ``env.group_size``."""
     return dataclasses.replace(cfg.buffer, path=str(run_dir / "buffer"), group_size=cfg.env.group_size)
 
 
@@ -152,12 +169,19 @@ def build_producer(cfg: ServeConfig, client: ChatClient, sandbox_pool: SandboxPo
                         base_url=router_url or scaffold_url(cfg))
 
 
-def build_orchestrator(cfg: ServeConfig, producer: EpisodeProducer, sink: BufferSink, *, run_dir: Path | None = None,
-                       max_episodes: int | None = None, max_concurrency: int | None = None,
-                       policy_version: Callable[[], int] | None = None,
-                       episode_log: Callable[[dict[str, Any]], Any] | None = None,
-                       teacher: Teacher | None = None,
-                       judge_endpoint: tuple[str, str, str] | None = None) -> Orchestrator:
+def build_orchestrator(
+    cfg: ServeConfig,
+    producer: EpisodeProducer,
+    sink: BufferSink,
+    *,
+    run_dir: Path | None = None,
+    max_episodes: int | None = None,
+    max_concurrency: int | None = None,
+    policy_version: Callable[[], int] | None = None,
+    episode_log: Callable[[dict[str, Any]], Any] | None = None,
+    teacher: Teacher | None = None,
+    judge_endpoint: tuple[str, str, str] | None = None,
+) -> Orchestrator:
     from agentrl.rollout.frontier import TaskFrontier
     from agentrl.rollout.orchestrator import Orchestrator
 
@@ -169,12 +193,22 @@ def build_orchestrator(cfg: ServeConfig, producer: EpisodeProducer, sink: Buffer
     if run_dir is not None and isinstance(sink, GroupLedger):
         stream = json.dumps({"env": e.name, "config": e.config}, sort_keys=True, default=str)
         frontier = TaskFrontier(run_dir / "rollout_frontier.jsonl", fresh=not cfg.restore, stream=stream)
-    return Orchestrator(producer, sink, env_name=e.name, env_config=dict(e.config), group_size=e.group_size,
-                        max_concurrency=e.max_concurrency if max_concurrency is None else max_concurrency,
-                        run_dir=run_dir, max_episodes=cfg.max_episodes if max_episodes is None else max_episodes,
-                        sync=e.mode == "sync", batch_size=cfg.buffer.batch_size, policy_version=policy_version,
-                        episode_log=episode_log, frontier=frontier,
-                        scoring=build_scoring(cfg, teacher, judge_endpoint))
+    return Orchestrator(
+        producer,
+        sink,
+        env_name=e.name,
+        env_config=dict(e.config),
+        group_size=e.group_size,
+        max_concurrency=e.max_concurrency if max_concurrency is None else max_concurrency,
+        run_dir=run_dir,
+        max_episodes=cfg.max_episodes if max_episodes is None else max_episodes,
+        sync=e.mode == "sync",
+        batch_size=cfg.buffer.batch_size,
+        policy_version=policy_version,
+        episode_log=episode_log,
+        frontier=frontier,
+        scoring=build_scoring(cfg, teacher, judge_endpoint),
+    )
 
 
 def build_scoring(cfg: ServeConfig, teacher: Teacher | None = None,

@@ -31,17 +31,22 @@ from agentrl.scoring.config import ScoringConfig
 class RayConfig:
     """Engines and rollout workers as Ray actors across a cluster (router and buffer stay in serve)."""
 
-    address: str = ""  # Ray cluster to use ("auto": the one this machine belongs to, or "HOST:6379"); empty: no Ray
+    address: str = ""
+    """Ray cluster to use ("auto": the one this machine belongs to, or "HOST:6379"); empty: no Ray"""
     namespace: str = "agentrl"  # Ray namespace of serve's actors
-    engine_gpus: float = 0.0  # GPUs per engine actor: 1 per engine, or a tensor-parallel group's size (0 on CPU)
+    engine_gpus: float = 0.0
+    """GPUs per engine actor: 1 per engine, or a tensor-parallel group's size (0 on CPU)"""
     engine_cpus: float = 1.0  # CPUs reserved per engine actor
-    engine_resources: dict[str, float] = field(default_factory=dict)  # custom Ray resources per engine (placement)
+    engine_resources: dict[str, float] = field(default_factory=dict)
+    """custom Ray resources per engine (placement)"""
     engine_host: str = ""  # address engines listen on; empty: their node's IP
     workers: int = 2  # rollout worker actors, each running an orchestrator of agent loops
     worker_cpus: float = 1.0  # CPUs reserved per rollout worker actor
-    worker_resources: dict[str, float] = field(default_factory=dict)  # custom Ray resources per worker (placement)
+    worker_resources: dict[str, float] = field(default_factory=dict)
+    """custom Ray resources per worker (placement)"""
     worker_concurrency: int = 0  # episodes in flight per worker (0: env.max_concurrency / workers)
-    serve_url: str = ""  # how workers reach serve; empty: http://router.host:router.port (0.0.0.0: this node's IP)
+    serve_url: str = ""
+    """how workers reach serve; empty: http://router.host:router.port (0.0.0.0: this node's IP)"""
     max_restarts: int = -1  # Ray restarts a dead actor this many times (-1: always); serve re-adds it
 
 
@@ -61,8 +66,10 @@ POLICY_NAME = re.compile(r"[a-z][a-z0-9_]{0,39}")
 class ServeConfig:
     model: str = "tiny-tools"  # "tiny", "tiny-tools", "tiny-agent", "smollm2", a local folder or a hub name
     run_dir: str = "runs/latest"  # metrics, event log, session records, buffer, weights
-    admin_token: str = ""  # control routes; config file only (never --admin_token=); empty: see admin_token_file
-    admin_token_file: str = ""  # file holding the token; empty: $AGENTRL_ADMIN_TOKEN(_FILE), run_dir/admin_token, generated
+    admin_token: str = ""
+    """control routes; config file only (never --admin_token=); empty: see admin_token_file"""
+    admin_token_file: str = ""
+    """file holding the token; empty: $AGENTRL_ADMIN_TOKEN(_FILE), run_dir/admin_token, generated"""
     max_episodes: int = 0  # stop generating after this many episodes (0: no limit)
     restore: bool = True
     """On a run directory an earlier serve used, reload the newest weights its engines had loaded
@@ -99,7 +106,8 @@ class ServeConfig:
         return sum(s + 1 for s in self.staleness().values()) or self.buffer.max_staleness + 1
 
     def without_secrets(self) -> ServeConfig:
-        """This config with its admin token and client keys left out (for processes that get them otherwise)."""
+        """This config with its admin token and client keys left out (for processes that get them
+        otherwise)."""
         return dataclasses.replace(self, admin_token="", router=dataclasses.replace(self.router, api_keys=[]))
 
     def check(self) -> None:
@@ -113,34 +121,36 @@ class ServeConfig:
         if self.engine.lora_rank < 0:
             raise ConfigError("engine.lora_rank must be 0 (LoRA off) or more")
         if self.engine.lora_rank and self.scoring.teacher.lag:
-            raise ConfigError("scoring.teacher.lag (self-distillation) with LoRA policies (engine.lora_rank > 0) is not "
-                              "supported yet: the teacher engine loads full weights; train without LoRA, or use a "
-                              "separate teacher (scoring.teacher.url)")
+            raise ConfigError("scoring.teacher.lag (self-distillation) with LoRA policies (engine.lora_rank "
+                              "> 0) is not supported yet: the teacher engine loads full weights; train "
+                              "without LoRA, or use a separate teacher (scoring.teacher.url)")
         self.check_policies()
         loaded = self.adapters_loaded()
         if self.engine.lora_rank and self.engine.max_loras < loaded:
-            raise ConfigError(f"engine.max_loras ({self.engine.max_loras}) must be at least {loaded} (each policy's "
-                              "max_staleness + 1, summed): every version a sample may still come from stays loaded "
-                              "as an adapter")
+            raise ConfigError(f"engine.max_loras ({self.engine.max_loras}) must be at least "
+                              f"{loaded} (each policy's max_staleness + 1, summed): every "
+                              "version a sample may still come from stays loaded as an adapter")
         self.check_sampling()
         self.scoring.check()
         if self.scoring.judge.engine and self.ray.address:
-            raise ConfigError("scoring.judge.engine (the judge on serve's own engine) is not supported with serve "
-                              "--ray (ray.address): give the judge an endpoint, scoring.judge.url")
+            raise ConfigError("scoring.judge.engine (the judge on serve's own engine) is not supported with "
+                              "serve --ray (ray.address): give the judge an endpoint, scoring.judge.url")
         if getattr(self.scaffold, "agent", None) == "" or getattr(self.scaffold, "command", None) == "":
-            raise ConfigError(f"scaffold.kind = {self.scaffold.kind!r} needs its scaffold.{self.scaffold.kind}")
+            raise ConfigError(f"scaffold.kind = {self.scaffold.kind!r} "
+                              f"needs its scaffold.{self.scaffold.kind}")
 
 
     def check_policies(self) -> None:
         for name, p in self.policies.items():
             if not POLICY_NAME.fullmatch(name) or name in (self.model, "default"):
-                raise ConfigError(f"policies.{name[:60]}: a policy's name is a lowercase letter then up to 39 "
-                                  "lowercase letters, digits or '_', other than the model's name and 'default'")
+                raise ConfigError(f"policies.{name[:60]}: a policy's name is a lowercase "
+                                  "letter then up to 39 lowercase letters, digits or "
+                                  "'_', other than the model's name and 'default'")
             if p.max_staleness < -1:
                 raise ConfigError(f"policies.{name}.max_staleness must be -1 (buffer.max_staleness) or more")
         if self.policies and not self.engine.lora_rank:
-            raise ConfigError("serve.policies (several LoRA policies on one base model) needs engine.lora_rank > 0 "
-                              "(agentrl run sets it from learn.lora.rank)")
+            raise ConfigError("serve.policies (several LoRA policies on one base model) needs "
+                              "engine.lora_rank > 0 (agentrl run sets it from learn.lora.rank)")
         if self.policies and self.ray.address:
             raise ConfigError("serve.policies is not supported with serve --ray (ray.address) yet")
 
@@ -148,18 +158,19 @@ class ServeConfig:
         """The built-in loop's sampling is one the learner can replay, and the engines can report."""
         e, r = self.env, self.router
         if not 0 < e.top_p <= 1 or not 0 <= e.min_p <= 1 or not 0 <= e.temperature <= 2 or e.top_k < 0:
-            raise ConfigError("env.temperature must be in [0, 2], env.top_p in (0, 1], env.min_p in [0, 1] and "
-                              "env.top_k at least 0")
+            raise ConfigError("env.temperature must be in [0, 2], env.top_p in (0, "
+                              "1], env.min_p in [0, 1] and env.top_k at least 0")
         if r.max_kept_tokens < 0:
             raise ConfigError("router.max_kept_tokens must be at least 0")
         if e.top_k > r.max_kept_tokens or ((e.top_p < 1 or e.min_p > 0) and not e.top_k):
             raise ConfigError(
                 f"the built-in loop truncates the vocabulary (env.top_k={e.top_k}, env.top_p={e.top_p:g}, "
-                f"env.min_p={e.min_p:g}): every token's kept set is recorded for the learner, so set env.top_k "
-                f"between 1 and router.max_kept_tokens ({r.max_kept_tokens})")
+                f"env.min_p={e.min_p:g}): every token's kept set is recorded for the learner, so "
+                f"set env.top_k between 1 and router.max_kept_tokens ({r.max_kept_tokens})")
         if not self.engine.urls and self.engine.max_logprobs <= r.max_kept_tokens:
-            raise ConfigError(f"engine.max_logprobs ({self.engine.max_logprobs}) must exceed router.max_kept_tokens "
-                              f"({r.max_kept_tokens}): kept sets are read from top_k + 1 top logprobs")
+            raise ConfigError(f"engine.max_logprobs ({self.engine.max_logprobs}) "
+                              f"must exceed router.max_kept_tokens ({r.max_kept_tokens}): "
+                              "kept sets are read from top_k + 1 top logprobs")
 
 
 def redacted(cfg: ServeConfig) -> dict[str, Any]:

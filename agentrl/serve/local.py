@@ -166,11 +166,15 @@ class Supervisor:
                   getattr(engine, "log_path", "its log"), _tail(engine))
         self.pool.mark_down(member, f"engine process: {why}")
         while not self._stopping:
-            if engine.alive():  # a dead engine core, a server that answers no more, a relaunch that never rejoined
+            if (
+                engine.alive()
+            ):  # a dead engine core, a server that answers no more, a relaunch that never rejoined
                 await asyncio.to_thread(engine.kill)  # its whole process group, before a new one starts
             if 0 <= policy.max_restarts <= watch.streak:
                 watch.state = "failed"
-                log.error("engine %d (port %d) FAILED: %d relaunch(es) in a row did not keep it up (last: %s); "
+                log.error("engine %d (port %d) FAILED: "
+                          "%d relaunch(es) in a row did "
+                          "not keep it up (last: %s); "
                           "it stays out of the pool", i, engine.spec.port, watch.streak, watch.last_death)
                 return
             watch.streak += 1

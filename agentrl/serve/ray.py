@@ -45,7 +45,9 @@ def import_ray() -> Any:
     try:
         import ray
     except ImportError:
-        raise SystemExit("serve.ray.address is set but Ray is not installed: pip install 'agentrl[ray]'") from None
+        raise SystemExit(
+            "serve.ray.address is set but Ray is not installed: pip install 'agentrl[ray]'"
+        ) from None
     return ray
 
 
@@ -122,8 +124,13 @@ class RolloutWorkerHost:
             self.orchestrator = build.build_orchestrator(
                 cfg, producer, buffer, max_episodes=max_episodes, max_concurrency=self.max_concurrency,
                 episode_log=lambda line: episodes.add({"worker": self.worker_id, **line}))
-            log.info("rollout worker %s (pid %d) playing %s against %s", self.worker_id, os.getpid(), cfg.env.name,
-                     self.serve_url)
+            log.info(
+                "rollout worker %s (pid %d) playing %s against %s",
+                self.worker_id,
+                os.getpid(),
+                cfg.env.name,
+                self.serve_url,
+            )
             await self.orchestrator.run()
         finally:
             uploading.cancel()
@@ -197,7 +204,9 @@ class RayCluster:
         while not self._closing:
             await asyncio.sleep(2.0)
             try:
-                info = await asyncio.wait_for(asyncio.wrap_future(self.engines[i].info.remote().future()), 600)
+                info = await asyncio.wait_for(
+                    asyncio.wrap_future(self.engines[i].info.remote().future()), 600
+                )
             except (ray.exceptions.RayActorError, TimeoutError) as e:
                 if self._closing:
                     return

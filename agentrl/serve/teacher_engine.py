@@ -36,9 +36,9 @@ def check_same_tokenizer(student: str, teacher: str) -> None:
 
     a, b = AutoTokenizer.from_pretrained(student), AutoTokenizer.from_pretrained(teacher)
     if a.get_vocab() != b.get_vocab():
-        raise ConfigError(f"scoring.teacher.model {teacher} has another tokenizer than the student's ({student}: "
-                          f"{len(a)} tokens against {len(b)}, or the same ids mean other text): a teacher scores "
-                          "the student's token ids and must share its tokenizer")
+        raise ConfigError(f"scoring.teacher.model {teacher} has another tokenizer than the student's "
+                          f"({student}: {len(a)} tokens against {len(b)}, or the same ids mean other "
+                          "text): a teacher scores the student's token ids and must share its tokenizer")
 
 
 class TeacherEngine:
@@ -55,7 +55,9 @@ class TeacherEngine:
         self.model_path = model_path
         self.policy = restart_policy(cfg)
         self.engine_key = engine_key
-        spec = dataclasses.replace(cfg.engine.spec(cfg.engine.count, model_path, "teacher"), api_key=engine_key)
+        spec = dataclasses.replace(
+            cfg.engine.spec(cfg.engine.count, model_path, "teacher"), api_key=engine_key
+        )
         self.local = LocalEngines([spec], log_dir)
         self.version = 0
         self.updater: Any = None
@@ -100,10 +102,16 @@ class TeacherEngine:
                 await self.updater.update_weights(str(path), target)
             except Exception as e:  # the teacher stays where it was; the next version tries again
                 self.failures += 1
-                log.warning("the self-distillation teacher could not load version %d from %s: %s", target, path, e)
+                log.warning(
+                    "the self-distillation teacher could not load version %d from %s: %s", target, path, e
+                )
                 return
             self.version = target
-            log.info("self-distillation teacher now serves policy version %d (the student is at %d)", target, version)
+            log.info(
+                "self-distillation teacher now serves policy version %d (the student is at %d)",
+                target,
+                version,
+            )
 
     def status(self) -> dict[str, Any]:
         own = {"version": self.version, "lag": self.lag, "every": self.every} if self.follows else \

@@ -112,7 +112,9 @@ class RedactTokens(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         if isinstance(record.msg, str) and "token=" in record.msg:
             record.msg = _TOKEN_IN_URL.sub(r"\1<redacted>", record.msg)
-        if record.args and any("token=" in str(a) for a in (record.args if isinstance(record.args, tuple) else ())):
+        if record.args and any(
+            "token=" in str(a) for a in (record.args if isinstance(record.args, tuple) else ())
+        ):
             record.args = tuple(_TOKEN_IN_URL.sub(r"\1<redacted>", a) if isinstance(a, str) else a
                                 for a in record.args)  # type: ignore[union-attr]
         return True

@@ -39,9 +39,22 @@ LEARNER_KEYS = ("step", "version", "time", "reward_mean", "staleness_mean", "sta
                 "idle_fraction", "wait_s", "train_s", "sync_s", "loss")
 LEARNER_PREFIXES = ("is/", "mismatch/")
 # serve_metrics.jsonl: dotted paths into serve's status()
-SERVE_KEYS = ("time", "version", "router.completion_tokens", "router.calls", "rollout.episodes", "rollout.failed",
-              "rollout.in_flight", "buffer.depth", "buffer.dropped", "sandbox.exec_p50_ms", "sandbox.exec_p99_ms",
-              "sandbox.acquire_p50_ms", "sandbox.acquire_p99_ms", "sandbox.in_use")
+SERVE_KEYS = (
+    "time",
+    "version",
+    "router.completion_tokens",
+    "router.calls",
+    "rollout.episodes",
+    "rollout.failed",
+    "rollout.in_flight",
+    "buffer.depth",
+    "buffer.dropped",
+    "sandbox.exec_p50_ms",
+    "sandbox.exec_p99_ms",
+    "sandbox.acquire_p50_ms",
+    "sandbox.acquire_p99_ms",
+    "sandbox.in_use",
+)
 
 
 def number(node: Any, key: str) -> float | None:
@@ -190,7 +203,12 @@ class LogTail:
                 cols[k] = [None] * len(next(iter(cols.values()), []))
             for k, values in cols.items():
                 values.append(self.newest.get(k))
-        return {"rev": self.seen, "rows": self.seen, "points": len(next(iter(cols.values()), [])), "cols": cols}
+        return {
+            "rev": self.seen,
+            "rows": self.seen,
+            "points": len(next(iter(cols.values()), [])),
+            "cols": cols,
+        }
 
 
 @dataclass
@@ -233,7 +251,8 @@ class _Codes:
 
 
 class EpisodeIndex:
-    """``episodes.jsonl`` as columns: byte offset, time, reward, version range, env, error kind, truncation."""
+    """``episodes.jsonl`` as columns: byte offset, time, reward, version range, env, error kind,
+    truncation."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -279,10 +298,15 @@ class EpisodeIndex:
 
     def facets(self) -> dict[str, list[str]]:
         """The values each filter can take in this run."""
-        return {"envs": self.envs.names[1:], "error_kinds": self.kinds.names[1:], "truncations": self.truncs.names[1:]}
+        return {
+            "envs": self.envs.names[1:],
+            "error_kinds": self.kinds.names[1:],
+            "truncations": self.truncs.names[1:],
+        }
 
     def match(self, f: EpisodeFilter, offset: int, limit: int) -> tuple[int, list[int]]:
-        """(how many episodes match, the byte offsets of matches ``offset`` .. ``offset + limit``), newest first."""
+        """(how many episodes match, the byte offsets of matches ``offset`` .. ``offset + limit``), newest
+        first."""
         env = self.envs.lookup(f.env) if f.env else None
         if f.env and env is None:
             return 0, []
@@ -309,10 +333,18 @@ class EpisodeIndex:
             if f.version_max is not None and (self.vmin[i] < 0 or self.vmin[i] > f.version_max):
                 continue
             k = self.kind[i]
-            if (f.error_kind == "none" and k) or (f.error_kind == "any" and not k) or (kind is not None and k != kind):
+            if (
+                (f.error_kind == "none" and k)
+                or (f.error_kind == "any" and not k)
+                or (kind is not None and k != kind)
+            ):
                 continue
             t = self.trunc[i]
-            if (f.truncation == "no" and t) or (f.truncation == "yes" and not t) or (trunc is not None and t != trunc):
+            if (
+                (f.truncation == "no" and t)
+                or (f.truncation == "yes" and not t)
+                or (trunc is not None and t != trunc)
+            ):
                 continue
             if offset <= total < offset + limit:
                 page.append(self.offsets[i])

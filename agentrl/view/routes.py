@@ -55,8 +55,9 @@ log = logging.getLogger(__name__)
 MAX_PAGE = 200  # episode rows per page at most
 MAX_POINTS = 600  # points per chart series at most
 SECURITY_HEADERS = {
-    "Content-Security-Policy": "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
-                               "connect-src 'self'; form-action 'self'; base-uri 'none'; frame-ancestors 'none'",
+    "Content-Security-Policy": "default-src 'none'; script-src 'self'; style-src 'self'; "
+                               "img-src 'self' data:; connect-src 'self'; form-action "
+                               "'self'; base-uri 'none'; frame-ancestors 'none'",
     "X-Content-Type-Options": "nosniff",
     "Referrer-Policy": "no-referrer",
     "X-Frame-Options": "DENY",
@@ -165,7 +166,8 @@ class ViewState:
             if got is None or not 0 <= k < len(got[1]):
                 return None
             session, samples = got
-        page = token_page(session, samples[k], self.detok.pieces, offset, limit)  # the tokenizer outside the lock
+        # the tokenizer outside the lock
+        page = token_page(session, samples[k], self.detok.pieces, offset, limit)
         page["tokenizer_error"] = self.detok.error
         return page
 
@@ -174,13 +176,24 @@ def _episode_row(r: dict[str, Any]) -> dict[str, Any]:
     """The browser's columns of one episode line (the error message cut short)."""
     versions = [v for v in r.get("versions") or [] if isinstance(v, int)]
     err = r.get("error")
-    return {"episode_id": r.get("episode_id"), "time": r.get("time"), "env": env_label(r), "task_id": r.get("task_id"),
-            "reward": r.get("reward"), "turns": r.get("turns"), "truncated": r.get("truncated"),
-            "truncation": r.get("truncation"), "error_kind": r.get("error_kind"),
-            "error": err[:200] if isinstance(err, str) else None, "completion_tokens": r.get("completion_tokens"),
-            "version_min": min(versions, default=None), "version_max": max(versions, default=None),
-            "seconds": r.get("seconds"), "num_samples": r.get("num_samples"),
-            "tool_calls": (r.get("info") or {}).get("tool_calls") if isinstance(r.get("info"), dict) else None}
+    return {
+        "episode_id": r.get("episode_id"),
+        "time": r.get("time"),
+        "env": env_label(r),
+        "task_id": r.get("task_id"),
+        "reward": r.get("reward"),
+        "turns": r.get("turns"),
+        "truncated": r.get("truncated"),
+        "truncation": r.get("truncation"),
+        "error_kind": r.get("error_kind"),
+        "error": err[:200] if isinstance(err, str) else None,
+        "completion_tokens": r.get("completion_tokens"),
+        "version_min": min(versions, default=None),
+        "version_max": max(versions, default=None),
+        "seconds": r.get("seconds"),
+        "num_samples": r.get("num_samples"),
+        "tool_calls": (r.get("info") or {}).get("tool_calls") if isinstance(r.get("info"), dict) else None,
+    }
 
 
 def _secured(resp: web.StreamResponse) -> web.StreamResponse:
@@ -227,7 +240,8 @@ def add_view_routes(app: web.Application, state: ViewState) -> None:
                 state.auth.set_cookie(resp, request)
                 return resp
             if not state.auth.authorized(request):
-                return login(str(request.rel_url), "This view needs the run's view token or serve's admin token.")
+                return login(str(request.rel_url), "This view needs the run's view "
+                                                   "token or serve's admin token.")
             return _secured(web.Response(body=body, content_type="text/html"))
         return handler
 
@@ -272,10 +286,15 @@ def add_view_routes(app: web.Application, state: ViewState) -> None:
         return _json(await asyncio.to_thread(state.series, revs))
 
     async def episodes(request: web.Request) -> web.StreamResponse:
-        f = EpisodeFilter(env=request.query.get("env", ""), reward_min=_num(request, "reward_min", float),
-                          reward_max=_num(request, "reward_max", float),
-                          version_min=_num(request, "version_min", int), version_max=_num(request, "version_max", int),
-                          error_kind=request.query.get("error_kind", ""), truncation=request.query.get("truncation", ""))
+        f = EpisodeFilter(
+            env=request.query.get("env", ""),
+            reward_min=_num(request, "reward_min", float),
+            reward_max=_num(request, "reward_max", float),
+            version_min=_num(request, "version_min", int),
+            version_max=_num(request, "version_max", int),
+            error_kind=request.query.get("error_kind", ""),
+            truncation=request.query.get("truncation", ""),
+        )
         offset = max(0, _num(request, "offset", int, 0))
         limit = min(MAX_PAGE, max(1, _num(request, "limit", int, 50)))
         return _json(await asyncio.to_thread(state.episode_page, f, offset, limit))

@@ -2,7 +2,8 @@
 
 On serve the admin token and the run's view token (``RUN_DIR/view_token``, made on first use,
 mode 0600) open it, from the moment serve's port answers (the start-up app mounts it too, with the
-same state, so a cookie stays good), and the tokenizer is serve's model folder once it is known. Alone, the view reads a run
+same state, so a cookie stays good), and the tokenizer is serve's model folder once it is known. Alone, the
+view reads a run
 directory, live or finished: the view token and, when the directory has one, the admin token open
 it; the model named in ``serve_config.json`` gives the tokenizer, unless that model is a built-in
 one not built on this machine (the view does not build models: its token pages then show ids).
@@ -29,8 +30,14 @@ log = logging.getLogger(__name__)
 _progress = logging.getLogger("agentrl.progress")
 
 # built-in model names and the folder under $AGENTRL_HOME/models that resolve_model builds for them
-_BUILT_IN = {"tiny": "tiny", "tiny-tools": "tiny-tools", "tiny-arith": "tiny-arith", "tiny-agent": "tiny-agent",
-             "smollm2": "smollm2-135m", "smollm2-135m": "smollm2-135m"}
+_BUILT_IN = {
+    "tiny": "tiny",
+    "tiny-tools": "tiny-tools",
+    "tiny-arith": "tiny-arith",
+    "tiny-agent": "tiny-agent",
+    "smollm2": "smollm2-135m",
+    "smollm2-135m": "smollm2-135m",
+}
 
 
 def serve_view(run_dir: str | Path, admin_token: str, model_path: Callable[[], str | None]) -> ViewState:
@@ -80,8 +87,8 @@ def standalone_app(run_dir: str | Path, token_file: str = "", model: str = "") -
         raise FileNotFoundError(f"{d} is not a directory")
     tokens = [view_token(d, token_file), find_admin_token(run_dir=d)]
     if not any(tokens):
-        raise PermissionError(f"no token opens a view of {d}: it has no view_token or admin_token and cannot be "
-                              "written; pass --token-file FILE")
+        raise PermissionError(f"no token opens a view of {d}: it has no view_token or "
+                              "admin_token and cannot be written; pass --token-file FILE")
     app = web.Application(middlewares=[error_middleware])
     add_view_routes(app, ViewState(d, ViewAuth(tokens), model_locator(d, model)))
 

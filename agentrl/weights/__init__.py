@@ -51,11 +51,31 @@ _LAZY = {
     "serialize_state_dict": "agentrl.weights.transfer",
 }
 
-__all__ = ["AdapterTransport", "AdapterTransportConfig", "DeltaError", "DeltaRefused", "DeltaTransport",
-           "DeltaTransportConfig", "EngineUpdater", "EnginesFailed", "HttpTransport", "HttpTransportConfig", "NcclTransport",
-           "NcclTransportConfig", "TransportConfig", "WeightGroupStale", "WeightReceiver", "WeightSyncError",
-           "WeightTransferError", "WeightTransport", "WeightUpdateFailed", "WeightsConfig", "make_transport",
-           "publish", "serialize_state_dict"]
+__all__ = [
+    "AdapterTransport",
+    "AdapterTransportConfig",
+    "DeltaError",
+    "DeltaRefused",
+    "DeltaTransport",
+    "DeltaTransportConfig",
+    "EngineUpdater",
+    "EnginesFailed",
+    "HttpTransport",
+    "HttpTransportConfig",
+    "NcclTransport",
+    "NcclTransportConfig",
+    "TransportConfig",
+    "WeightGroupStale",
+    "WeightReceiver",
+    "WeightSyncError",
+    "WeightTransferError",
+    "WeightTransport",
+    "WeightUpdateFailed",
+    "WeightsConfig",
+    "make_transport",
+    "publish",
+    "serialize_state_dict",
+]
 
 
 def __getattr__(name: str) -> Any:

@@ -34,10 +34,13 @@ class NcclTransportConfig:
     vLLM's CUDA build on the learner and the engines."""
 
     kind: Literal["nccl"] = "nccl"
-    master_address: str = ""  # address the engines reach the learner's rank 0 at; empty: this host's, on its route to serve
+    master_address: str = ""
+    """address the engines reach the learner's rank 0 at; empty: this host's, on its route to serve"""
     master_port: int = 29600  # rendezvous port of the weight-transfer group (not the training group's port)
-    workers_per_engine: int = 1  # worker processes per engine (its tensor-parallel size), each a rank of the group
-    packed_buffer_bytes: int = 256 * 2**20  # bytes per broadcast bucket (the engines unpack with the same size)
+    workers_per_engine: int = 1
+    """worker processes per engine (its tensor-parallel size), each a rank of the group"""
+    packed_buffer_bytes: int = 256 * 2**20
+    """bytes per broadcast bucket (the engines unpack with the same size)"""
     packed_buffers: int = 2  # buckets in flight at once (double-buffered)
     timeout_s: float = 600.0  # limit per call to serve (forming the group; one version's receive)
 
@@ -79,7 +82,8 @@ class DeltaTransportConfig:
             raise ValueError("weights.transport.full_every must be 0 (full weights only when needed) or more")
 
 
-TransportConfig = HttpTransportConfig | NcclTransportConfig | AdapterTransportConfig | DeltaTransportConfig  # by ``kind``
+# by ``kind``
+TransportConfig = HttpTransportConfig | NcclTransportConfig | AdapterTransportConfig | DeltaTransportConfig
 TRANSPORT_KINDS: tuple[str, ...] = ("http", "nccl", "adapter", "delta")
 
 
@@ -87,7 +91,8 @@ TRANSPORT_KINDS: tuple[str, ...] = ("http", "nccl", "adapter", "delta")
 class WeightsConfig:
     """Weight sync from the learner to serve's engines."""
 
-    transport: HttpTransportConfig | NcclTransportConfig | AdapterTransportConfig | DeltaTransportConfig = field(
-        default_factory=HttpTransportConfig)
+    transport: HttpTransportConfig | NcclTransportConfig | AdapterTransportConfig | DeltaTransportConfig = (
+        field(default_factory=HttpTransportConfig)
+    )
     """How a version travels to the engines: kind = "http" (the default), "nccl", "adapter" (LoRA) or
     "delta", each with its own settings."""

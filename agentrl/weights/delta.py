@@ -73,7 +73,9 @@ def cast_state(state: Mapping[str, Any], dtype: str) -> dict[str, Any]:
         seen.add(ptr)
         t = t.detach().to("cpu")
         out[name] = (t.to(dt) if t.is_floating_point() else t).contiguous()
-        if out[name].data_ptr() == ptr:  # already in dtype on the CPU: a copy, so later steps cannot change it
+        if (
+            out[name].data_ptr() == ptr
+        ):  # already in dtype on the CPU: a copy, so later steps cannot change it
             out[name] = out[name].clone()
     return out
 
@@ -118,11 +120,14 @@ class DeltaStats:
 def _check_alike(base: Mapping[str, Any], new: Mapping[str, Any]) -> None:
     if set(base) != set(new):
         missing, extra = sorted(set(base) - set(new)), sorted(set(new) - set(base))
-        raise DeltaError(f"the new state's tensors differ from the base's (missing {missing[:5]}, new {extra[:5]})")
+        raise DeltaError("the new state's tensors differ from the base's "
+                         f"(missing {missing[:5]}, new {extra[:5]})")
     for name, t in new.items():
         b = base[name]
         if b.shape != t.shape or b.dtype != t.dtype:
-            raise DeltaError(f"{name}: {t.dtype} {list(t.shape)} against the base's {b.dtype} {list(b.shape)}")
+            raise DeltaError(
+                f"{name}: {t.dtype} {list(t.shape)} against the base's {b.dtype} {list(b.shape)}"
+            )
 
 
 def encode_delta(base: Mapping[str, Any], new: Mapping[str, Any], base_version: int,
@@ -156,7 +161,8 @@ def encode_delta(base: Mapping[str, Any], new: Mapping[str, Any], base_version: 
         out[f"{name}::values"] = b.reshape(-1)[idx]
     floating = {str(t.dtype).removeprefix("torch.") for t in new.values() if t.is_floating_point()}
     if len(floating) > 1:
-        raise DeltaError(f"the state mixes floating dtypes {sorted(floating)}; cast it to the engines' (cast_state)")
+        raise DeltaError(f"the state mixes floating dtypes {sorted(floating)}; "
+                         "cast it to the engines' (cast_state)")
     meta = {"format": FORMAT, "base": str(base_version), "version": str(version), "digest": state_digest(new),
             "dtype": floating.pop() if floating else ""}
     data = save(out, metadata=meta)
@@ -177,16 +183,20 @@ def delta_metadata(data: bytes) -> dict[str, str]:
     except (ValueError, KeyError, TypeError):
         raise DeltaError("the delta's header is not safetensors JSON with __metadata__") from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-        raise DeltaError(f"not an {FORMAT} delta (format {meta.get('format') if isinstance(meta, dict) else None!r})")
+        raise DeltaError(f"not an {FORMAT} delta (format "
+                         f"{meta.get('format') if isinstance(meta, dict) else None!r})")
     for key in ("base", "version", "digest"):
         if not isinstance(meta.get(key), str):
             raise DeltaError(f"the delta's metadata has no {key}")
     if not (meta["base"].isdigit() and meta["version"].isdigit()):
-        raise DeltaError(f"the delta's base and version are not integers: {meta['base']!r}, {meta['version']!r}")
+        raise DeltaError("the delta's base and version are not integers: "
+                         f"{meta['base']!r}, {meta['version']!r}")
     return meta
 
 
-def apply_delta(base: dict[str, Any], data: bytes, base_version: int, *, inplace: bool = False) -> dict[str, Any]:
+def apply_delta(
+    base: dict[str, Any], data: bytes, base_version: int, *, inplace: bool = False
+) -> dict[str, Any]:
     """``base`` (version ``base_version``) with the delta ``data`` applied: the delta's version, bit
     for bit, checked against its digest. ``inplace``: change ``base``'s tensors (serve's own copy).
 
@@ -216,8 +226,8 @@ def apply_delta(base: dict[str, Any], data: bytes, base_version: int, *, inplace
         if set(p) == {"full"}:
             full = p["full"]
             if full.shape != b.shape or full.dtype != b.dtype:
-                raise DeltaError(f"{name}: the delta's whole tensor is {full.dtype} {list(full.shape)}, the base's "
-                                 f"{b.dtype} {list(b.shape)}")
+                raise DeltaError(f"{name}: the delta's whole tensor is {full.dtype} "
+                                 f"{list(full.shape)}, the base's {b.dtype} {list(b.shape)}")
             out[name] = full.clone()
             continue
         if set(p) != {"count", "offset", "values"}:
@@ -231,9 +241,12 @@ def apply_delta(base: dict[str, Any], data: bytes, base_version: int, *, inplace
                              f"{list(offset.shape)}, values {values.dtype} {list(values.shape)} do not fit "
                              f"{b.dtype} {list(b.shape)} ({blocks} blocks)")
         if bool((count < 0).any()) or int(count.sum()) != offset.numel():
-            raise DeltaError(f"{name}: the block counts do not add up to the {offset.numel()} changed elements")
-        idx = (torch.repeat_interleave(torch.arange(blocks, dtype=torch.int64), count.to(torch.int64)) << BLOCK_BITS) \
-            | (offset.to(torch.int64) & 0xFFFF)
+            raise DeltaError(f"{name}: the block counts do not add up "
+                             f"to the {offset.numel()} changed elements")
+        idx = (
+            torch.repeat_interleave(torch.arange(blocks, dtype=torch.int64), count.to(torch.int64))
+            << BLOCK_BITS
+        ) | (offset.to(torch.int64) & 0xFFFF)
         if idx.numel() and int(idx.max()) >= n:
             raise DeltaError(f"{name}: a changed element's index is beyond its {n} elements")
         t = b if inplace else b.clone()
@@ -269,9 +282,11 @@ def delta_installer(updater: Any, base_version: int, digest: str) -> Callable[[P
         from safetensors.torch import save_file
 
         if base_version != updater.version or not updater.weights_path:
-            raise DeltaError(f"the delta is against version {base_version}; the engines hold version "
-                             f"{updater.version}{'' if updater.weights_path else ' (no full weights stored for it)'}",
-                             "base_mismatch")
+            raise DeltaError(
+                f"the delta is against version {base_version}; the engines hold version "
+                f"{updater.version}{'' if updater.weights_path else ' (no full weights stored for it)'}",
+                "base_mismatch",
+            )
         data = staged.read_bytes()
         meta = delta_metadata(data)
         if meta["digest"] != digest or int(meta["base"]) != base_version:
@@ -289,6 +304,12 @@ def delta_installer(updater: Any, base_version: int, digest: str) -> Callable[[P
 def commit_fields(body: Mapping[str, Any]) -> tuple[int, str]:
     """The delta commit's ``base`` (a version) and ``digest``; DeltaError for anything else."""
     base, digest = body.get("base"), body.get("digest")
-    if not isinstance(base, int) or isinstance(base, bool) or base < 0 or not isinstance(digest, str) or len(digest) != 64:
+    if (
+        not isinstance(base, int)
+        or isinstance(base, bool)
+        or base < 0
+        or not isinstance(digest, str)
+        or len(digest) != 64
+    ):
         raise DeltaError("a delta commit needs base (the version it is against) and digest (64 hex digits)")
     return base, digest

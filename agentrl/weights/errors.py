@@ -34,7 +34,8 @@ class WeightTransferError(WeightSyncError):
     def __init__(self, message: str, status: int | None = None, unreachable: bool = False) -> None:
         super().__init__(message)
         self.status = status
-        self.unreachable = unreachable  # serve did not answer, or answered 5xx/429 (down, restarting): wait for it
+        # serve did not answer, or answered 5xx/429 (down, restarting): wait for it
+        self.unreachable = unreachable
 
 
 class EnginesFailed(WeightTransferError):

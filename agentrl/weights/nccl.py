@@ -153,7 +153,8 @@ class NCCLWeightSender:
         raise WeightTransferError("could not form the NCCL weight group: engines kept changing")
 
     async def publish(self, named_params: Iterable[tuple[str, Any]], version: int) -> dict[str, Any]:
-        """Broadcast ``named_params`` (CUDA tensors, full not sharded) as ``version``; return serve's result."""
+        """Broadcast ``named_params`` (CUDA tensors, full not sharded) as ``version``; return serve's
+        result."""
         if self.group is None:
             await self.connect()
         params = unique_params(named_params)
@@ -184,8 +185,14 @@ class NCCLWeightSender:
                     raise WeightTransferError("serve gave up on this version")
                 yield name, t
 
-        packed_nccl_broadcast_producer(iterator=items(), group=self.group, src=0, post_iter_func=lambda x: x[1],
-                                       buffer_size_bytes=self.buffer_bytes, num_buffers=self.num_buffers)
+        packed_nccl_broadcast_producer(
+            iterator=items(),
+            group=self.group,
+            src=0,
+            post_iter_func=lambda x: x[1],
+            buffer_size_bytes=self.buffer_bytes,
+            num_buffers=self.num_buffers,
+        )
         torch.cuda.current_stream().synchronize()
 
     def close(self) -> None:

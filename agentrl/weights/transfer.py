@@ -49,9 +49,19 @@ LOADED = "loaded.json"  # written into a version's folder once an engine serves 
 
 
 def _sync_error(e: WeightUpdateFailed) -> web.Response:
-    return web.json_response({"error": {"message": str(e), "type": "weight_sync_error", "param": None,
-                                        "code": "engines_failed", "version": e.version, "engines": e.engines}},
-                             status=502)
+    return web.json_response(
+        {
+            "error": {
+                "message": str(e),
+                "type": "weight_sync_error",
+                "param": None,
+                "code": "engines_failed",
+                "version": e.version,
+                "engines": e.engines,
+            }
+        },
+        status=502,
+    )
 
 
 class WeightReceiver:
@@ -68,7 +78,8 @@ class WeightReceiver:
         self.root = root
         self.updater = updater
         self.keep = keep
-        self.on_loaded: list[Any] = []  # awaited with each version the engines loaded, before the commit answers
+        # awaited with each version the engines loaded, before the commit answers
+        self.on_loaded: list[Any] = []
         self.max_bytes = max_bytes
         self.adapters_only = adapters_only  # a named LoRA policy's receiver: its adapters alone
         self._declared: dict[int, int] = {}  # version -> the total size its chunks declared
@@ -81,22 +92,25 @@ class WeightReceiver:
     def _staging_path(self, version: int) -> Path:
         return self.root / f"v{version}.staging"
 
-    async def chunk(self, version: int, index: int, offset: int, data: bytes, sha: str, total: int | None = None) -> None:
+    async def chunk(
+        self, version: int, index: int, offset: int, data: bytes, sha: str, total: int | None = None
+    ) -> None:
         """Verify one chunk and write it at ``offset`` of the version's staging file (of ``total`` bytes)."""
         if index < 0 or offset < 0:
-            raise web.HTTPBadRequest(reason=f"chunk {index} of version {version}: bad index or offset {offset}")
+            raise web.HTTPBadRequest(reason=f"chunk {index} of version {version}: "
+                                            f"bad index or offset {offset}")
         if total is not None:
             if not 0 <= total <= self.max_bytes:
-                raise web.HTTPBadRequest(reason=f"version {version}: {total} bytes is beyond the {self.max_bytes} "
-                                                "a version may have")
+                raise web.HTTPBadRequest(reason=f"version {version}: {total} bytes is beyond "
+                                                f"the {self.max_bytes} a version may have")
             known = self._declared.get(version)
             if known is not None and known != total:
                 raise web.HTTPBadRequest(reason=f"version {version}: chunks declare different sizes "
                                                 f"({known} and {total})")
         limit = self.max_bytes if total is None else total
         if offset + len(data) > limit:
-            raise web.HTTPBadRequest(reason=f"chunk {index} of version {version} ends at {offset + len(data)}, "
-                                            f"beyond the declared {limit} bytes")
+            raise web.HTTPBadRequest(reason=f"chunk {index} of version {version} ends at "
+                                            f"{offset + len(data)}, beyond the declared {limit} bytes")
         # Hashing and writing run off the event loop: the router shares it, and a 16 MiB SHA-256
         # would stall every agent's call for tens of milliseconds per chunk.
         if await asyncio.to_thread(_sha256, data) != sha:
@@ -123,14 +137,18 @@ class WeightReceiver:
                                             f"(kind 'adapter'), not {kind!r}")
         staged = self._staging.get(version, {})
         if not 0 <= size <= self.max_bytes or chunks < 1:
-            raise web.HTTPBadRequest(reason=f"version {version}: a commit of {chunks} chunks and {size} bytes")
+            raise web.HTTPBadRequest(
+                reason=f"version {version}: a commit of {chunks} chunks and {size} bytes"
+            )
         declared = self._declared.get(version)
         if declared is not None and declared != size:
-            raise web.HTTPBadRequest(reason=f"version {version}: the chunks declared {declared} bytes, the commit {size}")
+            raise web.HTTPBadRequest(reason=f"version {version}: the chunks declared "
+                                            f"{declared} bytes, the commit {size}")
         missing = [i for i in range(chunks) if i not in staged]
         if missing:
-            raise web.HTTPConflict(reason=f"version {version}: {chunks - len(missing)} of {chunks} chunks "
-                                          f"received (missing {missing[:5]}{'...' if len(missing) > 5 else ''})")
+            raise web.HTTPConflict(reason=f"version {version}: {chunks - len(missing)} "
+                                          f"of {chunks} chunks received (missing "
+                                          f"{missing[:5]}{'...' if len(missing) > 5 else ''})")
         self._staging.pop(version)
         self._declared.pop(version, None)
         path = self._staging_path(version)
@@ -138,7 +156,8 @@ class WeightReceiver:
         ends = [o + n for _, o, n in parts]
         if [o for _, o, _ in parts] != [0, *ends[:-1]] or ends[-1] != size:  # chunks must tile the file
             path.unlink(missing_ok=True)
-            raise web.HTTPBadRequest(reason=f"version {version}: the chunks do not make one file of {size} bytes")
+            raise web.HTTPBadRequest(reason=f"version {version}: the chunks do "
+                                            f"not make one file of {size} bytes")
         if _digest_of(d for d, _, _ in parts) != sha:
             path.unlink(missing_ok=True)
             raise web.HTTPBadRequest(reason=f"version {version}: the chunks' digests do not match the commit")
@@ -274,8 +293,14 @@ class WeightReceiver:
             offset = header_int(request, "X-Offset", required=True)
             total = header_int(request, "X-Total-Bytes", required=False)
             assert offset is not None
-            await self.chunk(version, int(text), offset, await _read_chunk(request), request.headers.get("X-Sha256", ""),
-                             total)
+            await self.chunk(
+                version,
+                int(text),
+                offset,
+                await _read_chunk(request),
+                request.headers.get("X-Sha256", ""),
+                total,
+            )
             return web.json_response({"ok": True})
 
         async def commit(request: web.Request) -> web.Response:
@@ -306,10 +331,13 @@ class WeightReceiver:
                 sha, chunks, size = str(body["chunks_sha256"]), int(body["chunks"]), int(body["bytes"])
                 base, digest = commit_fields(body)
             except (KeyError, TypeError, ValueError):
-                raise web.HTTPBadRequest(reason="a delta commit needs chunks_sha256, chunks, bytes, base (the "
-                                                "version it is against) and digest (64 hex digits)") from None
+                raise web.HTTPBadRequest(reason="a delta commit needs chunks_sha256, "
+                                                "chunks, bytes, base (the version it "
+                                                "is against) and digest (64 hex digits)") from None
             try:
-                result = await self.commit(version, sha, chunks, size, install=delta_installer(self.updater, base, digest))
+                result = await self.commit(
+                    version, sha, chunks, size, install=delta_installer(self.updater, base, digest)
+                )
             except DeltaError as e:
                 return error_response(str(e), e.status, type="weight_sync_error", code=e.code)
             except WeightUpdateFailed as e:
@@ -323,7 +351,8 @@ class WeightReceiver:
                 address, port = str(body["master_address"]), int(body["master_port"])
                 per_engine = int(body.get("workers_per_engine", 1))
             except (KeyError, TypeError, ValueError):
-                raise web.HTTPBadRequest(reason="an NCCL init needs master_address and master_port (an integer)") from None
+                raise web.HTTPBadRequest(reason="an NCCL init needs master_address "
+                                                "and master_port (an integer)") from None
             try:
                 result = await self.updater.init_weight_transfer(
                     address, port, workers_per_engine=per_engine, packed=bool(body.get("packed", True)),
@@ -340,10 +369,12 @@ class WeightReceiver:
             version = new_version(request)
             body = await json_object(request)
             if not isinstance(body.get("update_info"), dict):
-                raise web.HTTPBadRequest(reason="an NCCL update needs update_info (names, dtype_names, shapes)")
+                raise web.HTTPBadRequest(reason="an NCCL update needs update_info "
+                                                "(names, dtype_names, shapes)")
             async with self._lock:
                 if version <= self.updater.version:
-                    raise web.HTTPConflict(reason=f"version {version} is not newer than {self.updater.version}")
+                    raise web.HTTPConflict(reason=f"version {version} is not newer "
+                                                  f"than {self.updater.version}")
                 try:
                     result = await self.updater.update_weights_nccl(version, body["update_info"])
                 except WeightGroupStale as e:
@@ -461,8 +492,13 @@ async def publish(data: bytes, version: int, serve_url: str, admin_token: str, *
     chunks = [view[o : o + chunk_bytes] for o in offsets]
     # off the loop: the learner's loop serves other work
     chunk_shas = await asyncio.to_thread(lambda: [_sha256(c) for c in chunks])
-    commit = {"chunks_sha256": _digest_of(chunk_shas), "chunks": len(chunks), "bytes": len(data), "kind": kind,
-              **(commit_fields or {})}
+    commit = {
+        "chunks_sha256": _digest_of(chunk_shas),
+        "chunks": len(chunks),
+        "bytes": len(data),
+        "kind": kind,
+        **(commit_fields or {}),
+    }
     last_error: Exception | None = None
     route = f"/admin/policies/{policy}/weights" if policy else "/admin/weights"
     async with ServeClient(serve_url, admin_token, timeout_s=timeout_s, retries=2, backoff_s=0.5) as http:
@@ -483,8 +519,9 @@ async def publish(data: bytes, version: int, serve_url: str, admin_token: str, *
                     for t in sends:
                         t.cancel()
                     await asyncio.gather(*sends, return_exceptions=True)
-                got = await http.request("POST", f"{route}/{version}/{commit_route}", json=commit, accept={502},
-                                         retries=0)
+                got = await http.request(
+                    "POST", f"{route}/{version}/{commit_route}", json=commit, accept={502}, retries=0
+                )
                 text = got.body.decode(errors="replace")
                 if got.status == 502:
                     if "weight_sync_error" in text:
@@ -503,7 +540,9 @@ async def publish(data: bytes, version: int, serve_url: str, admin_token: str, *
                 last_error = e
                 code = _error_code(e.body)
                 if code in DELTA_REFUSALS:  # the delta cannot be applied: sending it again would not help
-                    raise DeltaRefused(f"serve refused the delta for version {version}: {e}", e.status, code) from None
+                    raise DeltaRefused(
+                        f"serve refused the delta for version {version}: {e}", e.status, code
+                    ) from None
                 if e.status is not None and 400 <= e.status < 500 and e.status != 409:
                     break  # a 4xx other than a conflict will not be fixed by retrying
                 log.warning("weight publish attempt %d failed: %s", attempt + 1, e)

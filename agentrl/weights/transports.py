@@ -98,7 +98,8 @@ class HttpTransport:
         from agentrl.weights.transfer import publish, serialize_state_dict
 
         _one_policy(self, policy)
-        data = await asyncio.to_thread(serialize_state_dict, dict(state))  # off the loop: it copies every tensor
+        # off the loop: it copies every tensor
+        data = await asyncio.to_thread(serialize_state_dict, dict(state))
         c = self.cfg
         return await publish(data, version, self.serve_url, self.admin_token, timeout_s=c.timeout_s,
                              attempts=c.attempts, chunk_bytes=c.chunk_bytes, parallel=c.parallel_chunks)
@@ -227,8 +228,9 @@ class DeltaTransport:
             reported = str(info.get("engine_dtype", ""))
             dtype = named.get(reported, reported)
             if dtype not in DTYPES:
-                raise ConfigError(f"weights.transport.dtype = 'auto': serve reports the engines' dtype as "
-                                  f"{reported or 'nothing'!r}; set weights.transport.dtype to one of {list(DTYPES)}")
+                raise ConfigError("weights.transport.dtype = 'auto': serve reports the "
+                                  f"engines' dtype as {reported or 'nothing'!r}; set "
+                                  f"weights.transport.dtype to one of {list(DTYPES)}")
             self.dtype = dtype
         return self.dtype
 
@@ -243,16 +245,34 @@ class DeltaTransport:
         send = {"timeout_s": c.timeout_s, "attempts": c.attempts, "chunk_bytes": c.chunk_bytes,
                 "parallel": c.parallel_chunks}
         new = await asyncio.to_thread(delta.cast_state, state, await self._engine_dtype())
-        why_full = ("no base" if self.base is None else "not newer than the base" if version <= self.base_version
-                    else "full_every" if c.full_every and self.since_full + 1 >= c.full_every else "")
+        why_full = (
+            "no base"
+            if self.base is None
+            else "not newer than the base"
+            if version <= self.base_version
+            else "full_every"
+            if c.full_every and self.since_full + 1 >= c.full_every
+            else ""
+        )
         try:
             if not why_full:
                 assert self.base is not None
-                data, stats = await asyncio.to_thread(delta.encode_delta, self.base, new, self.base_version, version)
+                data, stats = await asyncio.to_thread(
+                    delta.encode_delta, self.base, new, self.base_version, version
+                )
                 try:
-                    result = await publish(data, version, self.serve_url, self.admin_token, commit_route="delta",
-                                           commit_fields={"base": self.base_version,
-                                                          "digest": delta.delta_metadata(data)["digest"]}, **send)
+                    result = await publish(
+                        data,
+                        version,
+                        self.serve_url,
+                        self.admin_token,
+                        commit_route="delta",
+                        commit_fields={
+                            "base": self.base_version,
+                            "digest": delta.delta_metadata(data)["digest"],
+                        },
+                        **send,
+                    )
                     self.last = {"kind": "delta", "base": self.base_version, **stats.as_dict()}
                 except DeltaRefused as e:
                     log.warning("version %d: %s; sending the full weights", version, e)
@@ -282,9 +302,14 @@ TRANSPORTS: dict[str, Callable[..., WeightTransport]] = {
 }
 
 
-def make_transport(cfg: HttpTransportConfig | NcclTransportConfig | AdapterTransportConfig | DeltaTransportConfig,
-                   serve_url: str, admin_token: str, *, lora: LoraConfig | None = None,
-                   base_model: str = "") -> WeightTransport:
+def make_transport(
+    cfg: HttpTransportConfig | NcclTransportConfig | AdapterTransportConfig | DeltaTransportConfig,
+    serve_url: str,
+    admin_token: str,
+    *,
+    lora: LoraConfig | None = None,
+    base_model: str = "",
+) -> WeightTransport:
     """The learner's transport for ``weights.transport`` (``cfg``), publishing to serve at ``serve_url``;
     ``lora`` / ``base_model``: what the adapter transport describes its adapters with."""
     kind = getattr(cfg, "kind", None)

@@ -79,7 +79,8 @@ class EngineUpdater:
         # Engines started with agentrl.weights.vllm_ext re-tie a tied LM head after each load
         # (vLLM's reload leaves the old one); None until the first engine says whether it has it.
         self.retie_supported: bool | None = None
-        self.nccl_members: tuple[str, ...] = ()  # engine names in the NCCL weight-transfer group, in rank order
+        # engine names in the NCCL weight-transfer group, in rank order
+        self.nccl_members: tuple[str, ...] = ()
         # LoRA policies: policy -> version -> adapter folder of the versions that stay loaded, and
         # how many do (the policy's staleness bound + 1: a request finishes on the adapter it began
         # on); the default policy's version is the pool's ``version``, every named one's in ``pool.versions``
@@ -106,18 +107,25 @@ class EngineUpdater:
         """One control call of an update, bounded by its own timeout; errors name the engine and step."""
         limit = self.step_timeouts_s[step]
         try:
-            return await asyncio.wait_for(self.pool.control(engine, path, body, params, timeout_s=limit), limit + 1.0)
+            return await asyncio.wait_for(
+                self.pool.control(engine, path, body, params, timeout_s=limit), limit + 1.0
+            )
         except TimeoutError as e:
-            raise EngineError(f"{engine.name} ({engine.url}): step {step!r} ({path}) timed out after {limit:g} s") from e
+            raise EngineError(
+                f"{engine.name} ({engine.url}): step {step!r} ({path}) timed out after {limit:g} s"
+            ) from e
         except aiohttp.ClientError as e:
-            raise EngineError(f"{engine.name} ({engine.url}): step {step!r} ({path}) failed: "
-                              f"{type(e).__name__}: {e}") from e
+            raise EngineError(
+                f"{engine.name} ({engine.url}): step {step!r} ({path}) failed: {type(e).__name__}: {e}"
+            ) from e
 
     async def _set_version(self, engine: Engine, version: int) -> None:
         await self._step(engine, "version", "/update_weight_version", {"new_version": str(version)})
         engine.version = version
 
-    async def _apply(self, engine: Engine, version: int, load: Load, stage: Stage | None = None) -> dict[str, Any]:
+    async def _apply(
+        self, engine: Engine, version: int, load: Load, stage: Stage | None = None
+    ) -> dict[str, Any]:
         """``await stage(engine)`` -> pause(keep) -> ``await load(engine)`` -> reset prefix cache and
         set version -> resume.
 
@@ -143,12 +151,14 @@ class EngineUpdater:
                 if isinstance(outcome, BaseException):
                     raise outcome
             if '"success":true' not in str(reset).replace(" ", ""):
-                raise EngineError(f"{engine.name} could not reset its prefix cache after the reload: {str(reset)[:200]}")
+                raise EngineError(f"{engine.name} could not reset its prefix "
+                                  f"cache after the reload: {str(reset)[:200]}")
         finally:
             # Never leave an engine paused: resume even if a step failed or we were cancelled.
             resumed = await asyncio.shield(self._resume(engine))
         if not resumed:
-            raise EngineError(f"{engine.name} ({engine.url}) loaded version {version} but could not be resumed")
+            raise EngineError(f"{engine.name} ({engine.url}) loaded "
+                              f"version {version} but could not be resumed")
         t_resumed = time.perf_counter()
         # The clock readings too (time.perf_counter, this process), so a caller can line them up
         # with what clients saw.
@@ -169,7 +179,9 @@ class EngineUpdater:
         return False
 
     async def _update_one(self, engine: Engine, weights_path: str, version: int) -> dict[str, Any]:
-        return await self._apply(engine, version, self._file_loader(weights_path), self._head_stager(weights_path))
+        return await self._apply(
+            engine, version, self._file_loader(weights_path), self._head_stager(weights_path)
+        )
 
     # -- the file path's stage and load steps ------------------------------------------------------
     def _head_stager(self, weights_path: str) -> Stage:
@@ -220,7 +232,9 @@ class EngineUpdater:
                         raise
                     # The first engine asked: no extension, or a reload that failed. The plain
                     # path below tells which (it raises if the reload itself fails).
-                    log.debug("%s: agentrl_reload_weights failed (%s); trying vLLM's reload_weights", e.name, err)
+                    log.debug(
+                        "%s: agentrl_reload_weights failed (%s); trying vLLM's reload_weights", e.name, err
+                    )
                 else:
                     self.retie_supported = True
                     rpc_s = time.perf_counter() - t0
@@ -248,8 +262,9 @@ class EngineUpdater:
         except EngineError as e:
             if self.retie_supported is None:  # the first engine asked has no extension
                 self.retie_supported = False
-                log.warning("engines lack --worker-extension-cls agentrl.weights.vllm_ext.WeightSyncExtension "
-                            "(%s): a model with tied embeddings keeps its old LM head after each reload", e)
+                log.warning("engines lack --worker-extension-cls "
+                            "agentrl.weights.vllm_ext.WeightSyncExtension (%s): a "
+                            "model with tied embeddings keeps its old LM head after each reload", e)
                 return
             raise
 
@@ -274,7 +289,9 @@ class EngineUpdater:
         ``step_timeouts_s["update"]``): (each engine's result or error, the names of those that
         failed, which are taken out of the pool). Raises :class:`WeightUpdateFailed` when all failed."""
         limit = timeout_s or self.step_timeouts_s["update"]
-        results = await asyncio.gather(*(asyncio.wait_for(one(e), limit) for e in targets), return_exceptions=True)
+        results = await asyncio.gather(
+            *(asyncio.wait_for(one(e), limit) for e in targets), return_exceptions=True
+        )
         per_engine: dict[str, Any] = {}
         failed: list[str] = []
         for e, res in zip(targets, results, strict=True):
@@ -303,7 +320,9 @@ class EngineUpdater:
                                                for e in self.pool.engines})
         return targets
 
-    async def update_weights(self, weights_path: str, version: int, timeout_s: float | None = None) -> dict[str, Any]:
+    async def update_weights(
+        self, weights_path: str, version: int, timeout_s: float | None = None
+    ) -> dict[str, Any]:
         """Load ``weights_path`` into every healthy engine and stamp it ``version``.
 
         Updates serialise. Engines that fail are resumed, taken out of the pool and named in
@@ -315,17 +334,30 @@ class EngineUpdater:
             self.updating = True
             try:
                 targets = self._targets(version)
-                result = await self._update_all(version, targets, self._file_loader(weights_path), timeout_s, "file",
-                                                self._head_stager(weights_path))
+                result = await self._update_all(
+                    version,
+                    targets,
+                    self._file_loader(weights_path),
+                    timeout_s,
+                    "file",
+                    self._head_stager(weights_path),
+                )
                 self.weights_path = weights_path
                 return result
             finally:
                 self.updating = False
 
-    async def init_weight_transfer(self, master_address: str, master_port: int, *, workers_per_engine: int = 1,
-                                   packed: bool = True, packed_buffer_size_bytes: int | None = None,
-                                   packed_num_buffers: int | None = None,
-                                   world_size: int | None = None) -> dict[str, Any]:
+    async def init_weight_transfer(
+        self,
+        master_address: str,
+        master_port: int,
+        *,
+        workers_per_engine: int = 1,
+        packed: bool = True,
+        packed_buffer_size_bytes: int | None = None,
+        packed_num_buffers: int | None = None,
+        world_size: int | None = None,
+    ) -> dict[str, Any]:
         """Have every answering engine join the learner's NCCL weight-transfer group.
 
         The group is its own communicator (vLLM's stateless process group on ``master_port``), apart
@@ -340,7 +372,8 @@ class EngineUpdater:
                                              for e in self.pool.engines})
             world = 1 + len(members) * workers_per_engine
             if world_size is not None and world_size != world:
-                raise WeightGroupStale(f"{len(members)} engines answer ({world} ranks), not {world_size} ranks")
+                raise WeightGroupStale(f"{len(members)} engines answer ({world} "
+                                       f"ranks), not {world_size} ranks")
             wire: dict[str, Any] = {"packed": packed}
             if packed_buffer_size_bytes is not None:
                 wire["packed_buffer_size_bytes"] = packed_buffer_size_bytes
@@ -417,8 +450,10 @@ class EngineUpdater:
                              {"lora_name": adapter_name(version, policy), "lora_path": path})
         except EngineError as e:
             if "answered 404" in str(e) or "answered 405" in str(e):
-                raise EngineError(f"{engine.name} has no LoRA adapter routes: serve's engines need LoRA on "
-                                  f"(engine.lora_rank >= the adapter's rank) to take adapter versions ({e})") from e
+                raise EngineError(
+                    f"{engine.name} has no LoRA adapter routes: serve's engines need LoRA on "
+                    f"(engine.lora_rank >= the adapter's rank) to take adapter versions ({e})"
+                ) from e
             raise
         engine.adapters.setdefault(policy, {})[version] = path
         if policy == self.default_policy:
@@ -539,6 +574,8 @@ class PolicyUpdater:
     async def load_adapter(self, path: str, version: int, timeout_s: float | None = None) -> dict[str, Any]:
         return await self.updater.load_adapter(path, version, timeout_s, policy=self.name)
 
-    async def update_weights(self, weights_path: str, version: int, timeout_s: float | None = None) -> dict[str, Any]:
+    async def update_weights(
+        self, weights_path: str, version: int, timeout_s: float | None = None
+    ) -> dict[str, Any]:
         raise ValueError(f"policy {self.name!r} is a LoRA policy: its versions are adapters "
                          "(weights.transport.kind = \"adapter\"), not full weights")

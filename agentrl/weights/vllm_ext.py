@@ -200,7 +200,12 @@ class WeightSyncExtension(RoutedExpertsCapture):
             self._agentrl_head_source = None
             if self.agentrl_retie_word_embeddings():
                 how = "rebuilt"
-        return {"reload_s": t1 - t0, "retie_s": time.perf_counter() - t1, "tied": tied is not None, "head": how}
+        return {
+            "reload_s": t1 - t0,
+            "retie_s": time.perf_counter() - t1,
+            "tied": tied is not None,
+            "head": how,
+        }
 
     def agentrl_weights_digest(self) -> dict[str, Any]:
         """SHA-256 of the model's readable parameters (by name: name, dtype, shape, bytes), to check

@@ -22,13 +22,16 @@ TASKS = [
      "tests": ["add(2, 3) == 5", "add(-1, 1) == 0", "add(0.5, 0.25) == 0.75"]},
     {"id": "reverse", "name": "reverse", "spec": "reverse(s) returns the string s reversed",
      "tests": ["reverse('abc') == 'cba'", "reverse('') == ''", "reverse('ab ba!') == '!ab ba'"]},
-    {"id": "is_palindrome", "name": "is_palindrome", "spec": "is_palindrome(s) is True when s reads the same backwards",
+    {"id": "is_palindrome", "name": "is_palindrome", "spec": "is_palindrome(s) is True when "
+                                                             "s reads the same backwards",
      "tests": ["is_palindrome('level')", "not is_palindrome('agent')", "is_palindrome('')"]},
-    {"id": "count_vowels", "name": "count_vowels", "spec": "count_vowels(s) counts the letters aeiou (any case) in s",
+    {"id": "count_vowels", "name": "count_vowels", "spec": "count_vowels(s) counts the "
+                                                           "letters aeiou (any case) in s",
      "tests": ["count_vowels('Agent') == 2", "count_vowels('xyz') == 0", "count_vowels('AEIOU') == 5"]},
     {"id": "fib", "name": "fib", "spec": "fib(n) returns the n-th Fibonacci number, fib(0) == 0, fib(1) == 1",
      "tests": ["fib(0) == 0", "fib(1) == 1", "fib(10) == 55", "fib(30) == 832040"]},
-    {"id": "dedupe", "name": "dedupe", "spec": "dedupe(xs) returns xs without repeats, first occurrences kept in order",
+    {"id": "dedupe", "name": "dedupe", "spec": "dedupe(xs) returns xs without repeats, "
+                                               "first occurrences kept in order",
      "tests": ["dedupe([3, 1, 3, 2, 1]) == [3, 1, 2]", "dedupe([]) == []"]},
 ]
 # Runs in the sandbox: one fresh namespace per test, a JSON verdict on the last line.

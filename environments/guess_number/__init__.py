@@ -29,7 +29,11 @@ class GuessNumberEnv(agentrl.Environment):
         offset, n = (0, self.num_train) if split == "train" else (1 << 30, self.num_test)
         for i in range(n):
             seed = offset + i
-            yield {"id": f"{split}-{i}", "seed": seed, "secret": random.Random(seed).randint(self.low, self.high)}
+            yield {
+                "id": f"{split}-{i}",
+                "seed": seed,
+                "secret": random.Random(seed).randint(self.low, self.high),
+            }
 
     async def reset(self, task: dict[str, Any]) -> agentrl.Reset:
         self.secret, self.guesses, self.turns = int(task["secret"]), 0, 0

@@ -33,7 +33,9 @@ from agentrl.errors import ConfigError
 TAG = MIX_TAG
 
 
-def interleave(streams: dict[str, Iterator[dict[str, Any]]], weights: dict[str, float]) -> Iterator[tuple[str, dict]]:
+def interleave(
+    streams: dict[str, Iterator[dict[str, Any]]], weights: dict[str, float]
+) -> Iterator[tuple[str, dict]]:
     """(name, task) pairs drawn from ``streams`` by smooth weighted round-robin: each turn every
     stream gains its weight and the one furthest ahead gives a task and pays the total. A stream
     that runs out drops out; the rest go on in their proportions."""
@@ -104,8 +106,8 @@ class MixEnv(agentrl.Environment):
         for name, cfg in self.envs.items():
             playing, self.images[name] = _kind(name, cfg)
             if playing:
-                raise ConfigError(f"{name!r} plays its own episodes (a PlayingEnv); a mix holds tool and step "
-                                  f"environments only: run it on its own")
+                raise ConfigError(f"{name!r} plays its own episodes (a PlayingEnv); a mix "
+                                  "holds tool and step environments only: run it on its own")
         self.sandbox_image = _joined(self.images.values())
         self.inner: agentrl.Environment | None = None
         self.name = ""

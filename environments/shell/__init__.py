@@ -15,13 +15,16 @@ import agentrl
 
 SYSTEM = "You are in a Linux shell in /work. Use the bash tool to do the task, then say done."
 TASKS = [
-    {"id": "count-errors", "setup": "mkdir -p logs && printf 'ok\\nERROR a\\nok\\nERROR b\\nERROR c\\n' > logs/app.log",
+    {"id": "count-errors", "setup": "mkdir -p logs && printf 'ok\\nERROR "
+                                    "a\\nok\\nERROR b\\nERROR c\\n' > logs/app.log",
      "instruction": "Write the number of lines of logs/app.log that contain ERROR into errors.txt.",
      "check": "test \"$(tr -d ' \\n' < errors.txt)\" = 3"},
     {"id": "rename-txt", "setup": "mkdir -p notes && touch notes/a.txt notes/b.txt notes/keep.md",
      "instruction": "Rename every .txt file in notes/ to end in .md instead.",
-     "check": "test -f notes/a.md && test -f notes/b.md && test -f notes/keep.md && ! ls notes/*.txt 2>/dev/null"},
-    {"id": "delete-empty", "setup": "mkdir -p data && echo x > data/full && : > data/empty1 && : > data/empty2",
+     "check": "test -f notes/a.md && test -f notes/b.md && test "
+              "-f notes/keep.md && ! ls notes/*.txt 2>/dev/null"},
+    {"id": "delete-empty", "setup": "mkdir -p data && echo x > data/full "
+                                    "&& : > data/empty1 && : > data/empty2",
      "instruction": "Delete every empty file in data/ and keep the others.",
      "check": "test -s data/full && test ! -e data/empty1 && test ! -e data/empty2"},
     {"id": "sort-words", "setup": "printf 'pear\\napple\\npear\\nfig\\n' > words.txt",

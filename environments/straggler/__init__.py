@@ -92,7 +92,9 @@ class StragglerEnv(agentrl.Environment):
         await asyncio.sleep(self.latency_s())
         key, value = keys[self.turns - 1], values[self.turns - 1]
         if good:
-            obs = [{"role": "tool", "tool_call_id": c.get("id", ""), "content": f"{key} = {value}"} for c in good]
+            obs = [
+                {"role": "tool", "tool_call_id": c.get("id", ""), "content": f"{key} = {value}"} for c in good
+            ]
         else:
             obs = [{"role": "user", "content": f"Use the lookup tool. {key} = {value}"}]
         return agentrl.StepResult(messages=obs, info=info)

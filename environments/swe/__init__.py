@@ -30,19 +30,42 @@ def _task(task_id: str, issue: str, module: str, source: str, function: str, che
     test = (f"import unittest\n\nfrom {module} import {function}\n\n\n"
             f"class Test{function.capitalize()}(unittest.TestCase):\n    def test_{function}(self):\n"
             + "".join(f"        self.assertEqual({c})\n" for c in checks))
-    return {"id": task_id, "issue": issue,
-            "files": {"tests/__init__.py": "", f"{module}.py": source, f"tests/test_{module}.py": test}, "fix": fix}
+    return {
+        "id": task_id,
+        "issue": issue,
+        "files": {"tests/__init__.py": "", f"{module}.py": source, f"tests/test_{module}.py": test},
+        "fix": fix,
+    }
 
 
 TASKS = [
-    _task("calc-add", "add(2, 3) returns -1 instead of 5.", "calc", "def add(a, b):\n    return a - b\n", "add",
-          ["add(2, 3), 5", "add(-1, 1), 0"], "sed -i 's/a - b/a + b/' calc.py"),
-    _task("shout-upper", "shout('hi') should return 'HI!' but returns 'hi!'.", "text",
-          "def shout(s):\n    return s.lower() + '!'\n", "shout", ["shout('hi'), 'HI!'"],
-          "sed -i 's/s.lower()/s.upper()/' text.py"),
-    _task("mean-divisor", "mean([2, 4]) returns 6.0 instead of 3.0.", "stats",
-          "def mean(xs):\n    return sum(xs) / (len(xs) - 1)\n", "mean", ["mean([2, 4]), 3.0", "mean([5]), 5.0"],
-          "sed -i 's/(len(xs) - 1)/len(xs)/' stats.py"),
+    _task(
+        "calc-add",
+        "add(2, 3) returns -1 instead of 5.",
+        "calc",
+        "def add(a, b):\n    return a - b\n",
+        "add",
+        ["add(2, 3), 5", "add(-1, 1), 0"],
+        "sed -i 's/a - b/a + b/' calc.py",
+    ),
+    _task(
+        "shout-upper",
+        "shout('hi') should return 'HI!' but returns 'hi!'.",
+        "text",
+        "def shout(s):\n    return s.lower() + '!'\n",
+        "shout",
+        ["shout('hi'), 'HI!'"],
+        "sed -i 's/s.lower()/s.upper()/' text.py",
+    ),
+    _task(
+        "mean-divisor",
+        "mean([2, 4]) returns 6.0 instead of 3.0.",
+        "stats",
+        "def mean(xs):\n    return sum(xs) / (len(xs) - 1)\n",
+        "mean",
+        ["mean([2, 4]), 3.0", "mean([5]), 5.0"],
+        "sed -i 's/(len(xs) - 1)/len(xs)/' stats.py",
+    ),
 ]
 
 
@@ -50,9 +73,9 @@ TASKS = [
 class SweEnv(agentrl.TaskListEnv):
     sandbox_image = "agentrl/swe:latest"  # the base image with git (agentrl sandbox build)
     max_turns = 8
-    system_prompt = (f"You are a software engineer. The repository is in {REPO}, a git repository. Use the bash "
-                     "tool to inspect and fix the code so that its tests pass; do not change the tests. Say done "
-                     "when finished.")
+    system_prompt = (f"You are a software engineer. The repository is in {REPO}, a git "
+                     "repository. Use the bash tool to inspect and fix the code so that "
+                     "its tests pass; do not change the tests. Say done when finished.")
     TASKS = TASKS
     timeout_s = 30.0  # a commit or a test run in the sandbox can outlast the default 10 s
 
@@ -63,10 +86,12 @@ class SweEnv(agentrl.TaskListEnv):
         assert self.sandbox is not None, "the swe environment needs a sandbox"
         for path, text in task["files"].items():
             await self.sandbox.write_file(f"{REPO}/{path}", text)
-        r = await self.sandbox.exec(f"cd {REPO} && git init -q && {_GIT} add -A && {_GIT} commit -qm 'the bug'",
+        r = await self.sandbox.exec(f"cd {REPO} && git init -q && {_GIT} "
+                                    f"add -A && {_GIT} commit -qm 'the bug'",
                                     timeout=self.timeout_s)
         if r.exit_code != 0:
-            raise RuntimeError(f"could not make the repository of task {task['id']} ({r.exit_code}): {r.stderr[-500:]}")
+            raise RuntimeError("could not make the repository of task "
+                               f"{task['id']} ({r.exit_code}): {r.stderr[-500:]}")
         if (await self._test(task)).exit_code == 0:  # a broken task is the environment's failure
             raise RuntimeError(f"the test of task {task['id']} passes before any fix")
         return await super().reset(task)
@@ -90,7 +115,9 @@ class SweEnv(agentrl.TaskListEnv):
     async def reward(self, task: dict[str, Any], answer: str) -> float:
         assert self.sandbox is not None
         tests = " ".join(shlex.quote(p) for p in task["files"] if p.startswith("tests/"))
-        untouched = await self.sandbox.exec(f"cd {REPO} && git diff --quiet HEAD -- {tests}", timeout=self.timeout_s)
+        untouched = await self.sandbox.exec(
+            f"cd {REPO} && git diff --quiet HEAD -- {tests}", timeout=self.timeout_s
+        )
         if untouched.exit_code != 0:
             return 0.0
         return 1.0 if (await self._test(task)).exit_code == 0 else 0.0

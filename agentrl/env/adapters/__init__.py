@@ -54,18 +54,46 @@ class Ecosystem:
             return None
 
 
-ECOSYSTEMS: dict[str, Ecosystem] = {e.prefix: e for e in (
-    Ecosystem("reasoning_gym", "agentrl.env.adapters.reasoning_gym", "reasoning_gym",
-              "pip install 'agentrl[reasoning-gym]'", "reasoning_gym:basic_arithmetic"),
-    Ecosystem("textarena", "agentrl.env.adapters.textarena", "textarena",
-              "pip install 'agentrl[textarena]'", "textarena:TicTacToe-v0"),
-    Ecosystem("openenv", "agentrl.env.adapters.openenv", "openenv",
-              "pip install 'agentrl[openenv]'", "openenv:echo"),
-    Ecosystem("verifiers", "agentrl.env.adapters.verifiers", "verifiers",
-              "pip install 'agentrl[verifiers]' (its own venv: see docs/environments.md)", "verifiers:vf_arith"),
-    Ecosystem("harbor", "agentrl.env.adapters.harbor", "",
-              "nothing (task folders are read directly)", "harbor:tasks/harbor/hello-file"),
-)}
+ECOSYSTEMS: dict[str, Ecosystem] = {
+    e.prefix: e
+    for e in (
+        Ecosystem(
+            "reasoning_gym",
+            "agentrl.env.adapters.reasoning_gym",
+            "reasoning_gym",
+            "pip install 'agentrl[reasoning-gym]'",
+            "reasoning_gym:basic_arithmetic",
+        ),
+        Ecosystem(
+            "textarena",
+            "agentrl.env.adapters.textarena",
+            "textarena",
+            "pip install 'agentrl[textarena]'",
+            "textarena:TicTacToe-v0",
+        ),
+        Ecosystem(
+            "openenv",
+            "agentrl.env.adapters.openenv",
+            "openenv",
+            "pip install 'agentrl[openenv]'",
+            "openenv:echo",
+        ),
+        Ecosystem(
+            "verifiers",
+            "agentrl.env.adapters.verifiers",
+            "verifiers",
+            "pip install 'agentrl[verifiers]' (its own venv: see docs/environments.md)",
+            "verifiers:vf_arith",
+        ),
+        Ecosystem(
+            "harbor",
+            "agentrl.env.adapters.harbor",
+            "",
+            "nothing (task folders are read directly)",
+            "harbor:tasks/harbor/hello-file",
+        ),
+    )
+}
 ALIASES = {"reasoning-gym": "reasoning_gym", "rg": "reasoning_gym", "ta": "textarena", "vf": "verifiers"}
 
 

@@ -37,5 +37,7 @@ async def in_thread(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         with contextlib.suppress(RuntimeError):  # the loop closed while an abandoned call ran
             loop.call_soon_threadsafe(settle, *outcome)
 
-    threading.Thread(target=run, name=f"agentrl-bounded-{getattr(fn, '__name__', 'call')}", daemon=True).start()
+    threading.Thread(
+        target=run, name=f"agentrl-bounded-{getattr(fn, '__name__', 'call')}", daemon=True
+    ).start()
     return await future

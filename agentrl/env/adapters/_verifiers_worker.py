@@ -140,12 +140,20 @@ class Worker:
                                                                              api_key_var="AGENTRL_RELAY_KEY"))
         episode = await env.run_episode(task, ctx)
         traces = list(episode.traces)
-        rewards = {name: (r.score, r.weight) for t in traces for name, r in t.rewards.items() if r is not None}
+        rewards = {
+            name: (r.score, r.weight) for t in traces for name, r in t.rewards.items() if r is not None
+        }
         metrics = {name: v for t in traces for name, v in t.metrics.items() if v is not None}
         errors = [f"{e.type}: {e.message}" for e in episode.errors] + [
             f"{e.type}: {e.message}" for t in traces for e in getattr(t, "errors", [])]
-        return {"reward": sum(t.reward for t in traces) / max(1, len(traces)), "rewards": rewards,
-                "metrics": metrics, "errors": errors, "ok": bool(episode.ok), "timeout": bool(episode.is_timeout)}
+        return {
+            "reward": sum(t.reward for t in traces) / max(1, len(traces)),
+            "rewards": rewards,
+            "metrics": metrics,
+            "errors": errors,
+            "ok": bool(episode.ok),
+            "timeout": bool(episode.is_timeout),
+        }
 
     async def handle(self, req: dict[str, Any], out: asyncio.Queue[dict[str, Any]]) -> None:
         try:

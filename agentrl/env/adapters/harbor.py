@@ -87,7 +87,8 @@ def sandbox_lines(workdir: str) -> str:
         f'mkdir -p "$(dirname {w})"; ln -sfn /work {w}; ')
     return ("\n# agentrl: the sandbox's root is read-only; /work and /tmp are its writable tmpfs mounts\n"
             "USER root\n"
-            f"RUN mkdir -p {WORKDIR_COPY} && {move}ln -sfn /tmp/harbor-logs /logs && ln -sfn /tmp/harbor-tests /tests\n"
+            f"RUN mkdir -p {WORKDIR_COPY} && {move}ln -sfn "
+            "/tmp/harbor-logs /logs && ln -sfn /tmp/harbor-tests /tests\n"
             # a working directory in the image makes Docker re-create /work as root 0755 over the tmpfs
             "WORKDIR /\n")
 
@@ -95,8 +96,9 @@ def sandbox_lines(workdir: str) -> str:
 def build_task_image(task: dict[str, Any], base: str) -> str:
     from agentrl.sandbox.images import build_context_image
 
-    return build_context_image(task["context"], task["image"], task["dockerfile"] + sandbox_lines(task["workdir"]),
-                               base=base)
+    return build_context_image(
+        task["context"], task["image"], task["dockerfile"] + sandbox_lines(task["workdir"]), base=base
+    )
 
 
 class HarborEnv(ToolEnv):
@@ -126,7 +128,14 @@ class HarborEnv(ToolEnv):
         for t in self.tasks_found:
             held_out = t["name"] in self.test_tasks
             if not self.test_tasks or (split == "test") == held_out:
-                out.append({"id": t["name"], "image": t["image"], "folder": t["folder"], "question": t["instruction"]})
+                out.append(
+                    {
+                        "id": t["name"],
+                        "image": t["image"],
+                        "folder": t["folder"],
+                        "question": t["instruction"],
+                    }
+                )
         return out
 
     def _definition(self, task: dict[str, Any]) -> dict[str, Any]:
@@ -138,7 +147,8 @@ class HarborEnv(ToolEnv):
             raise EnvironmentFailure("a Harbor task runs in a sandbox, and none is attached")
         d = self._definition(task)
         prep = await self.sandbox.exec(["sh", "-c", f"cp -r {WORKDIR_COPY}/. /work/ 2>/dev/null; "
-                                        "mkdir -p /tmp/harbor-logs/verifier /tmp/harbor-logs/agent /tmp/harbor-tests"])
+                                                    "mkdir -p /tmp/harbor-logs/verifier "
+                                                    "/tmp/harbor-logs/agent /tmp/harbor-tests"])
         if prep.exit_code != 0:
             raise EnvironmentFailure(f"preparing the task's working directory failed: {prep.stderr[-500:]}")
         opening.messages.insert(0, {"role": "system", "content": SYSTEM_PROMPT.format(workdir=d["workdir"])})
@@ -181,7 +191,9 @@ class HarborEnv(ToolEnv):
                 scores = json.loads(as_json.stdout)
                 return float(scores["reward"])
             except (ValueError, KeyError, TypeError) as e:
-                raise EnvironmentFailure(f"reward.json has no numeric 'reward': {as_json.stdout[:300]!r}") from e
+                raise EnvironmentFailure(
+                    f"reward.json has no numeric 'reward': {as_json.stdout[:300]!r}"
+                ) from e
         as_text = await self.sandbox.exec(["cat", "/logs/verifier/reward.txt"])
         try:
             return float(as_text.stdout.strip())
@@ -203,8 +215,9 @@ def environment_class(rest: str, base: str | None = None) -> type[HarborEnv]:
     if not folder.exists() and (REPO_TASKS / rest).exists():
         folder = REPO_TASKS / rest  # a shipped task by its name
     if not folder.is_dir():
-        raise AdapterError(f"harbor:{rest}: no such folder; give a Harbor task folder (task.toml, instruction.md, "
-                           f"environment/, tests/) or a folder of them, e.g. harbor:{REPO_TASKS}")
+        raise AdapterError(f"harbor:{rest}: no such folder; give a Harbor task "
+                           "folder (task.toml, instruction.md, environment/, "
+                           f"tests/) or a folder of them, e.g. harbor:{REPO_TASKS}")
     found = find_tasks(folder)
     if not found:
         raise AdapterError(f"{folder} holds no Harbor task (no task.toml in it or its subfolders)")

@@ -47,7 +47,8 @@ from agentrl.errors import EnvironmentFailure
 
 log = logging.getLogger(__name__)
 
-REPO_ENVS = Path(__file__).resolve().parents[3] / "tasks" / "openenv"  # the OpenEnv environments shipped with agentrl
+# the OpenEnv environments shipped with agentrl
+REPO_ENVS = Path(__file__).resolve().parents[3] / "tasks" / "openenv"
 _SKIP_FIELDS = {"done", "reward", "metadata"}
 _servers: dict[str, _Server] = {}
 
@@ -77,7 +78,10 @@ class _Server:
             if self.proc is not None and self.proc.poll() is None:
                 return self.url
             port = _free_port()
-            env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (self.path, os.environ.get("PYTHONPATH")) if p))
+            env = dict(
+                os.environ,
+                PYTHONPATH=os.pathsep.join(p for p in (self.path, os.environ.get("PYTHONPATH")) if p),
+            )
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "uvicorn", self.app, "--host", "127.0.0.1", "--port", str(port),
                  "--log-level", "warning"], cwd=self.path, env=env, stdout=subprocess.DEVNULL,
@@ -93,14 +97,16 @@ class _Server:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 err = (self.proc.stderr.read() if self.proc.stderr else b"").decode(errors="replace")[-2000:]
-                raise EnvironmentFailure(f"the OpenEnv server {self.app} exited with {self.proc.returncode}: {err}")
+                raise EnvironmentFailure(f"the OpenEnv server {self.app} exited "
+                                         f"with {self.proc.returncode}: {err}")
             with contextlib.suppress(OSError):
                 with urllib.request.urlopen(f"{self.url}/health", timeout=2) as r:
                     if r.status == 200:
                         return
             time.sleep(0.25)
         self.stop()
-        raise EnvironmentFailure(f"the OpenEnv server {self.app} did not answer /health within {self.start_timeout_s:.0f} s")
+        raise EnvironmentFailure(f"the OpenEnv server {self.app} did not answer "
+                                 f"/health within {self.start_timeout_s:.0f} s")
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -144,15 +150,26 @@ def load_spec(rest: str) -> dict[str, Any]:
         models_mod = importlib.import_module(f"{package}.models")
         client, action = _subclass_in(client_mod, EnvClient), _subclass_in(models_mod, Action)
         if client is None or action is None:
-            raise AdapterError(f"{folder}: no EnvClient subclass in client.py or no Action subclass in models.py")
+            raise AdapterError(f"{folder}: no EnvClient subclass in client.py "
+                               "or no Action subclass in models.py")
         app = f"{package}.{manifest.get('app', 'server.app:app')}"
-        return {"app": app, "path": parent, "client": client, "action": action, "name": manifest.get("name", package)}
+        return {
+            "app": app,
+            "path": parent,
+            "client": client,
+            "action": action,
+            "name": manifest.get("name", package),
+        }
     from openenv.auto._discovery import get_discovery
 
-    info = get_discovery().get_environment_by_name(rest) if hasattr(get_discovery(), "get_environment_by_name") else None
+    info = (
+        get_discovery().get_environment_by_name(rest)
+        if hasattr(get_discovery(), "get_environment_by_name")
+        else None
+    )
     if info is None:
-        raise AdapterError(f"openenv:{rest}: not a folder with openenv.yaml, not shipped in {REPO_ENVS}, and not an "
-                           f"installed OpenEnv package")
+        raise AdapterError(f"openenv:{rest}: not a folder with openenv.yaml, not shipped "
+                           f"in {REPO_ENVS}, and not an installed OpenEnv package")
     package = info.client_module_path.rsplit(".", 1)[0]
     return {"app": f"{package}.server.app:app", "path": "", "client": info.get_client_class(),
             "action": info.get_action_class(), "name": info.name}
@@ -183,10 +200,13 @@ class OpenEnvEnv(Environment):
         self.message_timeout_s = message_timeout_s
         action = self.spec["action"]
         fields = {k: f for k, f in action.model_fields.items() if k not in _SKIP_FIELDS}
-        self.text_field = next(iter(fields)) if len(fields) == 1 and next(iter(fields.values())).annotation is str else None
+        self.text_field = (
+            next(iter(fields)) if len(fields) == 1 and next(iter(fields.values())).annotation is str else None
+        )
         self.system_prompt = system_prompt or (
             f"You are playing the {self.spec['name']} environment. "
-            + ("Reply with your action as plain text." if self.text_field else "Act by calling the act tool."))
+            + ("Reply with your action as plain text." if self.text_field else "Act by calling the act tool.")
+        )
         self.client: Any = None
         self.errors = 0
 
@@ -197,8 +217,16 @@ class OpenEnvEnv(Environment):
         props = {k: v for k, v in schema.get("properties", {}).items() if k not in _SKIP_FIELDS}
         params = {"type": "object", "properties": props,
                   "required": [k for k in schema.get("required", []) if k in props]}
-        return [{"type": "function", "function": {"name": "act", "description": schema.get("description") or
-                                                  f"Take one action in {self.spec['name']}", "parameters": params}}]
+        return [
+            {
+                "type": "function",
+                "function": {
+                    "name": "act",
+                    "description": schema.get("description") or f"Take one action in {self.spec['name']}",
+                    "parameters": params,
+                },
+            }
+        ]
 
     def tasks(self, split: str = "train") -> Any:
         offset, n = (0, self.num_train) if split == "train" else (1 << 30, self.num_test)
@@ -222,7 +250,9 @@ class OpenEnvEnv(Environment):
     async def step(self, message: Message) -> StepResult:
         action_cls = self.spec["action"]
         if self.text_field:
-            text, reward, done = await self._act(action_cls(**{self.text_field: message.get("content") or ""}))
+            text, reward, done = await self._act(
+                action_cls(**{self.text_field: message.get("content") or ""})
+            )
             return StepResult(messages=[] if done else [{"role": "user", "content": text}], reward=reward,
                               terminated=done)
         calls = message.get("tool_calls") or []
@@ -238,13 +268,16 @@ class OpenEnvEnv(Environment):
                 action = action_cls.model_validate(json.loads(raw) if isinstance(raw, str) else raw)
             except Exception as e:  # the model's malformed action: explained to it, not raised
                 self.errors += 1
-                out.append({"role": "tool", "tool_call_id": call.get("id", ""), "content": f"Error: invalid action: {e}"})
+                out.append({"role": "tool", "tool_call_id": call.get("id", ""), "content": "Error: invalid "
+                                                                                           f"action: {e}"})
                 continue
             text, reward, done = await self._act(action)
             total += reward
             out.append({"role": "tool", "tool_call_id": call.get("id", ""), "content": text})
             if done:
-                return StepResult(messages=[], reward=total, terminated=True, info={"action_errors": self.errors})
+                return StepResult(
+                    messages=[], reward=total, terminated=True, info={"action_errors": self.errors}
+                )
         return StepResult(messages=out, reward=total, info={"action_errors": self.errors})
 
     async def close(self) -> None:

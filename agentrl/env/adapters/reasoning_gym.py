@@ -46,7 +46,11 @@ def _dataset(name: str, seed: int, size: int, config_json: str) -> Any:
         specs = []
         for ds, spec in config["datasets"].items():
             spec = spec if isinstance(spec, dict) else {"weight": float(spec)}
-            specs.append(DatasetSpec(name=ds, weight=float(spec.get("weight", 1.0)), config=dict(spec.get("config", {}))))
+            specs.append(
+                DatasetSpec(
+                    name=ds, weight=float(spec.get("weight", 1.0)), config=dict(spec.get("config", {}))
+                )
+            )
         composite = CompositeConfig(size=size, seed=seed, datasets=specs)
         composite.validate()
         return CompositeDataset(composite)
@@ -88,17 +92,27 @@ class ReasoningGymEnv(Environment):
 
     def tasks(self, split: str = "train") -> Iterator[dict[str, Any]]:
         data = self._data(split)
-        held_out = {self._data("test")[i]["question"] for i in range(self.test_size)} if split == "train" else set()
+        held_out = (
+            {self._data("test")[i]["question"] for i in range(self.test_size)} if split == "train" else set()
+        )
         for i in range(len(data)):
             entry = data[i]
             if entry["question"] in held_out:
                 continue
-            yield {"id": f"{split}-{i}", "split": split, "index": i, "question": entry["question"],
-                   "answer": str(entry.get("answer")), "dataset": entry["metadata"].get("source_dataset", self.dataset_name)}
+            yield {
+                "id": f"{split}-{i}",
+                "split": split,
+                "index": i,
+                "question": entry["question"],
+                "answer": str(entry.get("answer")),
+                "dataset": entry["metadata"].get("source_dataset", self.dataset_name),
+            }
 
     async def reset(self, task: dict[str, Any]) -> Reset:
         self.task = task
-        messages: list[Message] = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
+        messages: list[Message] = (
+            [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
+        )
         messages.append({"role": "user", "content": str(task["question"])})
         return Reset(messages=messages)
 
@@ -123,9 +137,12 @@ class ReasoningGymEnv(Environment):
 def environment_class(rest: str) -> type[ReasoningGymEnv]:
     if rest != MIX and rest not in DATASETS:
         close = [n for n in sorted(DATASETS) if rest.lower() in n or n in rest.lower()][:8]
-        raise AdapterError(f"reasoning-gym has no dataset {rest!r}" + (f" (close: {', '.join(close)})" if close else "")
-                           + f"; `agentrl envs list` shows its {len(DATASETS)} datasets, and reasoning_gym:mix "
-                           f"combines several with weights")
+        raise AdapterError(
+            f"reasoning-gym has no dataset {rest!r}"
+            + (f" (close: {', '.join(close)})" if close else "")
+            + f"; `agentrl envs list` shows its {len(DATASETS)} datasets, "
+            "and reasoning_gym:mix combines several with weights"
+        )
     doc = f"reasoning-gym dataset {rest}" if rest != MIX else "reasoning-gym datasets mixed with weights"
     return type(f"ReasoningGym_{rest}", (ReasoningGymEnv,), {"dataset_name": rest, "__doc__": doc,
                                                               "__module__": __name__})
@@ -134,4 +151,7 @@ def environment_class(rest: str) -> type[ReasoningGymEnv]:
 def offered() -> list[tuple[str, str]]:
     names = [(f"reasoning_gym:{n}", f"reasoning-gym dataset ({DATASETS[n][0].__module__.split('.')[1]})")
              for n in sorted(DATASETS)]
-    return [("reasoning_gym:mix", "several reasoning-gym datasets with weights (datasets={name: weight})"), *names]
+    return [
+        ("reasoning_gym:mix", "several reasoning-gym datasets with weights (datasets={name: weight})"),
+        *names,
+    ]

@@ -7,7 +7,8 @@ episode's limits. A ``stream: true`` request is answered as server-sent events c
 completion (a single chunk with the whole message, then usage, then ``[DONE]``): the engine call
 itself is not streamed, which keeps one recorded call per request.
 
-Invariants: one server per process (per event loop), started on first use on a free loopback port; a token names
+Invariants: one server per process (per event loop), started on first use on a free loopback port; a token
+names
 one episode and is forgotten when its block exits; a call beyond the episode's limits is a 400 in
 OpenAI's error shape (the ecosystem sees a refused request, the episode records the truncation).
 """
@@ -31,7 +32,9 @@ from agentrl.env.base import Model
 log = logging.getLogger(__name__)
 
 _models: dict[str, Model] = {}
-_sites: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, tuple[web.AppRunner, int]] = weakref.WeakKeyDictionary()
+_sites: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, tuple[web.AppRunner, int]] = (
+    weakref.WeakKeyDictionary()
+)
 _keepers: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Any] = weakref.WeakKeyDictionary()
 _locks: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Lock] = weakref.WeakKeyDictionary()
 
@@ -53,7 +56,9 @@ async def _chat(request: web.Request) -> web.StreamResponse:
         out = await model.chat(body)
     except Exception as e:  # the episode records what happened; the client sees a refused call
         status = 400 if type(e).__name__ in ("LimitReached", "InvalidRequest") else 502
-        return _error(status, f"{type(e).__name__}: {e}", "invalid_request_error" if status == 400 else "api_error")
+        return _error(
+            status, f"{type(e).__name__}: {e}", "invalid_request_error" if status == 400 else "api_error"
+        )
     out = {k: v for k, v in out.items() if k != "agentrl"}
     if not stream:
         return web.json_response(out)
@@ -86,7 +91,9 @@ def _chunks(out: dict[str, Any]) -> list[dict[str, Any]]:
 async def _models_route(request: web.Request) -> web.Response:
     model = _models.get(request.match_info["token"])
     name = model.name if model is not None else "agentrl"
-    return web.json_response({"object": "list", "data": [{"id": name, "object": "model", "owned_by": "agentrl"}]})
+    return web.json_response(
+        {"object": "list", "data": [{"id": name, "object": "model", "owned_by": "agentrl"}]}
+    )
 
 
 async def _port() -> int:

@@ -75,8 +75,15 @@ class TextArenaEnv(PlayingEnv):
 
     game_id: str = ""  # set on the class registered for each name
 
-    def __init__(self, num_players: int = 2, opponent: str = "self", num_train: int = 10_000, num_test: int = 100,
-                 system_prompt: str = STANDARD_GAME_PROMPT, make_kwargs: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self,
+        num_players: int = 2,
+        opponent: str = "self",
+        num_train: int = 10_000,
+        num_test: int = 100,
+        system_prompt: str = STANDARD_GAME_PROMPT,
+        make_kwargs: dict[str, Any] | None = None,
+    ) -> None:
         self.num_players, self.opponent_spec = num_players, opponent
         self.opponent = _load_opponent(opponent)
         self.num_train, self.num_test = num_train, num_test
@@ -91,7 +98,11 @@ class TextArenaEnv(PlayingEnv):
             yield {"id": f"{split}-{i}", "seed": offset + i, "seat": i % self.num_players}
 
     def policy_seats(self, task: dict[str, Any]) -> set[int]:
-        return set(range(self.num_players)) if self.opponent is None else {int(task.get("seat", 0)) % self.num_players}
+        return (
+            set(range(self.num_players))
+            if self.opponent is None
+            else {int(task.get("seat", 0)) % self.num_players}
+        )
 
     async def reset(self, task: dict[str, Any]) -> Reset:
         self.task = task
@@ -104,7 +115,9 @@ class TextArenaEnv(PlayingEnv):
     async def play(self, task: dict[str, Any], model: Model) -> Played:
         seats = self.policy_seats(task)
         rng = random.Random(int(task["seed"]))
-        chats: dict[int, list[Message]] = {s: [{"role": "system", "content": self.system_prompt}] for s in seats}
+        chats: dict[int, list[Message]] = {
+            s: [{"role": "system", "content": self.system_prompt}] for s in seats
+        }
         seen: dict[int, str] = {}
         owners: list[int] = []  # the seat behind each policy call, in call order
         moves, done = 0, False
@@ -133,7 +146,9 @@ class TextArenaEnv(PlayingEnv):
         mine = [rewards.get(s, 0.0) for s in sorted(seats)]
         info = {"game": self.game_id, "moves": moves, "rewards": {str(k): v for k, v in rewards.items()},
                 "seats": sorted(seats), "game_info": _jsonable(game_info)}
-        return Played(reward=sum(mine) / len(mine), sample_rewards=[rewards.get(p, 0.0) for p in owners], info=info)
+        return Played(
+            reward=sum(mine) / len(mine), sample_rewards=[rewards.get(p, 0.0) for p in owners], info=info
+        )
 
 
 def _jsonable(value: Any) -> Any:
@@ -147,8 +162,11 @@ def _jsonable(value: Any) -> Any:
 def environment_class(rest: str) -> type[TextArenaEnv]:
     if rest not in ENV_REGISTRY:
         close = [n for n in sorted(ENV_REGISTRY) if rest.lower().split("-")[0] in n.lower()][:8]
-        raise AdapterError(f"TextArena has no game {rest!r}" + (f" (close: {', '.join(close)})" if close else "")
-                           + f"; `agentrl envs list` shows its {len(ENV_REGISTRY)} game ids")
+        raise AdapterError(
+            f"TextArena has no game {rest!r}"
+            + (f" (close: {', '.join(close)})" if close else "")
+            + f"; `agentrl envs list` shows its {len(ENV_REGISTRY)} game ids"
+        )
     return type(f"TextArena_{re.sub(r'[^0-9A-Za-z_]', '_', rest)}", (TextArenaEnv,),
                 {"game_id": rest, "__doc__": f"TextArena game {rest} (self-play or a fixed opponent)",
                  "__module__": __name__})

@@ -106,7 +106,8 @@ def list_tasks(python: str, spec_json: str) -> Listing:
     r = subprocess.run([python, "-P", str(WORKER), "tasks", spec_json], capture_output=True, text=True,
                        env=_worker_env(), timeout=600)
     if r.returncode != 0:
-        raise AdapterError(f"verifiers could not load {json.loads(spec_json)['taskset']!r}: {r.stderr.strip()[-1500:]}")
+        raise AdapterError(f"verifiers could not load {json.loads(spec_json)['taskset']!r}: "
+                           f"{r.stderr.strip()[-1500:]}")
     out = json.loads(r.stdout.strip().splitlines()[-1])
     return Listing(tuple(out["tasks"]), tuple(out["tool_sets"][i] for i in out["tools_of"]))
 
@@ -131,8 +132,17 @@ class _Worker:
             loop = asyncio.get_running_loop()
             self.ready = loop.create_future()
             self.proc = await asyncio.create_subprocess_exec(
-                self.python, "-P", str(WORKER), stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
-                stderr=None, env=_worker_env(), limit=64 << 20, start_new_session=True, preexec_fn=_die_with_parent)
+                self.python,
+                "-P",
+                str(WORKER),
+                stdin=asyncio.subprocess.PIPE,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=None,
+                env=_worker_env(),
+                limit=64 << 20,
+                start_new_session=True,
+                preexec_fn=_die_with_parent,
+            )
             self.reader = asyncio.create_task(self._read())
             self.keeper = _until_loop_ends(self)
             await self.keeper.__anext__()
@@ -232,9 +242,16 @@ class VerifiersEnv(PlayingEnv):
 
     taskset_id: str = ""  # set on the class registered for each name
 
-    def __init__(self, taskset_args: dict[str, Any] | None = None, env_args: dict[str, Any] | None = None,
-                 harness: str = "null", num_test: int | None = None,
-                 eval_taskset_args: dict[str, Any] | None = None, python: str = "", max_tasks: int = 100_000) -> None:
+    def __init__(
+        self,
+        taskset_args: dict[str, Any] | None = None,
+        env_args: dict[str, Any] | None = None,
+        harness: str = "null",
+        num_test: int | None = None,
+        eval_taskset_args: dict[str, Any] | None = None,
+        python: str = "",
+        max_tasks: int = 100_000,
+    ) -> None:
         found = interpreter(python)
         if found is None:
             raise AdapterError("no Python with verifiers: see docs/environments.md (a .venv-verifiers)")
@@ -262,7 +279,13 @@ class VerifiersEnv(PlayingEnv):
 
     @staticmethod
     def _record(split: str, spec: dict[str, Any], i: int, data: dict[str, Any]) -> dict[str, Any]:
-        return {"id": str(data.get("id") or f"{split}-{i}"), "idx": i, "split": split, "prompt": data.get("prompt"), "system_prompt": data.get("system_prompt")}
+        return {
+            "id": str(data.get("id") or f"{split}-{i}"),
+            "idx": i,
+            "split": split,
+            "prompt": data.get("prompt"),
+            "system_prompt": data.get("system_prompt"),
+        }
 
     async def reset(self, task: dict[str, Any]) -> Reset:
         self.task = task
@@ -285,14 +308,23 @@ class VerifiersEnv(PlayingEnv):
         spec = self._spec_of(task)
         worker = _worker(self.python)
         async with serve_model(model) as (base_url, api_key):
-            out = await worker.call("rollout", env=spec, idx=int(task["idx"]), base_url=base_url, api_key=api_key,
-                                    model=model.name)
+            out = await worker.call(
+                "rollout",
+                env=spec,
+                idx=int(task["idx"]),
+                base_url=base_url,
+                api_key=api_key,
+                model=model.name,
+            )
         if out.get("error"):
             raise RuntimeError(f"verifiers raised {out['error']}")
         if not out.get("ok"):
-            raise RuntimeError(f"verifiers' episode failed: {'; '.join(out.get('errors') or ['no reason given'])}"[:3000])
+            raise RuntimeError("verifiers' episode failed: "
+                               f"{'; '.join(out.get('errors') or ['no reason given'])}"[:3000])
         rewards = {k: {"score": s, "weight": w} for k, (s, w) in (out.get("rewards") or {}).items()}
-        return Played(reward=float(out["reward"]), info={"rewards": rewards, "metrics": out.get("metrics") or {}})
+        return Played(
+            reward=float(out["reward"]), info={"rewards": rewards, "metrics": out.get("metrics") or {}}
+        )
 
 
 # Run by verifiers' interpreter with the worker's path; imports nothing (verifiers' import takes

@@ -48,13 +48,41 @@ log = logging.getLogger(__name__)
 # The SDK's request fields that change nothing the router renders or samples are accepted
 # (cache_control, metadata, ...); temperature / top_p / top_k are not in the 2.x SDK's signature
 # any more but the API (and this router) still take them, e.g. through ``extra_body``.
-_ACCEPTED = frozenset({"model", "messages", "max_tokens", "system", "tools", "tool_choice", "stop_sequences",
-                       "temperature", "top_p", "top_k", "stream", "metadata", "thinking", "service_tier",
-                       "cache_control", "inference_geo", "diagnostics", "user_profile_id", "workspace_id", "speed",
-                       "output_config"})
+_ACCEPTED = frozenset(
+    {
+        "model",
+        "messages",
+        "max_tokens",
+        "system",
+        "tools",
+        "tool_choice",
+        "stop_sequences",
+        "temperature",
+        "top_p",
+        "top_k",
+        "stream",
+        "metadata",
+        "thinking",
+        "service_tier",
+        "cache_control",
+        "inference_geo",
+        "diagnostics",
+        "user_profile_id",
+        "workspace_id",
+        "speed",
+        "output_config",
+    }
+)
 _BILLING_HEADER = "x-anthropic-billing-header"  # Claude Code's per-request header: vLLM drops it
-_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-                404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}
+_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+}
 
 
 def error_body(e: RouterError) -> dict[str, Any]:
@@ -86,7 +114,9 @@ def _tool_result_text(block: dict[str, Any], where: str) -> str:
     if isinstance(content, list):
         _texts(content, f"{where}.content", allowed=("text",))
         return "\n".join(b["text"] for b in content)
-    raise InvalidRequest(f"{where}.content: must be a string or a list of text blocks", param=f"{where}.content")
+    raise InvalidRequest(
+        f"{where}.content: must be a string or a list of text blocks", param=f"{where}.content"
+    )
 
 
 def _system(system: Any) -> str | None:
@@ -94,7 +124,10 @@ def _system(system: Any) -> str | None:
         return system or None
     if isinstance(system, list):
         _texts(system, "system", allowed=("text",))
-        return "".join(b["text"] for b in system if b["text"] and not b["text"].startswith(_BILLING_HEADER)) or None
+        return (
+            "".join(b["text"] for b in system if b["text"] and not b["text"].startswith(_BILLING_HEADER))
+            or None
+        )
     raise InvalidRequest("system: must be a string or a list of text blocks", param="system")
 
 
@@ -107,7 +140,9 @@ def chat_messages(messages: Any) -> list[dict[str, Any]]:
     for i, m in enumerate(messages):
         where = f"messages.{i}"
         if not isinstance(m, dict) or m.get("role") not in ("user", "assistant"):
-            raise InvalidRequest(f"{where}.role: Input should be 'user' or 'assistant'", param=f"{where}.role")
+            raise InvalidRequest(
+                f"{where}.role: Input should be 'user' or 'assistant'", param=f"{where}.role"
+            )
         role, content = m["role"], m.get("content")
         if isinstance(content, str):
             blocks: list[Any] = [{"type": "text", "text": content}]
@@ -124,16 +159,27 @@ def chat_messages(messages: Any) -> list[dict[str, Any]]:
                     continue
                 tid = b.get("tool_use_id")
                 if tid not in pending:
-                    raise InvalidRequest(f"{where}.content.{j}: unexpected `tool_use_id` found in `tool_result` "
-                                         f"blocks: {tid}. Each `tool_result` block must have a corresponding "
-                                         "`tool_use` block in the previous message.", param=f"{where}.content.{j}")
+                    raise InvalidRequest(f"{where}.content.{j}: unexpected "
+                                         "`tool_use_id` found in `tool_result` "
+                                         f"blocks: {tid}. Each `tool_result` "
+                                         "block must have a corresponding "
+                                         "`tool_use` block in the previous "
+                                         "message.", param=f"{where}.content.{j}")
                 answered.append(tid)
-                out.append({"role": "tool", "tool_call_id": tid, "content": _tool_result_text(b, f"{where}.content.{j}")})
+                out.append(
+                    {
+                        "role": "tool",
+                        "tool_call_id": tid,
+                        "content": _tool_result_text(b, f"{where}.content.{j}"),
+                    }
+                )
             missing = [t for t in pending if t not in answered]
             if missing:
-                raise InvalidRequest(f"{where}: `tool_use` ids were found without `tool_result` blocks immediately "
-                                     f"after: {', '.join(missing)}. Each `tool_use` block must have a corresponding "
-                                     "`tool_result` block in the next message.", param=where)
+                raise InvalidRequest(f"{where}: `tool_use` ids were found without "
+                                     "`tool_result` blocks immediately after: "
+                                     f"{', '.join(missing)}. Each `tool_use` "
+                                     "block must have a corresponding `tool_result` "
+                                     "block in the next message.", param=where)
             pending = []
             texts = [b["text"] for b in blocks if b["type"] == "text" and b["text"]]
             if texts:
@@ -141,8 +187,8 @@ def chat_messages(messages: Any) -> list[dict[str, Any]]:
                             [{"type": "text", "text": t} for t in texts]})
         else:
             if pending:
-                raise InvalidRequest(f"{where}: `tool_use` ids were found without `tool_result` blocks immediately "
-                                     f"after: {', '.join(pending)}.", param=where)
+                raise InvalidRequest(f"{where}: `tool_use` ids were found without `tool_result` "
+                                     f"blocks immediately after: {', '.join(pending)}.", param=where)
             _texts(blocks, f"{where}.content", allowed=("text", "tool_use"))
             texts = [b["text"] for b in blocks if b["type"] == "text" and b["text"]]
             msg: dict[str, Any] = {"role": "assistant", "content": "".join(texts) if texts else None}
@@ -152,8 +198,9 @@ def chat_messages(messages: Any) -> list[dict[str, Any]]:
                     continue
                 if not (isinstance(b.get("id"), str) and b["id"] and isinstance(b.get("name"), str)
                         and isinstance(b.get("input", {}), dict)):
-                    raise InvalidRequest(f"{where}.content.{j}: a tool_use block needs a string 'id' and 'name' and "
-                                         "an object 'input'", param=f"{where}.content.{j}")
+                    raise InvalidRequest(f"{where}.content.{j}: a tool_use "
+                                         "block needs a string 'id' and "
+                                         "'name' and an object 'input'", param=f"{where}.content.{j}")
                 calls.append({"id": b["id"], "type": "function",
                               "function": {"name": b["name"], "arguments": json.dumps(b.get("input") or {})}})
                 pending.append(b["id"])
@@ -168,7 +215,8 @@ def chat_messages(messages: Any) -> list[dict[str, Any]]:
 
 def _tools(tools: Any) -> list[dict[str, Any]]:
     out = []
-    for at, t in typed_tools(tools, "custom", untyped="custom", path="tools.{i}", not_a_list="tools: must be a list",
+    for at, t in typed_tools(tools, "custom", untyped="custom", path="tools.{i}", not_a_list="tools: must "
+                                                                                             "be a list",
                              supported="custom tools with an input_schema"):
         if not isinstance(t.get("name"), str) or not t["name"]:
             raise InvalidRequest(f"{at}.name: Field required (a string)", param=f"{at}.name")
@@ -198,17 +246,36 @@ def _tool_choice(choice: Any, chat: dict[str, Any]) -> None:
     elif mapped is not None:
         chat["tool_choice"] = mapped
     else:
-        raise InvalidRequest("tool_choice.type: must be one of 'auto', 'any', 'tool', 'none'", param="tool_choice")
+        raise InvalidRequest(
+            "tool_choice.type: must be one of 'auto', 'any', 'tool', 'none'", param="tool_choice"
+        )
     if choice.get("disable_parallel_tool_use") and kind != "none":
         chat["parallel_tool_calls"] = False
 
 
-def parse_request(body: Any, model_name: str, max_model_len: int, *, count_only: bool = False) -> dict[str, Any]:
+def parse_request(
+    body: Any, model_name: str, max_model_len: int, *, count_only: bool = False
+) -> dict[str, Any]:
     """Validate a Messages request and translate it into the chat request it runs as."""
     if not isinstance(body, dict):
         raise InvalidRequest("the request body must be a JSON object")
-    accepted = _ACCEPTED - {"max_tokens", "stream", "stop_sequences", "temperature", "top_p", "top_k", "metadata",
-                            "service_tier", "speed", "inference_geo"} if count_only else _ACCEPTED
+    accepted = (
+        _ACCEPTED
+        - {
+            "max_tokens",
+            "stream",
+            "stop_sequences",
+            "temperature",
+            "top_p",
+            "top_k",
+            "metadata",
+            "service_tier",
+            "speed",
+            "inference_geo",
+        }
+        if count_only
+        else _ACCEPTED
+    )
     extra = body.keys() - accepted
     if extra:
         first = min(extra)
@@ -225,8 +292,10 @@ def parse_request(body: Any, model_name: str, max_model_len: int, *, count_only:
         raise InvalidRequest("thinking: extended thinking is not supported by this model", param="thinking")
     messages = chat_messages(body.get("messages"))
     system = _system(body.get("system"))
-    chat: dict[str, Any] = {"model": model_name,
-                            "messages": ([{"role": "system", "content": system}] if system else []) + messages}
+    chat: dict[str, Any] = {
+        "model": model_name,
+        "messages": ([{"role": "system", "content": system}] if system else []) + messages,
+    }
     if body.get("tools"):
         chat["tools"] = _tools(body["tools"])
         _tool_choice(body.get("tool_choice"), chat)
@@ -240,13 +309,15 @@ def parse_request(body: Any, model_name: str, max_model_len: int, *, count_only:
     if isinstance(mt, bool) or not isinstance(mt, int) or mt < 1:
         raise InvalidRequest("max_tokens: must be a positive integer", param="max_tokens")
     if mt > max_model_len:
-        raise InvalidRequest(f"max_tokens: {mt} > {max_model_len}, which is the maximum allowed number of output "
-                             "tokens for this model", param="max_tokens")
+        raise InvalidRequest(f"max_tokens: {mt} > {max_model_len}, which is the "
+                             "maximum allowed number of output tokens for this model", param="max_tokens")
     chat["max_tokens"] = mt
     stops = body.get("stop_sequences")
     if stops is not None:
         if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
-            raise InvalidRequest("stop_sequences: must be a list of non-empty strings", param="stop_sequences")
+            raise InvalidRequest(
+                "stop_sequences: must be a list of non-empty strings", param="stop_sequences"
+            )
         if stops:
             chat["stop"] = stops
     _number(body, "temperature", 0, 1)
@@ -374,8 +445,14 @@ class MessageEvents:
         for tc in delta.get("tool_calls") or []:
             fn = tc.get("function") or {}
             if tc.get("index", 0) not in self.calls:
-                out += self._start({"type": "tool_use", "id": tc.get("id") or f"toolu_{secrets.token_hex(12)}",
-                                    "name": fn.get("name") or "", "input": {}})
+                out += self._start(
+                    {
+                        "type": "tool_use",
+                        "id": tc.get("id") or f"toolu_{secrets.token_hex(12)}",
+                        "name": fn.get("name") or "",
+                        "input": {},
+                    }
+                )
                 self.calls[tc.get("index", 0)] = self.index
             if fn.get("arguments"):
                 out.append({"type": "content_block_delta", "index": self.calls[tc.get("index", 0)],
@@ -404,7 +481,8 @@ async def anthropic_errors(request: web.Request, handler: Any) -> web.StreamResp
                              status=e.status)
     except Exception:
         log.exception("unhandled error on %s %s", request.method, request.path)
-        return json_response({"type": "error", "error": {"type": "api_error", "message": "internal server error"}},
+        return json_response({"type": "error", "error": {"type": "api_error", "message": "internal "
+                                                                                         "server error"}},
                              status=500)
 
 

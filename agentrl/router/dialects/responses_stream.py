@@ -45,7 +45,8 @@ class ResponsesEvents:
         self.text: dict[str, Any] | None = None  # the open message item: {"id", "index", "parts", "logprobs"}
         self.calls: dict[int, dict[str, Any]] = {}  # open function-call items by chat tool-call index
         self.finish: str | None = None
-        self._lps: list[dict[str, Any]] = []  # logprobs of chunks with no text yet: they go with the next text
+        # logprobs of chunks with no text yet: they go with the next text
+        self._lps: list[dict[str, Any]] = []
         self.response: dict[str, Any] | None = None  # the final Response, once the stream ended
 
     def _event(self, kind: str, **fields: Any) -> dict[str, Any]:
@@ -96,18 +97,37 @@ class ResponsesEvents:
         out = []
         if self.text is None:
             item_id = new_id("msg")
-            self.text = {"id": item_id, "index": len(self.output) + len(self.calls), "parts": [], "logprobs": []}
+            self.text = {
+                "id": item_id,
+                "index": len(self.output) + len(self.calls),
+                "parts": [],
+                "logprobs": [],
+            }
             out.append(self._event("response.output_item.added", output_index=self.text["index"],
                                    item=message_item(item_id, "", "in_progress")))
-            out.append(self._event("response.content_part.added", item_id=item_id, output_index=self.text["index"],
-                                   content_index=0, part={"type": "output_text", "text": "", "annotations": [],
-                                                          "logprobs": []}))
+            out.append(
+                self._event(
+                    "response.content_part.added",
+                    item_id=item_id,
+                    output_index=self.text["index"],
+                    content_index=0,
+                    part={"type": "output_text", "text": "", "annotations": [], "logprobs": []},
+                )
+            )
         self.text["parts"].append(text)
         lps = logprob_items(entries, with_bytes=False) if self.turn.want_logprobs else []
         if self.turn.want_logprobs:
             self.text["logprobs"] += logprob_items(entries)
-        out.append(self._event("response.output_text.delta", item_id=self.text["id"], output_index=self.text["index"],
-                               content_index=0, delta=text, logprobs=lps))
+        out.append(
+            self._event(
+                "response.output_text.delta",
+                item_id=self.text["id"],
+                output_index=self.text["index"],
+                content_index=0,
+                delta=text,
+                logprobs=lps,
+            )
+        )
         return out
 
     def _close_text(self, status: str) -> list[dict[str, Any]]:
@@ -122,11 +142,24 @@ class ResponsesEvents:
         item = message_item(t["id"], full, status, lps)
         part = item["content"][0]
         self.output.append((t["index"], item))
-        return [self._event("response.output_text.done", item_id=t["id"], output_index=t["index"], content_index=0,
-                            text=full, logprobs=lps or []),
-                self._event("response.content_part.done", item_id=t["id"], output_index=t["index"], content_index=0,
-                            part=part),
-                self._event("response.output_item.done", output_index=t["index"], item=item)]
+        return [
+            self._event(
+                "response.output_text.done",
+                item_id=t["id"],
+                output_index=t["index"],
+                content_index=0,
+                text=full,
+                logprobs=lps or [],
+            ),
+            self._event(
+                "response.content_part.done",
+                item_id=t["id"],
+                output_index=t["index"],
+                content_index=0,
+                part=part,
+            ),
+            self._event("response.output_item.done", output_index=t["index"], item=item),
+        ]
 
     def _call_delta(self, tc: dict[str, Any]) -> list[dict[str, Any]]:
         out = []
@@ -163,4 +196,8 @@ class ResponsesEvents:
 
     def reply(self) -> dict[str, Any]:
         """The reply as a chat message (what the store keeps for ``previous_response_id``)."""
-        return self.stream.choices[0].message() if self.stream.choices else {"role": "assistant", "content": None}
+        return (
+            self.stream.choices[0].message()
+            if self.stream.choices
+            else {"role": "assistant", "content": None}
+        )

@@ -45,12 +45,36 @@ log = logging.getLogger(__name__)
 
 MAX_STORED = 8192  # responses kept for previous_response_id and retrieval
 # Request keys that change nothing the router renders or samples: accepted, echoed where the API does.
-_ACCEPTED = frozenset({
-    "model", "input", "instructions", "tools", "tool_choice", "max_output_tokens", "temperature", "top_p",
-    "stream", "previous_response_id", "store", "metadata", "include", "parallel_tool_calls", "truncation",
-    "user", "service_tier", "prompt_cache_key", "prompt_cache_retention", "safety_identifier", "stream_options",
-    "top_logprobs", "text", "reasoning", "background", "max_tool_calls",
-})
+_ACCEPTED = frozenset(
+    {
+        "model",
+        "input",
+        "instructions",
+        "tools",
+        "tool_choice",
+        "max_output_tokens",
+        "temperature",
+        "top_p",
+        "stream",
+        "previous_response_id",
+        "store",
+        "metadata",
+        "include",
+        "parallel_tool_calls",
+        "truncation",
+        "user",
+        "service_tier",
+        "prompt_cache_key",
+        "prompt_cache_retention",
+        "safety_identifier",
+        "stream_options",
+        "top_logprobs",
+        "text",
+        "reasoning",
+        "background",
+        "max_tool_calls",
+    }
+)
 _LOGPROBS_INCLUDE = "message.output_text.logprobs"
 _TEXT_PARTS = {"user": ("input_text",), "system": ("input_text",), "developer": ("input_text",),
                "assistant": ("output_text", "refusal")}
@@ -107,8 +131,11 @@ class ResponseStore:
         while at is not None:
             item = self._items.get(at)
             if item is None or item.session_id != session_id:
-                raise InvalidRequest(f"Previous response with id '{at}' not found.", param="previous_response_id",
-                                     code="previous_response_not_found")
+                raise InvalidRequest(
+                    f"Previous response with id '{at}' not found.",
+                    param="previous_response_id",
+                    code="previous_response_not_found",
+                )
             self._items.move_to_end(at)  # a chain in use stays
             chain.append(item)
             at = item.parent
@@ -131,7 +158,8 @@ class ResponsesTurn:
 
 
 def _text_of(parts: Any, role: str, where: str) -> str | list[dict[str, str]]:
-    """A message item's content as chat content: a string, or text parts (joined with a newline by the template path)."""
+    """A message item's content as chat content: a string, or text parts (joined with a newline by the
+    template path)."""
     if isinstance(parts, str):
         return parts
     if not isinstance(parts, list) or not parts:
@@ -141,12 +169,15 @@ def _text_of(parts: Any, role: str, where: str) -> str | list[dict[str, str]]:
     for j, p in enumerate(parts):
         kind = p.get("type") if isinstance(p, dict) else None
         if kind in _UNSUPPORTED_PARTS:
-            raise InvalidRequest(f"{where}.content[{j}]: '{kind}' is not supported by this router (text only)",
-                                 param=f"{where}.content[{j}].type", code="unsupported_content")
+            raise InvalidRequest(
+                f"{where}.content[{j}]: '{kind}' is not supported by this router (text only)",
+                param=f"{where}.content[{j}].type",
+                code="unsupported_content",
+            )
         key = "refusal" if kind == "refusal" else "text"
         if kind not in _TEXT_PARTS[role] or not isinstance(p.get(key), str):
-            raise InvalidRequest(f"{where}.content[{j}] must be one of {list(_TEXT_PARTS[role])} with a string "
-                                 f"'{key}' for role '{role}'", param=f"{where}.content[{j}]")
+            raise InvalidRequest(f"{where}.content[{j}] must be one of {list(_TEXT_PARTS[role])} "
+                                 f"with a string '{key}' for role '{role}'", param=f"{where}.content[{j}]")
         texts.append(p[key])
     if role == "assistant":
         return "".join(texts)
@@ -179,18 +210,32 @@ def input_messages(items: Any, known_calls: set[str]) -> list[dict[str, Any]]:
         if kind == "message":
             role = item.get("role")
             if role not in _TEXT_PARTS:
-                raise InvalidRequest(f"{where}.role must be one of {sorted(_TEXT_PARTS)}", param=f"{where}.role")
+                raise InvalidRequest(
+                    f"{where}.role must be one of {sorted(_TEXT_PARTS)}", param=f"{where}.role"
+                )
             content = _text_of(item.get("content"), role, where)
             msg_role = "system" if role == "developer" else role
             prev = out[-1] if out else None
-            if role == "assistant" and prev is not None and prev["role"] == "assistant" and prev.get("content") is None:
+            if (
+                role == "assistant"
+                and prev is not None
+                and prev["role"] == "assistant"
+                and prev.get("content") is None
+            ):
                 prev["content"] = content  # its calls came first: one assistant message, as vLLM merges them
             else:
                 out.append({"role": msg_role, "content": content})
         elif kind == "function_call":
             call_id, name, args = item.get("call_id"), item.get("name"), item.get("arguments")
-            if not (isinstance(call_id, str) and call_id and isinstance(name, str) and name and isinstance(args, str)):
-                raise InvalidRequest(f"{where}: a function_call needs string 'call_id', 'name' and 'arguments'",
+            if not (
+                isinstance(call_id, str)
+                and call_id
+                and isinstance(name, str)
+                and name
+                and isinstance(args, str)
+            ):
+                raise InvalidRequest(f"{where}: a function_call needs string "
+                                     "'call_id', 'name' and 'arguments'",
                                      param=where)
             call = {"id": call_id, "type": "function", "function": {"name": name, "arguments": args}}
             known_calls.add(call_id)
@@ -206,9 +251,12 @@ def input_messages(items: Any, known_calls: set[str]) -> list[dict[str, Any]]:
                                      param=f"{where}.call_id")
             out.append({"role": "tool", "tool_call_id": call_id, "content": _output_text(item.get("output"))})
         else:
-            raise InvalidRequest(f"{where}: input items of type {kind!r} are not supported by this router "
-                                 "(message, function_call and function_call_output are)", param=f"{where}.type",
-                                 code="unsupported_input_item")
+            raise InvalidRequest(
+                f"{where}: input items of type {kind!r} are not supported by this router "
+                "(message, function_call and function_call_output are)",
+                param=f"{where}.type",
+                code="unsupported_input_item",
+            )
     return out
 
 
@@ -234,7 +282,8 @@ def _chat_tool_choice(choice: Any) -> Any:
         return choice
     if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("name"), str):
         return {"type": "function", "function": {"name": choice["name"]}}
-    raise InvalidRequest("'tool_choice' must be 'auto', 'none', 'required' or {\"type\": \"function\", \"name\": ...}",
+    raise InvalidRequest("'tool_choice' must be 'auto', 'none', 'required' "
+                         "or {\"type\": \"function\", \"name\": ...}",
                          param="tool_choice")
 
 
@@ -245,9 +294,17 @@ def _response_format(text: Any) -> dict[str, Any] | None:
     if isinstance(fmt, dict) and fmt.get("type") == "json_object":
         return {"type": "json_object"}
     if isinstance(fmt, dict) and fmt.get("type") == "json_schema" and isinstance(fmt.get("schema"), dict):
-        return {"type": "json_schema", "json_schema": {"name": fmt.get("name") or "response", "schema": fmt["schema"],
-                                                        "strict": fmt.get("strict")}}
-    raise InvalidRequest("'text.format' must be text, json_object or json_schema with a 'schema'", param="text.format")
+        return {
+            "type": "json_schema",
+            "json_schema": {
+                "name": fmt.get("name") or "response",
+                "schema": fmt["schema"],
+                "strict": fmt.get("strict"),
+            },
+        }
+    raise InvalidRequest(
+        "'text.format' must be text, json_object or json_schema with a 'schema'", param="text.format"
+    )
 
 
 def parse_request(body: Any, model_name: str, store: ResponseStore, session_id: str | None,
@@ -324,7 +381,9 @@ def logprob_items(entries: list[dict[str, Any]] | None, *, with_bytes: bool = Tr
     return [{**one(e), "top_logprobs": [one(t) for t in e.get("top_logprobs") or []]} for e in entries or []]
 
 
-def message_item(item_id: str, text: str, status: str, logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+def message_item(
+    item_id: str, text: str, status: str, logprobs: list[dict[str, Any]] | None = None
+) -> dict[str, Any]:
     return {"id": item_id, "type": "message", "status": status, "role": "assistant",
             "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}]}
 
@@ -339,17 +398,32 @@ def response_object(turn: ResponsesTurn, rid: str, model: str, *, status: str, o
     """The Response object as the official SDK parses it."""
     req = turn.request
     return {
-        "id": rid, "object": "response", "created_at": created, "status": status, "background": False,
+        "id": rid,
+        "object": "response",
+        "created_at": created,
+        "status": status,
+        "background": False,
         "error": None,
         "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
-        "instructions": req.get("instructions"), "max_output_tokens": req.get("max_output_tokens"),
-        "max_tool_calls": req.get("max_tool_calls"), "metadata": req.get("metadata") or {}, "model": model,
-        "output": output, "parallel_tool_calls": req.get("parallel_tool_calls", True),
-        "previous_response_id": req.get("previous_response_id"), "reasoning": {"effort": None, "summary": None},
-        "service_tier": req.get("service_tier") or "default", "store": turn.store,
-        "temperature": req.get("temperature", 1.0), "text": req.get("text") or {"format": {"type": "text"}},
-        "tool_choice": req.get("tool_choice") or "auto", "tools": turn.tools, "top_logprobs": req.get("top_logprobs", 0),
-        "top_p": req.get("top_p", 1.0), "truncation": req.get("truncation") or "disabled", "usage": use,
+        "instructions": req.get("instructions"),
+        "max_output_tokens": req.get("max_output_tokens"),
+        "max_tool_calls": req.get("max_tool_calls"),
+        "metadata": req.get("metadata") or {},
+        "model": model,
+        "output": output,
+        "parallel_tool_calls": req.get("parallel_tool_calls", True),
+        "previous_response_id": req.get("previous_response_id"),
+        "reasoning": {"effort": None, "summary": None},
+        "service_tier": req.get("service_tier") or "default",
+        "store": turn.store,
+        "temperature": req.get("temperature", 1.0),
+        "text": req.get("text") or {"format": {"type": "text"}},
+        "tool_choice": req.get("tool_choice") or "auto",
+        "tools": turn.tools,
+        "top_logprobs": req.get("top_logprobs", 0),
+        "top_p": req.get("top_p", 1.0),
+        "truncation": req.get("truncation") or "disabled",
+        "usage": use,
         "user": req.get("user"),
     }
 
@@ -373,8 +447,15 @@ def from_chat(turn: ResponsesTurn, out: dict[str, Any], model: str) -> dict[str,
     lps = ((ch.get("logprobs") or {}).get("content") or []) if turn.want_logprobs else None
     output, status = reply_output(ch["message"], ch.get("finish_reason"), lps)
     u = out.get("usage") or {}
-    resp = response_object(turn, new_id("resp"), model, status=status, output=output,
-                           use=usage(u.get("prompt_tokens", 0), u.get("completion_tokens", 0)), created=time.time())
+    resp = response_object(
+        turn,
+        new_id("resp"),
+        model,
+        status=status,
+        output=output,
+        use=usage(u.get("prompt_tokens", 0), u.get("completion_tokens", 0)),
+        created=time.time(),
+    )
     if out.get("agentrl"):
         resp["agentrl"] = out["agentrl"]
     return resp
@@ -389,7 +470,9 @@ def remember(store: ResponseStore, turn: ResponsesTurn, resp: dict[str, Any], re
     if reply.get("tool_calls"):
         msg["tool_calls"] = [{"id": c["id"], "type": "function", "function": dict(c["function"])}
                              for c in reply["tool_calls"]]
-    store.put(resp["id"], session_id, turn.request.get("previous_response_id"), turn.new_messages + [msg], resp)
+    store.put(
+        resp["id"], session_id, turn.request.get("previous_response_id"), turn.new_messages + [msg], resp
+    )
 
 
 def retrieve(store: ResponseStore, rid: str, session_id: str | None) -> dict[str, Any]:

@@ -15,10 +15,16 @@ class NumberGuessEnv(EnvClient[GuessAction, GuessObservation, State]):
 
     def _parse_result(self, payload: dict[str, Any]) -> StepResult[GuessObservation]:
         obs = payload.get("observation", {})
-        observation = GuessObservation(message=obs.get("message", ""), guesses_left=obs.get("guesses_left", 0),
-                                       done=payload.get("done", False), reward=payload.get("reward"),
-                                       metadata=obs.get("metadata", {}))
-        return StepResult(observation=observation, reward=payload.get("reward"), done=payload.get("done", False))
+        observation = GuessObservation(
+            message=obs.get("message", ""),
+            guesses_left=obs.get("guesses_left", 0),
+            done=payload.get("done", False),
+            reward=payload.get("reward"),
+            metadata=obs.get("metadata", {}),
+        )
+        return StepResult(
+            observation=observation, reward=payload.get("reward"), done=payload.get("done", False)
+        )
 
     def _parse_state(self, payload: dict[str, Any]) -> State:
         return State(episode_id=payload.get("episode_id"), step_count=payload.get("step_count", 0))

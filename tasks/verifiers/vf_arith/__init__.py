@@ -35,8 +35,12 @@ class ArithTaskset(vf.Taskset[ArithTask, ArithConfig]):
         rng = random.Random(self.config.seed)
         for i in range(self.config.num_tasks):
             a, b = rng.randint(0, self.config.max_operand), rng.randint(0, self.config.max_operand)
-            yield ArithTask(ArithData(id=f"arith-{i}", prompt=f"What is {a} + {b}?", system_prompt=SYSTEM_PROMPT,
-                                      answer=a + b), self.config.task)
+            yield ArithTask(
+                ArithData(
+                    id=f"arith-{i}", prompt=f"What is {a} + {b}?", system_prompt=SYSTEM_PROMPT, answer=a + b
+                ),
+                self.config.task,
+            )
 
 
 __all__ = ["ArithConfig", "ArithData", "ArithTask", "ArithTaskset"]

@@ -31,7 +31,9 @@ class NumberGuessEnvironment(Environment):
         self._state.step_count += 1
         left = MAX_GUESSES - self._state.step_count
         if action.guess == self._secret:
-            return GuessObservation(message=f"{action.guess} is right!", guesses_left=left, done=True, reward=1.0)
+            return GuessObservation(
+                message=f"{action.guess} is right!", guesses_left=left, done=True, reward=1.0
+            )
         hint = "higher" if action.guess < self._secret else "lower"
         return GuessObservation(message=f"{action.guess} is wrong; the number is {hint}.", guesses_left=left,
                                 done=left <= 0, reward=0.0)
