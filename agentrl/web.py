@@ -12,11 +12,14 @@ from __future__ import annotations
 import hmac
 import logging
 import socket
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
 from agentrl.errors import AgentrlError
+
+if TYPE_CHECKING:
+    from aiohttp.typedefs import Handler
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +78,7 @@ def require_admin(request: web.Request) -> None:
 
 
 @web.middleware
-async def error_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
+async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     """aiohttp's HTTP errors and unforeseen exceptions as the one error shape (routes with their own
     error type, like the router's, answer it themselves and pass through untouched)."""
     try:
@@ -114,7 +117,7 @@ async def listen_when_free(host: str, port: int, timeout_s: float = 60.0) -> soc
 
 
 @web.middleware
-async def close_after_response(request: web.Request, handler: Any) -> web.StreamResponse:
+async def close_after_response(request: web.Request, handler: Handler) -> web.StreamResponse:
     """For an app about to hand its port over (serve's start-up page): each answer says
     ``Connection: close``, so no client keeps a connection to it across the handover."""
     response = await handler(request)

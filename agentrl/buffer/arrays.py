@@ -10,14 +10,17 @@ already has the right dtype is returned as it is, without a copy. :func:`runs` a
 from __future__ import annotations
 
 import struct
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from numpy.typing import ArrayLike
 
 _I32 = np.iinfo(np.int32)
 
 
-def int32_array(xs: Any, what: str) -> np.ndarray:
+def int32_array(xs: ArrayLike, what: str) -> np.ndarray:
     """``xs`` as an int32 array; a value outside int32 is an OverflowError, never wrapped."""
     if isinstance(xs, np.ndarray):
         if xs.dtype == np.int32:
@@ -28,7 +31,7 @@ def int32_array(xs: Any, what: str) -> np.ndarray:
     return np.asarray(xs, dtype=np.int32)  # a Python int out of range raises OverflowError here
 
 
-def mask_array(xs: Any) -> np.ndarray:
+def mask_array(xs: ArrayLike) -> np.ndarray:
     """The loss mask as int32. Bools and floats mean "generated or not" (nonzero becomes 1);
     integers keep their value (a weight of 2 stays 2)."""
     a = xs if isinstance(xs, np.ndarray) else np.asarray(xs)
@@ -37,7 +40,7 @@ def mask_array(xs: Any) -> np.ndarray:
     return int32_array(a, "loss_mask")
 
 
-def float32_array(xs: Any) -> np.ndarray:
+def float32_array(xs: ArrayLike) -> np.ndarray:
     """Logprobs as float32, rounded to nearest; a finite value beyond float32 becomes +-inf."""
     if isinstance(xs, np.ndarray) and xs.dtype == np.float32:
         return xs

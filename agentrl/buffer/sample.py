@@ -28,7 +28,7 @@ from __future__ import annotations
 import copy
 import uuid
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -37,6 +37,9 @@ from agentrl.buffer.arrays import float32_array, int32_array, mask_array
 from agentrl.buffer.sections.base import holder
 from agentrl.buffer.sections.base import sections as registered
 from agentrl.buffer.sections.routing import ROUTING_DTYPES, routing_array
+
+if TYPE_CHECKING:
+    from numpy.typing import ArrayLike
 
 __all__ = ["POLICY_KEY", "ROUTING_DTYPES", "Sample", "routing_array"]
 
@@ -64,8 +67,8 @@ class Sample:
     sections: dict[str, dict[str, Any]] = field(default_factory=dict)
     """Section name -> the values of its fields that are set (agentrl.buffer.sections)."""
 
-    def __init__(self, token_ids: Any, loss_mask: Any, logprobs: Any, versions: Any, episode_id: str,
-                 group_id: str, env: str, reward: float, sample_id: str | None = None,
+    def __init__(self, token_ids: ArrayLike, loss_mask: ArrayLike, logprobs: ArrayLike, versions: ArrayLike,
+                 episode_id: str, group_id: str, env: str, reward: float, sample_id: str | None = None,
                  truncated: bool = False, error: str | None = None, error_kind: str | None = None,
                  info: dict[str, Any] | None = None, timings: dict[str, float] | None = None,
                  sections: dict[str, dict[str, Any]] | None = None, **section_fields: Any) -> None:

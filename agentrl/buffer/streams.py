@@ -19,11 +19,14 @@ import asyncio
 import dataclasses
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from agentrl.buffer.config import BufferConfig
 from agentrl.buffer.core import Buffer
 from agentrl.buffer.sample import POLICY_KEY, Sample
+
+if TYPE_CHECKING:
+    from agentrl.buffer.codec import Batch
 
 
 class PolicyBuffers:
@@ -95,7 +98,7 @@ class PolicyBuffers:
         batch_size: int | None = None,
         timeout_s: float = 0.0,
         policy: str | None = None,
-    ) -> Any:
+    ) -> Batch | None:
         return await self.stream(policy).get_batch(learner_version, max_staleness, batch_size, timeout_s)
 
     def ack(self, batch_id: str) -> bool:

@@ -19,9 +19,14 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, TypeVar
 
 from agentrl import config as C
+
+if TYPE_CHECKING:
+    from types import ModuleType
+
+T = TypeVar("T")
 
 
 def _setup_logging(verbose: bool = False) -> None:
@@ -56,7 +61,7 @@ def _private_dir(path: str) -> None:
         p.chmod(0o700)
 
 
-def _load(cls: type, args: argparse.Namespace, extra: list[str]) -> Any:
+def _load(cls: type[T], args: argparse.Namespace, extra: list[str]) -> T:
     try:
         return C.load(cls, args.config, extra)
     except C.ConfigError as e:
@@ -188,7 +193,7 @@ def cmd_envs(args: argparse.Namespace, extra: list[str]) -> int:
         raise SystemExit(f"agentrl envs: configuration error: {e}") from None
 
 
-def _envs(args: argparse.Namespace, env_cli: Any) -> int:
+def _envs(args: argparse.Namespace, env_cli: ModuleType) -> int:
     if args.action == "list":
         return env_cli.list_envs()
     import json

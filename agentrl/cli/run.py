@@ -30,11 +30,16 @@ import threading
 import time
 from collections import Counter
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from agentrl._lazy import import_ahead
 from agentrl.config import RunConfig, ServeConfig, to_toml
 from agentrl.engines.reaper import child_group, kill_group, stop_process
+
+if TYPE_CHECKING:
+    from types import FrameType
+
+    from agentrl.rollout.evaluate import EvalResult
 
 log = logging.getLogger(__name__)
 _progress = logging.getLogger("agentrl.progress")
@@ -224,7 +229,7 @@ def wait_for_serve(url: str, serve: subprocess.Popen | ServeChild, timeout_s: fl
     asyncio.run(wait())
 
 
-def held_out_eval(cfg: RunConfig, url: str, label: str, run_dir: Path) -> Any:
+def held_out_eval(cfg: RunConfig, url: str, label: str, run_dir: Path) -> EvalResult:
     """Evaluate the policy the engines serve now on ``eval.tasks`` held-out tasks."""
     from agentrl.credentials import find_api_keys
     from agentrl.rollout.evaluate import evaluate, write_result
@@ -287,7 +292,7 @@ def run(cfg: RunConfig) -> int:
     t0 = time.monotonic()
     before = after = None
 
-    def interrupted(signum: int, frame: Any) -> None:
+    def interrupted(signum: int, frame: FrameType | None) -> None:
         # Ctrl-C: serve must not be relaunched (it got the SIGINT too), and the learner stops where it
         # is, not where its event loop next checks for a cancellation (an HTTP call can swallow one)
         serve_child.stop_relaunching()

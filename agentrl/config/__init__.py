@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from agentrl.config.loader import (
     build,
@@ -50,6 +50,7 @@ __all__ = [
     "union_kinds",
 ]
 
+T = TypeVar("T")
 
 # What `agentrl run` changes from serve's and learn's own defaults: the quickstart's model and RL
 # recipe, measured to learn within 20 minutes on a 2-core CPU (docs/learner.md). `load` merges them
@@ -102,7 +103,7 @@ class RunConfig:
             self.learn.weights.transport = AdapterTransportConfig()
 
 
-def load(cls: type, path: str | Path | None = None, overrides: list[str] | None = None) -> Any:
+def load(cls: type[T], path: str | Path | None = None, overrides: list[str] | None = None) -> T:
     """Build ``cls`` from an optional TOML/YAML file and ``a.b=value`` overrides, then check it
     (``RunConfig`` starts from :data:`RUN_DEFAULTS`)."""
     return _load(cls, path, overrides, RUN_DEFAULTS if cls is RunConfig else None)

@@ -25,7 +25,10 @@ import base64
 import logging
 import re
 from collections import OrderedDict
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -40,10 +43,10 @@ class _Record:
     __slots__ = ("chunks", "top")
 
     def __init__(self) -> None:
-        self.chunks: list[tuple[Any, Any]] = []
+        self.chunks: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.top = -1  # the highest position held
 
-    def add(self, positions: Any, experts: Any) -> None:
+    def add(self, positions: torch.Tensor, experts: torch.Tensor) -> None:
         """One pass's rows. A pass that starts at or below a position already held is a
         recomputation (a preemption, or the prefix-cache reset after a weight update): the request
         lost its KV and is computed again from ``positions[0]``, taking what comes before from the
@@ -91,7 +94,7 @@ class RoutedExpertsCapture:
         log.info("routed-expert capture on %d MoE layers", len(layers))
         return len(layers)
 
-    def _agentrl_split_step(self, runner: Any, step: list[Any]) -> None:
+    def _agentrl_split_step(self, runner: Any, step: list[torch.Tensor]) -> None:
         import torch
 
         rows = torch.stack(step, dim=1)  # [tokens of this pass, layers, k]

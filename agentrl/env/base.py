@@ -26,6 +26,9 @@ from agentrl.env.tasks import load_tasks
 from agentrl.env.tools import ToolCallError, call_tool, parse_arguments, parse_tool_calls, tool_schema
 
 if TYPE_CHECKING:
+    from collections.abc import Mapping
+    from pathlib import Path
+
     from agentrl.sandbox import Sandbox
 
 log = logging.getLogger(__name__)
@@ -244,10 +247,11 @@ class TaskListEnv(ToolEnv):
     list of dicts, a ``.jsonl`` path, ``"hf:NAME"``). ``timeout_s`` bounds each sandboxed command;
     the class attribute is the default a config's ``timeout_s`` replaces."""
 
-    TASKS: Any = ()
+    TASKS: str | Path | Iterable[Mapping[str, Any]] = ()
     timeout_s: float = 10.0
 
-    def __init__(self, tasks: Any = None, timeout_s: float | None = None) -> None:
+    def __init__(self, tasks: str | Path | Iterable[Mapping[str, Any]] | None = None,
+                 timeout_s: float | None = None) -> None:
         super().__init__()
         self.source = load_tasks(self.TASKS if tasks is None else tasks)
         if timeout_s is not None:

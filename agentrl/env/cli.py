@@ -20,7 +20,7 @@ from agentrl.env.registry import failed_entry_points, lookup, make, registered
 Write = Callable[[str], Any]
 
 
-def _summary(obj: Any) -> str:
+def _summary(obj: Callable[..., Any]) -> str:
     doc = obj.__doc__ or sys.modules[obj.__module__].__doc__ or ""
     return doc.strip().splitlines()[0] if doc.strip() else ""
 

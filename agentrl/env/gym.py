@@ -24,7 +24,7 @@ import itertools
 import logging
 import string
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import gymnasium
 from gymnasium import spaces
@@ -33,7 +33,13 @@ from agentrl.env.base import Environment, Message, Reset, StepResult
 from agentrl.env.registry import environment, make
 from agentrl.env.tools import parse_tool_calls
 
+if TYPE_CHECKING:
+    from agentrl.sandbox.attach import ImagePools
+    from agentrl.sandbox.pool import SandboxPool
+    from agentrl.sandbox.types import SandboxConfig
+
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class TextSpace(spaces.Text):
@@ -85,8 +91,9 @@ class GymEnv(gymnasium.Env):
     metadata = {"render_modes": ["ansi"]}
 
     def __init__(self, env: Environment | str, tasks: Iterable[dict[str, Any]] | None = None, *,
-                 split: str = "train", env_config: dict[str, Any] | None = None, sandbox_config: Any = None,
-                 max_length: int = 1 << 16, render_mode: str | None = None) -> None:
+                 split: str = "train", env_config: dict[str, Any] | None = None,
+                 sandbox_config: SandboxConfig | None = None, max_length: int = 1 << 16,
+                 render_mode: str | None = None) -> None:
         self.env: Environment = make(env, **(env_config or {})) if isinstance(env, str) else env
         # A callable, so every restart gets a fresh stream (env.tasks() is usually a generator).
         self._task_source: Callable[[], Iterable[dict[str, Any]]] = (
@@ -97,7 +104,7 @@ class GymEnv(gymnasium.Env):
         self.render_mode = render_mode
         self._sandbox_config = sandbox_config
         self._runner = asyncio.Runner()
-        self._pool: Any = None
+        self._pool: SandboxPool | ImagePools | None = None
         self._episode: contextlib.AsyncExitStack | None = None
         self.task: dict[str, Any] | None = None
         self.messages: list[Message] = []
@@ -215,7 +222,7 @@ class GymAdapter(Environment):
         for i in range(n):
             yield {"id": f"{split}-{i}", "seed": offset + i}
 
-    async def _call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    async def _call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         return await asyncio.to_thread(fn, *args, **kwargs) if self.in_thread else fn(*args, **kwargs)
 
     async def reset(self, task: dict[str, Any]) -> Reset:

@@ -29,9 +29,12 @@ from collections.abc import Callable
 from importlib.metadata import EntryPoint, entry_points
 from pathlib import Path
 from types import ModuleType
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from agentrl.errors import AgentrlError
+
+if TYPE_CHECKING:
+    from agentrl.env.base import Environment
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +57,7 @@ class DuplicateEnvironmentError(AgentrlError, ValueError):
     """A second, different object tried to register under a taken name."""
 
 
-def _where(obj: Any) -> str:
+def _where(obj: Callable[..., Any]) -> str:
     return f"{getattr(obj, '__module__', '?')}.{getattr(obj, '__qualname__', repr(obj))}"
 
 
@@ -199,7 +202,7 @@ def lookup(name: str) -> Callable[..., Any]:
     return _REGISTRY[name]
 
 
-def make(name: str, **config: Any) -> Any:
+def make(name: str, **config: Any) -> Environment:
     """Build the environment registered under ``name`` with ``config`` as keyword arguments."""
     return lookup(name)(**config)
 

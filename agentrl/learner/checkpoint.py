@@ -53,6 +53,9 @@ import torch
 from agentrl.learner.dist import Dist, full_state_dict, tied_names
 
 if TYPE_CHECKING:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    from agentrl.learner.lora import LoraConfig
     from agentrl.learner.policies import PolicySet
 
 log = logging.getLogger(__name__)
@@ -85,7 +88,7 @@ def _set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def _options(model: torch.nn.Module) -> Any:
+def _options(model: torch.nn.Module) -> StateDictOptions:
     """DCP's state-dict options: a model with frozen parameters (LoRA's base) checkpoints only what
     trains (the adapters and their optimizer state); the frozen base is reloaded from the model, so
     loading such a state is not strict about the frozen keys (DCP's load fails on any trained key
@@ -282,8 +285,8 @@ def save_hf(state_dict: dict[str, torch.Tensor], model_path: str, out: str | Pat
     return out
 
 
-def export_hf(model: torch.nn.Module, ctx: Dist, model_path: str, out: str | Path, lora: Any = None,
-              adapters: Sequence[str] = ()) -> Path | None:
+def export_hf(model: torch.nn.Module, ctx: Dist, model_path: str, out: str | Path,
+              lora: LoraConfig | None = None, adapters: Sequence[str] = ()) -> Path | None:
     """Gather the (possibly sharded) policy and write it on rank 0 (collective). With ``lora`` (its
     rank > 0) the folder holds the merged model, and ``out/adapter`` the adapter alone (a peft folder).
     With ``adapters`` (several policies on one base) ``out/<policy>`` is each policy's adapter, a

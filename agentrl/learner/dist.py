@@ -27,13 +27,17 @@ import logging
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
 from agentrl.learner.dropout import disable_dropout
 
+if TYPE_CHECKING:
+    from agentrl.learner.lora import LoraConfig
+
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 @dataclass
@@ -48,7 +52,7 @@ class Dist:
     def is_main(self) -> bool:
         return self.rank == 0
 
-    def broadcast_object(self, obj: Any) -> Any:
+    def broadcast_object(self, obj: T) -> T:
         """Rank 0's ``obj`` on every rank."""
         if not self.distributed:
             return obj
@@ -58,7 +62,7 @@ class Dist:
         dist.broadcast_object_list(box, src=0, device=self.device if self.device.type == "cuda" else None)
         return box[0]
 
-    def all_gather_object(self, obj: Any) -> list[Any]:
+    def all_gather_object(self, obj: T) -> list[T]:
         if not self.distributed:
             return [obj]
         import torch.distributed as dist
@@ -111,7 +115,7 @@ def init_dist(timeout_s: float = 1800.0) -> Dist:
     return Dist(rank=rank, world=world, local_rank=local_rank, device=device, distributed=True)
 
 
-def decoder_layers(model: Any) -> list[torch.nn.Module]:
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The repeated transformer blocks of a transformers causal LM (Llama, Qwen2, Mistral, ...)."""
     inner = getattr(model, "model", None)
     layers = getattr(inner, "layers", None)
@@ -123,7 +127,8 @@ def decoder_layers(model: Any) -> list[torch.nn.Module]:
 
 
 def load_model(model_path: str, ctx: Dist, *, precision: str = "auto", activation_checkpointing: bool = False,
-               lora: Any = None, seed: int = 0, adapters: Sequence[str] = ()) -> torch.nn.Module:
+               lora: LoraConfig | None = None, seed: int = 0,
+               adapters: Sequence[str] = ()) -> torch.nn.Module:
     """fp32 model from a local folder or hub name; sharded with FSDP2 under torchrun. ``lora``
     (a :class:`agentrl.learner.lora.LoraConfig` with rank > 0): LoRA adapters are injected first
     and only they are trainable (the frozen base is sharded like the rest); ``adapters`` names one

@@ -32,12 +32,15 @@ Invariants:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from agentrl.learner.replay import RowReplay, check_vocab, penalised, replayed_log_softmax, replayed_logprobs
+
+if TYPE_CHECKING:
+    from torch.autograd.function import FunctionCtx
 
 CHUNK_TOKENS = 1024
 """Default positions per chunk. Each chunk holds about three [chunk, V] fp32 tensors at once (the
@@ -56,8 +59,8 @@ class Terms:
     topk: Tensor | None = None  # [R, k]
 
 
-def row_terms(model: Any, ids: Tensor, pos: Tensor, plan: RowReplay, topk_ids: Tensor | None = None,
-              chunk_tokens: int = CHUNK_TOKENS) -> Terms:
+def row_terms(model: torch.nn.Module, ids: Tensor, pos: Tensor, plan: RowReplay,
+              topk_ids: Tensor | None = None, chunk_tokens: int = CHUNK_TOKENS) -> Terms:
     """Run ``model`` on one packed row (``ids``, ``pos``: [1, N]) and compute its :class:`Terms`
     (``topk_ids`` [N-1, k]: the teacher's top-k at each position, -1 where none), the head in
     chunks of ``chunk_tokens`` positions (0: the whole row's logits at once, the unchunked path)."""
@@ -158,7 +161,7 @@ class ChunkedHead(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx: Any,
+        ctx: FunctionCtx,
         hidden: Tensor,
         weight: Tensor,
         bias: Tensor | None,
@@ -202,7 +205,7 @@ class ChunkedHead(torch.autograd.Function):
         return logp, entropy, topk
 
     @staticmethod
-    def backward(ctx: Any, g_logp: Tensor | None, g_entropy: Tensor | None,
+    def backward(ctx: FunctionCtx, g_logp: Tensor | None, g_entropy: Tensor | None,
                  g_topk: Tensor | None) -> tuple[Tensor | None, ...]:
         hidden, weight, bias, targets, topk_ids, lse, lse_raw, entropy = ctx.saved_tensors
         want_h, want_w, want_b = ctx.needs_input_grad[:3]

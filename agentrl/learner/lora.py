@@ -32,9 +32,12 @@ import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from agentrl.weights.adapters import ADAPTER, adapter_config, adapter_state, is_adapter_key
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "ALL_LINEAR",
@@ -86,7 +89,8 @@ class LoraConfig:
             )
 
 
-def add_adapters(model: Any, cfg: LoraConfig, *, seed: int = 0, names: Sequence[str] = (ADAPTER,)) -> Any:
+def add_adapters(model: torch.nn.Module, cfg: LoraConfig, *, seed: int = 0,
+                 names: Sequence[str] = (ADAPTER,)) -> torch.nn.Module:
     """Inject LoRA adapters into ``model`` in place and freeze every other parameter.
 
     peft initialises A randomly (Kaiming) and B at zero, so the adapted model starts as the base
@@ -135,7 +139,7 @@ def of_adapter(key: str, name: str) -> bool:
     return re.search(rf"\.lora_(?:A|B|embedding_A|embedding_B)\.{re.escape(name)}(?:\.|$)", key) is not None
 
 
-def activate(model: Any, name: str) -> int:
+def activate(model: torch.nn.Module, name: str) -> int:
     """Make adapter ``name`` the only active one in every LoRA layer of ``model``: the forward
     pass computes the base plus that adapter alone. Returns how many layers it set.
 
@@ -157,7 +161,7 @@ def activate(model: Any, name: str) -> int:
     return layers
 
 
-def perturbed_model(model_dir: str, cfg: LoraConfig, *, seed: int, b_std: float) -> Any:
+def perturbed_model(model_dir: str, cfg: LoraConfig, *, seed: int, b_std: float) -> torch.nn.Module:
     """``model_dir`` in fp32, dropout off, with ``cfg``'s adapters whose B is drawn from
     N(0, ``b_std``) (seeded) instead of zero: a policy as it is some steps into training, for checks
     that an adapter changes what the engine computes exactly as it changes the learner's model

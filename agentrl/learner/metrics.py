@@ -18,9 +18,12 @@ import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from agentrl.errors import AgentrlError
+
+if TYPE_CHECKING:
+    from agentrl.learner.config import LearnConfig
 
 log = logging.getLogger(__name__)
 
@@ -170,7 +173,7 @@ class WandbWriter:
         self._run.finish()
 
 
-def make_writers(cfg: Any, run_dir: Path, config: dict[str, Any] | None = None) -> list[Writer]:
+def make_writers(cfg: LearnConfig, run_dir: Path, config: dict[str, Any] | None = None) -> list[Writer]:
     """The writers ``cfg`` (a LearnConfig) enables: TensorBoard if ``tensorboard``, W&B if
     ``wandb.project``."""
     writers: list[Writer] = []
@@ -184,7 +187,7 @@ def make_writers(cfg: Any, run_dir: Path, config: dict[str, Any] | None = None) 
     return writers
 
 
-def start_metrics_server(cfg: Any, run_dir: Path) -> MetricsServer | None:
+def start_metrics_server(cfg: LearnConfig, run_dir: Path) -> MetricsServer | None:
     """The learner's /metrics per ``cfg.metrics_port`` (-1: none); its URL is logged and written to
     run_dir."""
     if cfg.metrics_port < 0:

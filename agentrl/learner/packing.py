@@ -33,7 +33,6 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import torch
@@ -52,7 +51,7 @@ from agentrl.learner.replay import RowReplay
 from agentrl.learner.routing import ReplayStats, replay_routing
 
 
-def token_logprobs(model: Any, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
+def token_logprobs(model: torch.nn.Module, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
     """log pi(token_t | tokens_<t) for t >= 1 on a right-padded batch, shape [B, T-1] (fp32)."""
     logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits.float()
     logp = torch.log_softmax(logits[:, :-1], dim=-1)
@@ -119,7 +118,7 @@ def micro_batch(rows: Rows, device: torch.device | str = "cpu") -> MicroBatch:
     return rows if isinstance(rows, MicroBatch) else MicroBatch.build(rows, device=device)
 
 
-def packed_logprobs(model: Any, rows: Rows, device: torch.device | str = "cpu",
+def packed_logprobs(model: torch.nn.Module, rows: Rows, device: torch.device | str = "cpu",
                     replay: bool = True, chunk_tokens: int = CHUNK_TOKENS) -> Tensor:
     """Next-token logprobs of one packed row: :func:`packed_forward`'s ``logp``."""
     return packed_forward(model, rows, device, replay, chunk_tokens=chunk_tokens).logp
@@ -136,7 +135,7 @@ class Forward:
     topk: Tensor | None = None
 
 
-def packed_forward(model: Any, rows: Rows, device: torch.device | str = "cpu",
+def packed_forward(model: torch.nn.Module, rows: Rows, device: torch.device | str = "cpu",
                    replay: bool = True, topk: bool = False, chunk_tokens: int = CHUNK_TOKENS) -> Forward:
     """Next-token logprobs of one packed row, unpacked to [S, T-1] (fp32), under each sample's
     behaviour distribution (``replay=False``: plain log-softmax, as the learner computed before
@@ -154,7 +153,7 @@ def packed_forward(model: Any, rows: Rows, device: torch.device | str = "cpu",
 
 
 @contextlib.contextmanager
-def routing_replayed(model: Any, rows: Rows, device: torch.device | str = "cpu",
+def routing_replayed(model: torch.nn.Module, rows: Rows, device: torch.device | str = "cpu",
                      stats: ReplayStats | None = None) -> Iterator[None]:
     """Within the block, a forward pass over the packed row (and its backward, which recomputes it
     under activation checkpointing) routes each token through its recorded experts; nothing changes

@@ -14,7 +14,11 @@ import random
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+    from transformers import PreTrainedTokenizerBase
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +42,8 @@ def _episode_messages(rng: random.Random, system: str, direct_frac: float = 0.0)
     ]
 
 
-def _encode(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict]) -> tuple[list[int], list[int]]:
+def _encode(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, Any]],
+            tools: list[dict]) -> tuple[list[int], list[int]]:
     """Token ids of the whole transcript and a mask that is 1 on assistant-produced tokens.
 
     The mask covers each assistant turn from after its ``<|im_start|>assistant\n`` header through
@@ -63,7 +68,8 @@ def _encode(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict]) -
     return ids, mask
 
 
-def _batch(tok: Any, batch: list[tuple[list[int], list[int]]]) -> tuple[Any, Any, Any]:
+def _batch(tok: PreTrainedTokenizerBase,
+           batch: list[tuple[list[int], list[int]]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     import torch
 
     width = max(len(ids) for ids, _ in batch)
@@ -98,7 +104,7 @@ def warm_start(model_dir: str | Path, *, steps: int = 300, batch_size: int = 16,
     tools = [tool_schema(ArithmeticEnv.python)]
     rng = random.Random(seed)
 
-    def batch(tok: Any, step: int) -> list[tuple[list[int], list[int]]]:
+    def batch(tok: PreTrainedTokenizerBase, step: int) -> list[tuple[list[int], list[int]]]:
         if step < copy_steps:
             return [
                 _encode(tok, _episode_messages(rng, system_prompt)[1:], []) for _ in range(copy_batch_size)
@@ -168,7 +174,7 @@ def tool_use_warm_start(model_dir: str | Path, *, steps: int, batch_size: int = 
 
     rng = random.Random(seed)
 
-    def batch(tok: Any, step: int) -> list[tuple[list[int], list[int]]]:
+    def batch(tok: PreTrainedTokenizerBase, step: int) -> list[tuple[list[int], list[int]]]:
         return [_encode(tok, *tool_use_transcript(rng)) for _ in range(batch_size)]
 
     def lr_at(s: int) -> float:
@@ -178,7 +184,8 @@ def tool_use_warm_start(model_dir: str | Path, *, steps: int, batch_size: int = 
                      phase=lambda s: "tool use", lora=lora, adapter_dir=adapter_dir)
 
 
-def _masked_loss(model: Any, ids: Any, attn: Any, labels: Any) -> Any:
+def _masked_loss(model: torch.nn.Module, ids: torch.Tensor, attn: torch.Tensor,
+                 labels: torch.Tensor) -> torch.Tensor:
     """Next-token cross-entropy on the labelled positions, with the output head applied to those
     positions only (the loss ``labels=`` gives, without a vocabulary-wide matmul per prompt token)."""
     import torch.nn.functional as F
@@ -191,7 +198,7 @@ def _masked_loss(model: Any, ids: Any, attn: Any, labels: Any) -> Any:
 
 def fine_tune(
     model_dir: str | Path,
-    batch: Callable[[Any, int], list[tuple[list[int], list[int]]]],
+    batch: Callable[[PreTrainedTokenizerBase, int], list[tuple[list[int], list[int]]]],
     steps: int,
     lr_at: Callable[[int], float],
     *,

@@ -37,6 +37,7 @@ from agentrl.sandbox.attach import ImagePools, attached
 from agentrl.sandbox.types import SandboxError
 
 if TYPE_CHECKING:
+    from agentrl.env.base import Environment
     from agentrl.sandbox.pool import SandboxPool
 
 log = logging.getLogger(__name__)
@@ -162,7 +163,7 @@ async def finish_samples(client: ChatClient, ep: EpisodeResult,
 @contextlib.asynccontextmanager
 async def episode_env(env_name: str, env_config: dict[str, Any],
                       sandbox_pool: SandboxPool | ImagePools | None, ep: EpisodeResult,
-                      task: dict[str, Any] | None = None) -> AsyncIterator[Any]:
+                      task: dict[str, Any] | None = None) -> AsyncIterator[Environment]:
     """The episode's environment, with its sandbox attached when it names an image; both are
     released on the way out, cancellation included. A failure to build one is EnvironmentFailure."""
     try:
@@ -337,7 +338,7 @@ async def play_episode(env: PlayingEnv, task: dict[str, Any], model: SessionMode
         ep.terminated = True
 
 
-async def _close_env(env: Any) -> None:
+async def _close_env(env: Environment) -> None:
     try:
         await env.close()
     except Exception:

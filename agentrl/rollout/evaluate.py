@@ -23,13 +23,19 @@ import time
 import uuid
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from agentrl.env.base import MIX_TAG
 from agentrl.rollout.config import EpisodeLimits
 from agentrl.rollout.remote import OpenAIChat
 from agentrl.router.errors import RouterError
 from agentrl.sandbox.types import SandboxConfig
+
+if TYPE_CHECKING:
+    from agentrl.rollout.episode import EpisodeResult
+    from agentrl.rollout.protocols import ChatClient
+    from agentrl.sandbox.attach import ImagePools
+    from agentrl.sandbox.pool import SandboxPool
 
 log = logging.getLogger(__name__)
 
@@ -142,14 +148,16 @@ def eval_tasks(env_name: str, env_config: dict[str, Any], split: str, n: int) ->
     return out
 
 
-def is_success(ep: Any, success_reward: float = 0.0) -> bool:
+def is_success(ep: EpisodeResult, success_reward: float = 0.0) -> bool:
     return ep.error is None and ep.terminated and not ep.truncated and ep.reward > success_reward
 
 
-async def evaluate(env: str, endpoint: Any, tasks: int | list[dict[str, Any]] = 100, *, split: str = "test",
+async def evaluate(env: str, endpoint: str | ChatClient, tasks: int | list[dict[str, Any]] = 100, *,
+                   split: str = "test",
                    env_config: dict[str, Any] | None = None, api_key: str = "", model: str = "",
                    limits: EpisodeLimits | None = None, concurrency: int = 32, success_reward: float = 0.0,
-                   sandbox_pool: Any = None, sandbox_config: SandboxConfig | None = None) -> EvalResult:
+                   sandbox_pool: SandboxPool | ImagePools | None = None,
+                   sandbox_config: SandboxConfig | None = None) -> EvalResult:
     """Run one episode per task and measure success.
 
     ``endpoint``: an OpenAI base URL ending in ``/v1`` or a :class:`~agentrl.rollout.protocols.ChatClient`

@@ -25,7 +25,7 @@ import dataclasses
 import json
 import logging
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from agentrl.buffer.codec import CodecError, decode_batch
 from agentrl.client import ServeClient
@@ -33,6 +33,13 @@ from agentrl.errors import TransportError
 from agentrl.router.errors import EngineError, InvalidRequest
 from agentrl.router.session_store import SessionLimits
 from agentrl.router.sessions import SessionSummary
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+    from pathlib import Path
+
+    from aiohttp import web
+    from aiohttp.typedefs import Handler
 
 log = logging.getLogger(__name__)
 
@@ -252,7 +259,7 @@ class EpisodeUploader:
             await self.http.close()
 
 
-def episode_log_route(path: Any, require_admin: Any) -> Any:
+def episode_log_route(path: str | Path, require_admin: Callable[[web.Request], None]) -> Handler:
     """serve's ``POST /admin/episodes`` handler: ``{"episodes": [line, ...]}`` appended to ``path``."""
     from aiohttp import web
 

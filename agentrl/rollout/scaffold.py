@@ -42,7 +42,7 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from agentrl.errors import EnvironmentFailure, ScaffoldError
 from agentrl.rollout.config import EpisodeLimits
@@ -50,6 +50,12 @@ from agentrl.rollout.episode import EpisodeLoop, EpisodeResult, episode_env, fin
 from agentrl.rollout.protocols import ChatClient
 from agentrl.router.session_store import SessionLimits
 from agentrl.router.sessions import SessionSummary
+
+if TYPE_CHECKING:
+    from agentrl.env.base import Environment
+    from agentrl.sandbox.attach import ImagePools
+    from agentrl.sandbox.handle import Sandbox
+    from agentrl.sandbox.pool import SandboxPool
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +73,7 @@ class ScaffoldContext:
     messages: list[dict[str, Any]]  # the environment's opening (system prompt, task)
     tools: list[dict[str, Any]] = field(default_factory=list)  # the environment's tool schemas, if any
     task: dict[str, Any] = field(default_factory=dict)
-    sandbox: Any = None  # the episode's sandbox (exec/write_file/read_file), or None
+    sandbox: Sandbox | None = None  # the episode's sandbox (exec/write_file/read_file), or None
     max_tokens: int = 128  # per model call (the router caps it anyway)
     temperature: float = 1.0
 
@@ -188,7 +194,7 @@ def load_scaffold(spec: str | Sequence[str], passthrough: Sequence[str] = ()) ->
     )
 
 
-def scaffold_name(scaffold: Any) -> str:
+def scaffold_name(scaffold: Scaffold) -> str:
     name = getattr(scaffold, "name", None)
     if isinstance(name, str):
         return name
@@ -204,7 +210,7 @@ async def run_scaffold_episode(
     scaffold: Scaffold,
     base_url: str,
     env_config: dict[str, Any] | None = None,
-    sandbox_pool: Any = None,
+    sandbox_pool: SandboxPool | ImagePools | None = None,
     limits: EpisodeLimits | None = None,
 ) -> EpisodeResult:
     """One episode played by ``scaffold`` through a router session at ``base_url`` (the router's
@@ -262,7 +268,8 @@ async def run_scaffold_episode(
     return ep
 
 
-async def _play(scaffold: Scaffold, ctx: ScaffoldContext, timeout_s: float) -> tuple[Any, str | None]:
+async def _play(scaffold: Scaffold, ctx: ScaffoldContext,
+                timeout_s: float) -> tuple[str | Exception, str | None]:
     """Run the scaffold under the wall-clock limit: ("done", answer), ("timeout", None) or (the exception,
     None)."""
     try:
@@ -275,7 +282,8 @@ async def _play(scaffold: Scaffold, ctx: ScaffoldContext, timeout_s: float) -> t
     return "done", answer if answer is None or isinstance(answer, str) else str(answer)
 
 
-def _settle(outcome: Any, answer: str | None, summary: SessionSummary | None, ep: EpisodeResult) -> bool:
+def _settle(outcome: str | BaseException, answer: str | None, summary: SessionSummary | None,
+            ep: EpisodeResult) -> bool:
     """Record how the scaffold's run ended; True when it finished within its limits (then it is scored)."""
     refused = summary.refused if summary is not None else None
     if outcome == "timeout":
@@ -300,7 +308,7 @@ def _settle(outcome: Any, answer: str | None, summary: SessionSummary | None, ep
     return True
 
 
-async def _score(env: Any, task: dict[str, Any], answer: str) -> float:
+async def _score(env: Environment, task: dict[str, Any], answer: str) -> float:
     """The environment's verdict on the scaffold's outcome (its ``reward``)."""
     try:
         return float(await env.reward(task, answer))

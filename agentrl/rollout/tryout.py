@@ -19,7 +19,7 @@ import json
 import sys
 import uuid
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from agentrl.env import make
 from agentrl.env.base import PlayingEnv, Reset
@@ -28,6 +28,11 @@ from agentrl.rollout.episode import EpisodeResult, SessionModel, play_episode
 from agentrl.rollout.remote import OpenAIChat
 from agentrl.sandbox.attach import attached, pool_for
 from agentrl.sandbox.types import SandboxConfig
+
+if TYPE_CHECKING:
+    from agentrl.env.base import Environment
+    from agentrl.rollout.protocols import ChatClient
+    from agentrl.router.sessions import SessionSummary
 
 Write = Callable[[str], Any]
 
@@ -59,7 +64,7 @@ class _Printed:
     environment's answer, or a new player's opening), then the reply. Messages already printed as
     the opening are not printed again."""
 
-    def __init__(self, client: Any, out: Write, opening: list[dict[str, Any]]) -> None:
+    def __init__(self, client: ChatClient, out: Write, opening: list[dict[str, Any]]) -> None:
         self.client, self.out = client, out
         self.opening = {_key(m) for m in opening}
         self.model_name = client.model_name
@@ -68,7 +73,7 @@ class _Printed:
     async def begin(self, session_id: str, **kw: Any) -> None:
         await self.client.begin(session_id, **kw)
 
-    async def end(self, session_id: str) -> Any:
+    async def end(self, session_id: str) -> SessionSummary | None:
         return await self.client.end(session_id)
 
     async def chat(self, body: dict[str, Any], session_id: str | None = None) -> dict[str, Any]:
@@ -83,7 +88,7 @@ class _Printed:
         return reply
 
 
-async def _play(env: PlayingEnv, task: dict[str, Any], client: Any, opening: list[dict[str, Any]],
+async def _play(env: PlayingEnv, task: dict[str, Any], client: ChatClient, opening: list[dict[str, Any]],
                 limits: EpisodeLimits, summary: dict[str, Any], out: Write) -> None:
     """The rollout's way of playing a :class:`PlayingEnv` (its limits, its model, how the episode
     ended), with every call printed."""
@@ -99,8 +104,8 @@ async def _play(env: PlayingEnv, task: dict[str, Any], client: Any, opening: lis
         out(f"   info {json.dumps(ep.info, default=str)}\n")
 
 
-async def _step(env: Any, opening: Reset, client: Any, limits: EpisodeLimits, summary: dict[str, Any],
-                out: Write) -> None:
+async def _step(env: Environment, opening: Reset, client: ChatClient, limits: EpisodeLimits,
+                summary: dict[str, Any], out: Write) -> None:
     """The built-in loop's turns (model call, ``step``), each printed with its reward."""
     messages = list(opening.messages)
     for turn in range(1, limits.max_turns + 1):
@@ -124,7 +129,7 @@ async def _step(env: Any, opening: Reset, client: Any, limits: EpisodeLimits, su
 
 async def try_episode(name: str, endpoint: str, *, model: str = "", task: dict[str, Any] | None = None,
                       max_turns: int = 8, max_tokens: int = 256, temperature: float = 0.7, api_key: str = "",
-                      sandbox_config: Any = None, env_config: dict[str, Any] | None = None,
+                      sandbox_config: SandboxConfig | None = None, env_config: dict[str, Any] | None = None,
                       out: Write = sys.stdout.write, timeout_s: float = 300.0) -> dict[str, Any]:
     """Play one episode of ``name`` against ``endpoint`` and print it; returns a summary (``error``:
     why the episode failed, None when it ran to an end). An environment that plays its own episodes

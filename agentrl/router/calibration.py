@@ -20,9 +20,12 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from agentrl.router.sessions import continuation_tail
+
+if TYPE_CHECKING:
+    from agentrl.engines.pool import Engine, EnginePool
 
 # The base a continued call's new messages are rendered after: short, and ending with an assistant
 # reply as a continued call's conversation does. Tools, when the request has any, render with it.
@@ -219,7 +222,7 @@ async def check_continuations(render: Render, eos_ids: set[int], model: str) -> 
     return next((r for r in results if r is not None), None)
 
 
-async def served_model(pool: Any, engine: Any) -> str:
+async def served_model(pool: EnginePool, engine: Engine) -> str:
     """The model name the engine serves (what its routes expect in ``model``)."""
     import aiohttp
 

@@ -60,7 +60,7 @@ def completion_entry(
     lps: list[float],
     weight_versions: list[dict[str, Any]] | None,
     finish_reason: str | None,
-    stop_reason: Any,
+    stop_reason: int | str | None,
     message: dict[str, Any],
     kept: list[list[int]] | None,
     routing: dict[str, Any] | None,

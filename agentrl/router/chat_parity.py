@@ -29,9 +29,12 @@ versions are the engine's; only the client's view of them is shaped here.
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from agentrl.router.errors import InvalidRequest
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +42,7 @@ REPLACEMENT = "\ufffd"
 _CONTEXT = 4  # preceding sampled tokens that can complete a UTF-8 character (vLLM uses 4)
 
 
-def special_ids(tokenizer: Any) -> frozenset[int]:
+def special_ids(tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:
     """The ids a decode with ``skip_special_tokens=True`` leaves out: added tokens flagged special
     (the tokenizers library's rule, which vLLM's detokenizer follows; ``all_special_ids`` can
     miss some, e.g. ``<|im_start|>`` when the special-tokens map does not name it)."""
@@ -112,7 +115,7 @@ def tool_finish_reason(body: dict[str, Any], message: dict[str, Any] | None, fin
 class TokenText:
     """Logprob entries in the chat route's shape, from the generate route's id-only entries."""
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
         self.tok = tokenizer
         self.special = special_ids(tokenizer)
         self._pieces: dict[int, str] = {}

@@ -402,9 +402,9 @@ class Router:
 
     def completion_entry(self, engine: Engine, ids: list[int], lps: list[float],
                          weight_versions: list[dict[str, Any]] | None, finish_reason: str | None,
-                         stop_reason: Any, message: dict[str, Any], kept: list[list[int]] | None = None,
-                         routing: dict[str, Any] | None = None, *, adapter_version: int | None = None
-                         ) -> Completion:
+                         stop_reason: int | str | None, message: dict[str, Any],
+                         kept: list[list[int]] | None = None, routing: dict[str, Any] | None = None,
+                         *, adapter_version: int | None = None) -> Completion:
         """One choice as captured (:func:`~agentrl.router.call.completion_entry`)."""
         return completion_entry(engine, ids, lps, weight_versions, finish_reason, stop_reason, message, kept,
                                 routing, adapter_version=adapter_version, eos_token_ids=self.eos_token_ids)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
@@ -23,6 +23,9 @@ from agentrl.router.errors import InvalidRequest, RouterError, Unauthorized
 from agentrl.router.sessions import valid_session_id
 from agentrl.router.streaming import Stream
 from agentrl.web import ADMIN_TOKEN, bearer, token_matches
+
+if TYPE_CHECKING:
+    from aiohttp.typedefs import Handler
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +77,7 @@ def model_call(request: web.Request) -> tuple[Router, str | None]:
 
 
 @web.middleware
-async def errors_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
+async def errors_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     """The router's own errors in their OpenAI shape; anything else falls to
     :func:`agentrl.web.error_middleware`."""
     try:

@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import bisect
 import time
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from agentrl.router.core import Router
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
                    120.0, 300.0)
@@ -63,7 +66,7 @@ class RouterMetrics:
         return [self.request_seconds, self.first_token_seconds]
 
 
-def metrics_text(router: Any, extra: dict[str, float] | None = None) -> str:
+def metrics_text(router: Router, extra: dict[str, float] | None = None) -> str:
     lines = []
     for k, v in router.counters.items():
         lines.append(f"agentrl_router_{k}_total {v}")

@@ -45,7 +45,7 @@ from abc import ABC, abstractmethod
 from collections import defaultdict
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from jinja2.runtime import new_context
 
@@ -63,6 +63,12 @@ from agentrl.router.errors import EngineError, InvalidRequest
 from agentrl.router.sampling import DEFAULTED, render_sampling_params
 from agentrl.router.sessions import CallRecord, continued_prompt
 from agentrl.router.validate import text_size
+
+if TYPE_CHECKING:
+    import jinja2
+    from transformers import PreTrainedTokenizerBase
+
+    from agentrl.engines.pool import Engine, EnginePool
 
 log = logging.getLogger(__name__)
 
@@ -166,7 +172,7 @@ class Renderer(ABC):
 
     # -- override these ---------------------------------------------------------------------------
     @abstractmethod
-    async def render(self, engine: Any, body: dict[str, Any], messages: list[dict[str, Any]] | None = None,
+    async def render(self, engine: Engine, body: dict[str, Any], messages: list[dict[str, Any]] | None = None,
                      add_generation_prompt: bool = True) -> Rendered:
         """``body`` (with ``messages`` in place of its own, when given) rendered to prompt ids."""
 
@@ -176,12 +182,12 @@ class Renderer(ABC):
         ``max_tokens`` no more than fits after the prompt."""
 
     @abstractmethod
-    async def derender(self, engine: Any, body: dict[str, Any], gen: dict[str, Any],
+    async def derender(self, engine: Engine, body: dict[str, Any], gen: dict[str, Any],
                        prompt_ids: list[int]) -> dict[str, Any]:
         """The chat completion for the generate response ``gen`` (sampled eos tokens stripped)."""
 
     # -- hooks ------------------------------------------------------------------------------------
-    async def probe_ids(self, engine: Any, body: dict[str, Any], messages: list[dict[str, Any]],
+    async def probe_ids(self, engine: Engine, body: dict[str, Any], messages: list[dict[str, Any]],
                         add_generation_prompt: bool) -> list[int]:
         """A render for the continuation check (the local renderer's own, never the engine's)."""
         return (await self.render(engine, body, messages, add_generation_prompt)).ids
@@ -191,7 +197,7 @@ class Renderer(ABC):
         return plain_chat(body)
 
     # -- machinery --------------------------------------------------------------------------------
-    async def prompt(self, engine: Any, body: dict[str, Any], parent: CallRecord | None, choice: int,
+    async def prompt(self, engine: Engine, body: dict[str, Any], parent: CallRecord | None, choice: int,
                      eos_ids: set[int]) -> Rendered:
         """The call's prompt: the whole conversation rendered, or for a call that continues choice
         ``choice`` of ``parent``, that call's tokens followed by the new messages' (:meth:`continuation`)."""
@@ -200,7 +206,7 @@ class Renderer(ABC):
         self.counters[f"{out.by}_renders"] += 1
         return out
 
-    async def continuation(self, engine: Any, body: dict[str, Any], parent: CallRecord, choice: int,
+    async def continuation(self, engine: Engine, body: dict[str, Any], parent: CallRecord, choice: int,
                            eos_ids: set[int]) -> Rendered:
         """Parent prompt + its completion as sampled + end of turn + the new messages' tokens.
 
@@ -227,12 +233,12 @@ class Renderer(ABC):
             rendered = await self.render(engine, body)
         return rendered
 
-    async def _linear(self, engine: Any, body: dict[str, Any], eos_ids: set[int]) -> bool:
+    async def _linear(self, engine: Engine, body: dict[str, Any], eos_ids: set[int]) -> bool:
         if self.continuations == "unchecked":
             await self.check_continuations(engine, body["model"], eos_ids)
         return self.continuations == "linear" and self.continues_linearly(body)
 
-    async def _base(self, engine: Any, body: dict[str, Any]) -> list[int]:
+    async def _base(self, engine: Engine, body: dict[str, Any]) -> list[int]:
         key = json.dumps([body.get("tools"), body.get("tool_choice")], sort_keys=True, separators=(",", ":"))
         ids = self._bases.get(key)
         if ids is None:
@@ -242,7 +248,7 @@ class Renderer(ABC):
             self._bases[key] = ids
         return ids
 
-    async def check_continuations(self, engine: Any, model: str, eos_ids: set[int]) -> None:
+    async def check_continuations(self, engine: Engine, model: str, eos_ids: set[int]) -> None:
         """Decide, once, whether continued calls may render only their new messages (see
         :mod:`agentrl.router.calibration`). An engine failure leaves it undecided (two renders
         this time, checked again on a later call)."""
@@ -277,12 +283,13 @@ class EngineRenderer(Renderer):
 
     name = "engine"
 
-    def __init__(self, pool: Any, *, max_model_len: int, counters: dict[str, float] | None = None) -> None:
+    def __init__(self, pool: EnginePool, *, max_model_len: int,
+                 counters: dict[str, float] | None = None) -> None:
         super().__init__(counters)
         self.pool = pool
         self.max_model_len = max_model_len
 
-    async def render(self, engine: Any, body: dict[str, Any], messages: list[dict[str, Any]] | None = None,
+    async def render(self, engine: Engine, body: dict[str, Any], messages: list[dict[str, Any]] | None = None,
                      add_generation_prompt: bool = True) -> Rendered:
         req = body
         if messages is not None:
@@ -306,7 +313,7 @@ class EngineRenderer(Renderer):
         cap_to_room(sampling, len(prompt.ids), self.max_model_len)
         return dict(prompt.gen_req, token_ids=prompt.ids, sampling_params=sampling)
 
-    async def derender(self, engine: Any, body: dict[str, Any], gen: dict[str, Any],
+    async def derender(self, engine: Engine, body: dict[str, Any], gen: dict[str, Any],
                        prompt_ids: list[int]) -> dict[str, Any]:
         self.counters["engine_derenders"] += 1
         return await self.pool.call(engine, "/v1/chat/completions/derender", {
@@ -324,7 +331,7 @@ class LocalRenderer(Renderer):
 
     name = "local"
 
-    def __init__(self, tokenizer: Any, *, max_model_len: int, model_dir: str = "",
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, *, max_model_len: int, model_dir: str = "",
                  fallback: EngineRenderer | None = None, counters: dict[str, float] | None = None) -> None:
         super().__init__(counters)
         self.fallback = fallback
@@ -345,7 +352,7 @@ class LocalRenderer(Renderer):
         try:
             from transformers.utils.chat_template_utils import _compile_jinja_template
 
-            self._compiled: Any = _compile_jinja_template(self.template)
+            self._compiled: jinja2.Template | None = _compile_jinja_template(self.template)
         except ImportError:  # an older transformers: go through apply_chat_template itself
             self._compiled = None
         self._template_vars = dict(tokenizer.special_tokens_map)
@@ -399,7 +406,7 @@ class LocalRenderer(Renderer):
     def continues_linearly(self, body: dict[str, Any]) -> bool:
         return True  # can_render, which chose this renderer for the call, checked plain_chat
 
-    async def render(self, engine: Any, body: dict[str, Any], messages: list[dict[str, Any]] | None = None,
+    async def render(self, engine: Engine, body: dict[str, Any], messages: list[dict[str, Any]] | None = None,
                      add_generation_prompt: bool = True) -> Rendered:
         try:
             if text_size(body if messages is None else dict(body, messages=messages)) > OFFLOAD_CHARS:
@@ -414,7 +421,7 @@ class LocalRenderer(Renderer):
             log.debug("local render failed (%s); asking the engine", e)
             return await self.fallback.render(engine, body, messages, add_generation_prompt)
 
-    async def probe_ids(self, engine: Any, body: dict[str, Any], messages: list[dict[str, Any]],
+    async def probe_ids(self, engine: Engine, body: dict[str, Any], messages: list[dict[str, Any]],
                         add_generation_prompt: bool) -> list[int]:
         return self.render_ids(body, messages, add_generation_prompt)
 
@@ -504,7 +511,7 @@ class LocalRenderer(Renderer):
                 "stream": False}
 
     # -- derender ---------------------------------------------------------------------------------
-    async def derender(self, engine: Any, body: dict[str, Any], gen: dict[str, Any],
+    async def derender(self, engine: Engine, body: dict[str, Any], gen: dict[str, Any],
                        prompt_ids: list[int]) -> dict[str, Any]:
         out = self.derender_chat(gen, body) if self.can_derender(body, gen) else None
         if out is not None:
@@ -553,7 +560,7 @@ class LocalRenderer(Renderer):
                 "model": body.get("model"), "choices": choices}
 
     # -- calibration ------------------------------------------------------------------------------
-    async def calibrate(self, pool: Any, engine: Any) -> str | None:
+    async def calibrate(self, pool: EnginePool, engine: Engine) -> str | None:
         """Compare local and engine render/derender on probe requests; the first difference, or None.
 
         Besides the calibration bodies, every conversation the continuation check renders is

@@ -33,10 +33,13 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from agentrl.buffer.behaviour import NEUTRAL, PARAMS
 from agentrl.router.errors import InvalidRequest
+
+if TYPE_CHECKING:
+    from agentrl.engines.pool import Engine, EnginePool
 
 log = logging.getLogger(__name__)
 
@@ -164,7 +167,7 @@ class Capture:
 PROBE_REQUEST_ID = "agentrl-logprobs-mode"  # the one generate per engine that is no session's call
 
 
-async def check_processed(pool: Any, engine: Any, prompt_ids: list[int], model: str | None) -> bool:
+async def check_processed(pool: EnginePool, engine: Engine, prompt_ids: list[int], model: str | None) -> bool:
     """Whether ``engine`` reports processed logprobs: one token at top_k 2 with 3 top logprobs has
     its third masked (-inf) and the two kept summing to probability 1; raw logprobs have neither."""
     req = {"request_id": PROBE_REQUEST_ID, "token_ids": prompt_ids, "model": model, "stream": False,

@@ -27,10 +27,15 @@ from __future__ import annotations
 
 import logging
 import secrets
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from agentrl.router.chat_parity import parses_tools
 from agentrl.router.render import parse_hermes
+
+if TYPE_CHECKING:
+    from agentrl.router.call import Prepared
+    from agentrl.router.core import Router
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +53,8 @@ def _held_suffix(text: str) -> int:
 class LocalChoiceStream:
     """One choice, derendered in the router (see the module docstring)."""
 
-    def __init__(self, decode: Any, body: dict[str, Any], eos_ids: set[int], hidden: frozenset[int]) -> None:
+    def __init__(self, decode: Callable[[list[int]], str], body: dict[str, Any], eos_ids: set[int],
+                 hidden: frozenset[int]) -> None:
         self._decode = decode
         self.parse = parses_tools(body)
         self.eos_ids = eos_ids
@@ -117,7 +123,7 @@ class LocalChoiceStream:
 class EngineChoiceStream:
     """One choice, derendered by the engine's streaming derender route."""
 
-    def __init__(self, router: Any, prep: Any, eos_ids: set[int], hidden: frozenset[int]) -> None:
+    def __init__(self, router: Router, prep: Prepared, eos_ids: set[int], hidden: frozenset[int]) -> None:
         self.router = router
         self.prep = prep
         self.eos_ids = eos_ids

@@ -40,12 +40,12 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class _Choice:
-    derender: Any  # LocalChoiceStream | EngineChoiceStream
+    derender: LocalChoiceStream | EngineChoiceStream
     ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     weight_versions: list[dict[str, Any]] | None = None
     finish_reason: str | None = None
-    stop_reason: Any = None
+    stop_reason: int | str | None = None
     content: list[str] = field(default_factory=list)
     tool_calls: dict[int, dict[str, Any]] = field(default_factory=dict)
     unsent: list[int] = field(default_factory=list)  # ids of skipped chunks, sent with the next one
@@ -104,7 +104,8 @@ class Stream:
             router, prep = self.router, self.prep
             if self._local:
                 assert router.local is not None
-                d: Any = LocalChoiceStream(router.local.decode, prep.body, router.eos_token_ids, self._hidden)
+                d: LocalChoiceStream | EngineChoiceStream = LocalChoiceStream(
+                    router.local.decode, prep.body, router.eos_token_ids, self._hidden)
             else:
                 d = EngineChoiceStream(router, prep, router.eos_token_ids, self._hidden)
             c = self.choices[index] = _Choice(d)

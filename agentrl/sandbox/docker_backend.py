@@ -21,19 +21,23 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from agentrl.sandbox.backend import SandboxBackend, Slot, owner_is_dead, owner_labels
 from agentrl.sandbox.channel import ExecChannel, execd_source
 from agentrl.sandbox.docker_api import DockerAPI, remove_by_label
 from agentrl.sandbox.types import SandboxConfig, SandboxError
 
+if TYPE_CHECKING:
+    from collections.abc import Coroutine
+
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 READONLY_PROC_PATHS = ("/proc/bus", "/proc/fs", "/proc/irq", "/proc/sys", "/proc/sysrq-trigger")
 
 
-def _tracked(coro: Any, into: set[asyncio.Future[Any]]) -> asyncio.Future[Any]:
+def _tracked(coro: Coroutine[Any, Any, T], into: set[asyncio.Future[Any]]) -> asyncio.Future[T]:
     """``coro`` as a future held in ``into`` until it is done (close() waits for what is there)."""
     fut = asyncio.ensure_future(coro)
     into.add(fut)

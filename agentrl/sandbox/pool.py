@@ -29,14 +29,18 @@ import socket
 import time
 from collections import deque
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from agentrl.sandbox.backend import SandboxBackend, Slot
 from agentrl.sandbox.handle import Sandbox
 from agentrl.sandbox.stats import PoolStats
 from agentrl.sandbox.types import SandboxConfig, SandboxError
 
+if TYPE_CHECKING:
+    from collections.abc import Coroutine
+
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class SandboxPool:
@@ -238,7 +242,7 @@ class SandboxPool:
 
     # --- supply ----------------------------------------------------------------------------------
 
-    def _spawn(self, coro: Any) -> asyncio.Task[Any]:
+    def _spawn(self, coro: Coroutine[Any, Any, T]) -> asyncio.Task[T]:
         task = asyncio.ensure_future(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)

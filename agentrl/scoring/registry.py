@@ -8,7 +8,10 @@ splitter says (:func:`split_at_token`, :func:`split_text`). Imports nothing heav
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 Scorer = Callable[[dict[str, Any], Any], Awaitable[float]]
 Splitter = Callable[[list[int]], list[int]]
@@ -31,7 +34,7 @@ def split_at_token(token_id: int) -> Splitter:
     return split
 
 
-def split_text(tokenizer: Any, delimiter: str = "\n\n") -> Splitter:
+def split_text(tokenizer: PreTrainedTokenizerBase, delimiter: str = "\n\n") -> Splitter:
     """A splitter that ends a segment after the token that completes each ``delimiter`` in the
     turn's text (``tokenizer``: the served model's, from transformers). The text is the turn's tokens
     decoded one at a time, so a delimiter of plain ASCII is found wherever the whole decoded text
@@ -85,6 +88,6 @@ def get_scorer(name: str) -> Scorer:
                        f"@agentrl.scorer({name!r}) in a file serve.env.import names)") from None
 
 
-def splitter_of(fn: Any) -> Splitter | None:
+def splitter_of(fn: Scorer) -> Splitter | None:
     """A process scorer's splitter (:func:`whole_turn` for a per-turn one); None for an outcome scorer."""
     return getattr(fn, "__agentrl_split__", None)

@@ -19,11 +19,14 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from agentrl.scoring.config import TeacherConfig
+
+if TYPE_CHECKING:
+    from agentrl.rollout.episode import EpisodeResult
 
 
 class Teacher:
@@ -41,7 +44,7 @@ class Teacher:
         self.model = "teacher" if url else cfg.model  # an engine serve launched serves the name "teacher"
         self.client = ServeClient(url or cfg.url, key, timeout_s=timeout_s, retries=retries, backoff_s=0.5)
 
-    async def __call__(self, task: dict[str, Any], episode: Any) -> float:
+    async def __call__(self, task: dict[str, Any], episode: EpisodeResult) -> float:
         gaps = []
         who: dict[str, Any] = {"name": self.cfg.name or self.cfg.model or self.model}
         if self.version is not None:

@@ -41,8 +41,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from agentrl.engines.vllm import EngineSpec, EngineStartError, VLLMEngine, wait_ports_free
 
 if TYPE_CHECKING:
-    from agentrl.router import EnginePool
-    from agentrl.router.pool import Engine
+    from agentrl.engines.pool import Engine, EnginePool
 
 log = logging.getLogger(__name__)
 
@@ -214,7 +213,7 @@ class Supervisor:
             await asyncio.sleep(0.1)
 
 
-def _tail(engine: Any, n: int = 15) -> str:
+def _tail(engine: VLLMEngine, n: int = 15) -> str:
     tail = getattr(engine, "log_tail", None)
     return tail(n) if tail is not None else ""
 

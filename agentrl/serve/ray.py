@@ -32,16 +32,22 @@ import socket
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from agentrl.serve.config import ServeConfig
+
+if TYPE_CHECKING:
+    from types import ModuleType
+
+    from agentrl.engines.pool import EnginePool
+    from agentrl.rollout.orchestrator import Orchestrator
 
 log = logging.getLogger(__name__)
 
 COUNTERS = ("in_flight", "episodes", "failed", "truncated", "samples", "reward_sum", "tool_calls")
 
 
-def import_ray() -> Any:
+def import_ray() -> ModuleType:
     try:
         import ray
     except ImportError:
@@ -102,7 +108,7 @@ class RolloutWorkerHost:
         self.cfg = cfg
         self.max_concurrency = max_concurrency
         self.node_id = ray.get_runtime_context().get_node_id()
-        self.orchestrator: Any = None
+        self.orchestrator: Orchestrator | None = None
         self.started = time.time()
 
     async def run(self, max_episodes: int = 0) -> None:
@@ -199,7 +205,7 @@ class RayCluster:
             log.info("engine actor ready at %s (node %s)", info["url"], info["node_id"][:12])
         return [info["url"] for info in self.engine_info]
 
-    async def _watch_engine(self, i: int, pool: Any) -> None:
+    async def _watch_engine(self, i: int, pool: EnginePool) -> None:
         ray = self.ray
         while not self._closing:
             await asyncio.sleep(2.0)
@@ -283,7 +289,7 @@ class RayCluster:
                 self.worker_info[i] = st  # a restarted worker's counts start again at zero
             await asyncio.sleep(2.0)
 
-    async def run_workers(self, serve_url: str, token: str, pool: Any) -> None:
+    async def run_workers(self, serve_url: str, token: str, pool: EnginePool) -> None:
         """Place the rollout workers and supervise workers and engines until cancelled."""
         n = self.cfg.ray.workers
         self.budgets = split_episodes(self.cfg.max_episodes, self.cfg.env.group_size, n)

@@ -22,7 +22,11 @@ import asyncio
 import dataclasses
 import logging
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from agentrl.serve.config import ServeConfig
+    from agentrl.weights.updates import EngineUpdater
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +48,7 @@ def check_same_tokenizer(student: str, teacher: str) -> None:
 class TeacherEngine:
     """The teacher engine and, for self-distillation, what brings it to its version."""
 
-    def __init__(self, cfg: Any, model_path: str, engine_key: str, log_dir: Path) -> None:
+    def __init__(self, cfg: ServeConfig, model_path: str, engine_key: str, log_dir: Path) -> None:
         """``cfg``: serve's config; ``model_path``: the model the engine starts with (the student's
         for self-distillation); ``engine_key``: the key serve's own engines answer."""
         from agentrl.serve.build import restart_policy
@@ -60,7 +64,7 @@ class TeacherEngine:
         )
         self.local = LocalEngines([spec], log_dir)
         self.version = 0
-        self.updater: Any = None
+        self.updater: EngineUpdater | None = None
         self._lock = asyncio.Lock()
         self.failures = 0
 

@@ -16,7 +16,10 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 log = logging.getLogger(__name__)
 
@@ -28,7 +31,7 @@ class Detokenizer:
         """``model_path``: the folder, or a function that finds it (called once, on first use)."""
         self._locate = model_path
         self.model_path: str | None = model_path if isinstance(model_path, str) else None
-        self._tok: Any = None
+        self._tok: PreTrainedTokenizerBase | None = None
         self._error: str | None = None
         self._lock = threading.Lock()
         self._cache: dict[int, tuple[str, str, bool]] = {}
@@ -41,7 +44,7 @@ class Detokenizer:
             return "no model folder is known for this run: tokens show as ids"
         return self._error
 
-    def _load(self) -> Any:
+    def _load(self) -> PreTrainedTokenizerBase | None:
         with self._lock:
             if self._tok is not None or self._error is not None:
                 return self._tok

@@ -18,7 +18,10 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from agentrl.learner.lora import LoraConfig
 
 ADAPTER = "default"  # peft's adapter name inside the learner's modules
 PREFIX = "base_model.model."  # peft's prefix of every key in a saved adapter
@@ -41,7 +44,7 @@ def adapter_state(state: dict[str, Any], adapter: str = ADAPTER) -> dict[str, An
     return out
 
 
-def adapter_config(cfg: Any, base_model: str = "") -> dict[str, Any]:
+def adapter_config(cfg: LoraConfig, base_model: str = "") -> dict[str, Any]:
     """``adapter_config.json`` for ``cfg``: what peft and vLLM read beside the adapter's tensors."""
     return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": cfg.rank, "lora_alpha": cfg.alpha,
             "lora_dropout": cfg.dropout, "target_modules": sorted(cfg.target_modules), "bias": "none",

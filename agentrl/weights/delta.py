@@ -39,9 +39,14 @@ import struct
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from agentrl.weights.errors import DeltaError
+
+if TYPE_CHECKING:
+    import torch
+
+    from agentrl.weights.updates import EngineUpdater, PolicyUpdater
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +56,7 @@ DTYPES = ("bfloat16", "float16", "float32")
 _PARTS = ("full", "count", "offset", "values")
 
 
-def torch_dtype(name: str) -> Any:
+def torch_dtype(name: str) -> torch.dtype:
     import torch
 
     if name not in DTYPES:
@@ -80,7 +85,7 @@ def cast_state(state: Mapping[str, Any], dtype: str) -> dict[str, Any]:
     return out
 
 
-def _bits(t: Any) -> Any:
+def _bits(t: torch.Tensor) -> torch.Tensor:
     """``t``'s elements as integers of the same width, flat (for a bitwise comparison)."""
     import torch
 
@@ -88,7 +93,7 @@ def _bits(t: Any) -> Any:
     return t.reshape(-1).view(ints[t.element_size()])
 
 
-def _raw(t: Any) -> memoryview:
+def _raw(t: torch.Tensor) -> memoryview:
     return memoryview(t.contiguous().reshape(-1).view(__import__("torch").uint8).numpy())
 
 
@@ -272,7 +277,8 @@ def load_weights(folder: Path) -> dict[str, Any]:
     return state
 
 
-def delta_installer(updater: Any, base_version: int, digest: str) -> Callable[[Path, Path], None]:
+def delta_installer(updater: EngineUpdater | PolicyUpdater, base_version: int,
+                    digest: str) -> Callable[[Path, Path], None]:
     """How serve turns a staged delta into a full version's file (``install(staged, target)``), for
     :meth:`~agentrl.weights.transfer.WeightReceiver.commit`; it runs under the receiver's lock, so
     the engines' version cannot change meanwhile. ``base_version`` and ``digest`` are what the

@@ -28,10 +28,13 @@ import asyncio
 import logging
 import threading
 from collections.abc import Iterable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from agentrl.weights.errors import EnginesFailed, WeightTransferError
 from agentrl.weights.transfer import _error_message
+
+if TYPE_CHECKING:
+    from agentrl.client import ServeClient
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +98,7 @@ class NCCLWeightSender:
         self.group: Any = None
         self.world_size = 0
 
-    def _client(self, timeout_s: float) -> Any:
+    def _client(self, timeout_s: float) -> ServeClient:
         from agentrl.client import ServeClient
 
         # no retries: a collective call that failed half-way is answered by re-forming the group

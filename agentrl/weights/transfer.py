@@ -25,7 +25,7 @@ import os
 import shutil
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
@@ -38,6 +38,11 @@ from agentrl.weights.errors import (
     WeightTransferError,
     WeightUpdateFailed,
 )
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Iterable
+
+    from agentrl.weights.updates import EngineUpdater, PolicyUpdater
 
 log = logging.getLogger(__name__)
 
@@ -71,8 +76,8 @@ class WeightReceiver:
     its ``version``, ``weights_path`` and update methods); the routes drive it.
     """
 
-    def __init__(self, root: Path, updater: Any, keep: int = 2, max_bytes: int = 64 << 30,
-                 adapters_only: bool = False) -> None:
+    def __init__(self, root: Path, updater: EngineUpdater | PolicyUpdater, keep: int = 2,
+                 max_bytes: int = 64 << 30, adapters_only: bool = False) -> None:
         """``max_bytes``: the largest upload a version may declare (a chunk's offset and length must
         fall inside the declared size, so no request can make serve write beyond it)."""
         self.root = root
@@ -122,7 +127,7 @@ class WeightReceiver:
             self._declared[version] = total
 
     async def commit(self, version: int, sha: str, chunks: int, size: int, kind: str = "full",
-                     install: Any = None) -> dict[str, Any]:
+                     install: Callable[[Path, Path], None] | None = None) -> dict[str, Any]:
         """Load the staged version once all ``chunks`` arrived and their digests, in order, hash to
         ``sha``. ``kind``: "full" (the model's weights, reloaded into the engines) or "adapter" (a
         LoRA adapter with its config in the file's metadata, loaded beside the versions before it).
@@ -250,7 +255,8 @@ class WeightReceiver:
                 self._staging.pop(v, None)
                 p.unlink(missing_ok=True)
 
-    def add_routes(self, app: web.Application, require_admin: Any, prefix: str = "/admin/weights") -> None:
+    def add_routes(self, app: web.Application, require_admin: Callable[[web.Request], None],
+                   prefix: str = "/admin/weights") -> None:
         """The upload routes under ``prefix``; a named policy's receiver (``adapters_only``) has
         chunks and commit alone, under ``/admin/policies/<policy>/weights``."""
         from agentrl.web import error_middleware
@@ -434,7 +440,7 @@ def _sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def _digest_of(chunk_digests: Any) -> str:
+def _digest_of(chunk_digests: Iterable[str]) -> str:
     """The commit's checksum: SHA-256 of the chunks' hex digests, in order."""
     h = hashlib.sha256()
     for d in chunk_digests:

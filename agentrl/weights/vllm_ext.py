@@ -27,9 +27,12 @@ import logging
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from agentrl.engines.routing import RoutedExpertsCapture
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +42,8 @@ class _StagedHead:
 
     def __init__(self, weights_path: str) -> None:
         self.weights_path = weights_path
-        self.layer: Any = None  # a module holding the new weight and the kernel built from it
+        # a module holding the new weight and the kernel built from it
+        self.layer: torch.nn.Module | None = None
         self.error: str | None = None
         self.seconds = 0.0
         self.thread: threading.Thread | None = None
@@ -142,7 +146,7 @@ class WeightSyncExtension(RoutedExpertsCapture):
         return {"ready": ready, "ok": ready and stage.layer is not None, "seconds": stage.seconds,
                 "error": stage.error}
 
-    def _agentrl_take_staged(self, weights_path: str) -> Any:
+    def _agentrl_take_staged(self, weights_path: str) -> torch.nn.Module | None:
         """The staged head layer for ``weights_path``, if it finished; forgets it either way."""
         stage: _StagedHead | None = getattr(self, "_agentrl_stage", None)
         self._agentrl_stage = None

@@ -20,9 +20,12 @@ import importlib.util
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from agentrl.errors import AgentrlError
+
+if TYPE_CHECKING:
+    from types import ModuleType
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +46,7 @@ class Ecosystem:
         probe = getattr(self._module_if_cheap(), "available", None)
         return bool(probe and probe())
 
-    def _module_if_cheap(self) -> Any:
+    def _module_if_cheap(self) -> ModuleType | None:
         # verifiers runs in its own interpreter (it pins openai<3); its adapter module imports
         # nothing heavy and says whether that interpreter is there.
         if self.prefix != "verifiers":

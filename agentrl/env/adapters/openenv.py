@@ -39,11 +39,17 @@ import sys
 import time
 import urllib.request
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from agentrl.env.adapters import AdapterError
 from agentrl.env.base import Environment, Message, Reset, StepResult
 from agentrl.errors import EnvironmentFailure
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
+    from types import ModuleType
+
+    from openenv.core.env_server.types import Action
 
 log = logging.getLogger(__name__)
 
@@ -125,7 +131,7 @@ def _stop_servers() -> None:
         server.stop()
 
 
-def _subclass_in(module: Any, base: type) -> type | None:
+def _subclass_in(module: ModuleType, base: type) -> type | None:
     found = [v for v in vars(module).values() if isinstance(v, type) and issubclass(v, base) and v is not base
              and v.__module__ == module.__name__]
     return found[0] if found else None
@@ -228,7 +234,7 @@ class OpenEnvEnv(Environment):
             }
         ]
 
-    def tasks(self, split: str = "train") -> Any:
+    def tasks(self, split: str = "train") -> Iterator[dict[str, Any]]:
         offset, n = (0, self.num_train) if split == "train" else (1 << 30, self.num_test)
         for i in range(n):
             yield {"id": f"{split}-{i}", "seed": offset + i}
@@ -243,7 +249,7 @@ class OpenEnvEnv(Environment):
                                {"role": "user", "content": observation_text(result.observation)}],
                      tools=self.tool_schemas())
 
-    async def _act(self, action: Any) -> tuple[str, float, bool]:
+    async def _act(self, action: Action) -> tuple[str, float, bool]:
         result = await self.client.step(action)
         return observation_text(result.observation), float(result.reward or 0.0), bool(result.done)
 

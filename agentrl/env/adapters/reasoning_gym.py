@@ -21,12 +21,15 @@ import functools
 import json
 import logging
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import reasoning_gym
 from reasoning_gym.composite import CompositeConfig, CompositeDataset, DatasetSpec
 from reasoning_gym.factory import DATASETS
 from reasoning_gym.utils import SYSTEM_PROMPTS, extract_answer
+
+if TYPE_CHECKING:
+    from reasoning_gym.dataset import ProceduralDataset
 
 from agentrl.env.adapters import AdapterError
 from agentrl.env.adapters._bounded import in_thread
@@ -39,7 +42,7 @@ MIX = "mix"
 
 
 @functools.lru_cache(maxsize=64)
-def _dataset(name: str, seed: int, size: int, config_json: str) -> Any:
+def _dataset(name: str, seed: int, size: int, config_json: str) -> ProceduralDataset:
     """One seeded dataset, built once per process (environments are built once per episode)."""
     config = json.loads(config_json)
     if name == MIX:
@@ -85,7 +88,7 @@ class ReasoningGymEnv(Environment):
         self.parse = parse
         self.task: dict[str, Any] = {}
 
-    def _data(self, split: str) -> Any:
+    def _data(self, split: str) -> ProceduralDataset:
         if split == "train":
             return _dataset(self.dataset_name, self.seed, self.size, self._config_json)
         return _dataset(self.dataset_name, self.seed + TEST_SEED_OFFSET, self.test_size, self._config_json)

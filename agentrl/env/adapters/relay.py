@@ -23,11 +23,14 @@ import secrets
 import time
 import weakref
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
 from agentrl.env.base import Model
+
+if TYPE_CHECKING:
+    from collections.abc import AsyncGenerator
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +38,9 @@ _models: dict[str, Model] = {}
 _sites: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, tuple[web.AppRunner, int]] = (
     weakref.WeakKeyDictionary()
 )
-_keepers: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Any] = weakref.WeakKeyDictionary()
+_keepers: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, AsyncGenerator[None, None]] = (
+    weakref.WeakKeyDictionary()
+)
 _locks: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Lock] = weakref.WeakKeyDictionary()
 
 
@@ -116,7 +121,7 @@ async def _port() -> int:
         return _sites[loop][1]
 
 
-async def _until_loop_ends(runner: web.AppRunner) -> Any:
+async def _until_loop_ends(runner: web.AppRunner) -> AsyncGenerator[None, None]:
     """Parked in the loop: asyncio.run finalises it at shutdown, which closes the server first."""
     try:
         yield

@@ -42,10 +42,13 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from agentrl.env.adapters import AdapterError
 from agentrl.env.base import Model, Played, PlayingEnv, Reset
+
+if TYPE_CHECKING:
+    from collections.abc import AsyncGenerator
 
 log = logging.getLogger(__name__)
 
@@ -123,7 +126,7 @@ class _Worker:
         self.lock = asyncio.Lock()
         self.ready: asyncio.Future[None] | None = None
         self.reader: asyncio.Task[None] | None = None
-        self.keeper: Any = None
+        self.keeper: AsyncGenerator[None, None] | None = None
 
     async def start(self) -> None:
         async with self.lock:
@@ -217,7 +220,7 @@ def _worker(python: str) -> _Worker:
     return held[1]
 
 
-async def _until_loop_ends(worker: _Worker) -> Any:
+async def _until_loop_ends(worker: _Worker) -> AsyncGenerator[None, None]:
     """An async generator parked in the loop: asyncio.run finalises it at shutdown, which stops the
     worker before its pipes' loop closes (else their transports are torn down by the GC)."""
     try:

@@ -34,7 +34,7 @@ import json
 import logging
 import secrets
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
@@ -42,6 +42,11 @@ from agentrl.router.errors import InvalidRequest, RouterError
 from agentrl.router.http import ROUTER_KEY, check_client, json_body, json_response, session_of, typed_sse
 from agentrl.router.streaming import open_stream
 from agentrl.router.validate import typed_tools
+
+if TYPE_CHECKING:
+    from aiohttp.typedefs import Handler
+
+    from agentrl.router.streaming import Stream
 
 log = logging.getLogger(__name__)
 
@@ -333,7 +338,7 @@ def parse_request(
     return chat
 
 
-def stop_reason(finish: str | None, matched: Any, calls: bool) -> tuple[str, str | None]:
+def stop_reason(finish: str | None, matched: int | str | None, calls: bool) -> tuple[str, str | None]:
     """Anthropic's ``(stop_reason, stop_sequence)`` for a chat finish (vLLM's mapping: the token
     limit wins; a matched stop string unless the calls are complete; calls; else end of turn)."""
     if finish == "length":
@@ -391,14 +396,14 @@ class MessageEvents:
     ``content_block_stop``, ``message_delta`` (stop reason, output tokens), ``message_stop``.
     An engine failure after the stream started is an ``error`` event."""
 
-    def __init__(self, stream: Any, model: str) -> None:
+    def __init__(self, stream: Stream, model: str) -> None:
         self.stream = stream
         self.model = model
         self.index = -1  # the open block's index
         self.open: str | None = None  # "text" | "tool_use"
         self.calls: dict[int, int] = {}  # chat tool-call index -> block index
         self.finish: str | None = None
-        self.matched: Any = None
+        self.matched: int | str | None = None  # the engine's stop_reason: a stop token id or string
 
     def _start(self, block: dict[str, Any]) -> list[dict[str, Any]]:
         out = self._stop()
@@ -464,7 +469,7 @@ class MessageEvents:
 
 # -- routes ---------------------------------------------------------------------------------------
 @web.middleware
-async def anthropic_errors(request: web.Request, handler: Any) -> web.StreamResponse:
+async def anthropic_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
     """Every error on the Messages routes in Anthropic's shape (the app's own middlewares give the
     OpenAI shape to the other routes)."""
     if not request.path.rstrip("/").endswith(("/v1/messages", "/v1/messages/count_tokens")):

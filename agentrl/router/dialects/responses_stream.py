@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from agentrl.router.dialects.responses_translate import (
     ResponsesTurn,
@@ -30,11 +30,14 @@ from agentrl.router.dialects.responses_translate import (
 )
 from agentrl.router.errors import RouterError
 
+if TYPE_CHECKING:
+    from agentrl.router.streaming import Stream
+
 
 class ResponsesEvents:
     """Translate one opened chat stream into Responses events (iterate :meth:`events` once)."""
 
-    def __init__(self, turn: ResponsesTurn, stream: Any, model: str) -> None:
+    def __init__(self, turn: ResponsesTurn, stream: Stream, model: str) -> None:
         self.turn = turn
         self.stream = stream
         self.model = model
