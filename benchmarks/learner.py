@@ -67,7 +67,7 @@ def main() -> None:
     samples = make_samples(a.samples, a.tokens, bare.config.vocab_size, seed=0)
     rows = [packed_inputs([samples[i] for i in r]) for r in pack([len(s.token_ids) for s in samples],
                                                                    a.micro_batch_tokens)]
-    tokens = sum(sum(s.loss_mask[1:]) for s in samples)
+    tokens = int(sum(sum(s.loss_mask[1:]) for s in samples))
 
     def plain_step() -> None:
         bare_opt.zero_grad(set_to_none=True)
