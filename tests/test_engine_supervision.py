@@ -53,6 +53,9 @@ class FakeEngine:
         self.stops = 0
         self.healthy = True  # whether /health answers (200) while the process runs
         self.health_status: int | None = None  # a status /health answers instead (503: engine core dead)
+        self.steps: float | None = 0.0  # its /metrics step counter (None: it has none)
+        self.paused = False  # what its /is_paused says
+        self.progress_reads = 0
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.returncode is None
@@ -83,7 +86,7 @@ class FakeEngine:
 
 class StubPool:
     def __init__(self, n: int) -> None:
-        self.engines = [SimpleNamespace(name=f"engine-{i}", healthy=True) for i in range(n)]
+        self.engines = [SimpleNamespace(name=f"engine-{i}", healthy=True, outstanding=0) for i in range(n)]
         self.version = 7
         self.downs: list[tuple[str, str]] = []
         self.fakes: list[FakeEngine] = []
@@ -95,6 +98,14 @@ class StubPool:
     async def health(self, member: Any) -> int | None:
         fake = self.fakes[self.engines.index(member)]
         return fake.health_status if fake.health_status is not None else (200 if fake.healthy else None)
+
+    async def progress(self, member: Any) -> float | None:
+        fake = self.fakes[self.engines.index(member)]
+        fake.progress_reads += 1
+        return fake.steps
+
+    async def paused(self, member: Any) -> bool | None:
+        return self.fakes[self.engines.index(member)].paused
 
 
 @contextlib.asynccontextmanager
@@ -218,6 +229,40 @@ def test_an_engine_whose_health_answers_503_is_relaunched_at_once() -> None:
             await until(lambda: not pool.engines[0].healthy, timeout_s=2.0)
             await until(lambda: sup.status()[0]["restarts"] == 1 and sup.status()[0]["state"] == "up")
             assert engine.stops == 1 and "engine core is dead" in sup.status()[0]["last_death"]
+
+    asyncio.run(go())
+
+
+def test_an_engine_with_calls_in_flight_that_makes_no_step_is_stalled_and_relaunched() -> None:
+    async def go() -> None:
+        async with supervised(stall_s=0.3) as (sup, pool, (fake,)):
+            pool.engines[0].outstanding = 2  # its /health answers 200 and its counter stands still
+            await until(lambda: len(fake.launches) == 1)
+            assert fake.stops >= 1  # the stopped process group was killed before the relaunch
+            ((name, why),) = pool.downs
+            assert "made no progress" in why and "2 call(s) in flight" in why
+            assert "no progress" in sup.status()[0]["last_death"]
+            await until(lambda: sup.status()[0]["state"] == "up")
+
+    asyncio.run(go())
+
+
+def test_an_idle_a_paused_or_a_stepping_engine_is_not_stalled() -> None:
+    async def go() -> None:
+        async with supervised(stall_s=0.2) as (sup, pool, (fake,)):
+            await asyncio.sleep(0.6)  # idle: nothing in flight
+            assert fake.progress_reads == 0  # and nothing read while idle
+            pool.engines[0].outstanding = 1
+            fake.paused = True  # held by a weight update
+            await asyncio.sleep(0.6)
+            fake.paused = False
+            for _ in range(12):  # stepping: its counter moves between reads
+                fake.steps = (fake.steps or 0.0) + 1
+                await asyncio.sleep(0.05)
+            assert fake.launches == [] and pool.downs == [] and fake.progress_reads > 2
+            fake.steps = None  # a /metrics without the counter: a stall once stall_s has passed
+            await until(lambda: len(fake.launches) == 1)
+            assert "no step counter" in pool.downs[0][1]
 
     asyncio.run(go())
 
@@ -355,6 +400,7 @@ def test_status_shows_each_engines_state_and_restarts() -> None:
 ADMIN = "supervision-test-admin"
 # a relaunch of the tiny model takes about a minute here; generous on a shared machine
 RECOVERY_DEADLINE_S = 300.0
+STALL_S = 10.0  # engine.stall_s of the supervised serve (a tiny-model step takes milliseconds)
 
 
 def _engine_port() -> int:
@@ -388,6 +434,7 @@ class ServeProcess:
             "--engine.max_model_len=512",
             "--env.max_tokens=64",
             "--engine.restart_backoff_s=1",
+            f"--engine.stall_s={STALL_S}",
         ]
         self.out = tmp / "serve.out"
         env = dict(os.environ, AGENTRL_ADMIN_TOKEN=ADMIN, PYTHONUNBUFFERED="1")
@@ -594,3 +641,31 @@ def test_a_kill_9_of_the_engine_core_alone_is_seen_and_the_engine_is_relaunched(
         file=sys.stderr,
     )
     _same_weights_as_version_1(serve, "after-core")
+
+
+@pytest.mark.vllm
+def test_a_stopped_engine_core_is_a_stall_its_call_ends_and_the_engine_is_relaunched(
+        serve_process: ServeProcess, tiny_tools_model: str) -> None:
+    """SIGSTOP of the engine core: vLLM's API server still answers /health with 200, so only the
+    stall check (a call in flight, no engine step for engine.stall_s) can see it."""
+    serve = serve_process
+    if serve.status()["version"] < 1:  # run alone: the first test did not publish
+        _publish_version_1(serve, tiny_tools_model)
+    restarts = serve.status()["engines"][0]["restarts"]
+    procs = serve.engine_processes()
+    procs["core"].send_signal(signal.SIGSTOP)
+    t0 = time.monotonic()
+    code, body = serve.request("POST", "/sessions/stalled/v1/chat/completions", {
+        "model": "tiny-tools", "max_tokens": 12, "temperature": 0.0,
+        "messages": [{"role": "user", "content": "Say something about numbers."}],
+    }, timeout_s=RECOVERY_DEADLINE_S)
+    waited = time.monotonic() - t0
+    print(f"\nthe call on the stopped engine ended after {waited:.1f} s: {code} {str(body)[:300]}",
+          file=sys.stderr)
+    assert code >= 500 and waited >= STALL_S, body  # an infrastructure error, once the stall was seen
+    recovery_s, states = _recover(serve, restarts=restarts + 1, t0=t0)
+    print(f"engine back {recovery_s:.1f} s after SIGSTOP of its engine core", file=sys.stderr)
+    assert all(_gone(p) for p in procs["all"]), "a process of the stopped engine is left"
+    assert "made no progress" in serve.status()["engines"][0]["last_death"]
+    assert "made no progress" in serve.out.read_text()
+    _same_weights_as_version_1(serve, "after-stall")

@@ -204,6 +204,17 @@ BIG = "x " * 3000
             "previous_response_id",
         ),
         ({"model": "tiny-tools", "input": "hi", "background": True}, 400, "background"),
+        ({"model": "tiny-tools", "input": "hi", "tool_choice": "required"}, 400, "tool_choice"),
+        (
+            {
+                "model": "tiny-tools",
+                "input": "hi",
+                "tools": [{"type": "function", "name": "add", "parameters": {"type": "object"}}],
+                "tool_choice": {"type": "function", "name": "sub"},
+            },
+            400,
+            "tool_choice",
+        ),
     ],
 )
 def test_bad_requests_get_a_4xx_in_the_openai_shape_and_serve_keeps_serving(http_router, body, status, param):

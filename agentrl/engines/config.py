@@ -61,11 +61,16 @@ class EngineConfig(EngineOptions):
     """An engine whose process is up but whose ``/health`` has failed for this long (e.g. its
     engine core died and the API server stayed up) is killed and relaunched (0: only a process
     that exits is relaunched)."""
+    stall_s: float = 120.0
+    """An engine with calls in flight that finishes no engine step for this long while it is not
+    paused (a stopped or wedged engine core: its ``/health`` still answers 200) is killed and
+    relaunched like a dead one, its calls failing as infrastructure errors (0: never)."""
 
     def __post_init__(self) -> None:
-        if self.max_restarts < -1 or self.restart_backoff_s < 0 or self.unhealthy_restart_s < 0:
-            raise ValueError("engine.max_restarts must be -1 (no limit) or more, "
-                             "engine.restart_backoff_s and engine.unhealthy_restart_s 0 or more")
+        if (self.max_restarts < -1 or self.restart_backoff_s < 0 or self.unhealthy_restart_s < 0
+                or self.stall_s < 0):
+            raise ValueError("engine.max_restarts must be -1 (no limit) or more, engine.restart_backoff_s, "
+                             "engine.unhealthy_restart_s and engine.stall_s 0 or more")
 
     def spec(self, index: int, model: str, served_name: str, host: str = "127.0.0.1") -> EngineSpec:
         """The launch spec of engine ``index`` (port ``base_port + index``) serving ``model``."""

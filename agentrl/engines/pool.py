@@ -15,6 +15,7 @@ it raises, in the OpenAI error shape the router answers with, are ``agentrl.engi
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -29,6 +30,9 @@ from agentrl.engines.upstream import Upstream, UpstreamClosed, UpstreamProtocolE
 log = logging.getLogger(__name__)
 
 
+# vLLM's /metrics series that grow with each engine step that does work (EnginePool.progress)
+PROGRESS_SERIES = frozenset({"vllm:iteration_tokens_total_count", "vllm:prompt_tokens_total",
+                             "vllm:generation_tokens_total"})
 DEFAULT_POLICY = "policy"  # the one policy of a serve without named policies (serve.policies)
 
 
@@ -292,6 +296,38 @@ class EnginePool:
                 return r.status
         except (TimeoutError, aiohttp.ClientError):
             return None
+
+    async def progress(self, engine: Engine) -> float | None:
+        """A number that grows with each engine step that did work: vLLM's ``/metrics`` steps
+        (``vllm:iteration_tokens_total`` observations) plus its prompt and generated tokens. None
+        when ``/metrics`` does not answer within 5 s or names none of them. It is served by the
+        API server, so it stands still while the engine core does."""
+        assert self._http is not None
+        try:
+            async with self._http.get(engine.url + "/metrics", timeout=aiohttp.ClientTimeout(total=5)) as r:
+                text = await r.text() if r.status == 200 else ""
+        except (TimeoutError, aiohttp.ClientError):
+            return None
+        total, seen = 0.0, False
+        for line in text.splitlines():
+            name = line.split("{", 1)[0].split(" ", 1)[0]
+            if name in PROGRESS_SERIES:
+                with contextlib.suppress(ValueError, IndexError):
+                    total += float(line.rsplit(" ", 1)[1])
+                    seen = True
+        return total if seen else None
+
+    async def paused(self, engine: Engine) -> bool | None:
+        """Whether ``engine`` is paused (vLLM's ``/is_paused``: a weight update's pause, or an
+        operator's); None when it does not say within 5 s."""
+        assert self._http is not None
+        try:
+            async with self._http.get(engine.url + "/is_paused", timeout=aiohttp.ClientTimeout(total=5)) as r:
+                body = await r.json(content_type=None) if r.status == 200 else None
+        except (TimeoutError, aiohttp.ClientError, ValueError):
+            return None
+        value = body.get("is_paused") if isinstance(body, dict) else None
+        return value if isinstance(value, bool) else None
 
     def status(self) -> list[dict[str, Any]]:
         return [e.status() for e in self.engines]

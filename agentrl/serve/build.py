@@ -72,6 +72,7 @@ def restart_policy(cfg: ServeConfig) -> RestartPolicy:
         max_restarts=e.max_restarts,
         backoff_s=e.restart_backoff_s,
         unhealthy_s=e.unhealthy_restart_s,
+        stall_s=e.stall_s,
         start_timeout_s=e.start_timeout_s,
     )
 

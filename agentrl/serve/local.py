@@ -10,7 +10,10 @@ Supervision (:class:`Supervisor`), once the engines are up and in the pool: a wa
 sees its process exit (``kill -9`` of vLLM's API server), its ``/health`` answer 503 (vLLM 0.32's
 answer once its engine core died: within about a second of a ``kill -9`` of the engine core; the
 API server would exit by itself about 5 s later) or its ``/health`` fail for
-``engine.unhealthy_restart_s`` while the process runs (a server that stopped answering). Then it
+``engine.unhealthy_restart_s`` while the process runs (a server that stopped answering), or a
+stall: calls in flight on it and no engine step finished for ``engine.stall_s`` while it is not
+paused (a stopped or wedged engine core, which ``/health`` does not see: vLLM's API server answers
+200 as long as its core has not died; the steps are read from its ``/metrics``). Then it
 
 1. logs the death and takes the engine out of the pool at once (calls go to the other engines or
    fail as with none; affinities to it are dropped);
@@ -63,6 +66,7 @@ class RestartPolicy:
     max_restarts: int = 3  # relaunches in a row (-1: no limit)
     backoff_s: float = 2.0  # before the first relaunch of a row; doubled for each next one
     unhealthy_s: float = 60.0  # a running process whose /health failed this long is relaunched (0: never)
+    stall_s: float = 0.0  # calls in flight and no engine step this long, not paused: relaunched (0: never)
     start_timeout_s: float = 600.0  # a relaunch not healthy and re-admitted by then failed
     stable_s: float = STABLE_S
 
@@ -81,6 +85,9 @@ class Watch:
     up_since: float = 0.0
     last_death: str = ""
     last_recovery_s: float | None = None  # from the death seen to back in the pool
+    progress: float | None = None  # the engine's step counter (EnginePool.progress) when it last moved
+    progress_at: float = 0.0  # when it last moved, or the engine was last idle or paused
+    progress_read_at: float = 0.0
 
     def status(self) -> dict[str, Any]:
         return {"state": self.state, "restarts": self.restarts, "last_death": self.last_death,
@@ -107,7 +114,7 @@ class Supervisor:
     def __init__(self, engines: list[VLLMEngine], pool: EnginePool, policy: RestartPolicy) -> None:
         self.engines, self.pool, self.policy = engines, pool, policy
         now = time.monotonic()
-        self.watches = [Watch(up_since=now) for _ in engines]
+        self.watches = [Watch(up_since=now, progress_at=now) for _ in engines]
         self._tasks: list[asyncio.Task] = []
         self._stopping = False
         self._all_failed = asyncio.Event()
@@ -148,6 +155,8 @@ class Supervisor:
                     why = f"its engine core is dead (/health answers {status})"
                 elif self.policy.unhealthy_s and now - last_ok >= self.policy.unhealthy_s:
                     why = f"its /health has failed for {now - last_ok:.0f} s while its process runs"
+                if status == 200 and self.policy.stall_s:
+                    why = await self._stalled(member, watch, now)
             if not why or self._stopping:
                 continue
             await self._recover(i, why)
@@ -155,7 +164,32 @@ class Supervisor:
                 if all(w.state == "failed" for w in self.watches):
                     self._all_failed.set()
                 return
-            last_ok = next_probe = time.monotonic()
+            last_ok = next_probe = watch.progress_at = time.monotonic()
+            watch.progress = None
+
+    async def _stalled(self, member: Engine, watch: Watch, now: float) -> str:
+        """Why the engine counts as stalled, or "": calls in flight on it, its step counter unmoved
+        for ``stall_s`` and the engine not paused. The counter is read every quarter of
+        ``stall_s`` (``/metrics`` is no small answer), and only while calls are in flight."""
+        stall_s = self.policy.stall_s
+        if member.outstanding <= 0:  # idle is not stalled
+            watch.progress, watch.progress_at = None, now
+            return ""
+        if now - watch.progress_read_at < stall_s / 4:
+            return ""
+        watch.progress_read_at = now
+        counter = await self.pool.progress(member)
+        if counter is not None and counter != watch.progress:
+            watch.progress, watch.progress_at = counter, now
+            return ""
+        if now - watch.progress_at < stall_s:
+            return ""
+        if await self.pool.paused(member):  # held on purpose (a weight update): not a stall
+            watch.progress_at = now
+            return ""
+        seen = "no step counter in its /metrics" if counter is None else "no engine step"
+        return (f"it made no progress for {now - watch.progress_at:.0f} s with {member.outstanding} "
+                f"call(s) in flight ({seen}; not paused, /health answers 200): a stopped or wedged engine")
 
     async def _recover(self, i: int, why: str) -> None:
         engine, member, watch, policy = self.engines[i], self.pool.engines[i], self.watches[i], self.policy
