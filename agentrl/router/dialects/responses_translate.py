@@ -352,10 +352,9 @@ def parse_request(body: Any, model_name: str, store: ResponseStore, session_id: 
     forced = tool_choice == "required" or isinstance(tool_choice, dict)
     if forced and not tools:  # the model is made to call a tool that does not exist
         raise InvalidRequest("'tool_choice' asks for a tool call, but 'tools' is empty", param="tool_choice")
-    if isinstance(tool_choice, dict) and tool_choice["function"]["name"] not in {
-            t["function"]["name"] for t in chat["tools"]}:
-        raise InvalidRequest(f"'tool_choice' names {tool_choice['function']['name']!r}, which is not in 'tools'",
-                             param="tool_choice")
+    named = tool_choice["function"]["name"] if isinstance(tool_choice, dict) else None
+    if named is not None and named not in {t["function"]["name"] for t in chat["tools"]}:
+        raise InvalidRequest(f"'tool_choice' names {named!r}, which is not in 'tools'", param="tool_choice")
     if tool_choice is not None and tools:
         chat["tool_choice"] = tool_choice
     for src, dst in (("max_output_tokens", "max_tokens"), ("temperature", "temperature"), ("top_p", "top_p"),
