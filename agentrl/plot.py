@@ -178,12 +178,8 @@ def chart_reward(logs: RunLogs, axes: list[Any]) -> bool:
             pairs = [(s, float(d[name])) for s, d in zip(steps, by_env, strict=True)
                      if isinstance(d.get(name), int | float)]
             ax1.plot(
-                [p[0] for p in pairs],
-                [p[1] for p in pairs],
-                "--",
-                color=PALETTE[(i + 2) % len(PALETTE)],
-                lw=1,
-                label=name,
+                [p[0] for p in pairs], [p[1] for p in pairs], "--", color=PALETTE[(i + 2) % len(PALETTE)],
+                lw=1, label=name,
             )
         drew = True
     else:
@@ -418,11 +414,8 @@ def chart_scoring(logs: RunLogs, axes: list[Any]) -> bool:
         if pts:
             window = max(5, len(pts) // 20)
             ax1.plot(
-                [p[0] for p in pts],
-                moving_average([p[1] for p in pts], window),
-                color=PALETTE[j % len(PALETTE)],
-                lw=2,
-                label=f"{name} (moving average, {window})",
+                [p[0] for p in pts], moving_average([p[1] for p in pts], window),
+                color=PALETTE[j % len(PALETTE)], lw=2, label=f"{name} (moving average, {window})",
             )
     if not scored:
         _no_data(ax1, "scored episodes")
@@ -492,15 +485,10 @@ def chart_distill(logs: RunLogs, axes: list[Any]) -> bool:
 Chart = Callable[[RunLogs, list[Any]], bool]
 # name -> (draw function, number of panels)
 CHARTS: dict[str, tuple[Chart, int]] = {
-    "reward": (chart_reward, 2),
-    "staleness": (chart_staleness, 2),
-    "importance_weights": (chart_importance, 3),
-    "throughput": (chart_throughput, 2),
-    "learner_time": (chart_learner_time, 2),
-    "sandbox": (chart_sandbox, 2),
-    "serve": (chart_serve, 2),
-    "scoring": (chart_scoring, 2),
-    "distill": (chart_distill, 2),
+    "reward": (chart_reward, 2), "staleness": (chart_staleness, 2),
+    "importance_weights": (chart_importance, 3), "throughput": (chart_throughput, 2),
+    "learner_time": (chart_learner_time, 2), "sandbox": (chart_sandbox, 2), "serve": (chart_serve, 2),
+    "scoring": (chart_scoring, 2), "distill": (chart_distill, 2),
 }
 
 

@@ -7,11 +7,21 @@ Benchmarks run as scripts (``python benchmarks/x.py``), so this module is import
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import socket
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
+
+
+def in_flight_options(p: argparse.ArgumentParser, *, model: str, max_tokens: int) -> None:
+    """The options of the benchmarks that publish weights while generations stream."""
+    p.add_argument("--model", default=model, help="tiny, tiny-tools, smollm2 or a model folder")
+    p.add_argument("--concurrency", type=int, default=4)
+    p.add_argument("--max-tokens", type=int, default=max_tokens)
+    p.add_argument("--lead-s", type=float, default=2.0,
+                   help="seconds of generation before each measured update")
 
 
 def free_port() -> int:

@@ -100,20 +100,11 @@ def main() -> None:
     url, engine, teacher = teacher_success(args.teacher, shared, run_dir / "teacher")
     try:
         cmd = [
-            sys.executable,
-            "-m",
-            "agentrl.cli",
-            "run",
-            f"--serve.run_dir={run_dir / 'run'}",
-            f"--serve.router.port={free_port()}",
-            f"--serve.engine.base_port={free_port()}",
-            *shared,
-            f"--serve.model={args.student}",
-            f"--learn.steps={args.steps}",
-            f"--serve.scoring.teacher.url={url}/v1",
-            "--serve.scoring.teacher.model=teacher",
-            f"--serve.scoring.teacher.name={args.teacher}",
-            f"--learn.loss.distill_coef={args.coef}",
+            sys.executable, "-m", "agentrl.cli", "run", f"--serve.run_dir={run_dir / 'run'}",
+            f"--serve.router.port={free_port()}", f"--serve.engine.base_port={free_port()}", *shared,
+            f"--serve.model={args.student}", f"--learn.steps={args.steps}",
+            f"--serve.scoring.teacher.url={url}/v1", "--serve.scoring.teacher.model=teacher",
+            f"--serve.scoring.teacher.name={args.teacher}", f"--learn.loss.distill_coef={args.coef}",
             f"--learn.loss.distill_reward={'true' if args.with_reward else 'false'}",
         ]
         summary = agentrl_run(cmd, run_dir / "run", t0)
@@ -124,15 +115,9 @@ def main() -> None:
     if not kls:
         raise SystemExit("no learner step trained on teacher logprobs: see the run's serve.log (scoring)")
     result = {
-        "benchmark": "distill",
-        "student": args.student,
-        "teacher": args.teacher,
-        "env": args.env,
-        "eval_tasks": args.tasks,
-        "learner_steps": len(steps),
-        "distill_coef": args.coef,
-        "with_reward": args.with_reward,
-        "teacher_kl_start": round(kls[0], 4),
+        "benchmark": "distill", "student": args.student, "teacher": args.teacher, "env": args.env,
+        "eval_tasks": args.tasks, "learner_steps": len(steps), "distill_coef": args.coef,
+        "with_reward": args.with_reward, "teacher_kl_start": round(kls[0], 4),
         "teacher_kl_end": round(sum(kls[-3:]) / len(kls[-3:]), 4),
         "teacher_kl_per_step": [round(k, 4) for k in kls],
         "student_success_before": summary["success_before"],
@@ -141,8 +126,7 @@ def main() -> None:
         "student_success_after_ci95": summary["success_after_ci95"],
         "teacher_success": round(teacher.success_rate, 4),
         "teacher_success_ci95": [round(x, 4) for x in teacher.success_ci95],
-        "wall_minutes": round((time.monotonic() - t0) / 60, 2),
-        "load_avg": round(os.getloadavg()[0], 2),
+        "wall_minutes": round((time.monotonic() - t0) / 60, 2), "load_avg": round(os.getloadavg()[0], 2),
     }
     print(json.dumps(result), flush=True)
 

@@ -50,19 +50,12 @@ def main() -> None:
     run_dir = Path(args.run_dir)
     shutil.rmtree(run_dir, ignore_errors=True)
     cmd = [
-        sys.executable,
-        "-m",
-        "agentrl.cli",
-        "run",
-        f"--serve.run_dir={run_dir}",
-        f"--serve.router.port={free_port()}",
-        f"--serve.engine.base_port={free_port()}",
-        f"--eval.tasks={args.tasks}",
-        *([f"--serve.env.name={args.env}"] if args.env else []),
+        sys.executable, "-m", "agentrl.cli", "run", f"--serve.run_dir={run_dir}",
+        f"--serve.router.port={free_port()}", f"--serve.engine.base_port={free_port()}",
+        f"--eval.tasks={args.tasks}", *([f"--serve.env.name={args.env}"] if args.env else []),
         *([f"--serve.model={args.model}"] if args.model else []),
         *([f"--config={args.config}"] if args.config else []),
-        *([f"--learn.lora.rank={args.lora}", f"--learn.lr={LORA_LR}"] if args.lora else []),
-        *args.extra,
+        *([f"--learn.lora.rank={args.lora}", f"--learn.lr={LORA_LR}"] if args.lora else []), *args.extra,
     ]
     summary = agentrl_run(cmd, run_dir, time.monotonic())
     config = (
@@ -72,21 +65,15 @@ def main() -> None:
     )
     # serve's engines take adapters of the learner's rank
     result = {
-        "benchmark": "learning",
-        "model": config.get("model", "?"),
-        "env": config.get("env", {}).get("name", "?"),
-        "eval_tasks": summary["eval_tasks"],
-        "learner_steps": summary["steps"],
-        "success_before": summary["success_before"],
+        "benchmark": "learning", "model": config.get("model", "?"),
+        "env": config.get("env", {}).get("name", "?"), "eval_tasks": summary["eval_tasks"],
+        "learner_steps": summary["steps"], "success_before": summary["success_before"],
         "success_after": summary["success_after"],
         "gain": round(summary["success_after"] - summary["success_before"], 4),
         "success_before_ci95": summary["success_before_ci95"],
-        "success_after_ci95": summary["success_after_ci95"],
-        "reward_before": summary["reward_before"],
-        "reward_after": summary["reward_after"],
-        "wall_minutes": summary["wall_minutes"],
-        "charts": summary.get("charts", ""),
-        "load_avg": round(os.getloadavg()[0], 2),
+        "success_after_ci95": summary["success_after_ci95"], "reward_before": summary["reward_before"],
+        "reward_after": summary["reward_after"], "wall_minutes": summary["wall_minutes"],
+        "charts": summary.get("charts", ""), "load_avg": round(os.getloadavg()[0], 2),
         "lora_rank": config.get("engine", {}).get("lora_rank", 0),
     }
     print(json.dumps(result), flush=True)

@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-from common import free_port, weight_receiver  # benchmarks/common.py
+from common import free_port, in_flight_options, weight_receiver  # benchmarks/common.py
 from weight_sync import resolve, stream  # benchmarks/weight_sync.py
 
 log = logging.getLogger("benchmarks.lora_sync")
@@ -64,13 +64,7 @@ def payloads(model: Any, cfg: Any, model_dir: str) -> tuple[bytes, bytes]:
 
 
 async def measured_publish(
-    publish: Any,
-    data: bytes,
-    version: int,
-    serve: str,
-    kind: str,
-    url: str,
-    served: str,
+    publish: Any, data: bytes, version: int, serve: str, kind: str, url: str, served: str,
     args: argparse.Namespace,
 ) -> dict[str, Any]:
     """Publish ``data`` as ``version`` while ``--concurrency`` streams run on ``served``; the sync's
@@ -88,10 +82,7 @@ async def measured_publish(
     eng = result["engines"]["engine-0"]
     in_flight = sum(1 for o in outs if o["times"] and o["times"][-1] > t_done)
     log.info(
-        "%s version %d: %.3f s, %d streams still generating after it",
-        kind,
-        version,
-        t_done - t_pub,
+        "%s version %d: %.3f s, %d streams still generating after it", kind, version, t_done - t_pub,
         in_flight,
     )
     return {"sync_s": t_done - t_pub, "pause_s": float(eng.get("pause_window_s", 0.0)), "stall_s": stall,
@@ -138,12 +129,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     log.info("adapter %.2f MB, full %.1f MB", len(adapter) / 2**20, len(full) / 2**20)
     engine = VLLMEngine(
         EngineSpec(
-            model=model_dir,
-            served_name="bench",
-            port=free_port(),
-            max_model_len=max(args.max_tokens, args.parity_max_tokens) + 64,
-            lora_rank=args.rank,
-            max_loras=3,
+            model=model_dir, served_name="bench", port=free_port(),
+            max_model_len=max(args.max_tokens, args.parity_max_tokens) + 64, lora_rank=args.rank, max_loras=3,
             extra_args=["--worker-extension-cls", "agentrl.weights.vllm_ext.WeightSyncExtension"],
         ),
         work / "engine",
@@ -178,36 +165,23 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         log.info("engine log in %s", work / "engine")
     a, f = phases["adapter"], phases["full"]
     return {
-        "model": args.model,
-        "rank": args.rank,
-        "adapter_bytes": len(adapter),
-        "full_bytes": len(full),
-        "bytes_ratio": round(len(adapter) / len(full), 5),
-        "adapter_sync_s": round(a["sync_s"], 4),
-        "full_sync_s": round(f["sync_s"], 4),
-        "sync_ratio": round(a["sync_s"] / max(f["sync_s"], 1e-9), 4),
-        "adapter_pause_s": round(a["pause_s"], 4),
-        "full_pause_s": round(f["pause_s"], 4),
-        "adapter_client_stall_s": round(a["stall_s"], 4),
-        "full_client_stall_s": round(f["stall_s"], 4),
+        "model": args.model, "rank": args.rank, "adapter_bytes": len(adapter), "full_bytes": len(full),
+        "bytes_ratio": round(len(adapter) / len(full), 5), "adapter_sync_s": round(a["sync_s"], 4),
+        "full_sync_s": round(f["sync_s"], 4), "sync_ratio": round(a["sync_s"] / max(f["sync_s"], 1e-9), 4),
+        "adapter_pause_s": round(a["pause_s"], 4), "full_pause_s": round(f["pause_s"], 4),
+        "adapter_client_stall_s": round(a["stall_s"], 4), "full_client_stall_s": round(f["stall_s"], 4),
         "aborted_requests": a["aborted"] + f["aborted"],
         "streams_in_flight_after": {"adapter": a["in_flight_after"], "full": f["in_flight_after"]},
-        "lora_parity_tokens": check["tokens"],
-        "lora_parity_mean_abs_diff": check["mean"],
-        "lora_parity_max_abs_diff": check["max"],
-        "concurrency": args.concurrency,
+        "lora_parity_tokens": check["tokens"], "lora_parity_mean_abs_diff": check["mean"],
+        "lora_parity_max_abs_diff": check["max"], "concurrency": args.concurrency,
         "max_tokens": args.max_tokens,
     }
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="smollm2", help="smollm2, tiny-tools or a model folder")
+    in_flight_options(p, model="smollm2", max_tokens=300)
     p.add_argument("--rank", type=int, default=8)
-    p.add_argument("--concurrency", type=int, default=4)
-    p.add_argument("--max-tokens", type=int, default=300)
-    p.add_argument("--lead-s", type=float, default=2.0, help="seconds of generation "
-                                                             "before each measured update")
     p.add_argument("--parity-tokens", type=int, default=1000)
     p.add_argument("--parity-max-tokens", type=int, default=250)
     args = p.parse_args()

@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-from common import free_port, weight_receiver  # benchmarks/common.py
+from common import free_port, in_flight_options, weight_receiver  # benchmarks/common.py
 
 log = logging.getLogger("benchmarks.weight_sync")
 
@@ -142,10 +142,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     work = Path(tempfile.mkdtemp(prefix="weight-sync-"))
     engine = VLLMEngine(
         EngineSpec(
-            model=model_dir,
-            served_name="bench",
-            port=free_port(),
-            max_model_len=args.max_tokens + 64,
+            model=model_dir, served_name="bench", port=free_port(), max_model_len=args.max_tokens + 64,
             extra_args=["--worker-extension-cls", "agentrl.weights.vllm_ext.WeightSyncExtension"],
         ),
         work / "engine",
@@ -200,17 +197,12 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     firsts_ok = [t for t in firsts if t is not None]
     before = [sum(1 for t in o["times"] if t <= eng["t_pause_sent"]) for o in outs]
     return {
-        "model": args.model,
-        "model_mb": round(len(payloads[1]) / 2**20, 1),
-        "sync_total_s": round(t_done - t_pub, 4),
-        "pause_window_s": round(pause, 4),
-        "engine_reload_s": round(eng["engine_reload_s"], 4),
-        "retie_s": round(eng["retie_s"], 4),
-        "reload_rpc_s": round(eng["reload_rpc_s"], 4),
-        "head_staged": bool(eng.get("head_staged")),
+        "model": args.model, "model_mb": round(len(payloads[1]) / 2**20, 1),
+        "sync_total_s": round(t_done - t_pub, 4), "pause_window_s": round(pause, 4),
+        "engine_reload_s": round(eng["engine_reload_s"], 4), "retie_s": round(eng["retie_s"], 4),
+        "reload_rpc_s": round(eng["reload_rpc_s"], 4), "head_staged": bool(eng.get("head_staged")),
         "stage_s": round(eng.get("stage_s", 0.0), 4),
-        "stage_worker_s": round(eng.get("stage_worker_s", 0.0), 4),
-        "disk_read_floor_s": round(disk_read, 4),
+        "stage_worker_s": round(eng.get("stage_worker_s", 0.0), 4), "disk_read_floor_s": round(disk_read, 4),
         "aborted_requests": sum(1 for o in outs if o["finish"] != "length" or o["tokens"] < args.max_tokens),
         "pause_over_reload": round(pause / max(eng["engine_reload_s"], 1e-9), 3),
         "client_stall_s": round(stall, 4),
@@ -218,8 +210,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "last_token_to_pause_sent_s": round(eng["t_pause_sent"] - last_before, 4),
         "pause_wait_s": round(eng["pause_s"], 4),
         "reprefill_s": round(max(firsts_ok) - eng["t_resumed"], 4) if firsts_ok else None,
-        "reprefill_tokens": sum(contexts),
-        "prefill_floor_s": round(floor, 4),
+        "reprefill_tokens": sum(contexts), "prefill_floor_s": round(floor, 4),
         "reprefill_over_floor": round((max(firsts_ok) - eng["t_resumed"]) / max(floor, 1e-9), 3)
         if firsts_ok
         else None,
@@ -228,18 +219,14 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         # a fast model needs more --max-tokens or less --lead-s)
         "streams_in_flight_at_update": sum(1 for b in before if b < args.max_tokens),
         "inter_token_s": round(statistics.median(per_stream), 4) if per_stream else None,
-        "max_gap_during_upload_s": round(max(upload, default=0.0), 4),
-        "concurrency": args.concurrency,
+        "max_gap_during_upload_s": round(max(upload, default=0.0), 4), "concurrency": args.concurrency,
         "max_tokens": args.max_tokens,
     }
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="tiny", help="tiny, smollm2 or a model folder")
-    p.add_argument("--concurrency", type=int, default=4)
-    p.add_argument("--max-tokens", type=int, default=400)
-    p.add_argument("--lead-s", type=float, default=2.0, help="seconds of generation before the update")
+    in_flight_options(p, model="tiny", max_tokens=400)
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     result = asyncio.run(run(args))

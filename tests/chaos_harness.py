@@ -52,10 +52,7 @@ class Run:
         self.run_dir, self.port, self.engine_port = run_dir, free_port(), free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.serve_args = [
-            sys.executable,
-            "-m",
-            "agentrl.cli",
-            "serve",
+            sys.executable, "-m", "agentrl.cli", "serve",
             f"--run_dir={run_dir}",
             f"--model={model}",
             f"--router.port={self.port}",
@@ -67,10 +64,7 @@ class Run:
             *serve_settings,
         ]
         self.learn_args = [
-            sys.executable,
-            "-m",
-            "agentrl.cli",
-            "learn",
+            sys.executable, "-m", "agentrl.cli", "learn",
             f"--serve={self.url}",
             f"--run_dir={run_dir}",
             "--steps=0",

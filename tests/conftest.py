@@ -27,6 +27,10 @@ import pytest
 _FILE_SECONDS: dict[str, float] = {}
 
 
+# the python tool the router tests offer (greedy, the tiny-tools model answers with a call to it)
+PYTHON_TOOL = {"type": "function", "function": {
+    "name": "python", "description": "Run Python code.",
+    "parameters": {"type": "object", "properties": {"code": {"type": "string"}}, "required": ["code"]}}}
 SYSTEM_MARKERS = ("vllm", "docker")  # tests that start engines, serve or sandboxes
 # the shared engine and its router, and the sandbox tests' backend parameter (docker and bubblewrap)
 SYSTEM_FIXTURES = ("vllm_engine", "http_router", "backend")
@@ -103,15 +107,9 @@ def agentrl_run(run_dir: Path, *settings: str) -> subprocess.CompletedProcess[st
     tiny-tools model into ``run_dir``, on free ports, then ``settings`` (``--section.key=value``)."""
     env = {k: v for k, v in os.environ.items() if k != "AGENTRL_ADMIN_TOKEN"}
     cmd = [
-        sys.executable,
-        "-m",
-        "agentrl.cli",
-        "run",
-        f"--serve.run_dir={run_dir}",
-        f"--serve.router.port={free_port()}",
-        f"--serve.engine.base_port={free_port()}",
-        "--serve.model=tiny-tools",
-        *settings,
+        sys.executable, "-m", "agentrl.cli", "run", f"--serve.run_dir={run_dir}",
+        f"--serve.router.port={free_port()}", f"--serve.engine.base_port={free_port()}",
+        "--serve.model=tiny-tools", *settings,
     ]
     return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
 
@@ -225,11 +223,7 @@ def serve_until(config: Path, run_dir: Path, port: int, episodes: int, out: Path
             serve.send_signal(signal.SIGTERM)
             serve.wait(timeout=120)
     return {
-        "episodes": lines,
-        "code": code,
-        "status": status,
-        "metrics": metrics,
-        "log": out.read_text()[-3000:],
+        "episodes": lines, "code": code, "status": status, "metrics": metrics, "log": out.read_text()[-3000:],
     }
 
 

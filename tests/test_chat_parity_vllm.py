@@ -14,24 +14,12 @@ from typing import Any
 import pytest
 import requests
 
+from tests.conftest import PYTHON_TOOL
 from tests.router_harness import serve_router
 
 pytestmark = pytest.mark.vllm
 
-TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "python",
-            "description": "Run Python code.",
-            "parameters": {
-                "type": "object",
-                "properties": {"code": {"type": "string"}},
-                "required": ["code"],
-            },
-        },
-    }
-]
+TOOLS = [PYTHON_TOOL]
 HI = [{"role": "user", "content": "hi"}]
 # greedy, the tiny-tools model answers with a python call
 ASK = [{"role": "user", "content": "What is 12*7?"}]

@@ -23,6 +23,8 @@ from agentrl.weights import DeltaError, DeltaTransport, DeltaTransportConfig, ma
 from agentrl.weights.delta import apply_delta, cast_state, delta_metadata, encode_delta, state_digest
 from tests.test_weight_sync import _serve as serve_receiver
 
+BF16 = DeltaTransportConfig(dtype="bfloat16")  # the delta transport as serve-side tests use it
+
 
 def random_state(seed: int = 0, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
@@ -192,10 +194,7 @@ def test_a_delta_serve_cannot_apply_is_refused_with_409_and_the_full_weights_lan
 
     async def go() -> None:
         pool = FilePool()
-        async with delta_served(pool, tmp_path / "w", DeltaTransportConfig(dtype="bfloat16")) as (
-            url,
-            transport,
-        ):
+        async with delta_served(pool, tmp_path / "w", BF16) as (url, transport):
             master = random_state()
             await transport.publish(master, 1)
             pool.version = 2  # the engines moved on without this learner (another writer, a restore)
@@ -274,10 +273,7 @@ def test_when_no_engine_takes_a_delta_the_base_stays_and_the_next_delta_is_again
 
     async def go() -> None:
         pool = FailingOnce()
-        async with delta_served(pool, tmp_path / "w", DeltaTransportConfig(dtype="bfloat16")) as (
-            url,
-            transport,
-        ):
+        async with delta_served(pool, tmp_path / "w", BF16) as (url, transport):
             master = random_state()
             await transport.publish(master, 1)
             pool.fail = True

@@ -52,30 +52,13 @@ def test_serve_and_learn_processes_train_on_exact_tokens_and_leave_nothing_behin
     port, engine_port = free_port(), free_port()
     env = dict(os.environ, AGENTRL_ADMIN_TOKEN="test-admin-token", PYTHONUNBUFFERED="1")
     serve_cmd = [
-        sys.executable,
-        "-m",
-        "agentrl.cli",
-        "serve",
-        f"--run_dir={run_dir}",
-        f"--router.port={port}",
-        f"--engine.base_port={engine_port}",
-        "--env.group_size=2",
-        "--buffer.batch_size=4",
-        "--buffer.max_staleness=1",
-        "--env.max_concurrency=8",
-        "--env.max_tokens=64",
+        sys.executable, "-m", "agentrl.cli", "serve", f"--run_dir={run_dir}", f"--router.port={port}",
+        f"--engine.base_port={engine_port}", "--env.group_size=2", "--buffer.batch_size=4",
+        "--buffer.max_staleness=1", "--env.max_concurrency=8", "--env.max_tokens=64",
     ]
     learn_cmd = [
-        sys.executable,
-        "-m",
-        "agentrl.cli",
-        "learn",
-        f"--serve=http://127.0.0.1:{port}",
-        f"--run_dir={tmp_path / 'learner'}",
-        "--steps=3",
-        "--batch_size=4",
-        "--max_staleness=1",
-        "--lr=1e-3",
+        sys.executable, "-m", "agentrl.cli", "learn", f"--serve=http://127.0.0.1:{port}",
+        f"--run_dir={tmp_path / 'learner'}", "--steps=3", "--batch_size=4", "--max_staleness=1", "--lr=1e-3",
     ]
     serve_log = open(tmp_path / "serve.out", "wb")
     serve = subprocess.Popen(serve_cmd, stdout=serve_log, stderr=subprocess.STDOUT, env=env)

@@ -378,17 +378,8 @@ def test_status_shows_each_engines_state_and_restarts() -> None:
     from agentrl.cli.status import format_status
 
     engine = {
-        "name": "engine-0",
-        "url": "http://127.0.0.1:8100",
-        "healthy": False,
-        "version": 3,
-        "outstanding": 0,
-        "served": 12,
-        "failures": 1,
-        "last_error": "",
-        "state": "restarting",
-        "restarts": 2,
-        "pid": 1,
+        "name": "engine-0", "url": "http://127.0.0.1:8100", "healthy": False, "version": 3, "outstanding": 0,
+        "served": 12, "failures": 1, "last_error": "", "state": "restarting", "restarts": 2, "pid": 1,
     }
     text = format_status("http://serve:8000", {"uptime_s": 60, "version": 3, "engines": [engine]})
     header = next(line for line in text.splitlines() if "healthy" in line and "url" in line)
@@ -423,17 +414,9 @@ class ServeProcess:
         self.run_dir, self.port = tmp / "run", free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [
-            sys.executable,
-            "-m",
-            "agentrl.cli",
-            "serve",
-            "--endpoint-only",
-            f"--run_dir={self.run_dir}",
-            f"--router.port={self.port}",
-            f"--engine.base_port={_engine_port()}",
-            "--engine.max_model_len=512",
-            "--env.max_tokens=64",
-            "--engine.restart_backoff_s=1",
+            sys.executable, "-m", "agentrl.cli", "serve", "--endpoint-only", f"--run_dir={self.run_dir}",
+            f"--router.port={self.port}", f"--engine.base_port={_engine_port()}",
+            "--engine.max_model_len=512", "--env.max_tokens=64", "--engine.restart_backoff_s=1",
             f"--engine.stall_s={STALL_S}",
         ]
         self.out = tmp / "serve.out"
@@ -480,10 +463,7 @@ class ServeProcess:
             p for p in api.children(recursive=True) if "EngineCore" in " ".join(p.cmdline()) + p.name()
         )
         return {
-            "reaper": reaper,
-            "api": api,
-            "core": core,
-            "all": [reaper, api, *api.children(recursive=True)],
+            "reaper": reaper, "api": api, "core": core, "all": [reaper, api, *api.children(recursive=True)],
         }
 
     def note_processes(self) -> None:
@@ -617,14 +597,19 @@ def test_a_kill_9_of_the_engines_api_server_is_relaunched_and_serves_the_current
         time.sleep(0.5)
 
 
+def _published_engine(serve: ServeProcess, model_dir: str) -> tuple[int, dict[str, Any]]:
+    """Version 1 published (when an earlier test did not), the engine's relaunches so far and its
+    processes."""
+    if serve.status()["version"] < 1:  # run alone: the first test did not publish
+        _publish_version_1(serve, model_dir)
+    return serve.status()["engines"][0]["restarts"], serve.engine_processes()
+
+
 @pytest.mark.vllm
 def test_a_kill_9_of_the_engine_core_alone_is_seen_and_the_engine_is_relaunched(
         serve_process: ServeProcess, tiny_tools_model: str) -> None:
     serve = serve_process
-    if serve.status()["version"] < 1:  # run alone: the first test did not publish
-        _publish_version_1(serve, tiny_tools_model)
-    restarts = serve.status()["engines"][0]["restarts"]
-    procs = serve.engine_processes()
+    restarts, procs = _published_engine(serve, tiny_tools_model)
     procs["core"].send_signal(signal.SIGKILL)
     t0 = time.monotonic()
     # vLLM 0.32 keeps its API server up answering /health with 503, and its watchdog ends the
@@ -649,10 +634,7 @@ def test_a_stopped_engine_core_is_a_stall_its_call_ends_and_the_engine_is_relaun
     """SIGSTOP of the engine core: vLLM's API server still answers /health with 200, so only the
     stall check (a call in flight, no engine step for engine.stall_s) can see it."""
     serve = serve_process
-    if serve.status()["version"] < 1:  # run alone: the first test did not publish
-        _publish_version_1(serve, tiny_tools_model)
-    restarts = serve.status()["engines"][0]["restarts"]
-    procs = serve.engine_processes()
+    restarts, procs = _published_engine(serve, tiny_tools_model)
     procs["core"].send_signal(signal.SIGSTOP)
     t0 = time.monotonic()
     code, body = serve.request("POST", "/sessions/stalled/v1/chat/completions", {

@@ -25,9 +25,7 @@ ECOSYSTEMS = [
     pytest.param("reasoning_gym:basic_arithmetic", {}, {}, id="reasoning_gym"),
     pytest.param("openenv:number_guess", {}, {"max_turns": 2}, id="openenv"),
     pytest.param(
-        "verifiers:vf_arith_check",
-        {"taskset_args": {"num_tasks": 10}},
-        {"episode_timeout_s": 600.0},
+        "verifiers:vf_arith_check", {"taskset_args": {"num_tasks": 10}}, {"episode_timeout_s": 600.0},
         id="verifiers",
     ),
     pytest.param("harbor:hello-file", {}, {"max_turns": 2}, marks=pytest.mark.docker, id="harbor"),
@@ -47,12 +45,7 @@ def test_an_ecosystem_environment_plays_token_exact_episodes_on_real_vllm(
     env: str, env_config: dict[str, Any], limits: dict[str, Any], vllm_engine: Any, tmp_path: Path
 ) -> None:
     run = run_group(
-        vllm_engine.url,
-        tmp_path / "run",
-        env=env,
-        group_size=2,
-        scaffold={},
-        env_config=env_config,
+        vllm_engine.url, tmp_path / "run", env=env, group_size=2, scaffold={}, env_config=env_config,
         **{"temperature": 1.0, **limits},
     )
     played(run)
@@ -66,13 +59,8 @@ def test_textarena_self_play_gives_each_seat_its_own_exact_sample_and_reward(
     vllm_engine: Any, tmp_path: Path
 ) -> None:
     run = run_group(
-        vllm_engine.url,
-        tmp_path / "run",
-        env="textarena:TicTacToe-v0",
-        group_size=2,
-        scaffold={},
-        max_turns=4,
-        max_tokens=16,
+        vllm_engine.url, tmp_path / "run", env="textarena:TicTacToe-v0", group_size=2, scaffold={},
+        max_turns=4, max_tokens=16,
     )
     for ep in played(run):
         assert ep["info"]["seats"] == [0, 1]
@@ -100,14 +88,9 @@ def test_agentrl_run_trains_three_steps_on_a_reasoning_gym_dataset(
     tmp_path: Path, tiny_tools_model: str
 ) -> None:
     out = agentrl_run(
-        tmp_path / "run",
-        "--serve.env.name=reasoning_gym:basic_arithmetic",
-        "--serve.env.group_size=2",
-        "--serve.env.max_turns=1",
-        "--serve.env.max_tokens=24",
-        "--serve.buffer.batch_size=4",
-        "--learn.steps=3",
-        "--eval.tasks=4",
+        tmp_path / "run", "--serve.env.name=reasoning_gym:basic_arithmetic", "--serve.env.group_size=2",
+        "--serve.env.max_turns=1", "--serve.env.max_tokens=24", "--serve.buffer.batch_size=4",
+        "--learn.steps=3", "--eval.tasks=4",
     )
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     lines = out.stdout.splitlines()

@@ -115,10 +115,7 @@ def test_agentrl_eval_command_writes_a_json_result_and_reads_the_key_from_a_file
     env = {k: v for k, v in os.environ.items() if k not in ("AGENTRL_API_KEY", "OPENAI_API_KEY")}
     with serve_router([vllm_engine.url], tiny_tools_model, api_keys=frozenset({"client-key"})) as srv:
         cmd = [
-            sys.executable,
-            "-m",
-            "agentrl.cli",
-            "eval",
+            sys.executable, "-m", "agentrl.cli", "eval",
             "--env",
             "guess_number",
             "--endpoint",

@@ -41,11 +41,14 @@ def test_named_policies_are_checked_and_agentrl_run_loads_every_kept_adapter() -
                 ["serve.policies.a={}"] if not bad else []))
 
 
+def two_streams(max_staleness: int, versions: dict[str, int]) -> PolicyBuffers:
+    """Streams per policy at ``versions``, batches of 2 samples in groups of 2."""
+    return PolicyBuffers(BufferConfig(batch_size=2, group_size=2, max_staleness=max_staleness), versions)
+
+
 def test_each_policy_has_its_own_stream_staleness_bound_and_room() -> None:
     async def go() -> None:
-        buf = PolicyBuffers(
-            BufferConfig(batch_size=2, group_size=2, max_staleness=1), {"proposer": 0, "solver": 2}
-        )
+        buf = two_streams(1, {"proposer": 0, "solver": 2})
         try:
             await buf.put([_sample("solver", "g1", 0, i) for i in range(2)] +
                           [_sample("proposer", "g2", 0, i) for i in range(2)] +
@@ -195,9 +198,7 @@ def test_metrics_carry_each_policys_version_and_stream() -> None:
 
 def test_a_producer_waiting_for_room_is_woken_by_any_streams_consumed_batch() -> None:
     async def go() -> None:
-        buf = PolicyBuffers(
-            BufferConfig(batch_size=2, group_size=2, max_staleness=0), {"proposer": 0, "solver": 0}
-        )
+        buf = two_streams(0, {"proposer": 0, "solver": 0})
         try:
             await buf.put([_sample("solver", "g1", 0, i) for i in range(2)] +
                           [_sample("proposer", "g2", 0, i) for i in range(2)])

@@ -22,16 +22,9 @@ def test_serve_writes_its_run_directory_private_even_under_a_permissive_umask(tm
     env = {k: v for k, v in os.environ.items() if not k.startswith("AGENTRL_")}
     # an engine nobody runs: serve still comes up (its pool marks it down) and writes its run directory
     cmd = [
-        sys.executable,
-        "-m",
-        "agentrl.cli",
-        "serve",
-        f"--run_dir={run_dir}",
-        f"--router.port={port}",
-        f'--engine.urls=["http://127.0.0.1:{free_port()}"]',
-        "--env.name=guess_number",
-        "--endpoint_only=true",
-        "--router.render=engine",
+        sys.executable, "-m", "agentrl.cli", "serve", f"--run_dir={run_dir}", f"--router.port={port}",
+        f'--engine.urls=["http://127.0.0.1:{free_port()}"]', "--env.name=guess_number",
+        "--endpoint_only=true", "--router.render=engine",
     ]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                             preexec_fn=lambda: os.umask(0o022))

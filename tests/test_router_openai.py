@@ -12,24 +12,12 @@ import openai
 import pytest
 import requests
 
+from tests.conftest import PYTHON_TOOL
 from tests.router_harness import serve_router
 
 pytestmark = pytest.mark.vllm
 
-TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "python",
-            "description": "Run Python code.",
-            "parameters": {
-                "type": "object",
-                "properties": {"code": {"type": "string"}},
-                "required": ["code"],
-            },
-        },
-    }
-]
+TOOLS = [PYTHON_TOOL]
 HI = [{"role": "user", "content": "hi"}]
 ADMIN = "admin-secret"
 KEY = "client-key"

@@ -17,20 +17,10 @@ import pytest
 import requests
 
 from agentrl.router.render import LocalRenderer, Rendered, same_message, same_sampling
+from tests.conftest import PYTHON_TOOL
 
 TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "python",
-            "description": "Run Python code.",
-            "parameters": {
-                "type": "object",
-                "properties": {"code": {"type": "string"}},
-                "required": ["code"],
-            },
-        },
-    },
+    PYTHON_TOOL,
     {
         "type": "function",
         "function": {

@@ -7,24 +7,11 @@ import json
 
 import pytest
 
-from tests.conftest import make_router
+from tests.conftest import PYTHON_TOOL, make_router
 
 pytestmark = pytest.mark.vllm
 
-TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "python",
-            "description": "Run Python code.",
-            "parameters": {
-                "type": "object",
-                "properties": {"code": {"type": "string"}},
-                "required": ["code"],
-            },
-        },
-    }
-]
+TOOLS = [PYTHON_TOOL]
 
 
 def _learner_logprobs(model_dir: str, prompt_ids: list[int], completion_ids: list[int]) -> list[float]:
@@ -49,10 +36,8 @@ def test_learner_logprobs_match_vllm_behaviour_logprobs(vllm_engine, tiny_tools_
                 sid = f"parity-{attempt}"
                 await router.chat(
                     {
-                        "messages": [{"role": "user", "content": "What is 12 * 7?"}],
-                        "tools": TOOLS,
-                        "max_tokens": 48,
-                        "temperature": 1.0,
+                        "messages": [{"role": "user", "content": "What is 12 * 7?"}], "tools": TOOLS,
+                        "max_tokens": 48, "temperature": 1.0,
                     },
                     session_id=sid,
                 )
@@ -132,9 +117,7 @@ def test_bad_requests_get_openai_style_errors(vllm_engine, tiny_tools_model):
         results = []
         try:
             for body in (
-                {"messages": "nope"},
-                {"model": "gpt-9", "messages": [{"role": "user", "content": "x"}]},
-                {},
+                {"messages": "nope"}, {"model": "gpt-9", "messages": [{"role": "user", "content": "x"}]}, {},
                 {"messages": [{"role": "user", "content": "x " * 5000}]},
                 {"messages": [{"role": "user", "content": "x"}], "temperature": 9},
             ):

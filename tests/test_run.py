@@ -22,10 +22,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.docker, pytest.mark.slow]
 
 def test_agentrl_run_trains_three_steps_and_prints_each(tmp_path, tiny_tools_model):
     out = agentrl_run(
-        tmp_path / "run",
-        "--serve.env.group_size=2",
-        "--serve.buffer.batch_size=4",
-        "--learn.steps=3",
+        tmp_path / "run", "--serve.env.group_size=2", "--serve.buffer.batch_size=4", "--learn.steps=3",
         "--eval.tasks=6",
     )
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
@@ -59,18 +56,10 @@ def test_agentrl_run_starts_a_killed_serve_again_and_trains_to_the_end(tmp_path,
     run_dir = tmp_path / "run"
     env = {k: v for k, v in os.environ.items() if k != "AGENTRL_ADMIN_TOKEN"}
     cmd = [
-        sys.executable,
-        "-m",
-        "agentrl.cli",
-        "run",
-        f"--serve.run_dir={run_dir}",
-        f"--serve.router.port={free_port()}",
-        f"--serve.engine.base_port={free_port()}",
-        "--serve.model=tiny-tools",
-        "--serve.env.group_size=2",
-        "--serve.buffer.batch_size=4",
-        "--learn.steps=4",
-        "--eval.tasks=0",
+        sys.executable, "-m", "agentrl.cli", "run", f"--serve.run_dir={run_dir}",
+        f"--serve.router.port={free_port()}", f"--serve.engine.base_port={free_port()}",
+        "--serve.model=tiny-tools", "--serve.env.group_size=2", "--serve.buffer.batch_size=4",
+        "--learn.steps=4", "--eval.tasks=0",
     ]
     with open(tmp_path / "run.out", "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
@@ -110,19 +99,10 @@ def test_ctrl_c_during_training_leaves_no_process_nor_container_and_names_the_ru
     router_port, engine_port = free_port(), free_port()
     env = {k: v for k, v in os.environ.items() if k != "AGENTRL_ADMIN_TOKEN"}
     cmd = [
-        sys.executable,
-        "-m",
-        "agentrl.cli",
-        "run",
-        f"--serve.run_dir={run_dir}",
-        f"--serve.router.port={router_port}",
-        f"--serve.engine.base_port={engine_port}",
-        "--serve.model=tiny-tools",
-        "--serve.env.group_size=2",
-        "--serve.buffer.batch_size=4",
-        "--learn.steps=1000",
-        "--eval.tasks=0",
-        f'--serve.sandbox.labels={{agentrl_test = "{tag}"}}',
+        sys.executable, "-m", "agentrl.cli", "run", f"--serve.run_dir={run_dir}",
+        f"--serve.router.port={router_port}", f"--serve.engine.base_port={engine_port}",
+        "--serve.model=tiny-tools", "--serve.env.group_size=2", "--serve.buffer.batch_size=4",
+        "--learn.steps=1000", "--eval.tasks=0", f'--serve.sandbox.labels={{agentrl_test = "{tag}"}}',
     ]
     # a session of its own, as a shell's foreground job: the group's SIGINT reaches it and its children only
     proc = subprocess.Popen(
@@ -172,9 +152,7 @@ def test_ctrl_c_during_training_leaves_no_process_nor_container_and_names_the_ru
 def containers(tag: str) -> list[str]:
     """Ids of the containers carrying this test run's label, running or not."""
     out = subprocess.run(
-        ["docker", "ps", "-aq", "--filter", f"label=agentrl_test={tag}"],
-        capture_output=True,
-        text=True,
+        ["docker", "ps", "-aq", "--filter", f"label=agentrl_test={tag}"], capture_output=True, text=True,
         check=True,
     )
     return out.stdout.split()

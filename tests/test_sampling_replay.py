@@ -69,8 +69,7 @@ async def episode(url: str, folder: str, bodies: list[dict[str, Any]], session: 
             out = await r.chat(dict(body, model="tiny-tools", messages=messages), session_id=session)
             replies.append(out)
             messages = [
-                *messages,
-                {"role": "assistant", "content": out["choices"][0]["message"]["content"] or ""},
+                *messages, {"role": "assistant", "content": out["choices"][0]["message"]["content"] or ""},
                 {"role": "user", "content": "And 7*8?"},
             ]
         summary = await r.end(session) if session else None
@@ -95,6 +94,15 @@ def parity(model: Any, samples: list) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.cat(diffs), torch.cat(old)
 
 
+def replayed_parity(model: Any, samples: list) -> torch.Tensor:
+    """:func:`parity`, checked: the replayed logprobs match the engine's (mean |diff| < 1e-3) and the
+    plain log-softmax is more than 20 times further off; the replayed diffs."""
+    diff, old = parity(model, samples)
+    assert diff.mean().item() < 1e-3, diff.mean().item()
+    assert old.mean().item() > 20 * max(diff.mean().item(), 1e-4)
+    return diff
+
+
 def test_at_temperature_0_7_the_learners_logprobs_are_the_engines(engine, folder, learner):
     body = {"temperature": 0.7, "top_k": 0, "top_p": 1.0, "repetition_penalty": 1.0, "max_tokens": 48,
             "ignore_eos": True, "n": 4}
@@ -104,15 +112,11 @@ def test_at_temperature_0_7_the_learners_logprobs_are_the_engines(engine, folder
         s.behaviour.settings(0)["temperature"] == pytest.approx(0.7) for s in samples
     )
     assert all(s.behaviour.kept_counts.sum() == 0 for s in samples)  # nothing truncated: no kept sets
-    diff, old = parity(learner, samples)
-    assert diff.numel() == 192
-    assert diff.mean().item() < 1e-3, diff.mean().item()
-    assert old.mean().item() > 20 * max(diff.mean().item(), 1e-4)
+    assert replayed_parity(learner, samples).numel() == 192
 
 
 def test_top_k_and_top_p_kept_sets_are_recorded_and_the_learner_gives_nothing_outside_them(
-    engine, folder, learner
-):
+        engine, folder, learner):
     from agentrl.learner.packing import packed_inputs
     from agentrl.learner.replay import RowReplay, replayed_log_softmax
 
@@ -138,9 +142,7 @@ def test_top_k_and_top_p_kept_sets_are_recorded_and_the_learner_gives_nothing_ou
             outside = torch.ones(dist.shape[-1], dtype=torch.bool)
             outside[kept] = False
             assert torch.isinf(dist[i - 1, outside]).all()
-    diff, old = parity(learner, samples)
-    assert diff.mean().item() < 1e-3, diff.mean().item()
-    assert old.mean().item() > 20 * max(diff.mean().item(), 1e-4)
+    replayed_parity(learner, samples)
 
 
 def test_history_penalties_are_replayed_over_the_calls_prompt_and_output(engine, folder, learner):
@@ -151,15 +153,11 @@ def test_history_penalties_are_replayed_over_the_calls_prompt_and_output(engine,
     assert [r["agentrl"]["parent"] for r in replies] == [None, 0]
     (s,) = samples
     assert s.behaviour.calls == 2 and s.behaviour.settings(1)["repetition_penalty"] == pytest.approx(1.3)
-    diff, old = parity(learner, samples)
-    assert diff.numel() == 64
-    assert diff.mean().item() < 1e-3, diff.mean().item()
-    assert old.mean().item() > 20 * max(diff.mean().item(), 1e-4)
+    assert replayed_parity(learner, samples).numel() == 64
 
 
 def test_the_models_generation_config_defaults_are_recorded_as_the_engine_applies_them(
-    engine, folder, learner
-):
+        engine, folder, learner):
     body = {"max_tokens": 48, "ignore_eos": True, "n": 2}
     rendered = requests.post(engine.url + "/v1/chat/completions/render", timeout=60, json={
         "model": "tiny-tools", "messages": ASK, "logprobs": True}).json()["sampling_params"]
@@ -169,9 +167,7 @@ def test_the_models_generation_config_defaults_are_recorded_as_the_engine_applie
     # what vLLM itself applies
     assert {k: float(rendered[k]) for k in DEFAULTS} == {k: want[k] for k in DEFAULTS}
     assert samples[0].behaviour.settings(0) == pytest.approx(want)
-    diff, old = parity(learner, samples)
-    assert diff.mean().item() < 1e-3, diff.mean().item()
-    assert old.mean().item() > 20 * max(diff.mean().item(), 1e-4)
+    replayed_parity(learner, samples)
 
 
 def test_a_scaffolds_own_temperature_and_top_p_are_honoured_and_recorded(engine, folder, learner):
@@ -186,12 +182,7 @@ def test_a_scaffolds_own_temperature_and_top_p_are_honoured_and_recorded(engine,
                                                max_tokens=40, extra_body={"ignore_eos": True})
         chunks = list(
             client.chat.completions.create(
-                model="tiny-tools",
-                messages=ASK,
-                temperature=1.2,
-                top_p=0.7,
-                max_tokens=40,
-                stream=True,
+                model="tiny-tools", messages=ASK, temperature=1.2, top_p=0.7, max_tokens=40, stream=True,
                 extra_body={"ignore_eos": True, "repetition_penalty": 1.0},
             )
         )
@@ -201,16 +192,11 @@ def test_a_scaffolds_own_temperature_and_top_p_are_honoured_and_recorded(engine,
     # the scaffold's settings, and the model's defaults for what it left unset (top_k 20, repetition 1.05)
     got = whole.model_extra["agentrl"]["sampling"]
     assert (got["temperature"], got["top_p"], got["top_k"], got["repetition_penalty"]) == (
-        0.5,
-        0.95,
-        20.0,
-        1.05,
+        0.5, 0.95, 20.0, 1.05,
     )
     assert recs[0].sampling == got
     assert (
-        recs[1].sampling["temperature"],
-        recs[1].sampling["top_p"],
-        recs[1].sampling["repetition_penalty"],
+        recs[1].sampling["temperature"], recs[1].sampling["top_p"], recs[1].sampling["repetition_penalty"],
     ) == (1.2, 0.7, 1.0)
     assert all(len(c.kept) == len(c.token_ids) == 40 for r in recs for c in r.completions)  # streamed too
     assert [s.behaviour.settings(0)["temperature"] for s in samples] == pytest.approx([0.5, 1.2])

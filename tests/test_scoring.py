@@ -110,12 +110,7 @@ def test_agent_loops_keep_playing_while_every_scoring_slot_is_held_by_a_hanging_
         producer, sink = _Producer(), _Sink()
         stage = _stage({"blocks": (blocks, 1.0)}, concurrency=2, timeout_s=600)
         orch = Orchestrator(
-            producer,
-            sink,
-            env_name="scoring-unit",
-            group_size=2,
-            max_concurrency=4,
-            max_episodes=40,
+            producer, sink, env_name="scoring-unit", group_size=2, max_concurrency=4, max_episodes=40,
             scoring=stage,
         )
         run = asyncio.create_task(orch.run())
@@ -191,17 +186,8 @@ def test_a_judge_that_answers_is_combined_with_the_environments_reward_by_weight
             body = await request.json()
             bodies.append(body)
             grade = "7" if "42" in body["messages"][0]["content"] else "no idea"
-            return web.json_response(
-                {
-                    "choices": [
-                        {
-                            "index": 0,
-                            "message": {"role": "assistant", "content": grade},
-                            "finish_reason": "stop",
-                        }
-                    ]
-                }
-            )
+            return web.json_response({"choices": [{"index": 0, "finish_reason": "stop",
+                                                   "message": {"role": "assistant", "content": grade}}]})
 
         runner, url = await stand_in_endpoint(grades)
         stage = ScoringStage(
@@ -257,17 +243,8 @@ def test_a_group_judge_grades_a_groups_finished_members_together_in_one_call() -
             body = await request.json()
             prompts.append(body["messages"][0]["content"])
             reply = "1: 9\n2: 3\nAnswer 3: 10" if len(prompts) == 1 else "1: 4\n2: x"
-            return web.json_response(
-                {
-                    "choices": [
-                        {
-                            "index": 0,
-                            "message": {"role": "assistant", "content": reply},
-                            "finish_reason": "stop",
-                        }
-                    ]
-                }
-            )
+            return web.json_response({"choices": [{"index": 0, "finish_reason": "stop",
+                                                   "message": {"role": "assistant", "content": reply}}]})
 
         runner, url = await stand_in_endpoint(ranks)
         stage = ScoringStage(
@@ -301,8 +278,7 @@ def test_a_group_judge_grades_the_members_present_when_the_rest_never_come() -> 
                 {
                     "choices": [
                         {
-                            "index": 0,
-                            "message": {"role": "assistant", "content": "1: 5\n2: 6"},
+                            "index": 0, "message": {"role": "assistant", "content": "1: 5\n2: 6"},
                             "finish_reason": "stop",
                         }
                     ]
@@ -326,17 +302,9 @@ def test_serves_metrics_carry_each_scorers_calls_failures_seconds_and_rewards() 
 
     status = {
         "rollout": {
-            "in_flight": 3,
-            "episodes": 10,
-            "failed": 1,
-            "backing_off": False,
+            "in_flight": 3, "episodes": 10, "failed": 1, "backing_off": False,
             "scoring": {
-                "scored": 9,
-                "failed": 1,
-                "timeouts": 1,
-                "waiting": 0,
-                "scoring": 2,
-                "outage": 0,
+                "scored": 9, "failed": 1, "timeouts": 1, "waiting": 0, "scoring": 2, "outage": 0,
                 "waiting_for_group": 0,
                 "scorers": {
                     "judge": {"calls": 10, "failures": 1, "seconds": 20.5, "reward_sum": 6.0},
@@ -371,8 +339,7 @@ def test_a_judge_on_serves_own_engine_is_asked_there_with_its_key_and_serves_mod
                 {
                     "choices": [
                         {
-                            "index": 0,
-                            "message": {"role": "assistant", "content": "9"},
+                            "index": 0, "message": {"role": "assistant", "content": "9"},
                             "finish_reason": "stop",
                         }
                     ]
@@ -398,9 +365,7 @@ def test_a_judge_on_serves_own_engine_is_asked_there_with_its_key_and_serves_mod
         ScoringStage(ScoringConfig(judge=JudgeConfig(engine=True)))  # outside serve: no engine to name
     cfg = ServeConfig()
     cfg.scoring.judge.engine, cfg.scoring.judge.url, cfg.scoring.judge.model = (
-        True,
-        "http://127.0.0.1:1/v1",
-        "j",
+        True, "http://127.0.0.1:1/v1", "j",
     )
     with pytest.raises(ConfigError, match="exclude each other"):
         cfg.check()

@@ -325,14 +325,8 @@ def test_an_nccl_update_receives_inside_the_pause_window_on_every_member_with_it
             assert result["kind"] == "nccl" and result["failed"] == [] and pool.version == 1
             for f in fakes:
                 assert in_order(f.paths()) == [
-                    "/pause",
-                    "/start_weight_update",
-                    "/update_weights",
-                    "/finish_weight_update",
-                    "/collective_rpc",
-                    "/reset_prefix_cache",
-                    "/update_weight_version",
-                    "/resume",
+                    "/pause", "/start_weight_update", "/update_weights", "/finish_weight_update",
+                    "/collective_rpc", "/reset_prefix_cache", "/update_weight_version", "/resume",
                 ]
                 assert f.calls[2][2] == {"update_info": info}
         finally:

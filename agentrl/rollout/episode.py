@@ -384,11 +384,6 @@ class BuiltinLoop(EpisodeLoop):
 
     async def __call__(self, task: dict[str, Any], group_id: str) -> EpisodeResult:
         return await run_episode(
-            self.client,
-            self.env_name,
-            task,
-            group_id=group_id,
-            env_config=self.env_config,
-            sandbox_pool=self.sandbox_pool,
-            limits=self.limits,
+            self.client, self.env_name, task, group_id=group_id, env_config=self.env_config,
+            sandbox_pool=self.sandbox_pool, limits=self.limits,
         )

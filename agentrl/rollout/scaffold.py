@@ -104,23 +104,8 @@ Scaffold = Callable[[ScaffoldContext], Awaitable[str | None]]
 
 # what any program needs from the host to start and find its libraries; nothing that is a secret
 HOST_VARS = (
-    "PATH",
-    "HOME",
-    "USER",
-    "LOGNAME",
-    "SHELL",
-    "LANG",
-    "LANGUAGE",
-    "LC_ALL",
-    "LC_CTYPE",
-    "TERM",
-    "TZ",
-    "TMPDIR",
-    "PYTHONPATH",
-    "VIRTUAL_ENV",
-    "SSL_CERT_FILE",
-    "SSL_CERT_DIR",
-    "DOCKER_HOST",
+    "PATH", "HOME", "USER", "LOGNAME", "SHELL", "LANG", "LANGUAGE", "LC_ALL", "LC_CTYPE", "TERM", "TZ",
+    "TMPDIR", "PYTHONPATH", "VIRTUAL_ENV", "SSL_CERT_FILE", "SSL_CERT_DIR", "DOCKER_HOST",
 )
 
 
@@ -202,16 +187,9 @@ def scaffold_name(scaffold: Scaffold) -> str:
 
 
 async def run_scaffold_episode(
-    client: ChatClient,
-    env_name: str,
-    task: dict[str, Any],
-    *,
-    group_id: str,
-    scaffold: Scaffold,
-    base_url: str,
-    env_config: dict[str, Any] | None = None,
-    sandbox_pool: SandboxPool | ImagePools | None = None,
-    limits: EpisodeLimits | None = None,
+    client: ChatClient, env_name: str, task: dict[str, Any], *, group_id: str, scaffold: Scaffold,
+    base_url: str, env_config: dict[str, Any] | None = None,
+    sandbox_pool: SandboxPool | ImagePools | None = None, limits: EpisodeLimits | None = None,
 ) -> EpisodeResult:
     """One episode played by ``scaffold`` through a router session at ``base_url`` (the router's
     address, e.g. ``http://127.0.0.1:8000``). Never raises for scaffold or environment failures.
@@ -237,13 +215,8 @@ async def run_scaffold_episode(
                 raise EnvironmentFailure(f"reset raised {type(e).__name__}: {e}") from e
             ctx = ScaffoldContext(
                 base_url=f"{base_url.rstrip('/')}/sessions/{ep.episode_id}/v1",
-                api_key=f"sess-{ep.episode_id}",
-                model=client.model_name,
-                messages=list(opening.messages),
-                tools=list(opening.tools),
-                task=task,
-                sandbox=env.sandbox,
-                max_tokens=limits.max_tokens,
+                api_key=f"sess-{ep.episode_id}", model=client.model_name, messages=list(opening.messages),
+                tools=list(opening.tools), task=task, sandbox=env.sandbox, max_tokens=limits.max_tokens,
                 temperature=limits.temperature,
             )
             outcome, answer = await _play(scaffold, ctx, limits.episode_timeout_s)
@@ -261,9 +234,7 @@ async def run_scaffold_episode(
         summary = await finish_samples(client, ep, summary)
         if summary is not None:
             ep.turns, ep.completion_tokens, ep.versions = (
-                summary.calls,
-                summary.completion_tokens,
-                summary.versions,
+                summary.calls, summary.completion_tokens, summary.versions,
             )
     return ep
 
@@ -326,13 +297,7 @@ class ScaffoldLoop(EpisodeLoop):
 
     async def __call__(self, task: dict[str, Any], group_id: str) -> EpisodeResult:
         return await run_scaffold_episode(
-            self.client,
-            self.env_name,
-            task,
-            group_id=group_id,
-            scaffold=self.scaffold,
-            base_url=self.base_url,
-            env_config=self.env_config,
-            sandbox_pool=self.sandbox_pool,
+            self.client, self.env_name, task, group_id=group_id, scaffold=self.scaffold,
+            base_url=self.base_url, env_config=self.env_config, sandbox_pool=self.sandbox_pool,
             limits=self.limits,
         )

@@ -34,20 +34,9 @@ BASE_CONVERSATION: list[dict[str, Any]] = [
     {"role": "assistant", "content": "."},
 ]
 
-TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "python",
-            "description": "Run Python code.",
-            "parameters": {
-                "type": "object",
-                "properties": {"code": {"type": "string"}},
-                "required": ["code"],
-            },
-        },
-    }
-]
+TOOLS = [{"type": "function", "function": {
+    "name": "python", "description": "Run Python code.",
+    "parameters": {"type": "object", "properties": {"code": {"type": "string"}}, "required": ["code"]}}}]
 
 _CALL = {"id": "c1", "type": "function", "function": {"name": "python", "arguments": '{"code": "print(1)"}'}}
 _BAD = {"id": "c2", "type": "function", "function": {"name": "python", "arguments": "{not json"}}
@@ -61,40 +50,22 @@ def calibration_bodies(model: str) -> list[dict[str, Any]]:
         {
             "model": model,
             "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "héllo ✓"}],
-            "logprobs": True,
-            "n": 2,
-            "temperature": 0.5,
-            "top_p": 0.9,
-            "seed": 3,
-            "stop": ["x"],
+            "logprobs": True, "n": 2, "temperature": 0.5, "top_p": 0.9, "seed": 3, "stop": ["x"],
             "max_tokens": 7,
         },
         {
-            "model": model,
-            "messages": [{"role": "user", "content": "hi"}],
-            "logprobs": True,
-            "top_k": 7,
-            "min_p": 0.05,
-            "repetition_penalty": 1.1,
-            "presence_penalty": 0.5,
-            "frequency_penalty": -0.5,
+            "model": model, "messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_k": 7,
+            "min_p": 0.05, "repetition_penalty": 1.1, "presence_penalty": 0.5, "frequency_penalty": -0.5,
         },
         {"model": model, "messages": [{"role": "user", "content": "hi"}], "logprobs": True, "temperature": 0},
         {
-            "model": model,
-            "messages": [{"role": "user", "content": "hi"}],
-            "logprobs": True,
-            "temperature": 0.001,
-            "top_k": -1,
+            "model": model, "messages": [{"role": "user", "content": "hi"}], "logprobs": True,
+            "temperature": 0.001, "top_k": -1,
         },
         {
-            "model": model,
-            "tools": TOOLS,
-            "logprobs": True,
-            "max_tokens": 16,
+            "model": model, "tools": TOOLS, "logprobs": True, "max_tokens": 16,
             "messages": [
-                {"role": "system", "content": "Use tools."},
-                {"role": "user", "content": "1+1?"},
+                {"role": "system", "content": "Use tools."}, {"role": "user", "content": "1+1?"},
                 {"role": "assistant", "content": None, "tool_calls": [_CALL, _BAD]},
                 {"role": "tool", "tool_call_id": "c1", "content": "2"},
                 {"role": "tool", "tool_call_id": "c2", "content": "error"},
@@ -118,47 +89,37 @@ def continuation_probes() -> list[
     calls = {"role": "assistant", "content": None, "tool_calls": [_CALL]}
     return [
         (
-            "multi-turn",
-            None,
-            [user, {"role": "assistant", "content": "2"}],
+            "multi-turn", None, [user, {"role": "assistant", "content": "2"}],
             [{"role": "user", "content": "and 2+2?"}],
         ),
         (
             "empty reply, several new messages",
             None,
             [
-                {"role": "user", "content": "one"},
-                {"role": "assistant", "content": "two"},
-                {"role": "user", "content": "three"},
-                {"role": "assistant", "content": ""},
+                {"role": "user", "content": "one"}, {"role": "assistant", "content": "two"},
+                {"role": "user", "content": "three"}, {"role": "assistant", "content": ""},
             ],
             [
-                {"role": "user", "content": "four"},
-                {"role": "assistant", "content": "five"},
+                {"role": "user", "content": "four"}, {"role": "assistant", "content": "five"},
                 {"role": "user", "content": "héllo ✓"},
             ],
         ),
         (
-            "system prompt",
-            None,
+            "system prompt", None,
             [{"role": "system", "content": "Be brief."}, user, {"role": "assistant", "content": "2"}],
             [{"role": "user", "content": "sure?"}],
         ),
         (
-            "reasoning in a past reply",
-            None,
+            "reasoning in a past reply", None,
             [user, {"role": "assistant", "content": "<think>1+1</think>2"}],
             [{"role": "user", "content": "thanks"}],
         ),
         (
-            "tool call, its result",
-            TOOLS,
-            [sys_, user, calls],
+            "tool call, its result", TOOLS, [sys_, user, calls],
             [{"role": "tool", "tool_call_id": "c1", "content": "2"}],
         ),
         (
-            "text and tool calls with valid and invalid JSON arguments",
-            TOOLS,
+            "text and tool calls with valid and invalid JSON arguments", TOOLS,
             [sys_, user, {"role": "assistant", "content": "Let me check.", "tool_calls": [_CALL, _BAD]}],
             [
                 {"role": "tool", "tool_call_id": "c1", "content": "2"},
@@ -169,18 +130,13 @@ def continuation_probes() -> list[
             "a user turn after tools",
             TOOLS,
             [
-                sys_,
-                user,
-                calls,
-                {"role": "tool", "tool_call_id": "c1", "content": "2"},
+                sys_, user, calls, {"role": "tool", "tool_call_id": "c1", "content": "2"},
                 {"role": "assistant", "content": "It is 2."},
             ],
             [{"role": "user", "content": "And 2+2?"}],
         ),
         (
-            "tools, plain reply",
-            TOOLS,
-            [user, {"role": "assistant", "content": "2"}],
+            "tools, plain reply", TOOLS, [user, {"role": "assistant", "content": "2"}],
             [{"role": "user", "content": "use python"}],
         ),
     ]
@@ -233,24 +189,10 @@ async def served_model(pool: EnginePool, engine: Engine) -> str:
 
 # vLLM's SamplingParams defaults: its render route leaves out some fields that hold them.
 SAMPLING_DEFAULTS: dict[str, Any] = {
-    "n": 1,
-    "max_tokens": 16,
-    "top_k": 0,
-    "skip_special_tokens": True,
-    "seed": None,
-    "stop": [],
-    "stop_token_ids": [],
-    "logprobs": None,
-    "output_kind": 0,
-    "skip_clone": False,
-    "bad_words": [],
-    "skip_reading_prefix_cache": False,
-    "temperature": 1.0,
-    "top_p": 1.0,
-    "min_p": 0.0,
-    "presence_penalty": 0.0,
-    "frequency_penalty": 0.0,
-    "repetition_penalty": 1.0,
+    "n": 1, "max_tokens": 16, "top_k": 0, "skip_special_tokens": True, "seed": None, "stop": [],
+    "stop_token_ids": [], "logprobs": None, "output_kind": 0, "skip_clone": False, "bad_words": [],
+    "skip_reading_prefix_cache": False, "temperature": 1.0, "top_p": 1.0, "min_p": 0.0,
+    "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0,
     "output_text_buffer_length": 0,
 }
 

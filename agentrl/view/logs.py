@@ -40,20 +40,9 @@ LEARNER_KEYS = ("step", "version", "time", "reward_mean", "staleness_mean", "sta
 LEARNER_PREFIXES = ("is/", "mismatch/")
 # serve_metrics.jsonl: dotted paths into serve's status()
 SERVE_KEYS = (
-    "time",
-    "version",
-    "router.completion_tokens",
-    "router.calls",
-    "rollout.episodes",
-    "rollout.failed",
-    "rollout.in_flight",
-    "buffer.depth",
-    "buffer.dropped",
-    "sandbox.exec_p50_ms",
-    "sandbox.exec_p99_ms",
-    "sandbox.acquire_p50_ms",
-    "sandbox.acquire_p99_ms",
-    "sandbox.in_use",
+    "time", "version", "router.completion_tokens", "router.calls", "rollout.episodes", "rollout.failed",
+    "rollout.in_flight", "buffer.depth", "buffer.dropped", "sandbox.exec_p50_ms", "sandbox.exec_p99_ms",
+    "sandbox.acquire_p50_ms", "sandbox.acquire_p99_ms", "sandbox.in_use",
 )
 
 
@@ -204,10 +193,7 @@ class LogTail:
             for k, values in cols.items():
                 values.append(self.newest.get(k))
         return {
-            "rev": self.seen,
-            "rows": self.seen,
-            "points": len(next(iter(cols.values()), [])),
-            "cols": cols,
+            "rev": self.seen, "rows": self.seen, "points": len(next(iter(cols.values()), [])), "cols": cols,
         }
 
 
@@ -299,8 +285,7 @@ class EpisodeIndex:
     def facets(self) -> dict[str, list[str]]:
         """The values each filter can take in this run."""
         return {
-            "envs": self.envs.names[1:],
-            "error_kinds": self.kinds.names[1:],
+            "envs": self.envs.names[1:], "error_kinds": self.kinds.names[1:],
             "truncations": self.truncs.names[1:],
         }
 
@@ -333,18 +318,10 @@ class EpisodeIndex:
             if f.version_max is not None and (self.vmin[i] < 0 or self.vmin[i] > f.version_max):
                 continue
             k = self.kind[i]
-            if (
-                (f.error_kind == "none" and k)
-                or (f.error_kind == "any" and not k)
-                or (kind is not None and k != kind)
-            ):
+            if (f.error_kind == "none" and k) or (f.error_kind == "any" and not k) or (kind not in (None, k)):
                 continue
             t = self.trunc[i]
-            if (
-                (f.truncation == "no" and t)
-                or (f.truncation == "yes" and not t)
-                or (trunc is not None and t != trunc)
-            ):
+            if (f.truncation == "no" and t) or (f.truncation == "yes" and not t) or (trunc not in (None, t)):
                 continue
             if offset <= total < offset + limit:
                 page.append(self.offsets[i])

@@ -101,18 +101,13 @@ class ResponsesEvents:
         if self.text is None:
             item_id = new_id("msg")
             self.text = {
-                "id": item_id,
-                "index": len(self.output) + len(self.calls),
-                "parts": [],
-                "logprobs": [],
+                "id": item_id, "index": len(self.output) + len(self.calls), "parts": [], "logprobs": [],
             }
             out.append(self._event("response.output_item.added", output_index=self.text["index"],
                                    item=message_item(item_id, "", "in_progress")))
             out.append(
                 self._event(
-                    "response.content_part.added",
-                    item_id=item_id,
-                    output_index=self.text["index"],
+                    "response.content_part.added", item_id=item_id, output_index=self.text["index"],
                     content_index=0,
                     part={"type": "output_text", "text": "", "annotations": [], "logprobs": []},
                 )
@@ -123,12 +118,8 @@ class ResponsesEvents:
             self.text["logprobs"] += logprob_items(entries)
         out.append(
             self._event(
-                "response.output_text.delta",
-                item_id=self.text["id"],
-                output_index=self.text["index"],
-                content_index=0,
-                delta=text,
-                logprobs=lps,
+                "response.output_text.delta", item_id=self.text["id"], output_index=self.text["index"],
+                content_index=0, delta=text, logprobs=lps,
             )
         )
         return out
@@ -147,18 +138,11 @@ class ResponsesEvents:
         self.output.append((t["index"], item))
         return [
             self._event(
-                "response.output_text.done",
-                item_id=t["id"],
-                output_index=t["index"],
-                content_index=0,
-                text=full,
-                logprobs=lps or [],
+                "response.output_text.done", item_id=t["id"], output_index=t["index"], content_index=0,
+                text=full, logprobs=lps or [],
             ),
             self._event(
-                "response.content_part.done",
-                item_id=t["id"],
-                output_index=t["index"],
-                content_index=0,
+                "response.content_part.done", item_id=t["id"], output_index=t["index"], content_index=0,
                 part=part,
             ),
             self._event("response.output_item.done", output_index=t["index"], item=item),
