@@ -239,15 +239,14 @@ async def engine_gauges(url: str) -> dict[str, float]:
     """The vLLM engine's request gauges and generated-token count (its Prometheus ``/metrics``)."""
     import aiohttp
 
+    from agentrl.engines.pool import metric_sums
+
     async with aiohttp.ClientSession() as http, http.get(url + "/metrics") as r:
         text = await r.text()
-    out = {"running": 0.0, "waiting": 0.0, "generated": 0.0}
-    for line in text.splitlines():
-        for key, name in (("running", "vllm:num_requests_running"), ("waiting", "vllm:num_requests_waiting"),
-                          ("generated", "vllm:generation_tokens_total")):
-            if line.startswith(name + "{") or line.startswith(name + " "):
-                out[key] += float(line.split()[-1])
-    return out
+    series = {"running": "vllm:num_requests_running", "waiting": "vllm:num_requests_waiting",
+              "generated": "vllm:generation_tokens_total"}
+    sums = metric_sums(text, series.values())
+    return {key: sums.get(name, 0.0) for key, name in series.items()}
 
 
 async def hold_under_way(router: Any, start: Any, n: int, tokens_each: int, most_each: int,

@@ -267,6 +267,23 @@ def test_an_idle_a_paused_or_a_stepping_engine_is_not_stalled() -> None:
     asyncio.run(go())
 
 
+def test_the_step_counter_sums_each_series_over_its_label_sets_and_skips_the_rest() -> None:
+    from agentrl.engines.pool import PROGRESS_SERIES, metric_sums
+
+    text = "\n".join([
+        "# HELP vllm:prompt_tokens_total Number of prefill tokens processed.",
+        'vllm:prompt_tokens_total{engine="0",model_name="m"} 30.0',
+        'vllm:prompt_tokens_total{engine="1",model_name="m"} 12.0',
+        'vllm:prompt_tokens_created{engine="0",model_name="m"} 1.7e+09',
+        'vllm:iteration_tokens_total_count{engine="0"} 5.0',
+        'vllm:iteration_tokens_total_bucket{engine="0",le="1.0"} 2.0',
+        'vllm:generation_tokens_total{engine="0"} garbage',
+    ])
+    assert metric_sums(text, PROGRESS_SERIES) == {"vllm:prompt_tokens_total": 42.0,
+                                                  "vllm:iteration_tokens_total_count": 5.0}
+    assert metric_sums("", PROGRESS_SERIES) == {}
+
+
 def test_nothing_is_relaunched_once_supervision_stops() -> None:
     async def go() -> None:
         async with supervised(backoff_s=0.2) as (sup, pool, (engine,)):

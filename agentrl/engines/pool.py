@@ -18,7 +18,7 @@ import asyncio
 import contextlib
 import json
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -308,14 +308,8 @@ class EnginePool:
                 text = await r.text() if r.status == 200 else ""
         except (TimeoutError, aiohttp.ClientError):
             return None
-        total, seen = 0.0, False
-        for line in text.splitlines():
-            name = line.split("{", 1)[0].split(" ", 1)[0]
-            if name in PROGRESS_SERIES:
-                with contextlib.suppress(ValueError, IndexError):
-                    total += float(line.rsplit(" ", 1)[1])
-                    seen = True
-        return total if seen else None
+        sums = metric_sums(text, PROGRESS_SERIES)
+        return sum(sums.values()) if sums else None
 
     async def paused(self, engine: Engine) -> bool | None:
         """Whether ``engine`` is paused (vLLM's ``/is_paused``: a weight update's pause, or an
@@ -331,6 +325,18 @@ class EnginePool:
 
     def status(self) -> list[dict[str, Any]]:
         return [e.status() for e in self.engines]
+
+
+def metric_sums(text: str, names: Iterable[str]) -> dict[str, float]:
+    """Each of ``names`` in a Prometheus text answer, summed over its label sets; a name with no
+    readable sample is left out."""
+    wanted, out = set(names), {}
+    for line in text.splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in wanted:
+            with contextlib.suppress(ValueError, IndexError):
+                out[name] = out.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+    return out
 
 
 _JSON = {"Content-Type": "application/json"}
