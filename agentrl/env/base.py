@@ -38,6 +38,10 @@ Message = dict[str, Any]
 #: The key naming a task's environment in a run of several (environments/mix): what the scoring
 #: stage picks a teacher by (``scoring.teachers``).
 MIX_TAG = "mix_env"
+#: The ``info`` key of an episode whose environment declares its success (an exact answer, a won
+#: game), a bool: ``agentrl eval`` counts it instead of "reward above --success-reward", which
+#: would count partial credit as solved.
+SUCCESS_KEY = "success"
 
 
 @dataclass

@@ -8,18 +8,26 @@ each other token for token and become that player's sample; the router keeps the
 chains apart. Both seats are the policy (``opponent="self"``, self-play) or one is a fixed opponent
 (``opponent="random"``: a move picked from the moves the game lists; or ``"module:function"``, a
 callable observation -> move, sync or async). With a fixed opponent the policy's seat alternates
-with the task index, so it learns both sides.
+with the task index, so it learns both sides. The number of players is the game's own: the first
+of 2, 1, 3, 4, ... that its ``reset`` accepts (TextArena's registry does not record it), unless
+``num_players`` says.
 
 Invariants: every policy call's sample gets the game's reward for the player who made it
 (:attr:`~agentrl.env.base.Played.sample_rewards`); the episode's reward is the mean over the
-policy's seats (0 for a zero-sum self-play game: the signal is in the per-seat samples). Game code
-runs in a daemon thread, so a game that hangs is cut by the episode's wall clock.
+policy's seats (0 for a zero-sum self-play game: the signal is in the per-seat samples). A random
+opponent plays only moves the game lists: a game whose opening lists none is refused for
+``"random"`` when the environment is built, and an episode the opponent loses by an invalid move
+fails as an environment error instead of handing the policy a win it did not earn. With a fixed
+opponent or one player, ``info["success"]`` says whether the policy won. Game code runs in a daemon
+thread, so a game that hangs is cut by the episode's wall clock.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
+import json
 import logging
 import random
 import re
@@ -32,22 +40,57 @@ from textarena.envs.registration import ENV_REGISTRY
 
 from agentrl.env.adapters import AdapterError
 from agentrl.env.adapters._bounded import in_thread
-from agentrl.env.base import Message, Model, Played, PlayingEnv, Reset
+from agentrl.env.base import SUCCESS_KEY, Message, Model, Played, PlayingEnv, Reset
+from agentrl.errors import ConfigError, EnvironmentFailure
 
 log = logging.getLogger(__name__)
 
 TEST_SEED_OFFSET = 1 << 30
+PLAYER_COUNTS = (2, 1, 3, 4, 5, 6, 8)  # tried in this order when the game's count is not given
 _MOVE = re.compile(r"\[[^\[\]\n]{1,40}\]")
+# "Available Moves: '[0]', '[1]'", "Valid moves: '[2, 3]'": the moves follow the colon on that line
+_LISTING = re.compile(r"\b(?:available|valid|legal|possible)\s+(?:moves|actions)\b[^:\n]*:(.*)", re.I)
+
+
+def listed_moves(observation: str) -> list[str]:
+    """The bracketed moves of the last line of ``observation`` that lists moves; [] when none does.
+
+    Only the text after the listing's colon counts, so a role tag (``[GAME]``, ``[Player 0]``) or a
+    move quoted in the rules is never taken for a legal move."""
+    for line in reversed(observation.splitlines()):
+        listing = _LISTING.search(line)
+        if listing and (moves := _MOVE.findall(listing.group(1))):
+            return moves
+    return []
 
 
 def random_move(observation: str, rng: random.Random) -> str:
-    """A move from the last line of ``observation`` that lists bracketed moves (``'[4]', '[5]'``)."""
-    for line in reversed(observation.splitlines()):
-        moves = _MOVE.findall(line)
-        if moves and any(w in line.lower() for w in ("available", "valid", "legal", "possible", "moves")):
-            return rng.choice(moves)
-    moves = _MOVE.findall(observation)
-    return rng.choice(moves) if moves else "[0]"
+    """One of the moves the observation lists (:func:`listed_moves`)."""
+    moves = listed_moves(observation)
+    if not moves:
+        raise ConfigError(
+            "opponent 'random' found no list of valid moves in the observation; use opponent 'self' "
+            "(self-play) or 'module:function' (a player of your own) for this game"
+        )
+    return rng.choice(moves)
+
+
+@functools.lru_cache(maxsize=256)
+def _opening(game_id: str, make_json: str, num_players: int | None) -> tuple[int, str | None]:
+    """The game's number of players and its first player's opening observation, from one reset.
+
+    ``num_players`` None: the first of :data:`PLAYER_COUNTS` the game's reset accepts (TextArena
+    checks the count in reset, with an assert or a ValueError, and records it nowhere else). A reset
+    that accepts none gives (2, None): the episode's own reset then raises the game's error."""
+    for n in (num_players,) if num_players else PLAYER_COUNTS:
+        game = textarena.make(game_id, **json.loads(make_json))
+        try:
+            game.reset(num_players=n, seed=0)
+        except Exception:  # the game's own check of the count, whatever it raises
+            log.debug("TextArena %s refused %d players", game_id, n, exc_info=True)
+            continue
+        return n, str(game.get_observation()[1])
+    return num_players or 2, None
 
 
 def _load_opponent(spec: str) -> Callable[..., Any] | None:
@@ -57,7 +100,7 @@ def _load_opponent(spec: str) -> Callable[..., Any] | None:
         return random_move
     module, _, attr = spec.partition(":")
     if not attr:
-        raise ValueError(f"opponent must be 'self', 'random' or 'module:function', not {spec!r}")
+        raise ConfigError(f"opponent must be 'self', 'random' or 'module:function', not {spec!r}")
     fn = getattr(importlib.import_module(module), attr)
     return lambda observation, rng: fn(observation)
 
@@ -66,7 +109,7 @@ class TextArenaEnv(PlayingEnv):
     """A TextArena game played by the policy, against itself or a fixed opponent.
 
     Args:
-        num_players: seats at the table (default 2).
+        num_players: seats at the table (default: the game's own, see the module's docstring).
         opponent: "self" (every seat is the policy), "random", or "module:function".
         num_train / num_test: tasks (game seeds) per split; test seeds are disjoint from train seeds.
         system_prompt: the system message of every policy seat (default: TextArena's standard game prompt).
@@ -77,18 +120,30 @@ class TextArenaEnv(PlayingEnv):
 
     def __init__(
         self,
-        num_players: int = 2,
+        num_players: int | None = None,
         opponent: str = "self",
         num_train: int = 10_000,
         num_test: int = 100,
         system_prompt: str = STANDARD_GAME_PROMPT,
         make_kwargs: dict[str, Any] | None = None,
     ) -> None:
-        self.num_players, self.opponent_spec = num_players, opponent
+        self.opponent_spec = opponent
         self.opponent = _load_opponent(opponent)
         self.num_train, self.num_test = num_train, num_test
         self.system_prompt = system_prompt
         self.make_kwargs = dict(make_kwargs or {})
+        self.num_players, opening = _opening(
+            self.game_id, json.dumps(self.make_kwargs, sort_keys=True), num_players
+        )
+        unlisted = opening is not None and not listed_moves(opening)  # None: a reset that raises
+        if opponent == "random" and self.num_players > 1 and unlisted:
+            # a game that lists moves lists them from its first turn: without a list, a random move
+            # is most often invalid, and the policy would win by the opponent's forfeit
+            raise ConfigError(
+                f"opponent 'random' needs a game that lists its valid moves, and TextArena's "
+                f"{self.game_id} shows none; use opponent 'self' (self-play) or 'module:function' "
+                "(a player of your own, observation -> move)"
+            )
         self.game: Any = None
         self.task: dict[str, Any] = {}
 
@@ -143,9 +198,17 @@ class TextArenaEnv(PlayingEnv):
             moves += 1
         rewards, game_info = await in_thread(self.game.close)
         rewards = {int(k): float(v) for k, v in (rewards or {}).items()}
+        forfeits = [p for p, g in (game_info or {}).items() if p not in seats and g.get("invalid_move")]
+        if forfeits:
+            raise EnvironmentFailure(
+                f"the {self.opponent_spec} opponent (player {forfeits[0]}) lost {self.game_id} by an invalid "
+                "move: a win the policy did not earn, so the episode is not scored"
+            )
         mine = [rewards.get(s, 0.0) for s in sorted(seats)]
         info = {"game": self.game_id, "moves": moves, "rewards": {str(k): v for k, v in rewards.items()},
                 "seats": sorted(seats), "game_info": _jsonable(game_info)}
+        if self.opponent is not None or self.num_players == 1:  # in self-play the policy wins every game
+            info[SUCCESS_KEY] = all(rewards.get(s, 0.0) >= 1.0 for s in seats)  # TextArena's win is 1
         return Played(
             reward=sum(mine) / len(mine), sample_rewards=[rewards.get(p, 0.0) for p in owners], info=info
         )
