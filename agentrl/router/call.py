@@ -67,10 +67,12 @@ def completion_entry(
     *,
     adapter_version: int | None,
     eos_token_ids: set[int],
+    text_end: int | None = None,
 ) -> Completion:
     """One choice as captured: exact ids, behaviour logprobs, per-token versions, kept sets, routed
     experts. A stop on a token the engine names no stop string for is an end-of-sequence token:
-    it joins ``eos_token_ids`` (the renderers close a continued turn with it)."""
+    it joins ``eos_token_ids`` (the renderers close a continued turn with it). ``text_end``: where a
+    stop string cut the text shown (:attr:`Completion.text_end`)."""
     if len(lps) != len(ids) or (kept is not None and len(kept) != len(ids)):
         raise EngineError(f"engine {engine.name} returned {len(lps)} logprobs "
                           f"({'-' if kept is None else len(kept)} kept sets) for {len(ids)} tokens")
@@ -78,7 +80,7 @@ def completion_entry(
         eos_token_ids.add(ids[-1])
     versions = [adapter_version] * len(ids) if adapter_version is not None \
         else token_versions(weight_versions, len(ids))
-    return Completion(ids, lps, versions, finish_reason, message, kept, routing)
+    return Completion(ids, lps, versions, finish_reason, message, kept, routing, text_end)
 
 
 def record_call(prep: Prepared, comps: list[Completion], policy: str) -> CallRecord | None:

@@ -16,6 +16,12 @@ to drop its logprob with it. This module holds what makes the router's answer th
   per token, the U+FFFD correction from preceding sampled tokens that vLLM applies to
   byte-fallback pieces, ``max(logprob, -9999)``, UTF-8 ``bytes``, the generate route's top list
   in its order, cut to ``top_logprobs``).
+- :func:`cut_at_stop` and :class:`StopHold`: the text ends before the stop string the engine
+  stopped on. The engine stops on the token that completes a stop string, and the text derendered
+  from the ids holds the string and the rest of that token; the chat route (and Anthropic's
+  ``stop_sequences``) shows the text before it. A stream holds back text that could begin a stop
+  string until it is resolved, so nothing past the stop is ever sent. Where the visible text ended
+  is recorded with the call (``Completion.text_end``); the ids stay the whole tokens sampled.
 - :func:`tool_finish_reason`: ``"tool_calls"`` when the hermes parser found calls for an
   ``auto`` (or unset) tool choice, as vLLM's chat route reports it.
 - :func:`check_tools` and :func:`check_max_tokens`: the request checks where vLLM answers 400
@@ -90,6 +96,55 @@ def blank_text(out: dict[str, Any]) -> None:
             out[key]["content"] = ""
     if out.get("text") is not None:
         out["text"] = ""
+
+
+def stop_strings(gen_req: dict[str, Any]) -> list[str]:
+    """The stop strings of a generate request (its sampling params)."""
+    return [s for s in (gen_req.get("sampling_params") or {}).get("stop") or [] if s]
+
+
+def cut_at_stop(out: dict[str, Any], stop: int | str | None) -> int | None:
+    """Cut a derendered choice's visible text (chat message or completion text) before ``stop``, the
+    stop string the engine reports it stopped on; the visible text's length when it was cut, else None."""
+    if not isinstance(stop, str) or not stop:
+        return None
+    holder, key = (out["message"], "content") if isinstance(out.get("message"), dict) else (out, "text")
+    text = holder.get(key)
+    at = text.find(stop) if isinstance(text, str) else -1
+    if at < 0:
+        return None
+    holder[key] = text[:at]
+    return at
+
+
+class StopHold:
+    """A streamed choice's text with stop strings applied: :meth:`feed` returns the part that may be sent.
+
+    Text that could be the start of a stop string is held until the next text resolves it; text from
+    the first stop string on is never returned. ``text_end`` is the visible text's length once a stop
+    string cut it (None until then)."""
+
+    def __init__(self, stops: list[str]) -> None:
+        self.stops = stops
+        self.held = ""
+        self.sent = 0  # characters returned so far
+        self.text_end: int | None = None
+
+    def feed(self, text: str, final: bool) -> str:
+        if self.text_end is not None:
+            return ""
+        buf = self.held + text
+        cuts = [i for i in (buf.find(s) for s in self.stops) if i >= 0]
+        if cuts:
+            out, self.held = buf[: min(cuts)], ""
+            self.text_end = self.sent + len(out)
+        elif final:
+            out, self.held = buf, ""
+        else:
+            keep = max((n for s in self.stops for n in range(1, len(s)) if buf.endswith(s[:n])), default=0)
+            out, self.held = buf[: len(buf) - keep], buf[len(buf) - keep:]
+        self.sent += len(out)
+        return out
 
 
 def parses_tools(body: dict[str, Any]) -> bool:

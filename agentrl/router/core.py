@@ -44,6 +44,7 @@ from agentrl.router.chat_parity import (
     TokenText,
     blank_text,
     check_max_tokens,
+    cut_at_stop,
     shown_choice,
     skips_special,
     tool_finish_reason,
@@ -357,6 +358,7 @@ class Router:
                                                    strict=True):
             if blank:
                 blank_text(oc)
+            text_end = cut_at_stop(oc, ch.get("stop_reason"))
             ids = ch.get("token_ids") or []
             entries = (ch.get("logprobs") or {}).get("content") or []
             lps = [c["logprob"] for c in entries]
@@ -373,6 +375,7 @@ class Router:
                     ks,
                     routing,
                     adapter_version=prep.adapter_version,
+                    text_end=text_end,
                 )
             )
             if chat:
@@ -404,10 +407,11 @@ class Router:
                          weight_versions: list[dict[str, Any]] | None, finish_reason: str | None,
                          stop_reason: int | str | None, message: dict[str, Any],
                          kept: list[list[int]] | None = None, routing: dict[str, Any] | None = None,
-                         *, adapter_version: int | None = None) -> Completion:
+                         *, adapter_version: int | None = None, text_end: int | None = None) -> Completion:
         """One choice as captured (:func:`~agentrl.router.call.completion_entry`)."""
         return completion_entry(engine, ids, lps, weight_versions, finish_reason, stop_reason, message, kept,
-                                routing, adapter_version=adapter_version, eos_token_ids=self.eos_token_ids)
+                                routing, adapter_version=adapter_version, eos_token_ids=self.eos_token_ids,
+                                text_end=text_end)
 
     def record(self, prep: Prepared, comps: list[Completion]) -> CallRecord | None:
         """Count the call's tokens and, in a session, write its record (as the call completes)."""

@@ -88,6 +88,10 @@ class Completion:
     """MoE engines: the experts the engine routed this choice's computed positions through (prompt
     and generated tokens), as the engine hands them over (:func:`agentrl.engines.routing.decode_experts`
     reads it); None when not captured."""
+    text_end: int | None = None
+    """Where the text shown to the client ended when a stop string cut it: the shown text's length in
+    characters. The ids run on through the stop string and the rest of the token that completed it
+    (they are the tokens sampled); None when no stop string cut the text."""
 
 
 @dataclass

@@ -30,7 +30,7 @@ from typing import Any
 
 from agentrl.engines.pool import Engine
 from agentrl.router.call import Prepared
-from agentrl.router.chat_parity import skips_special, tool_finish_reason
+from agentrl.router.chat_parity import StopHold, skips_special, stop_strings, tool_finish_reason
 from agentrl.router.core import Router
 from agentrl.router.errors import RouterError
 from agentrl.router.stream_derender import EngineChoiceStream, LocalChoiceStream
@@ -51,6 +51,7 @@ class _Choice:
     unsent: list[int] = field(default_factory=list)  # ids of skipped chunks, sent with the next one
     lp_context: list[int] = field(default_factory=list)  # preceding sampled ids, for logprob token text
     kept: list[list[int]] = field(default_factory=list)  # kept sets (a recorded truncated call)
+    stops: StopHold | None = None  # the call's stop strings applied to the text sent
 
     def add_delta(self, delta: dict[str, Any]) -> None:
         if delta.get("content"):
@@ -97,6 +98,7 @@ class Stream:
         self._local = (prep.kind == "chat" and router.local is not None and prep.renderer is router.local
                        and not sp.get("stop") and not sp.get("stop_token_ids"))
         self._top = int(prep.body.get("top_logprobs") or 0)
+        self._stops = stop_strings(prep.gen_req)
 
     def _choice(self, index: int) -> _Choice:
         c = self.choices.get(index)
@@ -108,7 +110,7 @@ class Stream:
                     router.local.decode, prep.body, router.eos_token_ids, self._hidden)
             else:
                 d = EngineChoiceStream(router, prep, router.eos_token_ids, self._hidden)
-            c = self.choices[index] = _Choice(d)
+            c = self.choices[index] = _Choice(d, stops=StopHold(self._stops) if self._stops else None)
         return c
 
     async def events(self) -> AsyncIterator[dict[str, Any]]:
@@ -211,6 +213,11 @@ class Stream:
             delta = await c.derender.feed(ch)
         else:
             delta = await c.derender.feed(ch, event)
+        if c.stops is not None:
+            key = "content" if prep.kind == "chat" else "text"
+            shown = c.stops.feed(delta.pop(key, None) or "", final=finish is not None)
+            if shown:
+                delta[key] = shown
         if prep.kind != "chat":
             return self._completion_chunk(c, index, delta, finish)
         logprobs = None
@@ -258,7 +265,8 @@ class Stream:
             )
             comps.append(router.completion_entry(prep.engine, ids, lps, c.weight_versions,
                                                  c.finish_reason or "abort", c.stop_reason, message, kept,
-                                                 routings[i], adapter_version=prep.adapter_version))
+                                                 routings[i], adapter_version=prep.adapter_version,
+                                                 text_end=c.stops.text_end if c.stops else None))
         rec = router.record(prep, comps)
         self.record_index = rec.index if rec else None
 
