@@ -11,8 +11,17 @@ from pathlib import Path
 
 import pytest
 
+import agentrl
 from agentrl.rollout.config import EpisodeLimits
-from agentrl.rollout.evaluate import eval_tasks, evaluate, mean_interval, tally_by_env, wilson_interval
+from agentrl.rollout.episode import EpisodeResult
+from agentrl.rollout.evaluate import (
+    eval_tasks,
+    evaluate,
+    is_success,
+    mean_interval,
+    tally_by_env,
+    wilson_interval,
+)
 from tests.router_harness import serve_router
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -54,6 +63,57 @@ def test_a_mixs_evaluation_is_tallied_per_environment_too() -> None:
     assert a["success_rate"] == pytest.approx(2 / 3) and a["success_ci95"] == wilson_interval(2, 3)
     assert a["reward_mean"] == pytest.approx(2 / 3) and g["reward_ci95"] == (0.0, 0.0)
     assert tally_by_env([{"id": "a"}], [True], [1.0]) == {}  # one environment: no breakdown
+
+
+
+def ended(reward: float, **info: object) -> EpisodeResult:
+    return EpisodeResult("e", "g", "x", "t", reward=reward, terminated=True, info=dict(info))
+
+
+def test_partial_credit_is_no_success_where_the_environment_declares_success() -> None:
+    assert not is_success(ended(0.05, success=False))  # a well-formed wrong answer's partial credit
+    assert is_success(ended(1.0, success=True))
+    assert is_success(ended(0.0, success=True), success_reward=0.5)  # the declaration decides
+    assert is_success(ended(0.05)) and not is_success(ended(0.05), success_reward=0.1)  # nothing declared
+    cut = ended(1.0, success=True)
+    cut.truncated = True
+    assert not is_success(cut)
+
+
+@agentrl.environment("test_partial_credit")
+class PartialCredit(agentrl.Environment):
+    """One question; the right answer (its id) scores 1 and is a success, anything else 0.05 and
+    is not."""
+
+    def tasks(self, split: str = "train") -> list[dict[str, str]]:
+        return [{"id": str(i)} for i in range(4)]
+
+    async def reset(self, task: dict[str, str]) -> agentrl.Reset:
+        self.task = task
+        return agentrl.Reset(messages=[{"role": "user", "content": "Which task is this?"}])
+
+    async def step(self, message: dict[str, object]) -> agentrl.StepResult:
+        right = message.get("content") == self.task["id"]
+        return agentrl.StepResult(messages=[], reward=1.0 if right else 0.05, terminated=True,
+                                  info={"success": right})
+
+
+def test_eval_counts_declared_successes_and_reports_partial_credit_beside() -> None:
+    from tests.test_env_adapters import ScriptedClient
+
+    client = ScriptedClient(lambda body: "1")  # right on task 1 only
+    result = asyncio.run(evaluate("test_partial_credit", client, 4))
+    assert (result.successes, result.declared, result.failed) == (1, 4, 0)
+    assert [ep["success"] for ep in result.episodes] == [False, True, False, False]
+    assert result.reward_mean == pytest.approx((1.0 + 3 * 0.05) / 4)
+    assert "declared by the environment" in result.line()
+
+
+def test_a_reasoning_gym_answer_with_partial_credit_is_not_solved() -> None:
+    from tests.test_env_adapters import ScriptedClient
+
+    result = asyncio.run(evaluate("reasoning_gym:gsm_symbolic", ScriptedClient("<answer>7</answer>"), 3))
+    assert result.reward_mean > 0 and result.successes == 0 and result.declared == 3
 
 
 @pytest.mark.vllm

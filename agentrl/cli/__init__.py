@@ -236,7 +236,9 @@ def cmd_status(args: argparse.Namespace, extra: list[str]) -> int:
 def cmd_eval(args: argparse.Namespace, extra: list[str]) -> int:
     """Run an environment's held-out tasks through the built-in agent loop against an
     OpenAI-compatible endpoint (serve's router at URL/v1, vLLM, or any OpenAI API). Success: the
-    environment ended the episode with reward above --success-reward. The API key comes from
+    environment ended the episode and declared it a success (info["success"]: an exact answer, a won
+    game), or, where it declares nothing, with reward above --success-reward; the mean reward
+    (partial credit) is reported beside. The API key comes from
     --api-key-file, $AGENTRL_API_KEY or $OPENAI_API_KEY (never a command-line value)."""
     _no_settings("eval", extra)
     _setup_logging(args.verbose)
@@ -430,7 +432,8 @@ def parser() -> argparse.ArgumentParser:
                          "as the agent acts in training; 0: greedy)")
     ev.add_argument("--concurrency", type=int, default=EVAL.concurrency, help="episodes in flight")
     ev.add_argument("--success-reward", type=float, default=EVAL.success_reward,
-                    help="an episode succeeds above this reward")
+                    help="an episode succeeds above this reward, where its environment "
+                         "declares no success of its own")
     ev.add_argument("--out", help="JSON result file (default: runs/eval/ENV-SPLIT-TIME.json)")
     ev.set_defaults(fn=cmd_eval)
 

@@ -88,4 +88,4 @@ class EvalConfig:
     temperature: float = 1.0
     """sampling temperature of the evaluated agent (1.0: as it acts in training; 0: greedy)"""
     concurrency: int = 32  # evaluation episodes in flight
-    success_reward: float = 0.0  # an episode succeeds when its reward is above this
+    success_reward: float = 0.0  # an episode succeeds above this reward, where its env declares no success

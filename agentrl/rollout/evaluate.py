@@ -6,8 +6,11 @@ same code that produces training data, against any OpenAI-compatible endpoint: s
 training (no session is opened), so evaluation never feeds the buffer. An in-process
 :class:`~agentrl.router.core.Router` works too (``endpoint=router``).
 
-Success of an episode: the environment ended it (terminated, not truncated, no error) with a total
-reward above ``success_reward`` (default 0). The result carries a 95% Wilson score interval for
+Success of an episode: the environment ended it (terminated, not truncated, no error) and declared
+it a success (``info["success"]``, :data:`~agentrl.env.base.SUCCESS_KEY`: an exact answer, a won
+game); an environment that declares nothing is judged by its total reward, above
+``success_reward`` (default 0). Partial credit is never a success where the environment says what
+success is: the mean reward reports it beside. The result carries a 95% Wilson score interval for
 the success rate and a normal-approximation interval for the mean reward, so two evaluations
 (before and after training) can be compared honestly.
 """
@@ -25,7 +28,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from agentrl.env.base import MIX_TAG
+from agentrl.env.base import MIX_TAG, SUCCESS_KEY
 from agentrl.rollout.config import EpisodeLimits
 from agentrl.rollout.remote import OpenAIChat
 from agentrl.router.errors import RouterError
@@ -83,6 +86,7 @@ class EvalResult:
     turns_mean: float
     seconds: float
     temperature: float
+    declared: int = 0  # episodes whose environment declared their success; the others: reward > threshold
     episodes: list[dict[str, Any]] = field(default_factory=list)
     # a mix's tasks (each names its environment under ``mix_env``): the same figures per environment,
     # {name: {n, successes, success_rate, success_ci95, reward_mean, reward_ci95}}; empty otherwise
@@ -95,8 +99,10 @@ class EvalResult:
     def line(self) -> str:
         lo, hi = self.success_ci95
         rlo, rhi = self.reward_ci95
+        judged = {self.n: "declared by the environment", 0: "reward above the threshold"}.get(
+            self.declared, f"declared for {self.declared}, the rest by reward")
         out = (f"{self.env} [{self.split}] {self.n} tasks: success {self.success_rate:.1%} "
-               f"(95% CI {lo:.1%}-{hi:.1%}) | mean reward {self.reward_mean:.3f} (95% "
+               f"(95% CI {lo:.1%}-{hi:.1%}; {judged}) | mean reward {self.reward_mean:.3f} (95% "
                f"CI {rlo:.3f}-{rhi:.3f}) | failed {self.failed} truncated {self.truncated} "
                f"| mean turns {self.turns_mean:.2f} | {self.seconds:.1f} s")
         for name, e in self.by_env.items():
@@ -149,7 +155,12 @@ def eval_tasks(env_name: str, env_config: dict[str, Any], split: str, n: int) ->
 
 
 def is_success(ep: EpisodeResult, success_reward: float = 0.0) -> bool:
-    return ep.error is None and ep.terminated and not ep.truncated and ep.reward > success_reward
+    """Whether an episode succeeded: the environment's declared success where it declares one, else a
+    reward above ``success_reward``; an episode that failed or was cut short never succeeds."""
+    if ep.error is not None or not ep.terminated or ep.truncated:
+        return False
+    declared = ep.info.get(SUCCESS_KEY)
+    return bool(declared) if declared is not None else ep.reward > success_reward
 
 
 async def evaluate(env: str, endpoint: str | ChatClient, tasks: int | list[dict[str, Any]] = 100, *,
@@ -217,7 +228,8 @@ async def evaluate(env: str, endpoint: str | ChatClient, tasks: int | list[dict[
         **tally(wins, rewards), failed=len(errors),
         truncated=sum(bool(ep.truncated) for ep in episodes),
         turns_mean=sum(ep.turns for ep in episodes) / n if n else 0.0, seconds=time.monotonic() - t0,
-        temperature=limits.temperature, episodes=rows, by_env=tally_by_env(task_list, wins, rewards))
+        temperature=limits.temperature, declared=sum(SUCCESS_KEY in ep.info for ep in episodes),
+        episodes=rows, by_env=tally_by_env(task_list, wins, rewards))
 
 
 def write_result(result: EvalResult, path: str | Path) -> Path:

@@ -5,9 +5,11 @@ generated with ``seed``, the test split the one generated with ``seed + TEST_SEE
 train question that also appears among the test questions is skipped, so the splits never overlap.
 An episode is one turn: reasoning-gym's system prompt and the question; the reply is read with
 reasoning-gym's own parser (``extract_answer``: the last ``<answer>...</answer>``) and scored by the
-dataset's own ``score_answer``. ``reasoning_gym:mix`` is reasoning-gym's ``CompositeDataset``: several
-datasets sampled with weights (``datasets={"basic_arithmetic": 2, "chain_sum": {"weight": 1,
-"config": {...}}}``).
+dataset's own ``score_answer``: the reward is that score (partial credit, e.g. 0.05 for a
+well-formed wrong answer in some datasets), and ``info["success"]`` is the exact answer (score 1),
+what ``agentrl eval`` counts as solved. ``reasoning_gym:mix`` is reasoning-gym's
+``CompositeDataset``: several datasets sampled with weights (``datasets={"basic_arithmetic": 2,
+"chain_sum": {"weight": 1, "config": {...}}}``).
 
 Invariants: a task names its entry by split and index; scoring regenerates that entry from the
 (seeded, cached) dataset, so what is scored is the ecosystem's own record, not a JSON copy of it.
@@ -33,7 +35,7 @@ if TYPE_CHECKING:
 
 from agentrl.env.adapters import AdapterError
 from agentrl.env.adapters._bounded import in_thread
-from agentrl.env.base import Environment, Message, Reset, StepResult
+from agentrl.env.base import SUCCESS_KEY, Environment, Message, Reset, StepResult
 
 log = logging.getLogger(__name__)
 
@@ -124,7 +126,8 @@ class ReasoningGymEnv(Environment):
         answer = text.strip() if self.parse == "raw" else extract_answer(text)
         score = await self.score(self.task, answer)
         return StepResult(messages=[], reward=score, terminated=True,
-                          info={"answer": answer, "score": score, "dataset": self.task.get("dataset")})
+                          info={"answer": answer, "score": score, "dataset": self.task.get("dataset"),
+                                SUCCESS_KEY: score == 1.0})
 
     async def reward(self, task: dict[str, Any], answer: str) -> float:
         parsed = answer.strip() if self.parse == "raw" else extract_answer(answer)
