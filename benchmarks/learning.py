@@ -7,7 +7,11 @@ environment's ``test`` split through serve's router before the learner's first s
 last, at the training temperature, and writes the charts. Progress lines are passed through.
 Prints one JSON line at the end with ``success_before``, ``success_after``, their 95% Wilson
 intervals, ``wall_minutes`` (the whole ``agentrl run``: engine start, both evaluations, training)
-and ``model``.
+and ``model``. Success is the environment's declared success where it declares one (reasoning-gym:
+the exact answer, score 1), else a reward above 0 (``success_measure`` says which); beside it,
+``partial_credit_before``/``_after`` is the share of episodes with any reward at all (for reasoning-gym
+the right number anywhere in the reply: the measure these figures used before #41) and
+``reward_before``/``_after`` the mean reward.
 
     python benchmarks/learning.py [--tasks 200] [--run-dir runs/learning] [--env NAME] [--model NAME]
                                   [--lora RANK] [--config FILE] [-- extra agentrl run overrides]
@@ -76,7 +80,23 @@ def main() -> None:
         "charts": summary.get("charts", ""), "load_avg": round(os.getloadavg()[0], 2),
         "lora_rank": config.get("engine", {}).get("lora_rank", 0),
     }
+    result.update(partial_credit(run_dir))
     print(json.dumps(result), flush=True)
+
+
+def partial_credit(run_dir: Path) -> dict[str, object]:
+    """The share of evaluation episodes with any reward, before and after, and how success was judged
+    (from ``agentrl run``'s ``eval_before.json`` and ``eval_after.json``)."""
+    out: dict[str, object] = {}
+    for label in ("before", "after"):
+        ev = json.loads((run_dir / f"eval_{label}.json").read_text())
+        credited = sum(e["error"] is None and e["terminated"] and e["reward"] > 0 for e in ev["episodes"])
+        out[f"partial_credit_{label}"] = round(credited / max(1, ev["n"]), 4)
+        out["success_measure"] = (
+            "declared" if ev["declared"] == ev["n"] else "reward > success_reward" if not ev["declared"]
+            else f"declared for {ev['declared']} of {ev['n']} episodes, else reward > success_reward"
+        )
+    return out
 
 
 if __name__ == "__main__":
