@@ -321,6 +321,54 @@ def test_verifiers_scores_with_its_weighted_rubric_over_one_and_two_turns() -> N
     assert wrong.reward == 0.0 and wrong.terminated
 
 
+
+PORT_FILE_CHECK = """
+import asyncio, importlib.util, os, sys, tempfile
+spec = importlib.util.spec_from_file_location("_verifiers_worker", sys.argv[1])
+_verifiers_worker = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(_verifiers_worker)
+from verifiers.v1.mcp import launch
+
+class Local:
+    type = "subprocess"
+    async def read(self, path):
+        with open(path, "rb") as f:
+            return f.read()
+
+class Broken(Local):
+    async def read(self, path):
+        raise asyncio.CancelledError
+
+_verifiers_worker._port_files_removed()
+fd, path = tempfile.mkstemp(prefix="vf-port-")
+os.write(fd, b"4321"); os.close(fd)
+assert asyncio.run(launch._read_back_port(Local(), path)) == 4321 and not os.path.exists(path)
+fd, path = tempfile.mkstemp(prefix="vf-port-")
+os.close(fd)
+try:
+    asyncio.run(launch._read_back_port(Broken(), path))
+except asyncio.CancelledError:
+    pass
+assert not os.path.exists(path)
+print("removed")
+"""
+
+
+def test_verifiers_tool_servers_port_files_are_removed_once_read() -> None:
+    """verifiers' launcher leaves the /tmp/vf-port-* file a local tool server reports its port in;
+    the worker removes it once read, and when the read is cancelled."""
+    import subprocess
+
+    from agentrl.env.adapters.verifiers import WORKER, interpreter
+
+    python = interpreter()
+    if python is None:
+        pytest.skip("no Python with verifiers (.venv-verifiers)")
+    out = subprocess.run([python, "-P", "-c", PORT_FILE_CHECK, str(WORKER)], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0 and out.stdout.strip() == "removed", out.stderr[-2000:]
+
+
 # -- Harbor ------------------------------------------------------------------------------------------
 
 @pytest.mark.docker

@@ -239,8 +239,10 @@ def test_the_tools_envs_show_gives_are_those_verifiers_agent_offers_the_model(
     client = ScriptedClient(lambda body: {"role": "assistant", "content": "", "tool_calls": [call]}
                             if len(body["messages"]) == 1 else "FIR FIR")
     limits = EpisodeLimits(episode_timeout_s=600)
+    port_files = set(Path("/tmp").glob("vf-port-*"))
     ep = asyncio.run(run_episode(client, name, task, group_id="g", limits=limits))
     assert ep.error is None and ep.reward == 1.0 and ep.info["tools"] == 1, ep.error
+    assert set(Path("/tmp").glob("vf-port-*")) <= port_files  # the tool server's port file is gone
     assert [b["tools"] for b in client.bodies] == [shown, shown]  # verifiers' agent offered exactly these
     assert client.bodies[1]["messages"][-1]["content"] == "FIR FIR"  # and ran the tool it was called with
 

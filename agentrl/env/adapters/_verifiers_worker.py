@@ -13,10 +13,12 @@ agentrl) and speaks JSON lines on stdin/stdout:
   scored by the task's own weighted ``@vf.reward`` functions;
 - ``{"id", "op": "cancel", "target": id}`` cancels a rollout (the episode's wall clock ran out).
 
-Requests run concurrently. One change to verifiers' machinery, and why: harness programs are
+Requests run concurrently. Two changes to verifiers' machinery, and why: harness programs are
 normally provisioned by ``uv`` from a package index at run time; here a harness script runs with
 this interpreter, which already has the chat program's dependencies (they are verifiers' own), so
-nothing is installed while episodes run.
+nothing is installed while episodes run. And a tool server started on this machine reports its port
+in ``/tmp/vf-port-<hex>``, which verifiers never removes (one file per tool episode): it is removed
+once read.
 """
 
 from __future__ import annotations
@@ -48,6 +50,22 @@ def _offline_scripts() -> None:
         return [sys.executable, str(path)]
 
     Runtime.prepare_uv_script = prepare_uv_script  # type: ignore[method-assign]
+
+
+def _port_files_removed() -> None:
+    from verifiers.v1.mcp import launch
+
+    read_back = launch._read_back_port
+
+    async def read_back_port(runtime: Any, path: str) -> int:
+        try:
+            return await read_back(runtime, path)
+        finally:  # read, failed or cancelled: the file is no use any more
+            if runtime.type == "subprocess":  # a sandbox's files go with the sandbox
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
+
+    launch._read_back_port = read_back_port  # serve_in_runtime looks it up by name at each call
 
 
 def resolve(spec: dict[str, Any]) -> Any:
@@ -169,6 +187,7 @@ class Worker:
 
     async def main(self) -> None:
         _offline_scripts()
+        _port_files_removed()
         loop = asyncio.get_running_loop()
         reader = asyncio.StreamReader(limit=64 << 20)
         await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
