@@ -72,6 +72,8 @@ def test_a_stop_sequence_that_ends_inside_a_token_cuts_the_messages_text_before_
         assert comp["token_ids"] == ids
         assert comp["finish_reason"] == "stop" and comp["text_end"] == len(shown)
     assert rec["completions"][0]["text_end"] is None
+    first_sample, *cut = http_router.router.sessions["stop-m"].samples()  # a sample per call
+    assert "text_end" not in first_sample.info and {s.info.get("text_end") for s in cut} == {len(shown)}
 
 
 @pytest.mark.vllm

@@ -209,7 +209,8 @@ class Session:
         what the buffer stores as they are. The episode's fields are the episode's to fill (the
         agent loop replaces them): here ``episode_id`` is the session id, ``group_id`` and ``env``
         come from the session's meta, the reward is 0, and ``info`` holds ``calls`` (the chain of
-        call indexes) and the leaf's ``finish_reason``. ``behaviour`` holds each call's sampling
+        call indexes), the leaf's ``finish_reason`` and, where a stop string cut the text shown of
+        the leaf's reply, ``text_end`` (:attr:`Completion.text_end`). ``behaviour`` holds each call's sampling
         settings over its tokens and the kept sets of truncated calls (None when no call of the
         chain recorded its settings).
         """
@@ -261,6 +262,7 @@ class Session:
                             "calls": chain[::-1],
                             "finish_reason": comp.finish_reason,
                             **({POLICY_KEY: leaf.policy} if leaf.policy else {}),
+                            **({"text_end": comp.text_end} if comp.text_end is not None else {}),
                         },
                         behaviour=behaviour,
                         routing=chain_routing(n, routings[::-1], last_versions[::-1]),
