@@ -109,3 +109,23 @@ def test_a_derendered_choice_is_cut_before_the_stop_string_the_engine_stopped_on
     text = {"text": "one two"}
     assert cut_at_stop(text, 7) is None and cut_at_stop(text, None) is None and text["text"] == "one two"
     assert cut_at_stop(text, "e t") == 2 and text["text"] == "on"
+
+
+@pytest.mark.vllm
+def test_a_text_completion_stop_string_that_ends_inside_a_token_cuts_the_text_before_it(
+    http_router, tiny_tools_model
+):
+    c = openai.OpenAI(base_url=http_router.open_session("stop-t", ADMIN) + "/v1", api_key="unused",
+                      max_retries=0, timeout=120)
+    prompt = f"<|im_start|>system\n{SYSTEM}<|im_end|>\n<|im_start|>user\n{ASK[0]['content']}<|im_end|>\n" \
+             "<|im_start|>assistant\n"
+    kw = {"model": "tiny-tools", "prompt": prompt, "max_tokens": 40, "temperature": 0}
+    c.completions.create(**kw)
+    (rec,) = http_router.records("stop-t")
+    shown, stop, ids = _stop_inside_a_token(tiny_tools_model, rec["completions"][0]["token_ids"])
+
+    assert c.completions.create(**kw, stop=[stop]).choices[0].text == shown
+    chunks = list(c.completions.create(**kw, stop=[stop], stream=True))
+    assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == shown
+    for r in http_router.records("stop-t")[1:]:
+        assert r["completions"][0]["token_ids"] == ids and r["completions"][0]["text_end"] == len(shown)
