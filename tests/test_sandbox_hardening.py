@@ -21,7 +21,7 @@ import pytest
 
 from agentrl.sandbox import SandboxError, SandboxPool
 from agentrl.sandbox.handle import Sandbox
-from tests.test_sandbox import BACKENDS, config, needs_bwrap, run
+from tests.test_sandbox import BACKENDS, config, host_is_healthy, needs_bwrap, run
 
 PRELUDE = "import ctypes, os, sys, time\nlibc = ctypes.CDLL(None, use_errno=True)\n"
 
@@ -332,6 +332,27 @@ def test_a_timed_out_commands_detached_descendants_are_killed(backend: str) -> N
 
 
 HOG = "chunks = []\nwhile True:\n    chunks.append(b'x' * (16 << 20))\n"
+
+
+FILL = "for d in /work /tmp /dev/shm; do dd if=/dev/zero of=$d/fill bs=1M count=1024 2>&1; done"
+
+
+def test_filling_every_writable_mount_ends_in_enospc_and_the_agent_lives(backend: str) -> None:
+    """/work, /tmp and /dev/shm filled together, at the default sizes and memory limit: each write
+    ends with ENOSPC (the mounts leave the agent its reserve), the agent answers, and a command that
+    then asks for memory is the one OOM-killed, reported as such: the tool's failure, not the box's."""
+    async def body() -> None:
+        async with pool_of(backend, memory_mb=512) as pool, pool.acquire() as sb:
+            r = await sb.exec(FILL, timeout=60)
+            assert r.stdout.count("No space left on device") == 3, r
+            sizes = await sb.exec("du -sm /work/fill /tmp/fill /dev/shm/fill")
+            assert sum(int(line.split()[0]) for line in sizes.stdout.splitlines()) >= 400, sizes
+            assert (await sb.exec("echo alive")).stdout == "alive\n"
+            r = await sb.exec(["python3", "-c", HOG], timeout=60)
+            assert r.oom_killed and r.exit_code == 137 and not r.timed_out, r
+            assert (await sb.exec("echo alive")).stdout == "alive\n"
+    run(body())
+    assert host_is_healthy()
 
 
 def test_an_oom_kill_of_a_child_under_sh_is_reported(backend: str) -> None:

@@ -42,7 +42,6 @@ log = logging.getLogger(__name__)
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 V1_CONTROLLERS = ("memory", "pids", "cpu")
-SHM_BYTES = 64 * 2**20  # /dev/shm, as Docker's ShmSize
 
 
 class Cgroups:
@@ -214,7 +213,7 @@ class BubblewrapBackend(SandboxBackend):
 
     def _argv(self, oom_file: Path | None) -> list[str]:
         cfg = self.cfg
-        size = str(cfg.work_size_mb * 2**20)
+        size = {path: str(mb * 2**20) for path, mb in cfg.mount_sizes_mb().items()}
         uid, gid = _user_ids(cfg.user)
         argv = [cfg.bwrap_path, "--unshare-all", "--unshare-user", "--disable-userns", "--as-pid-1",
                 "--die-with-parent", "--new-session", "--cap-drop", "ALL",
@@ -231,9 +230,10 @@ class BubblewrapBackend(SandboxBackend):
         # A sysctl file shows the namespaces of whoever reads it, whichever proc mount it is
         # reached through, so binding the host's /proc/sys read-only over ours shows the same values.
         argv += ["--proc", "/proc", "--ro-bind", "/proc/sys", "/proc/sys",
-                 "--dev", "/dev", "--size", str(SHM_BYTES), "--tmpfs", "/dev/shm", "--mqueue", "/dev/mqueue",
+                 "--dev", "/dev", "--size", size["/dev/shm"], "--tmpfs", "/dev/shm",
+                 "--mqueue", "/dev/mqueue",
                  "--remount-ro", "/dev",  # not recursive: /dev/shm, /dev/mqueue and the device nodes stay
-                 "--size", size, "--tmpfs", "/work", "--size", size, "--tmpfs", "/tmp",
+                 "--size", size["/work"], "--tmpfs", "/work", "--size", size["/tmp"], "--tmpfs", "/tmp",
                  "--chdir", "/work", "--clearenv",
                  "--setenv", "PATH", "/usr/local/bin:/usr/bin:/bin", "--setenv", "HOME", "/work",
                  "--setenv", "LANG", "C.UTF-8", "--setenv", "PYTHONDONTWRITEBYTECODE", "1"]

@@ -61,7 +61,7 @@ class DockerBackend(SandboxBackend):
         cfg = self.cfg
         mem = cfg.memory_mb * 2**20
         # (Docker 20.10 drops `mode` when nosuid/nodev are listed; it adds them by itself.)
-        tmpfs = f"rw,exec,size={cfg.work_size_mb}m,mode=1777"
+        mounts = cfg.mount_sizes_mb()
         return {
             "Image": cfg.image,
             "Cmd": ["python3", "-u", "-I", "-c", execd_source()],
@@ -79,7 +79,7 @@ class DockerBackend(SandboxBackend):
                 "ReadonlyRootfs": True,
                 # The engine's default, stated so that it cannot silently go: no sysctl is writable.
                 "ReadonlyPaths": list(READONLY_PROC_PATHS),
-                "Tmpfs": {"/work": tmpfs, "/tmp": tmpfs},
+                "Tmpfs": {path: f"rw,exec,size={mounts[path]}m,mode=1777" for path in ("/work", "/tmp")},
                 "Memory": mem, "MemorySwap": mem,
                 "NanoCpus": int(cfg.cpus * 1e9),
                 "PidsLimit": cfg.pids,
@@ -88,7 +88,7 @@ class DockerBackend(SandboxBackend):
                 "Init": False,  # the agent is pid 1 (see the module docstring)
                 "AutoRemove": True,
                 "IpcMode": "private",
-                "ShmSize": 64 * 2**20,
+                "ShmSize": mounts["/dev/shm"] * 2**20,
                 "LogConfig": {"Type": "none", "Config": {}},
                 "Ulimits": [{"Name": "nofile", "Soft": 4096, "Hard": 4096}],
             },

@@ -14,6 +14,12 @@ from agentrl.errors import AgentrlError
 
 Backend = Literal["docker", "bubblewrap", "auto"]
 
+SHM_MB = 64  # /dev/shm, as Docker's default ShmSize
+# Memory the writable mounts never take: the exec agent (python3, about 15 MB) and what its commands
+# need to run. tmpfs pages count against the memory limit and no OOM kill frees them, so mounts that
+# could fill the whole limit would leave the agent itself to the OOM killer once they are full.
+AGENT_RESERVE_MB = 64
+
 
 @dataclass
 class SandboxConfig:
@@ -40,7 +46,8 @@ class SandboxConfig:
     exec_timeout_s: float = 30.0
     """Default timeout of `Sandbox.exec`; the command's whole process tree is killed at it."""
     work_size_mb: int = 256
-    """Size of the writable /work (and of /tmp) tmpfs."""
+    """Size of the writable /work (and of /tmp) tmpfs; with /dev/shm they are scaled down together
+    where they would not leave 64 MB of ``memory_mb`` to the exec agent (:meth:`mount_sizes_mb`)."""
     max_output_bytes: int = 1 << 20
     """Stdout and stderr of one command are each truncated to this many bytes."""
     max_reuses: int = 50
@@ -75,8 +82,21 @@ class SandboxConfig:
             raise ValueError("sandbox.warm and sandbox.max_reuses must be >= 0")
         if self.cpus <= 0 or self.exec_timeout_s <= 0:
             raise ValueError("sandbox.cpus and sandbox.exec_timeout_s must be positive")
-        if self.memory_mb < 32:
-            raise ValueError(f"sandbox.memory_mb={self.memory_mb} is too small for python3; use at least 32")
+        if self.memory_mb < AGENT_RESERVE_MB + 32:
+            raise ValueError(f"sandbox.memory_mb={self.memory_mb} is too small: the exec agent keeps "
+                             f"{AGENT_RESERVE_MB} MB out of the writable mounts; use at least "
+                             f"{AGENT_RESERVE_MB + 32}")
+
+    def mount_sizes_mb(self) -> dict[str, int]:
+        """The sizes of the writable tmpfs mounts (/work, /tmp, /dev/shm), in MB: ``work_size_mb``
+        for /work and /tmp and 64 for /dev/shm, scaled down together where they would leave less
+        than the agent's reserve of ``memory_mb`` (so a command filling all three gets ENOSPC and
+        the agent lives; with the defaults, 512 MB: 199 + 199 + 49)."""
+        want = {"/work": self.work_size_mb, "/tmp": self.work_size_mb, "/dev/shm": SHM_MB}
+        budget, total = self.memory_mb - AGENT_RESERVE_MB, sum(want.values())
+        if total <= budget:
+            return want
+        return {path: max(1, mb * budget // total) for path, mb in want.items()}
 
     def resolved_docker_host(self) -> str:
         return self.docker_host or os.environ.get("DOCKER_HOST") or "unix:///var/run/docker.sock"
