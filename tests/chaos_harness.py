@@ -1,25 +1,30 @@
-"""Chaos on a real run: kill -9 the engine, the learner and serve at random moments, then audit.
+"""Chaos on a real run: kill -9 the engine, serve and the learner, and stall the engine, at random
+moments; then audit every sample by id.
 
 A real run on this machine: ``agentrl serve`` (its vLLM engine, Docker sandboxes, the buffer) and
 ``agentrl learn --resume`` as two processes. :class:`Run` is their process supervisor (what systemd,
 Kubernetes or the compose file's restart policy is in production): it restarts serve or the learner
-whenever one has died; the engine is relaunched by serve itself. A kill counts as recovered once the
-learner has finished a step after it; its recovery time runs from the kill to that step.
+whenever one has died; the engine is relaunched by serve itself, also when it stalls (SIGSTOP of its
+engine core: alive, no progress; serve runs with ``engine.stall_s`` 10 s).
 
-A round (:func:`play`) kills one process once the run is steady (a learner step since the last
-round), then, while the run recovers from that, kills the restarted learner ``learner_kills`` more
-times at random moments: every kill is a trial, and a round ends with the first step after its last
-kill. The CI test (``tests/test_chaos.py``) plays its trials in such rounds so that outages overlap;
-``benchmarks/chaos.py`` plays one kill per round and more of them.
+A round (:func:`play`) is a sequence of faults. Its first comes once the run is steady (a learner
+step since the last round), at a random moment; each next one comes, at a random moment, while the
+run recovers from the ones before: serve killed while it relaunches a stalled engine, the engine
+killed while serve starts it, the learner killed while both come back. Every fault is a trial; a
+round is recovered from once the engine is up again and the learner has finished a step, and that
+time counts for each of its trials. ``ROUNDS`` gives each kind the same number of trials.
 
-The audit (:func:`audit`), once everything is stopped:
+The audit (:func:`audit`), once everything is stopped, follows every sample id (the buffer's log
+has each put, ack and drop; ``episodes.jsonl`` has the ids of each episode serve acknowledged):
 
-- ``identity``: the buffer, recovered from its log, satisfies produced = consumed + dropped + pending;
-- ``lost_samples``: samples of episodes whose put serve acknowledged (their ``episodes.jsonl``
-  line) that the buffer does not have;
-- ``double_trained``: sample ids acknowledged by the learner in more than one batch;
-- ``skipped_tasks``: task indices below the rollout's cursor with no episode (tasks of groups still
-  open in the frontier at the end are left out: they resume on the next start);
+- ``identity``: the recovered buffer's counters satisfy produced = consumed + dropped + pending;
+- ``unaccounted``: produced ids that are neither consumed, dropped for a named reason, nor pending
+  (and ids whose recovered state disagrees with the log);
+- ``lost_samples``: ids of acknowledged episodes that the buffer never took;
+- ``double_trained``: ids acknowledged in more than one batch (an acknowledged id served again
+  and trained is acknowledged again), or batches trained at two learner steps;
+- ``skipped_tasks``: task indices below the rollout's cursor without their full group of episodes
+  and without a named reason (their group still open at the end: it resumes on the next start);
 - ``orphans`` (:func:`orphans`): processes of the run (engines, reapers, serve, learner) or its
   sandbox containers left after the final stop.
 """
@@ -33,16 +38,23 @@ import signal
 import subprocess
 import sys
 import time
-from collections import Counter
+from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import psutil
 
 from agentrl.client import get_json
 from agentrl.engines.reaper import stop_process
 from tests.conftest import free_port
 
-KINDS = ("engine", "learner", "serve")
+KINDS = ("engine", "serve", "learner", "stall")
+# Five rounds of one fault of each kind: 20 trials, five of each. A stall opens each round (it needs
+# an engine with calls in flight); the order of the engine and serve kills that follow alternates.
+ROUNDS = [["stall", "serve", "engine", "learner"], ["stall", "engine", "serve", "learner"]] * 2 + [
+    ["stall", "serve", "engine", "learner"]]
+GROUP_SIZE = 2
 
 
 class Run:
@@ -58,9 +70,10 @@ class Run:
             f"--router.port={self.port}",
             f"--engine.base_port={self.engine_port}",
             f"--env.name={env}",
-            "--env.group_size=2",
+            f"--env.group_size={GROUP_SIZE}",
             "--buffer.batch_size=4",
             "--engine.restart_backoff_s=1",
+            "--engine.stall_s=10",
             *serve_settings,
         ]
         self.learn_args = [
@@ -112,15 +125,24 @@ class Run:
         pids = running_pids(f"vllm.entrypoints.openai.api_server.*--port {self.engine_port}")
         return pids[0] if pids else None
 
-    def engine_restarts(self) -> int:
-        """How often serve has relaunched its engine (-1 while serve does not answer or the engine is
-        not up)."""
+    def engine_core_pid(self) -> int | None:
+        """The engine core process under the engine's API server (the one that steps the model)."""
+        api = self.engine_pid()
+        try:
+            cores = [p.pid for p in psutil.Process(api).children(recursive=True)
+                     if "EngineCore" in p.name() + " ".join(p.cmdline())] if api else []
+        except psutil.Error:  # it went away while we looked
+            return None
+        return cores[0] if cores else None
+
+    def engine_up(self) -> bool:
+        """serve answers and its engine is up."""
         try:
             status, body = get_json(f"{self.url}/admin/status", self.token(), timeout_s=10.0)
         except (OSError, ValueError):  # the token file not written yet, or a body cut short
-            return -1
+            return False
         engines = body.get("engines") or [{}]
-        return int(engines[0].get("restarts", 0)) if status == 200 and engines[0].get("state") == "up" else -1
+        return status == 200 and engines[0].get("state") == "up"
 
     def wait(self, until: Any, timeout_s: float) -> bool:
         """Supervise until ``until()`` holds; False after ``timeout_s``."""
@@ -139,15 +161,20 @@ class Run:
         return {"learner": self.learner, "serve": self.serve}.get(kind)
 
     def target(self, kind: str) -> int | None:
+        if kind == "engine":
+            return self.engine_pid()
+        if kind == "stall":
+            return self.engine_core_pid()
         proc = self._proc(kind)
-        return self.engine_pid() if kind == "engine" else proc.pid if proc and proc.poll() is None else None
+        return proc.pid if proc and proc.poll() is None else None
 
-    def kill(self, kind: str) -> int | None:
-        """kill -9 the ``kind`` process, if it runs, and reap it (so :meth:`supervise` sees it gone)."""
+    def fault(self, kind: str) -> int | None:
+        """kill -9 the ``kind`` process (SIGSTOP the engine core for a stall), if it runs, and reap
+        a killed child (so :meth:`supervise` sees it gone)."""
         pid = self.target(kind)
         if pid is not None:
             try:
-                os.kill(pid, signal.SIGKILL)
+                os.kill(pid, signal.SIGSTOP if kind == "stall" else signal.SIGKILL)
             except ProcessLookupError:
                 pass
             proc = self._proc(kind)
@@ -176,63 +203,115 @@ def running_pids(pattern: str) -> list[int]:
     return pids
 
 
+def gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
 @dataclass
 class Trials:
-    """What the kills of a chaos run gave: recovery seconds per kind, and kills never recovered."""
+    """What the faults of a chaos run gave: recovery seconds per kind, and faults never recovered."""
 
     recovery_s: dict[str, list[float]] = field(default_factory=lambda: {k: [] for k in KINDS})
-    failed: int = 0
+    failed: Counter[str] = field(default_factory=Counter)
     log: list[str] = field(default_factory=list)
 
     @property
+    def by_kind(self) -> dict[str, int]:
+        return {k: len(self.recovery_s[k]) + self.failed[k] for k in KINDS}
+
+    @property
     def trials(self) -> int:
-        return sum(len(v) for v in self.recovery_s.values()) + self.failed
+        return sum(self.by_kind.values())
 
 
-def play(run: Run, kind: str, rng: random.Random, trials: Trials, *, learner_kills: int = 0,
-         timeout_s: float = 600.0, t0: float = 0.0) -> None:
-    """One round: once the run is steady, kill -9 ``kind``; while it recovers, kill the learner
-    ``learner_kills`` more times at random moments (each as soon as it runs again, after 0-6 s);
-    then wait for a learner step. Every kill is a trial of ``trials``."""
+def play(run: Run, faults: list[str], rng: random.Random, trials: Trials, *, timeout_s: float = 600.0,
+         t0: float = 0.0) -> None:
+    """One round: once the run is steady, the first of ``faults``; each next one at a random moment
+    (0-6 s) once its target runs again (an engine serve has launched since the last engine fault,
+    a restarted serve or learner); then wait for the engine to be up and a learner step. A stall
+    counts as seen once serve has killed the stopped engine; the next fault waits for that."""
+    assert "stall" not in faults[1:], "a stall needs an engine with calls in flight: it opens a round"
     run.wait_step_after(run.steps(), timeout_s)  # steady: one more step first
     time.sleep(rng.uniform(0.0, 8.0))  # a random moment within a step
+    done_engines: set[int] = set()  # API servers stalled or killed (or dying with serve) this round
     kills: list[tuple[str, float]] = []
-    restarts = run.engine_restarts()
-    for i, what in enumerate([kind] + ["learner"] * learner_kills):
+    for i, kind in enumerate(faults):
         if i:
-            run.wait(lambda: run.target("learner") is not None, timeout_s)
+            if kind == "engine":
+                run.wait(lambda: run.engine_pid() not in done_engines | {None}, timeout_s)
+            else:
+                run.wait(lambda k=kind: run.target(k) is not None, timeout_s)
             time.sleep(rng.uniform(0.0, 6.0))
-        killed = time.monotonic()
-        pid = run.kill(what)
-        kills.append((what, killed))
-        trials.log.append(f"[{killed - t0:6.0f}s] kill -9 {what} (pid {pid})")
+        api = run.engine_pid()
+        at = time.monotonic()
+        pid = run.fault(kind)
+        kills.append((kind, at))
+        trials.log.append(f"[{at - t0:6.0f}s] {'SIGSTOP engine core' if kind == 'stall' else 'kill -9'} "
+                          f"{'' if kind == 'stall' else kind} (pid {pid})")
         print(trials.log[-1], flush=True)
-    if kind == "engine":  # recovered once serve relaunched it and it is back in the pool
-        run.wait(lambda: run.engine_restarts() > restarts, timeout_s)
-    steps = run.steps()
-    ok = run.wait_step_after(steps, timeout_s)
+        if kind in ("stall", "engine", "serve") and api is not None:
+            done_engines.add(api)
+        if kind == "stall" and pid is not None:  # seen: serve killed the stopped engine
+            seen = run.wait(lambda p=pid: gone(p), timeout_s)
+            trials.log.append(f"[{time.monotonic() - t0:6.0f}s]   stall {'seen' if seen else 'NOT seen'}")
+            print(trials.log[-1], flush=True)
+    ok = run.wait(lambda: run.engine_pid() not in done_engines | {None} and run.engine_up(), timeout_s)
+    ok = ok and run.wait_step_after(run.steps(), timeout_s)
     done = time.monotonic()
-    for what, killed in kills:
+    for kind, at in kills:
         if ok:
-            trials.recovery_s[what].append(done - killed)
+            trials.recovery_s[kind].append(done - at)
         else:
-            trials.failed += 1
-    print(f"  {'recovered' if ok else 'NOT recovered'}: a learner step {done - kills[0][1]:.1f} s after the "
-          f"round's first kill", flush=True)
+            trials.failed[kind] += 1
+    print(f"  {'recovered' if ok else 'NOT recovered'}: engine up and a learner step "
+          f"{done - kills[0][1]:.1f} s after the round's first fault", flush=True)
 
 
 def audit(run: Run) -> dict[str, Any]:
+    """Follow every sample id through the buffer's log, its recovered state, the episode log and
+    the learner's steps (see the module doc)."""
     from agentrl.buffer import Buffer, BufferConfig
-    from agentrl.buffer.log import Kind, ScanReport, scan
+    from agentrl.buffer.journal import Acked, Dropped, Put, decode_record
+    from agentrl.buffer.log import ScanReport, scan
 
-    acked: Counter[str] = Counter()
+    produced: dict[str, str] = {}  # sample id -> its episode id
+    batches: set[str] = set()  # acknowledged batches
+    acked_in: dict[str, list[str]] = defaultdict(list)  # sample id -> the batches that acked it
+    dropped: dict[str, str] = {}  # sample id -> reason
     for kind, payload in scan(run.run_dir / "buffer" / "buffer.log", ScanReport()):
-        if kind == Kind.ACK:
-            acked.update(json.loads(payload)["sample_ids"])
-    buf = Buffer(BufferConfig(path=str(run.run_dir / "buffer"), group_size=2, batch_size=4))
+        rec = decode_record(kind, payload)
+        if isinstance(rec, Put):
+            produced[rec.entry.sample_id] = rec.entry.episode_id
+        elif isinstance(rec, Acked) and rec.batch_id not in batches:  # an ack is idempotent
+            batches.add(rec.batch_id)
+            for sid in rec.sample_ids:
+                acked_in[sid].append(rec.batch_id)
+        elif isinstance(rec, Dropped):
+            for sid in rec.sample_ids:
+                dropped[sid] = rec.reason
+    buf = Buffer(BufferConfig(path=str(run.run_dir / "buffer"), group_size=GROUP_SIZE, batch_size=4))
     stats = buf.stats()
+    unaccounted = []
+    for sid in produced:
+        state = buf.sample_state(sid)
+        expected = ("consumed" if sid in acked_in else f"dropped:{dropped[sid]}" if sid in dropped
+                    else None)
+        if state is None or (expected is None and state not in ("pending", "leased")) or (
+                expected is not None and state != expected):
+            unaccounted.append((sid, state, expected))
+    buf.close()
+
     lines = [json.loads(x) for x in (run.run_dir / "episodes.jsonl").read_text().splitlines()]
-    logged = sum(line.get("num_samples", 0) for line in lines)
+    lost = [sid for line in lines for sid in line.get("sample_ids", []) if sid not in produced]
+    double = [sid for sid, b in acked_in.items() if len(b) > 1]
+    # a batch trained at two of the learner's steps
+    steps = [json.loads(x) for x in (run.run_dir / "learner.jsonl").read_text().splitlines()]
+    trained_at = Counter(s["batch_id"] for s in steps)
+    double += [b for b, n in trained_at.items() if n > 1]
+
     cursor, open_groups = 0, {}  # a line per group start and one per end: open ones have no end
     frontier = run.run_dir / "rollout_frontier.jsonl"
     for x in frontier.read_text().splitlines() if frontier.exists() else []:
@@ -242,14 +321,24 @@ def audit(run: Run) -> dict[str, Any]:
             open_groups[rec["start"]] = rec["index"]
         elif "end" in rec:
             open_groups.pop(rec["end"], None)
-    seen = {int(str(line["task_id"]).rsplit("-", 1)[-1]) for line in lines}
-    skipped = sorted(set(range(cursor)) - seen - set(open_groups.values()))
-    buf.close()
+    # a task's episodes: those logged, and those whose samples the buffer took (a kill can fall
+    # between the put and the log line)
+    task_of_episode = {line["episode_id"]: line["task_id"] for line in lines}
+    for line in lines:
+        for sid in line.get("sample_ids", []):
+            task_of_episode.setdefault(produced.get(sid, ""), line["task_id"])
+    episodes_of: dict[int, set[str]] = defaultdict(set)
+    for ep, task in task_of_episode.items():
+        episodes_of[int(str(task).rsplit("-", 1)[-1])].add(ep)
+    skipped = [i for i in range(cursor)
+               if len(episodes_of[i]) < GROUP_SIZE and i not in set(open_groups.values())]
     return {"identity": stats["identity_holds"], "produced": stats["produced"], "consumed": stats["consumed"],
             "dropped_by_reason": stats["dropped_by_reason"], "pending": stats["pending"],
-            "lost_samples": max(0, logged - stats["produced"]),
-            "double_trained": sum(1 for n in acked.values() if n > 1), "skipped_tasks": len(skipped),
-            "tasks_drawn": cursor, "episodes": len(lines)}
+            "audited_ids": len(produced), "unaccounted": len(unaccounted), "lost_samples": len(lost),
+            "double_trained": len(double), "skipped_tasks": len(skipped),
+            "tasks_drawn": cursor, "episodes": len(lines),
+            "examples": {"unaccounted": unaccounted[:5], "lost": lost[:5], "double": double[:5],
+                         "skipped": skipped[:5]}}
 
 
 def orphans(run: Run) -> int:
@@ -276,13 +365,14 @@ def report(run: Run, trials: Trials, t0: float) -> dict[str, Any]:
         "recoveries": sum(len(v) for v in rec.values()),
         "max_recovery_s": {k: round(max(v), 1) if v else None for k, v in rec.items()},
         "recovery_s": {k: [round(x, 1) for x in v] for k, v in rec.items()},
+        "trials_by_kind": trials.by_kind,
         **{k: found[k] for k in ("lost_samples", "double_trained", "skipped_tasks")},
         "orphans": orphans(run),
-        "identity": found["identity"],
+        **{k: found[k] for k in ("audited_ids", "unaccounted", "identity", "examples")},
         "buffer": {k: found[k] for k in ("produced", "consumed", "dropped_by_reason", "pending")},
         "tasks_drawn": found["tasks_drawn"],
         "episodes": found["episodes"],
-        "failed_trials": trials.failed,
+        "failed_trials": dict(trials.failed),
         "restarted": dict(run.restarted),
         "wall_minutes": round((time.monotonic() - t0) / 60, 2),
         "load_avg": round(os.getloadavg()[0], 2),

@@ -101,7 +101,8 @@ class Recovery:
     truncated_bytes: int = 0
 
 
-def _decode(kind: Kind, payload: bytes) -> Record:
+def decode_record(kind: Kind, payload: bytes) -> Record:
+    """A log record as what it says (a put, an ack, a drop or the compacted state)."""
     if kind == Kind.PUT:
         (arrival,) = ARRIVAL.unpack_from(payload, 0)
         head = read_header(memoryview(payload)[ARRIVAL.size :])
@@ -139,7 +140,7 @@ class Journal:
         rec = Recovery()
         for kind, payload in self._log.recover():
             try:
-                rec.orphan_ids += apply(_decode(kind, payload))
+                rec.orphan_ids += apply(decode_record(kind, payload))
             except (CodecError, ValueError, KeyError, TypeError) as e:
                 rec.unreadable += 1
                 log.warning("buffer: skipping an unreadable %s record in %s: %s", kind.name, self.path, e)

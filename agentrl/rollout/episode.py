@@ -75,6 +75,7 @@ class EpisodeResult:
     def summary(self) -> dict[str, Any]:
         d = {k: v for k, v in vars(self).items() if k not in ("samples", "answer")}
         d["num_samples"] = len(self.samples)
+        d["sample_ids"] = [s.sample_id for s in self.samples]  # what an audit of the buffer checks by id
         return d
 
     def fail(self, kind: ErrorKind, message: str) -> None:

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 
 from agentrl._lazy import import_ahead
+from agentrl.buffer.disk import append_line
 from agentrl.credentials import find_api_keys, settle_admin_token
 from agentrl.serve.config import ServeConfig, redacted
 from agentrl.web import listen_when_free
@@ -159,7 +160,7 @@ class Serve:
             await self.local.wait_ports_free()  # an engine of a serve killed just now may still hold one
             self.local.launch()  # from this (main) thread: the reaper dies with us
             self._phase(f"starting {cfg.engine.count} engine(s)")
-            urls = await self.local.start(cfg.engine.start_timeout_s)
+            urls = await self.local.start(cfg.engine.start_timeout_s, cfg.engine.max_restarts)
         self._phase("connecting to the engines")
         self.pool = build.build_pool(cfg, urls, self.engine_key)
         await self.pool.start()
@@ -413,8 +414,8 @@ class Serve:
             except Exception:
                 log.warning("could not collect serve metrics", exc_info=True)
                 continue
-            with open(path, "a") as f:
-                f.write(line + "\n")
+            # a full disk skips the line (whole or none) and tells the buffer's disk guard
+            append_line(path, line, getattr(self.buffer, "disk", None))
 
     async def rollout_finished(self) -> None:
         """Until the rollout has played its ``max_episodes`` (forever without a limit, or with no rollout)."""
@@ -454,6 +455,8 @@ class Serve:
             await self.local.supervisor.stop()
         if self._starting is not None:
             await self._starting.cleanup()
+        if self.buffer is not None:  # a put waiting for disk space would hold the rollout's stop
+            self.buffer.stop_disk_waits()
         for t in (self._rollout_task, self._metrics_task):
             if t is not None:
                 t.cancel()

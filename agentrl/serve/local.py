@@ -252,6 +252,24 @@ def _tail(engine: VLLMEngine, n: int = 15) -> str:
     return tail(n) if tail is not None else ""
 
 
+async def _start(engine: VLLMEngine, timeout_s: float, relaunches: int) -> None:
+    tries = 0
+    while True:
+        try:
+            return await engine.start(timeout_s)
+        except EngineStartError:
+            code = engine.proc.returncode if engine.proc is not None else None
+            killed = code is not None and (code < 0 or code > 128)  # the reaper exits 128 + signal
+            if not killed or 0 <= relaunches <= tries:
+                raise
+            tries += 1
+            log.warning("engine on port %d was killed while it started (exit code %d); launching it "
+                        "again (%d of %s)", engine.spec.port, code, tries,
+                        "no limit" if relaunches < 0 else relaunches)
+            await asyncio.sleep(1.0)
+            engine.launch()
+
+
 class LocalEngines:
     """The engines serve launches itself: ``launch()``, ``await start()``, then ``urls``;
     ``supervise(pool, policy)`` once they are in the pool; ``await stop()``."""
@@ -272,9 +290,11 @@ class LocalEngines:
         for engine in self.engines:
             engine.launch()
 
-    async def start(self, timeout_s: float) -> list[str]:
-        """Wait until every engine answers ``/health``; their URLs."""
-        await asyncio.gather(*(e.start(timeout_s) for e in self.engines))
+    async def start(self, timeout_s: float, relaunches: int = 3) -> list[str]:
+        """Wait until every engine answers ``/health``; their URLs. An engine killed by a signal
+        while it starts (the OOM killer, an operator) is launched again, at most ``relaunches``
+        times (-1: no limit); one that exits by itself (a bad model or option) fails the start."""
+        await asyncio.gather(*(_start(e, timeout_s, relaunches) for e in self.engines))
         return self.urls
 
     def supervise(self, pool: EnginePool, policy: RestartPolicy) -> None:
