@@ -55,6 +55,12 @@ class BufferConfig:
     sync: Literal["fsync", "flush"] = "fsync"
     """fsync: a put/ack returns after fdatasync (survives power loss). flush: after write(2)
     (survives a killed process, not a lost machine)."""
+    min_free_mb: float = 256.0
+    """Free space (MiB) the run directory's filesystem must keep (with a durable log at ``path``):
+    under it, or once a write there failed with ENOSPC, admission control starts no new episode
+    (``disk_full`` with its reason in the buffer's status, ``buffer_disk_full`` in /metrics, one
+    warning in the log); finished episodes' puts wait in memory for the space. Serve resumes by
+    itself once the free space is back (twice this after an ENOSPC). 0 reacts to ENOSPC only."""
     lease_s: float = 600.0
     """A served batch not acknowledged within this time is served again. Make it longer than a step."""
     max_poll_s: float = 60.0
@@ -93,6 +99,8 @@ class BufferConfig:
                 f"({self.group_size}) when require_full_groups is set")
         if self.lease_s <= 0 or self.max_poll_s <= 0 or self.max_pollers < 1:
             raise ValueError("buffer.lease_s and buffer.max_poll_s must be > 0 and max_pollers >= 1")
+        if self.min_free_mb < 0:
+            raise ValueError(f"buffer.min_free_mb must be >= 0, got {self.min_free_mb}")
         if self.remember_ids < 1:
             raise ValueError(f"buffer.remember_ids must be >= 1, got {self.remember_ids}")
 

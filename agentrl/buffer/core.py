@@ -50,6 +50,7 @@ from agentrl.buffer.codec import (
     read_header,
 )
 from agentrl.buffer.config import BufferConfig
+from agentrl.buffer.disk import DiskFull, DiskGuard
 from agentrl.buffer.journal import Acked, Dropped, Journal, Put, Record, Snapshot
 from agentrl.buffer.log import HEADER_BYTES
 from agentrl.buffer.sample import Sample
@@ -89,8 +90,11 @@ class Buffer:
         self._event = asyncio.Event()
         self._closed_flag = False
         self._journal: Journal | None = None
+        self.disk: DiskGuard | None = None
+        self._disk_waits_stopped = False
         if cfg.path is not None and cfg.durable:
             self._journal = Journal(cfg.path, cfg.sync)
+            self.disk = DiskGuard(cfg.path, cfg.min_free_mb)
             self._recover()
 
     # ------------------------------------------------------------------ producer side
@@ -117,7 +121,7 @@ class Buffer:
                 fresh.append(s)
             if not fresh:
                 return 0
-            entries = await asyncio.to_thread(self._encode_and_write, fresh, time.time())
+            entries = await self._write_when_room(fresh)
             drops: dict[str, list[str]] = {}
             touched: list[str] = []
             for e in entries:
@@ -128,6 +132,30 @@ class Buffer:
             self._drop(drops)
         self._notify()
         return len(entries)
+
+    async def _write_when_room(self, samples: list[Sample]) -> list[Entry]:
+        """Write the samples' PUT; on a full disk keep them here and write them once space frees
+        (the log is whole meanwhile: a torn append is cut back). Raises DiskFull only when serve
+        stops first: the episodes' groups stay open in the task frontier and are played again."""
+        while True:
+            try:
+                return await asyncio.to_thread(self._encode_and_write, samples, time.time())
+            except DiskFull as e:
+                assert self.disk is not None
+                self._no_space("writing a put", e)
+                self._counters["puts_waiting_for_disk"] += 1
+                while self.disk.full:
+                    if self._disk_waits_stopped or self._closed_flag:
+                        raise
+                    await asyncio.sleep(self.disk.poll_s)
+
+    def _no_space(self, what: str, e: DiskFull) -> None:
+        if self.disk is not None:
+            self.disk.no_space(f"{what} in buffer.log: {e.strerror}")
+
+    def stop_disk_waits(self) -> None:
+        """Serve is stopping: puts waiting for disk space give up (see :meth:`_write_when_room`)."""
+        self._disk_waits_stopped = True
 
     def _encode_and_write(self, samples: list[Sample], now: float) -> list[Entry]:
         entries = []
@@ -151,7 +179,7 @@ class Buffer:
         samples makes the rule conservative.
         """
         cap = (self.cfg.max_staleness + 1) * self.cfg.batch_size
-        allowance = max(0, cap - in_flight - self.pending)
+        allowance = 0 if self.disk_full else max(0, cap - in_flight - self.pending)
         self._counters["admission_calls"] += 1
         if allowance == 0:
             self._counters["admission_refusals"] += 1
@@ -268,7 +296,11 @@ class Buffer:
             return False
         ids = lease.ids
         if self._journal is not None:
-            self._journal.ack(Acked(batch_id, ids, lease.learner_version, dict(lease.staleness)))
+            try:
+                self._journal.ack(Acked(batch_id, ids, lease.learner_version, dict(lease.staleness)))
+            except DiskFull as e:  # not acked (the learner retries); the log is whole
+                self._no_space("acknowledging a batch", e)
+                raise
         del self._leases[batch_id]
         self._acked.add(batch_id)
         for i in ids:
@@ -445,7 +477,11 @@ class Buffer:
         if not any(drops.values()):
             return
         if self._journal is not None:
-            self._journal.drop([Dropped(r, ids) for r, ids in drops.items() if ids])
+            try:
+                self._journal.drop([Dropped(r, ids) for r, ids in drops.items() if ids])
+            except DiskFull as e:  # the samples stay pending (counted), their drop not logged
+                self._no_space("logging drops", e)
+                raise
         for reason, ids in drops.items():
             for i in ids:
                 gid = self._entries[i].group_id
@@ -550,7 +586,11 @@ class Buffer:
         size = self._journal.size
         if size < self.cfg.compact_bytes or size < 2 * self._live_bytes:
             return
-        self._journal.compact(self._snapshot(), self._entries.values())
+        try:
+            self._journal.compact(self._snapshot(), self._entries.values())
+        except DiskFull as e:  # the old log is whole; compaction waits for the space
+            self._no_space("compacting", e)
+            return
         self._counters["compactions"] += 1
         log.info("buffer: compacted log from %d to %d bytes", size, self._journal.size)
 
@@ -585,6 +625,7 @@ class Buffer:
             "pollers": self._pollers,
             "learner_version": self._learner_version,
             "log_bytes": self._journal.size if self._journal is not None else 0,
+            **(self.disk.stats() if self.disk is not None else {}),
             **dict(self._counters),
         }
 
@@ -607,6 +648,11 @@ class Buffer:
     @property
     def closed(self) -> bool:
         return self._closed_flag
+
+    @property
+    def disk_full(self) -> bool:
+        """The run directory's disk is (nearly) full: admission starts nothing (:class:`DiskGuard`)."""
+        return self.disk is not None and self.disk.full
 
     @property
     def pending(self) -> int:

@@ -9,8 +9,11 @@ Invariants:
 - A record is either wholly valid or skipped on reading: scanning resynchronises on the next valid
   record after a corrupt region and logs a warning; a torn or corrupt tail is cut off (with a
   warning) so that later appends follow a valid record. Reading never raises on bad bytes.
+- An append that fails part way (a full disk: :class:`~agentrl.buffer.disk.DiskFull`) is cut back
+  to the record boundary where it began, so the next append never follows garbage.
 - ``rewrite`` (compaction) is atomic: the new file is written and fsynced beside the old one, then
-  renamed over it, then the directory is fsynced. A crash leaves either the old or the new log.
+  renamed over it, then the directory is fsynced. A crash leaves either the old or the new log;
+  a rewrite that fails (a full disk) removes its new file and leaves the old log.
 """
 
 from __future__ import annotations
@@ -26,6 +29,8 @@ from dataclasses import dataclass
 from enum import IntEnum
 from pathlib import Path
 from typing import Literal
+
+from agentrl.buffer.disk import append_whole
 
 log = logging.getLogger(__name__)
 
@@ -160,10 +165,8 @@ class Log:
         with self._lock:
             if self._fd is None:
                 raise RuntimeError(f"buffer log {self.path} is closed")
-            view = memoryview(data)
-            while view:
-                written = os.write(self._fd, view)
-                view = view[written:]
+            # A write torn by a full disk is cut back: the next append starts on a record boundary.
+            append_whole(self._fd, data)
             if self.sync == "fsync":
                 os.fdatasync(self._fd)
 
@@ -171,11 +174,15 @@ class Log:
         """Atomically replace the whole log with ``records`` (compaction)."""
         tmp = self.path.with_suffix(".compact")
         with self._lock:
-            with tmp.open("wb") as f:
-                for r in records:
-                    f.write(r)
-                f.flush()
-                os.fsync(f.fileno())
+            try:
+                with tmp.open("wb") as f:
+                    for r in records:
+                        f.write(r)
+                    f.flush()
+                    os.fsync(f.fileno())
+            except BaseException:  # a full disk: the old log stays, and the space goes back
+                tmp.unlink(missing_ok=True)
+                raise
             os.replace(tmp, self.path)
             if self._fd is not None:
                 os.close(self._fd)

@@ -67,6 +67,8 @@ class PolicyBuffers:
     def in_flight_allowance(self, in_flight: int) -> int:
         """Episodes that may start now: ``in_flight`` plus every stream's unconsumed samples stay
         within the sum of the streams' bounds ((max_staleness + 1) x batch_size each)."""
+        if any(b.disk_full for b in self.streams.values()):  # see agentrl.buffer.disk
+            return 0
         cap = sum((b.cfg.max_staleness + 1) * b.cfg.batch_size for b in self.streams.values())
         held = sum(b.pending for b in self.streams.values())
         return max(0, cap - in_flight - held)
@@ -127,8 +129,18 @@ class PolicyBuffers:
                     for kk, vv in v.items():
                         merged[kk] = merged.get(kk, 0) + vv
         out["learner_version"] = per[self.default]["learner_version"]
+        if any("disk_full" in st for st in per.values()):  # one filesystem: any stream's guard says
+            out["disk_full"] = int(any(st.get("disk_full") for st in per.values()))
+            out["disk_full_reason"] = next((r for st in per.values() if (r := st.get("disk_full_reason"))),
+                                           None)
+            out["disk_free_mb"] = min((st["disk_free_mb"] for st in per.values()
+                                       if st.get("disk_free_mb") is not None), default=None)
         out["policies"] = per
         return out
+
+    def stop_disk_waits(self) -> None:
+        for b in self.streams.values():
+            b.stop_disk_waits()
 
     def close(self) -> None:
         for b in self.streams.values():
