@@ -16,6 +16,10 @@ Invariants:
 - A checkpoint is visible only once complete: ranks write into ``<name>.tmp``, meet at a
   barrier, then rank 0 renames it and replaces ``latest``. A process killed mid-write leaves a
   ``.tmp`` folder that resume ignores (and the next save removes).
+- A save that runs out of disk space (ENOSPC, EDQUOT) removes its ``.tmp`` folder, logs an error
+  and returns None: the previous checkpoint stays the newest, whole and loadable, and training
+  goes on (the next save tries again). Single process only: with several ranks the failure is
+  raised, since the other ranks wait at the save's barrier.
 - The checkpoint is written after the step's weights were published and before its batch is
   acknowledged; ``meta.json`` names that batch, so on resume the learner acks it again (the
   buffer's ack is idempotent) and releases every other lease: no batch trained into the restored
@@ -150,9 +154,50 @@ def _commit(ctx: Dist, root: Path, tmp: Path, meta: dict[str, Any], keep: int) -
     return final
 
 
+def _no_space(e: BaseException) -> bool:
+    """Whether ``e`` is, or wraps, a full disk (DCP wraps each rank's failure in a
+    ``CheckpointException`` whose ``failures`` hold the original ones)."""
+    from agentrl.buffer.disk import is_no_space
+
+    seen: set[int] = set()
+    todo: list[BaseException | None] = [e]
+    while todo:
+        x = todo.pop()
+        if x is None or id(x) in seen:
+            continue
+        seen.add(id(x))
+        if is_no_space(x):
+            return True
+        todo += [x.__cause__, x.__context__]
+        for f in (getattr(x, "failures", None) or {}).values():  # each an (exception, traceback)
+            todo += [y for y in (f if isinstance(f, tuple) else (f,)) if isinstance(y, BaseException)]
+    return False
+
+
 def save_checkpoint(policies: PolicySet, checkpoint_dir: str | Path, *, batch_id: str | None, keep: int = 2,
                     batch_samples: Sequence[str] = (), trained: Sequence[str] = (),
-                    next_policy: str | None = None) -> Path:
+                    next_policy: str | None = None) -> Path | None:
+    """See :func:`_save`; on a full disk (single process) None, with the previous checkpoint kept."""
+    root = Path(checkpoint_dir)
+    try:
+        return _save(policies, root, batch_id=batch_id, keep=keep, batch_samples=batch_samples,
+                     trained=trained, next_policy=next_policy)
+    except BaseException as e:
+        if policies.ctx.world > 1 or not _no_space(e):
+            raise
+        for tmp in root.glob("step_*.tmp"):  # its space goes back
+            shutil.rmtree(tmp, ignore_errors=True)
+        (root / "latest.tmp").unlink(missing_ok=True)
+        kept = latest_checkpoint(root)
+        log.error("CHECKPOINT NOT SAVED at step %d: no space left on %s (%s). The newest checkpoint is "
+                  "still %s; training goes on and the next checkpoint tries again. Free space there.",
+                  policies.steps_done(), root, e, kept or "none")
+        return None
+
+
+def _save(policies: PolicySet, checkpoint_dir: str | Path, *, batch_id: str | None, keep: int = 2,
+          batch_samples: Sequence[str] = (), trained: Sequence[str] = (),
+          next_policy: str | None = None) -> Path:
     """Write a complete checkpoint of every policy of ``policies`` (collective: every rank calls
     it), named after the steps of all policies together. ``batch_samples``: the sample ids of
     ``batch_id``; ``trained``: ids of samples of earlier batches trained into these weights whose

@@ -130,7 +130,7 @@ class PolicySet:
         return sync
 
     def save(self, checkpoint_dir: str | Path, *, batch_id: str | None, keep: int,
-             batch_samples: Sequence[str], trained: Sequence[str], next_policy: str | None) -> Path:
+             batch_samples: Sequence[str], trained: Sequence[str], next_policy: str | None) -> Path | None:
         """One checkpoint of every policy (collective)."""
         from agentrl.learner.checkpoint import save_checkpoint
 

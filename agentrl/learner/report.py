@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from agentrl.buffer.disk import append_line
 from agentrl.learner.signals import SignalWatch
 
 if TYPE_CHECKING:
@@ -113,8 +114,8 @@ class Reporter:
     def report(self, report: StepReport) -> None:
         row = report.row()
         self.history.append(row)
-        with open(self.metrics_path, "a") as f:
-            f.write(json.dumps(row, default=str) + "\n")
+        # a full disk skips the row whole (logged): the step itself stands
+        append_line(self.metrics_path, json.dumps(row, default=str))
         if self.server is not None:
             self.server.update(row)
         if self.writers:
