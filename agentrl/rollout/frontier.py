@@ -22,6 +22,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from agentrl.buffer.disk import DiskFull, append_whole
+
 log = logging.getLogger(__name__)
 
 
@@ -39,7 +41,7 @@ class TaskFrontier:
         if path.exists() and not fresh:
             self._read()
         self._rewrite()
-        self._file = open(path, "a", encoding="utf-8")
+        self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
 
     def _read(self) -> None:
         torn = 0
@@ -78,8 +80,12 @@ class TaskFrontier:
         os.replace(tmp, self.path)
 
     def _write(self, rec: dict[str, Any]) -> None:
-        self._file.write(json.dumps(rec, default=str) + "\n")
-        self._file.flush()
+        try:
+            append_whole(self._fd, (json.dumps(rec, default=str) + "\n").encode())
+        except DiskFull as e:
+            # Whole lines or none: a lost start only lets a restart draw its task again, a lost end
+            # makes a restart ask the buffer, which answers that the group is complete.
+            log.warning("task frontier %s: a line not written (%s)", self.path, e.strerror)
 
     def start(self, group_id: str, index: int, task: dict[str, Any]) -> None:
         """A group starts on the stream's task ``index`` (a fresh one, not a resumed one)."""
@@ -93,4 +99,4 @@ class TaskFrontier:
             self._write({"end": group_id})
 
     def close(self) -> None:
-        self._file.close()
+        os.close(self._fd)

@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from agentrl.aio import to_the_end
+from agentrl.buffer.disk import append_line
 from agentrl.env import make
 from agentrl.errors import INFRASTRUCTURE
 from agentrl.rollout.episode import EpisodeResult
@@ -241,9 +242,8 @@ class Orchestrator:
         c["reward_sum"] += ep.reward
         c["tool_calls"] += ep.info.get("tool_calls", 0)
         line = {"time": time.time(), **ep.summary()}
-        if self._log_path is not None:
-            with open(self._log_path, "a") as f:
-                f.write(json.dumps(line) + "\n")
+        if self._log_path is not None:  # a full disk skips the line whole (its samples are in the buffer)
+            append_line(self._log_path, json.dumps(line))
         if self._episode_log is not None:
             self._episode_log(line)
 

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
+from agentrl.buffer.disk import is_no_space
 from agentrl.weights.adapters import ADAPTER_FILE  # a LoRA version's folder holds it and its config
 from agentrl.weights.errors import (
     DeltaError,
@@ -121,7 +122,20 @@ class WeightReceiver:
         if await asyncio.to_thread(_sha256, data) != sha:
             raise web.HTTPBadRequest(reason=f"chunk {index} of version {version} failed its checksum")
         staged = self._staging.setdefault(version, {})
-        await asyncio.to_thread(_write_at, self._staging_path(version), offset, data)
+        try:
+            await asyncio.to_thread(_write_at, self._staging_path(version), offset, data)
+        except OSError as e:
+            if not is_no_space(e):
+                raise
+            # A full disk: the version's staged bytes go (their space with them); the learner's
+            # client retries a 5xx, and sends the version again once serve has the room.
+            self._staging.pop(version, None)
+            self._declared.pop(version, None)
+            self._staging_path(version).unlink(missing_ok=True)
+            log.warning("version %d: no space left for chunk %d in %s; its staged chunks are dropped",
+                        version, index, self.root)
+            raise web.HTTPInsufficientStorage(reason=f"version {version}: no space left on serve's run "
+                                                     f"directory for chunk {index}") from None
         staged[index] = (sha, offset, len(data))
         if total is not None:  # an accepted chunk fixes the version's size
             self._declared[version] = total
@@ -182,13 +196,23 @@ class WeightReceiver:
                     shutil.rmtree(target, ignore_errors=True)
                     path.unlink(missing_ok=True)
                     raise web.HTTPBadRequest(reason=f"version {version}: {e}") from None
+                except OSError as e:  # a full disk: no half adapter folder is left behind
+                    shutil.rmtree(target, ignore_errors=True)
+                    path.unlink(missing_ok=True)
+                    if is_no_space(e):
+                        raise web.HTTPInsufficientStorage(reason=f"version {version}: no space left on "
+                                                                 "serve's run directory") from None
+                    raise
             elif install is None:
                 path.rename(target / "model.safetensors")
             else:
                 try:
                     await asyncio.to_thread(install, path, target / "model.safetensors")
-                except BaseException:
+                except BaseException as e:
                     shutil.rmtree(target, ignore_errors=True)
+                    if is_no_space(e):
+                        raise web.HTTPInsufficientStorage(reason=f"version {version}: no space left on "
+                                                                 "serve's run directory") from None
                     raise
                 finally:
                     path.unlink(missing_ok=True)
@@ -202,7 +226,16 @@ class WeightReceiver:
                 shutil.rmtree(target, ignore_errors=True)  # no engine serves it: never a join target
                 raise
             result["sync_s"] = time.perf_counter() - t0
-            (target / LOADED).write_text(json.dumps({"version": version, "sha": sha}))
+            try:
+                (target / LOADED).write_text(json.dumps({"version": version, "sha": sha}))
+            except OSError as e:
+                if not is_no_space(e):
+                    raise
+                # The engines serve it; unmarked, a restart does not restore it (the learner then
+                # publishes it again, serve's version being older): never a half version.
+                (target / LOADED).unlink(missing_ok=True)
+                log.warning("version %d is loaded, but no space was left to mark it loaded in %s: a "
+                            "restart of serve would come back at the version before", version, target)
             self.last = result
             self._prune(version)
             for hook in self.on_loaded:
@@ -475,7 +508,8 @@ def serialize_state_dict(state: dict[str, Any]) -> bytes:
 
 
 async def publish(data: bytes, version: int, serve_url: str, admin_token: str, *,
-                  timeout_s: float = 600.0, attempts: int = 3, chunk_bytes: int = CHUNK_BYTES,
+                  timeout_s: float = 600.0, chunk_timeout_s: float | None = None, attempts: int = 3,
+                  chunk_bytes: int = CHUNK_BYTES,
                   parallel: int = PARALLEL_CHUNKS, kind: str = "full", commit_route: str = "commit",
                   commit_fields: dict[str, Any] | None = None, policy: str | None = None) -> dict[str, Any]:
     """Send serialised weights to serve as ``version`` and wait until engines serve them.
@@ -489,7 +523,13 @@ async def publish(data: bytes, version: int, serve_url: str, admin_token: str, *
     Each chunk and the commit go through serve's one client (:class:`~agentrl.client.ServeClient`:
     connection errors, timeouts and 5xx retried, never a 4xx). A conflict (409: a chunk serve has
     not got, e.g. after a restart) sends the whole version again, up to ``attempts`` times; engines
-    that could not load it are :class:`EnginesFailed` (sending again would not help)."""
+    that could not load it are :class:`EnginesFailed` (sending again would not help).
+
+    ``timeout_s`` bounds the commit (which waits for the engines), ``chunk_timeout_s`` (default
+    ``timeout_s``) each chunk's request: a chunk cut by the network (a partition that blackholes
+    the connection) is sent again after it, on a new connection. When no try got an answer, or a
+    try that got none may have committed (a 409 "not newer" after one: the commit's answer was
+    lost), the error is ``unreachable``: the learner then compares serve's version with its own."""
     from agentrl.client import ServeClient
     from agentrl.errors import TransportError
 
@@ -506,6 +546,7 @@ async def publish(data: bytes, version: int, serve_url: str, admin_token: str, *
         **(commit_fields or {}),
     }
     last_error: Exception | None = None
+    unanswered = False  # a try got no answer: what serve did with it is unknown
     route = f"/admin/policies/{policy}/weights" if policy else "/admin/weights"
     async with ServeClient(serve_url, admin_token, timeout_s=timeout_s, retries=2, backoff_s=0.5) as http:
         slots = asyncio.Semaphore(max(1, parallel))
@@ -513,6 +554,7 @@ async def publish(data: bytes, version: int, serve_url: str, admin_token: str, *
         async def put(i: int) -> None:
             async with slots:
                 await http.request("PUT", f"{route}/{version}/chunks/{i}", data=chunks[i],
+                                   timeout_s=chunk_timeout_s or timeout_s,
                                    headers={"X-Sha256": chunk_shas[i], "X-Offset": str(offsets[i]),
                                             "X-Total-Bytes": str(len(data))})
 
@@ -544,6 +586,7 @@ async def publish(data: bytes, version: int, serve_url: str, admin_token: str, *
                 raise
             except TransportError as e:
                 last_error = e
+                unanswered = unanswered or e.status is None
                 code = _error_code(e.body)
                 if code in DELTA_REFUSALS:  # the delta cannot be applied: sending it again would not help
                     raise DeltaRefused(
@@ -555,4 +598,5 @@ async def publish(data: bytes, version: int, serve_url: str, admin_token: str, *
                 await asyncio.sleep(1.0 * (attempt + 1))
     raise WeightTransferError(f"could not publish version {version}: {last_error}",
                               getattr(last_error, "status", None),
-                              unreachable=isinstance(last_error, TransportError) and last_error.retryable)
+                              unreachable=isinstance(last_error, TransportError) and (
+                                  last_error.retryable or (unanswered and last_error.status == 409)))
