@@ -24,7 +24,9 @@ class HttpTransportConfig:
     chunk_bytes: int = 16 * 2**20  # bytes per chunk (each with its own SHA-256 and offset)
     parallel_chunks: int = 3  # chunks in flight at once: serve hashes and writes one while the next arrives
     attempts: int = 3  # tries of one version's upload (connection errors, 5xx, 409); a 4xx is not retried
-    timeout_s: float = 600.0  # limit per chunk request and for the commit (which waits for the engines)
+    timeout_s: float = 600.0  # limit for the commit (which waits for the engines to load the version)
+    chunk_timeout_s: float = 60.0
+    """limit per chunk request: an upload cut by the network (a partition) is sent again after this"""
 
 
 @dataclass
@@ -55,7 +57,9 @@ class AdapterTransportConfig:
     kind: Literal["adapter"] = "adapter"
     chunk_bytes: int = 16 * 2**20  # bytes per chunk (an adapter is usually one chunk)
     attempts: int = 3  # tries of one version's upload (connection errors, 5xx, 409); a 4xx is not retried
-    timeout_s: float = 600.0  # limit per chunk request and for the commit (which waits for the engines)
+    timeout_s: float = 600.0  # limit for the commit (which waits for the engines to load the version)
+    chunk_timeout_s: float = 60.0
+    """limit per chunk request: an upload cut by the network (a partition) is sent again after this"""
 
 
 @dataclass
@@ -75,7 +79,9 @@ class DeltaTransportConfig:
     chunk_bytes: int = 16 * 2**20  # bytes per chunk (each with its own SHA-256 and offset)
     parallel_chunks: int = 3  # chunks in flight at once
     attempts: int = 3  # tries of one version's upload (connection errors, 5xx, missing chunks)
-    timeout_s: float = 600.0  # limit per chunk request and for the commit (which waits for the engines)
+    timeout_s: float = 600.0  # limit for the commit (which waits for the engines to load the version)
+    chunk_timeout_s: float = 60.0
+    """limit per chunk request: an upload cut by the network (a partition) is sent again after this"""
 
     def __post_init__(self) -> None:
         if self.full_every < 0:

@@ -102,7 +102,8 @@ class HttpTransport:
         data = await asyncio.to_thread(serialize_state_dict, dict(state))
         c = self.cfg
         return await publish(data, version, self.serve_url, self.admin_token, timeout_s=c.timeout_s,
-                             attempts=c.attempts, chunk_bytes=c.chunk_bytes, parallel=c.parallel_chunks)
+                             chunk_timeout_s=c.chunk_timeout_s, attempts=c.attempts,
+                             chunk_bytes=c.chunk_bytes, parallel=c.parallel_chunks)
 
     async def close(self) -> None:
         pass  # each publish opens and closes its own connections
@@ -183,8 +184,8 @@ class AdapterTransport:
         self.last_bytes = len(data)
         c = self.cfg
         result = await publish(data, version, self.serve_url, self.admin_token, timeout_s=c.timeout_s,
-                               attempts=c.attempts, chunk_bytes=c.chunk_bytes, parallel=1, kind="adapter",
-                               policy=policy)
+                               chunk_timeout_s=c.chunk_timeout_s, attempts=c.attempts,
+                               chunk_bytes=c.chunk_bytes, parallel=1, kind="adapter", policy=policy)
         result.setdefault("bytes", len(data))
         return result
 
@@ -242,8 +243,8 @@ class DeltaTransport:
 
         _one_policy(self, policy)
         c = self.cfg
-        send = {"timeout_s": c.timeout_s, "attempts": c.attempts, "chunk_bytes": c.chunk_bytes,
-                "parallel": c.parallel_chunks}
+        send = {"timeout_s": c.timeout_s, "chunk_timeout_s": c.chunk_timeout_s, "attempts": c.attempts,
+                "chunk_bytes": c.chunk_bytes, "parallel": c.parallel_chunks}
         new = await asyncio.to_thread(delta.cast_state, state, await self._engine_dtype())
         why_full = (
             "no base"
