@@ -113,6 +113,29 @@ def test_a_put_that_hits_a_full_disk_waits_and_leaves_the_log_whole(tmp_path: Pa
         assert report.records == 68
 
 
+def test_a_compaction_that_does_not_fit_leaves_the_old_log_and_no_temporary_file(tmp_path: Path) -> None:
+    from agentrl.buffer.disk import DiskFull
+    from agentrl.buffer.log import Kind, Log, frame
+
+    with small_filesystem(tmp_path / "run", 1) as run:
+        log = Log(run / "buffer")
+        list(log.recover())
+        log.append([frame(Kind.PUT, bytes([i]) * 2000) for i in range(8)])
+        before = log.path.read_bytes()
+        filler = fill(run)
+        with pytest.raises(DiskFull):
+            log.rewrite([frame(Kind.PUT, bytes([9]) * 3000) for _ in range(8)])
+        assert log.path.read_bytes() == before
+        assert not log.path.with_suffix(".compact").exists()
+        with pytest.raises(DiskFull):  # an append that does not fit leaves no torn record either
+            log.append([frame(Kind.PUT, bytes([7]) * 20000)])
+        assert log.path.read_bytes() == before
+        filler.unlink()
+        log.append([frame(Kind.PUT, b"after")])
+        log.close()
+        assert _log_is_whole(log.path).records == 9
+
+
 def test_a_checkpoint_save_on_a_full_disk_keeps_the_previous_one_and_training_goes_on(
     tiny_model: str, tmp_path: Path
 ) -> None:

@@ -37,6 +37,7 @@ import logging
 import time
 import uuid
 from collections import Counter, OrderedDict
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -129,7 +130,7 @@ class Buffer:
                 self._admit(e, drops, touched)
             for gid in touched:
                 self._check_complete(gid, drops)
-            self._drop(drops)
+            await self._when_room(lambda: self._drop(drops))
         self._notify()
         return len(entries)
 
@@ -141,13 +142,24 @@ class Buffer:
             try:
                 return await asyncio.to_thread(self._encode_and_write, samples, time.time())
             except DiskFull as e:
-                assert self.disk is not None
                 self._no_space("writing a put", e)
                 self._counters["puts_waiting_for_disk"] += 1
-                while self.disk.full:
-                    if self._disk_waits_stopped or self._closed_flag:
-                        raise
-                    await asyncio.sleep(self.disk.poll_s)
+                await self._wait_for_disk(e)
+
+    async def _when_room(self, write: Callable[[], None]) -> None:
+        """``write()`` (a log write that changes no state when it fails), again once space frees."""
+        while True:
+            try:
+                return write()
+            except DiskFull as e:
+                await self._wait_for_disk(e)
+
+    async def _wait_for_disk(self, e: DiskFull) -> None:
+        assert self.disk is not None
+        while self.disk.full:
+            if self._disk_waits_stopped or self._closed_flag:
+                raise e
+            await asyncio.sleep(self.disk.poll_s)
 
     def _no_space(self, what: str, e: DiskFull) -> None:
         if self.disk is not None:

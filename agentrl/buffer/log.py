@@ -30,7 +30,7 @@ from enum import IntEnum
 from pathlib import Path
 from typing import Literal
 
-from agentrl.buffer.disk import append_whole
+from agentrl.buffer.disk import DiskFull, append_whole, is_no_space
 
 log = logging.getLogger(__name__)
 
@@ -180,8 +180,10 @@ class Log:
                         f.write(r)
                     f.flush()
                     os.fsync(f.fileno())
-            except BaseException:  # a full disk: the old log stays, and the space goes back
+            except BaseException as e:  # a full disk: the old log stays, and the space goes back
                 tmp.unlink(missing_ok=True)
+                if is_no_space(e):
+                    raise DiskFull(e.errno, f"no space left to compact {self.path}: {e.strerror}") from e
                 raise
             os.replace(tmp, self.path)
             if self._fd is not None:
