@@ -8,7 +8,8 @@ and fills it with a file written until ENOSPC:
   and loadable, and training goes on; the next save, with space, succeeds;
 - serve (real engine, real rollout): it stops admitting episodes and says why in its status, its
   /metrics and its log; the buffer log has no corrupt region, a weights upload is refused with
-  nothing half written, and serve resumes by itself when the filler is removed, nothing lost.
+  nothing half written, and serve resumes by itself when the filler is removed, nothing lost: a
+  real learner then trains on the samples and publishes.
 """
 
 from __future__ import annotations
@@ -268,11 +269,16 @@ def test_serve_on_a_full_disk_stops_admitting_corrupts_nothing_and_resumes_when_
                 _wait("serve to say the disk has room", lambda: status()["buffer"]["disk_full"] == 0, 60, out)
                 _wait("new episodes",
                       lambda: status()["rollout"]["episodes"] > still["rollout"]["episodes"] + 2, 300, out)
-                asyncio.run(publish(data, 1, base, token))
-                assert status()["version"] == 1
-                assert (weights / "v1" / "loaded.json").exists()
+                # a real learner trains on what was held and publishes (the refused version goes through)
+                learn = subprocess.run(
+                    [sys.executable, "-m", "agentrl.cli", "learn", f"--serve={base}",
+                     f"--run_dir={tmp_path / 'learner'}", "--steps=2", "--batch_size=4", "--max_staleness=20",
+                     "--lr=1e-3"], capture_output=True, text=True, env=env, timeout=600)
+                assert learn.returncode == 0, learn.stdout[-3000:] + learn.stderr[-3000:]
+                assert status()["version"] == 2
+                assert (weights / "v2" / "loaded.json").exists()
                 after = status()["buffer"]
-                assert after["identity_holds"], after
+                assert after["consumed"] >= 8 and after["identity_holds"], after
                 assert after["produced"] == after["consumed"] + after["dropped"] + after["pending"]
                 assert after["produced"] > held["buffer"]["produced"]
                 _log_is_whole(run / "buffer" / "buffer.log")

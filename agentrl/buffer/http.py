@@ -8,7 +8,8 @@ Routes (all need ``Authorization: Bearer <admin_token>`` when a token is set; 40
   (:mod:`agentrl.buffer.streams`); without it, the default policy's.
 - ``POST /buffer/ack`` ``{"batch_id": ...}``: 200 ``{"acked": true}``, or 409 ``{"acked": false}``
   when the batch is unknown (lease expired or released, or the buffer restarted): its samples will
-  be served again, so the learner must not count them as consumed.
+  be served again, so the learner must not count them as consumed. 507 while the disk is full:
+  not acked yet (nothing logged), to be tried again.
 - ``POST /buffer/release``: serve every leased batch again (a restarting learner calls it).
 - ``GET /buffer/stats``: the buffer's counters as JSON.
 - ``POST /buffer/samples`` (a batch frame of samples, see ``codec``): store them, as ``Buffer.put``;
@@ -34,6 +35,7 @@ from aiohttp import web
 
 from agentrl.buffer.codec import Batch, CodecError, decode_batch, encode_batch
 from agentrl.buffer.core import Buffer
+from agentrl.buffer.disk import DiskFull
 from agentrl.buffer.streams import PolicyBuffers
 from agentrl.client import ServeClient
 from agentrl.errors import TransportError
@@ -88,7 +90,12 @@ def add_buffer_routes(app: web.Application, buf: Buffer | PolicyBuffers, admin_t
             batch_id = str((await request.json())["batch_id"])
         except (KeyError, ValueError, TypeError) as e:
             return bad(f"bad body, need {{'batch_id': str}}: {e}")
-        if buf.ack(batch_id):
+        try:
+            acked = buf.ack(batch_id)
+        except DiskFull as e:  # not acked, the log whole: the learner's client retries a 5xx
+            return error_response(f"no space left on serve's run directory to log the ack: {e.strerror}",
+                                  507, code="disk_full")
+        if acked:
             return web.json_response({"acked": True})
         return error_response("unknown batch (lease expired, "
                               "released, or buffer restarted); "
