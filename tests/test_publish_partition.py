@@ -4,8 +4,9 @@ receiver behind the partitioning proxy of ``tests/netproxy.py``, the recording e
 
 An upload cut in the middle of a chunk is sent again once the chunk's own timeout passes (not the
 commit's ten minutes), and nothing half-received is loaded; a commit that serve carried out but
-whose answer the partition swallowed ends as an ``unreachable`` error (the learner then compares
-versions), never as a refusal that would stop the learner.
+whose answer the partition swallowed returns once serve is seen serving the version (or, where serve
+cannot be asked, ends as an ``unreachable`` error: the learner then compares versions), never as a
+refusal that would stop the learner, and never after the commit's ten-minute limit.
 """
 
 from __future__ import annotations
@@ -17,8 +18,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from aiohttp import web
 
-from agentrl.weights import WeightTransferError, publish
+from agentrl.web import start_on_loopback
+from agentrl.weights import WeightReceiver, WeightTransferError, publish
 from tests.netproxy import Proxy
 from tests.test_weight_sync import _serve as serve_receiver
 from tests.test_weight_transfer import RecordingPool
@@ -70,6 +73,43 @@ def test_a_commit_whose_answer_the_partition_lost_is_unreachable_not_refused(tmp
             # serve holds version 1 (its answer was lost, then its version refused a resend): the
             # learner must treat this as "serve did not answer" and compare versions, not stop
             assert e.value.unreachable, e.value
+            assert [v for v, _ in pool.loaded] == [1]
+        finally:
+            proxy.close()
+            await runner.cleanup()
+
+    asyncio.run(go())
+
+
+def test_a_commit_whose_answer_was_lost_returns_once_serve_is_seen_serving_the_version(
+        tmp_path: Path) -> None:
+    data = os.urandom(100_000)
+    holder: dict[str, Proxy] = {}
+
+    class PartitionedOnLoad(RecordingPool):
+        async def update_weights(self, path: str, version: int) -> dict[str, Any]:
+            result = await super().update_weights(path, version)
+            proxy = holder["proxy"]
+            await asyncio.to_thread(proxy.set_mode, "blackhole")
+            threading.Timer(1.0, proxy.set_mode, ("pass",)).start()
+            return result
+
+    async def go() -> None:
+        pool = PartitionedOnLoad()
+        app = web.Application(client_max_size=2**30)
+        WeightReceiver(tmp_path / "w", pool).add_routes(app, lambda request: None)  # type: ignore[arg-type]
+
+        async def info(request: web.Request) -> web.Response:
+            return web.json_response({"version": pool.version})
+
+        app.router.add_get("/admin/info", info)
+        runner, url = await start_on_loopback(app)
+        proxy = holder["proxy"] = Proxy(int(url.rsplit(":", 1)[1]))
+        try:
+            # the commit's own limit is ten minutes: serve, asked every 2 s, ends the wait
+            result = await asyncio.wait_for(
+                publish(data, 1, proxy.url, "", timeout_s=600.0, chunk_timeout_s=2.0), timeout=60)
+            assert result["version"] == 1 and result["answer_lost"], result
             assert [v for v, _ in pool.loaded] == [1]
         finally:
             proxy.close()

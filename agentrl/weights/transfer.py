@@ -41,8 +41,9 @@ from agentrl.weights.errors import (
 )
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Iterable
+    from collections.abc import Awaitable, Callable, Iterable
 
+    from agentrl.client import Answer, ServeClient
     from agentrl.weights.updates import EngineUpdater, PolicyUpdater
 
 log = logging.getLogger(__name__)
@@ -507,6 +508,36 @@ def serialize_state_dict(state: dict[str, Any]) -> bytes:
     return save(out)
 
 
+async def _await_commit(http: ServeClient, send: Awaitable[Answer], version: int, policy: str | None,
+                        every_s: float) -> Answer | None:
+    """The commit's answer (``send``); None once serve, asked on another connection every
+    ``every_s``, serves ``version``: the answer was lost. A serve that then does not answer at all
+    ends the wait as a no-answer (:class:`TransportError` without a status)."""
+    from agentrl.errors import TransportError
+
+    task = asyncio.ensure_future(send)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=every_s)
+            if done:
+                return task.result()
+            try:
+                info = await http.json("GET", "/admin/info", timeout_s=10.0, retries=0)
+            except TransportError as e:
+                if not e.retryable:
+                    continue  # serve answers but has no such route: wait for the commit's own answer
+                raise TransportError(f"commit of version {version}: no answer in {every_s:.0f} s, and serve "
+                                     f"does not answer /admin/info either ({e})") from None
+            serving = info.get("version", 0) if policy is None else \
+                (info.get("policies") or {}).get(policy, {}).get("version", 0)
+            if isinstance(serving, int) and serving >= version:
+                log.warning("version %d: serve serves it, but the commit's answer was lost", version)
+                return None
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+
 async def publish(data: bytes, version: int, serve_url: str, admin_token: str, *,
                   timeout_s: float = 600.0, chunk_timeout_s: float | None = None, attempts: int = 3,
                   chunk_bytes: int = CHUNK_BYTES,
@@ -529,7 +560,12 @@ async def publish(data: bytes, version: int, serve_url: str, admin_token: str, *
     ``timeout_s``) each chunk's request: a chunk cut by the network (a partition that blackholes
     the connection) is sent again after it, on a new connection. When no try got an answer, or a
     try that got none may have committed (a 409 "not newer" after one: the commit's answer was
-    lost), the error is ``unreachable``: the learner then compares serve's version with its own."""
+    lost), the error is ``unreachable``: the learner then compares serve's version with its own.
+
+    While the commit's answer is awaited, serve is asked for its version on another connection
+    every ``chunk_timeout_s``: a commit whose answer a partition swallowed returns as soon as serve
+    is seen serving the version (``answer_lost``), and one whose serve does not answer at all is
+    given up as a no-answer, instead of either waiting out ``timeout_s``."""
     from agentrl.client import ServeClient
     from agentrl.errors import TransportError
 
@@ -567,9 +603,12 @@ async def publish(data: bytes, version: int, serve_url: str, admin_token: str, *
                     for t in sends:
                         t.cancel()
                     await asyncio.gather(*sends, return_exceptions=True)
-                got = await http.request(
-                    "POST", f"{route}/{version}/{commit_route}", json=commit, accept={502}, retries=0
-                )
+                got = await _await_commit(
+                    http, http.request("POST", f"{route}/{version}/{commit_route}", json=commit, accept={502},
+                                       retries=0),
+                    version, policy, chunk_timeout_s or timeout_s)
+                if got is None:  # serve serves the version: the commit's answer was lost
+                    return {"version": version, "engines": {}, "failed": [], "answer_lost": True}
                 text = got.body.decode(errors="replace")
                 if got.status == 502:
                     if "weight_sync_error" in text:
