@@ -114,6 +114,38 @@ def test_a_put_that_hits_a_full_disk_waits_and_leaves_the_log_whole(tmp_path: Pa
         assert report.records == 68
 
 
+def test_an_ack_on_a_full_disk_changes_nothing_and_goes_through_once_space_frees(tmp_path: Path) -> None:
+    from dataclasses import replace
+
+    from agentrl.buffer import Buffer, BufferConfig
+    from agentrl.buffer.disk import DiskFull
+    from tests.test_learner_packing import make_samples
+
+    with small_filesystem(tmp_path / "run", 2) as run:
+        cfg = BufferConfig(path=str(run / "buffer"), batch_size=4, max_staleness=100, min_free_mb=0)
+
+        async def main() -> None:
+            buf = Buffer(cfg)
+            # ids long enough that the ack's record outgrows the page the log's tail may have room in
+            await buf.put([replace(x, sample_id=f"{i}-" + "x" * 3000) for i, x in enumerate(make_samples(4))])
+            batch = await buf.get_batch(0)
+            assert batch is not None
+            filler = fill(run)
+            with pytest.raises(DiskFull):
+                buf.ack(batch.batch_id)
+            stats = buf.stats()
+            assert stats["consumed"] == 0 and stats["leased"] == 4 and stats["disk_full"] == 1, stats
+            filler.unlink()
+            assert buf.ack(batch.batch_id)
+            await asyncio.sleep(buf.disk.poll_s)  # the guard reads the free space again
+            stats = buf.stats()
+            assert stats["consumed"] == 4 and stats["identity_holds"] and stats["disk_full"] == 0, stats
+            buf.close()
+
+        asyncio.run(main())
+        assert _log_is_whole(run / "buffer" / "buffer.log").records == 5  # 4 puts and the ack
+
+
 def test_a_compaction_that_does_not_fit_leaves_the_old_log_and_no_temporary_file(tmp_path: Path) -> None:
     from agentrl.buffer.disk import DiskFull
     from agentrl.buffer.log import Kind, Log, frame
