@@ -126,11 +126,6 @@ class EngineSpec(EngineOptions):
             # a step's 2,048-token budget with others killed the engine ("CPU Generator does not use
             # offset"). Whole prefills (a prompt waits for a step with room) never rewind.
             cmd.append("--no-enable-chunked-prefill")
-        if not self.gpu and "--distributed-executor-backend" not in self.extra_args:
-            # One CPU worker runs inside the engine core process instead of a process of its own: one
-            # interpreter less to start (vLLM and torch imported once less: a third of the start-up
-            # here, 26 s instead of 40 s for the tiny model with the machine busy).
-            cmd += ["--distributed-executor-backend", "uni"]
         if self.lora_rank > 0:  # each policy version its own adapter; a little room in the CPU cache
             rank = next(r for r in LORA_RANKS if r >= self.lora_rank) if self.lora_rank <= LORA_RANKS[-1] \
                 else self.lora_rank
