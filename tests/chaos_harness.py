@@ -230,12 +230,12 @@ class Trials:
 def play(run: Run, faults: list[str], rng: random.Random, trials: Trials, *, timeout_s: float = 600.0,
          t0: float = 0.0) -> None:
     """One round: once the run is steady, the first of ``faults``; each next one at a random moment
-    (0-6 s) once its target runs again (an engine serve has launched since the last engine fault,
+    (0-4 s) once its target runs again (an engine serve has launched since the last engine fault,
     a restarted serve or learner); then wait for the engine to be up and a learner step. A stall
     counts as seen once serve has killed the stopped engine; the next fault waits for that."""
     assert "stall" not in faults[1:], "a stall needs an engine with calls in flight: it opens a round"
     run.wait_step_after(run.steps(), timeout_s)  # steady: one more step first
-    time.sleep(rng.uniform(0.0, 8.0))  # a random moment within a step
+    time.sleep(rng.uniform(0.0, 5.0))  # a random moment within a step
     done_engines: set[int] = set()  # API servers stalled or killed (or dying with serve) this round
     kills: list[tuple[str, float]] = []
     for i, kind in enumerate(faults):
@@ -244,7 +244,7 @@ def play(run: Run, faults: list[str], rng: random.Random, trials: Trials, *, tim
                 run.wait(lambda: run.engine_pid() not in done_engines | {None}, timeout_s)
             else:
                 run.wait(lambda k=kind: run.target(k) is not None, timeout_s)
-            time.sleep(rng.uniform(0.0, 6.0))
+            time.sleep(rng.uniform(0.0, 4.0))
         api = run.engine_pid()
         at = time.monotonic()
         pid = run.fault(kind)
