@@ -27,6 +27,21 @@ from tests.test_weight_sync import _serve as serve_receiver
 from tests.test_weight_transfer import RecordingPool
 
 
+class PartitionedOnLoad(RecordingPool):
+    """Loads a version, then the network fails before serve's answer goes back, and heals a second
+    later."""
+
+    proxy: Proxy | None = None
+
+    async def update_weights(self, path: str, version: int) -> dict[str, Any]:
+        result = await super().update_weights(path, version)
+        proxy = self.proxy
+        assert proxy is not None
+        await asyncio.to_thread(proxy.set_mode, "blackhole")
+        threading.Timer(1.0, proxy.set_mode, ("pass",)).start()
+        return result
+
+
 def test_a_publish_cut_mid_upload_is_sent_again_whole_and_loaded_once(tmp_path: Path) -> None:
     data = os.urandom(1 << 20)
 
@@ -51,21 +66,11 @@ def test_a_publish_cut_mid_upload_is_sent_again_whole_and_loaded_once(tmp_path: 
 
 def test_a_commit_whose_answer_the_partition_lost_is_unreachable_not_refused(tmp_path: Path) -> None:
     data = os.urandom(100_000)
-    holder: dict[str, Proxy] = {}
-
-    class PartitionedOnLoad(RecordingPool):
-        async def update_weights(self, path: str, version: int) -> dict[str, Any]:
-            result = await super().update_weights(path, version)
-            # loaded: the network fails before the answer goes back, and heals a second later
-            proxy = holder["proxy"]
-            await asyncio.to_thread(proxy.set_mode, "blackhole")
-            threading.Timer(1.0, proxy.set_mode, ("pass",)).start()
-            return result
 
     async def go() -> None:
         pool = PartitionedOnLoad()
         runner, url = await serve_receiver(pool, tmp_path / "w")  # type: ignore[arg-type]
-        proxy = holder["proxy"] = Proxy(int(url.rsplit(":", 1)[1]))
+        proxy = pool.proxy = Proxy(int(url.rsplit(":", 1)[1]))
         try:
             with pytest.raises(WeightTransferError) as e:
                 await asyncio.wait_for(publish(data, 1, proxy.url, "", timeout_s=3.0),
@@ -84,15 +89,6 @@ def test_a_commit_whose_answer_the_partition_lost_is_unreachable_not_refused(tmp
 def test_a_commit_whose_answer_was_lost_returns_once_serve_is_seen_serving_the_version(
         tmp_path: Path) -> None:
     data = os.urandom(100_000)
-    holder: dict[str, Proxy] = {}
-
-    class PartitionedOnLoad(RecordingPool):
-        async def update_weights(self, path: str, version: int) -> dict[str, Any]:
-            result = await super().update_weights(path, version)
-            proxy = holder["proxy"]
-            await asyncio.to_thread(proxy.set_mode, "blackhole")
-            threading.Timer(1.0, proxy.set_mode, ("pass",)).start()
-            return result
 
     async def go() -> None:
         pool = PartitionedOnLoad()
@@ -104,7 +100,7 @@ def test_a_commit_whose_answer_was_lost_returns_once_serve_is_seen_serving_the_v
 
         app.router.add_get("/admin/info", info)
         runner, url = await start_on_loopback(app)
-        proxy = holder["proxy"] = Proxy(int(url.rsplit(":", 1)[1]))
+        proxy = pool.proxy = Proxy(int(url.rsplit(":", 1)[1]))
         try:
             # the commit's own limit is ten minutes: serve, asked every 2 s, ends the wait
             result = await asyncio.wait_for(
