@@ -87,6 +87,7 @@ def test_the_learner_rides_out_partitions_from_serve_and_no_sample_is_trained_tw
     run = Run(tmp_path / "run", "tiny-tools", "arithmetic", f"--buffer.lease_s={LEASE_S}")
     proxy = Proxy(run.port)
     run.learn_args = [f"--serve={proxy.url}" if a.startswith("--serve=") else a for a in run.learn_args]
+    run.learn_args.append("--weights.transport.chunk_timeout_s=20")  # a cut upload is sent again sooner
     figures: dict[str, dict[str, float]] = {}
     try:
         run.start_serve()
