@@ -21,12 +21,14 @@ import os
 import time
 from pathlib import Path
 
+from agentrl.errors import AgentrlError
+
 log = logging.getLogger(__name__)
 
 NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 
 
-class DiskFull(OSError):
+class DiskFull(AgentrlError, OSError):
     """A write under the run directory failed for want of space (ENOSPC or EDQUOT); what was
     written before is whole."""
 
