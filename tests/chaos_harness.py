@@ -168,13 +168,44 @@ class Run:
         proc = self._proc(kind)
         return proc.pid if proc and proc.poll() is None else None
 
-    def fault(self, kind: str) -> int | None:
-        """kill -9 the ``kind`` process (SIGSTOP the engine core for a stall), if it runs, and reap
-        a killed child (so :meth:`supervise` sees it gone)."""
+    def calls_in_flight(self) -> int:
+        """Calls serve has in flight on its engine (0 while serve does not answer)."""
+        try:
+            status, body = get_json(f"{self.url}/admin/status", self.token(), timeout_s=10.0)
+        except (OSError, ValueError):
+            return 0
+        engines = body.get("engines") or [{}]
+        return int(engines[0].get("outstanding", 0)) if status == 200 else 0
+
+    def stall(self, timeout_s: float) -> int | None:
+        """SIGSTOP the engine core at a moment it has calls in flight (a stall is work that makes no
+        progress; with none in flight, e.g. while the learner waits on a weight update, nothing is
+        stuck yet): stop it, and if no call is in flight then, let it go on (SIGCONT) and try again."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            pid = self.target("stall")
+            if pid is not None and self.calls_in_flight() > 0:
+                try:
+                    os.kill(pid, signal.SIGSTOP)
+                except ProcessLookupError:
+                    continue
+                time.sleep(0.5)
+                if self.calls_in_flight() > 0:
+                    return pid
+                os.kill(pid, signal.SIGCONT)
+            self.supervise()
+            time.sleep(0.5)
+        return None
+
+    def fault(self, kind: str, timeout_s: float = 600.0) -> int | None:
+        """kill -9 the ``kind`` process (SIGSTOP the engine core with calls in flight for a stall), if
+        it runs, and reap a killed child (so :meth:`supervise` sees it gone)."""
+        if kind == "stall":
+            return self.stall(timeout_s)
         pid = self.target(kind)
         if pid is not None:
             try:
-                os.kill(pid, signal.SIGSTOP if kind == "stall" else signal.SIGKILL)
+                os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
             proc = self._proc(kind)
@@ -238,6 +269,7 @@ def play(run: Run, faults: list[str], rng: random.Random, trials: Trials, *, tim
     time.sleep(rng.uniform(0.0, 5.0))  # a random moment within a step
     done_engines: set[int] = set()  # API servers stalled or killed (or dying with serve) this round
     kills: list[tuple[str, float]] = []
+    unseen = 0  # stalls serve did not see
     for i, kind in enumerate(faults):
         if i:
             if kind == "engine":
@@ -247,22 +279,23 @@ def play(run: Run, faults: list[str], rng: random.Random, trials: Trials, *, tim
             time.sleep(rng.uniform(0.0, 4.0))
         api = run.engine_pid()
         at = time.monotonic()
-        pid = run.fault(kind)
+        pid = run.fault(kind, timeout_s)
         kills.append((kind, at))
         trials.log.append(f"[{at - t0:6.0f}s] {'SIGSTOP engine core' if kind == 'stall' else 'kill -9'} "
                           f"{'' if kind == 'stall' else kind} (pid {pid})")
         print(trials.log[-1], flush=True)
         if kind in ("stall", "engine", "serve") and api is not None:
             done_engines.add(api)
-        if kind == "stall" and pid is not None:  # seen: serve killed the stopped engine
-            seen = run.wait(lambda p=pid: gone(p), timeout_s)
+        if kind == "stall":  # seen: serve killed the stopped engine
+            seen = pid is not None and run.wait(lambda p=pid: gone(p), timeout_s)
+            unseen += not seen
             trials.log.append(f"[{time.monotonic() - t0:6.0f}s]   stall {'seen' if seen else 'NOT seen'}")
             print(trials.log[-1], flush=True)
     ok = run.wait(lambda: run.engine_pid() not in done_engines | {None} and run.engine_up(), timeout_s)
     ok = ok and run.wait_step_after(run.steps(), timeout_s)
     done = time.monotonic()
     for kind, at in kills:
-        if ok:
+        if ok and not (kind == "stall" and unseen):
             trials.recovery_s[kind].append(done - at)
         else:
             trials.failed[kind] += 1
