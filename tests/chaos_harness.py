@@ -135,14 +135,17 @@ class Run:
             return None
         return cores[0] if cores else None
 
-    def engine_up(self) -> bool:
-        """serve answers and its engine is up."""
+    def engine_status(self) -> dict[str, Any]:
+        """serve's status of its engine ({} while serve does not answer)."""
         try:
             status, body = get_json(f"{self.url}/admin/status", self.token(), timeout_s=10.0)
         except (OSError, ValueError):  # the token file not written yet, or a body cut short
-            return False
-        engines = body.get("engines") or [{}]
-        return status == 200 and engines[0].get("state") == "up"
+            return {}
+        return (body.get("engines") or [{}])[0] if status == 200 else {}
+
+    def engine_up(self) -> bool:
+        """serve answers and its engine is up."""
+        return self.engine_status().get("state") == "up"
 
     def wait(self, until: Any, timeout_s: float) -> bool:
         """Supervise until ``until()`` holds; False after ``timeout_s``."""
@@ -170,12 +173,7 @@ class Run:
 
     def calls_in_flight(self) -> int:
         """Calls serve has in flight on its engine (0 while serve does not answer)."""
-        try:
-            status, body = get_json(f"{self.url}/admin/status", self.token(), timeout_s=10.0)
-        except (OSError, ValueError):
-            return 0
-        engines = body.get("engines") or [{}]
-        return int(engines[0].get("outstanding", 0)) if status == 200 else 0
+        return int(self.engine_status().get("outstanding", 0))
 
     def stall(self, timeout_s: float) -> int | None:
         """SIGSTOP the engine core at a moment it has calls in flight (a stall is work that makes no
