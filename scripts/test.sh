@@ -2,12 +2,14 @@
 # The README's second command: the test suite (runs scripts/setup.sh --tests first if the machine
 # was not set up for the tests).
 # Tests marked `gpu` are deselected unless AGENTRL_TEST_MARKERS says otherwise (e.g. "" on a GPU box).
-# Two pytest runs side by side: the tests of modules that start engines, serve or sandboxes
-# (marked `system` by tests/conftest.py) one after another, and the in-process tests beside them at
-# a lower CPU priority, so they fill what the system tests leave idle; the second run's report
-# follows the first's. AGENTRL_TEST_SPLIT=0 runs everything in one pytest instead. Each run lists
-# its 25 slowest tests and its time per test file at the end, so a CI log says where the suite's
-# time goes.
+# Three pytest runs side by side: the tests of modules that start engines, serve or sandboxes
+# (marked `system` by tests/conftest.py) in two lanes, each one test after another (the second lane
+# holds the long runs of LANE2: an engine's start-up imports vLLM in one process after another, so
+# one lane leaves about a third of two cores idle), and the in-process tests beside them at a lower
+# CPU priority, so they fill what the system tests leave idle; the other runs' reports follow the
+# first's. Arguments (a file, -k ...) give one system lane. AGENTRL_TEST_SPLIT=0 runs everything in
+# one pytest instead. Each run lists its 25 slowest tests and its time per test file at the end, so
+# a CI log says where the suite's time goes.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # a machine set up by the quickstart lacks what only the tests need (the dev extra, .venv-verifiers)
@@ -23,21 +25,43 @@ if [ "${AGENTRL_TEST_SPLIT-1}" = 0 ]; then
 fi
 with() { if [ -n "$markers" ]; then echo "($markers) and $1"; else echo "$1"; fi; }
 base=$(mktemp -d /tmp/agentrl-tests.XXXXXX)
+LANE2=(tests/test_chaos.py tests/test_partition.py tests/test_full_disk.py tests/test_own_environment.py
+       tests/test_self_distill.py)
 nice -n 10 "${pytest[@]}" -m "$(with "not system")" --basetemp="$base/in-process" "$@" > "$base/in-process.log" 2>&1 &
 beside=$!
-trap 'kill "$beside" 2>/dev/null || true' EXIT INT TERM
+lane2=
+if [ $# = 0 ]; then
+  "${pytest[@]}" -m "$(with system)" --basetemp="$base/system-2" "${LANE2[@]}" > "$base/system-2.log" 2>&1 &
+  lane2=$!
+fi
+trap 'kill "$beside" $lane2 2>/dev/null || true' EXIT INT TERM
 set +e
-"${pytest[@]}" -m "$(with system)" "$@"
+if [ -n "$lane2" ]; then
+  "${pytest[@]}" -m "$(with system)" "${LANE2[@]/#/--ignore=}"
+else
+  "${pytest[@]}" -m "$(with system)" "$@"
+fi
 system=$?
+system2=5
+if [ -n "$lane2" ]; then
+  echo "[test] waiting for the second lane of system tests (its report follows)"
+  wait "$lane2"
+  system2=$?
+fi
 echo "[test] waiting for the in-process tests run beside (their report follows)"
 wait "$beside"
 in_process=$?
 set -e
+if [ -n "$lane2" ]; then
+  echo "[test] ================== the second lane of system tests ==================="
+  cat "$base/system-2.log"
+fi
 echo "[test] ======================== the in-process tests ========================"
 cat "$base/in-process.log"
 rm -rf "$base"
 # 5: this selection holds no test of the kind (e.g. one file given); not a failure
 ok() { [ "$1" = 0 ] || [ "$1" = 5 ]; }
-ok "$system" && ok "$in_process" && ! { [ "$system" = 5 ] && [ "$in_process" = 5 ]; } || {
-  echo "[test] FAILED: system tests exit $system, in-process tests exit $in_process" >&2; exit 1; }
-echo "[test] passed: system tests exit $system, in-process tests exit $in_process"
+ok "$system" && ok "$system2" && ok "$in_process" && \
+  ! { [ "$system" = 5 ] && [ "$system2" = 5 ] && [ "$in_process" = 5 ]; } || {
+  echo "[test] FAILED: system tests exit $system and $system2, in-process tests exit $in_process" >&2; exit 1; }
+echo "[test] passed: system tests exit $system and $system2, in-process tests exit $in_process"
