@@ -267,6 +267,27 @@ def test_an_idle_a_paused_or_a_stepping_engine_is_not_stalled() -> None:
     asyncio.run(go())
 
 
+def test_an_engine_out_of_the_pool_that_answers_but_keeps_failing_to_rejoin_is_relaunched() -> None:
+    """A core stopped during a weight update: no call in flight (no step stall to see), /health
+    answers 200, the update took it out of the pool, and each try to reload the current version
+    times out. Once is not enough; twice in a row is a stall."""
+    async def go() -> None:
+        async with supervised(stall_s=0.2) as (sup, pool, (fake,)):
+            member = pool.engines[0]
+            member.healthy, member.failed_rejoins = False, 1
+            member.last_error = "could not be brought to version 7: TimeoutError"
+            await asyncio.sleep(0.5)
+            assert fake.launches == [] and pool.downs == []
+            member.failed_rejoins = 2
+            await until(lambda: len(fake.launches) == 1)
+            ((name, why),) = pool.downs
+            assert "2 tries in a row to bring it to the current version failed" in why
+            assert "TimeoutError" in why and member.failed_rejoins == 0
+            await until(lambda: sup.status()[0]["state"] == "up")
+
+    asyncio.run(go())
+
+
 def test_the_step_counter_sums_each_series_over_its_label_sets_and_skips_the_rest() -> None:
     from agentrl.engines.pool import PROGRESS_SERIES, metric_sums
 

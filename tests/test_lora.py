@@ -146,11 +146,16 @@ def test_an_adapter_version_is_loaded_beside_the_last_with_no_pause_and_old_ones
             assert result["failed"] == ["engine-1"] and not pool.engines[1].healthy
             assert pool.engines[0].adapter() == (adapter_name(4), 4)
 
+            # a try to bring it back that fails is counted (serve's supervisor relaunches an engine
+            # that keeps failing); one that succeeds starts the count again
+            assert not await up.rejoin(pool.engines[1]) and pool.engines[1].failed_rejoins == 1
+            assert "could not be brought to version 4" in pool.engines[1].last_error
+
             # it answers again: every kept version is loaded into it before it takes traffic
             fakes[1].fail.clear()
             fakes[1].calls.clear()
             pool.engines[1].adapters.clear()  # as after a restart
-            assert await up.rejoin(pool.engines[1])
+            assert await up.rejoin(pool.engines[1]) and pool.engines[1].failed_rejoins == 0
             assert sorted(pool.engines[1].adapters["policy"]) == [3, 4]
             assert [b["lora_name"] for _, p, b in fakes[1].calls if p == "/v1/load_lora_adapter"] == \
                 ["policy-v3", "policy-v4"]

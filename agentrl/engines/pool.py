@@ -46,6 +46,7 @@ class Engine:
     served: int = 0
     failures: int = 0
     failed_checks: int = 0  # consecutive failed health checks
+    failed_rejoins: int = 0  # consecutive tries to bring it back to the current version that failed
     last_error: str = ""
     sessions: set[str] = field(default_factory=set)
     # LoRA policies (agentrl.weights.adapters): the adapter versions this engine has loaded, per

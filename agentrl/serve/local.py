@@ -13,7 +13,10 @@ API server would exit by itself about 5 s later) or its ``/health`` fail for
 ``engine.unhealthy_restart_s`` while the process runs (a server that stopped answering), or a
 stall: calls in flight on it and no engine step finished for ``engine.stall_s`` while it is not
 paused (a stopped or wedged engine core, which ``/health`` does not see: vLLM's API server answers
-200 as long as its core has not died; the steps are read from its ``/metrics``). Then it
+200 as long as its core has not died; the steps are read from its ``/metrics``), or, with no call in
+flight, an engine out of the pool that answers ``/health`` while every try to bring it to the
+current version fails (:data:`REJOIN_FAILURES` in a row; e.g. a core stopped during a weight
+update). Then it
 
 1. logs the death and takes the engine out of the pool at once (calls go to the other engines or
    fail as with none; affinities to it are dropped);
@@ -52,6 +55,7 @@ STABLE_S = 600.0  # an engine up this long after a relaunch starts a new row of 
 MAX_BACKOFF_S = 300.0
 POLL_S = 0.5  # how often a watcher looks at its process
 PROBE_S = 1.0  # how often it probes /health
+REJOIN_FAILURES = 2  # an engine out of the pool that answers but fails this many rejoins in a row: stalled
 DEAD_STATUS = 503  # vLLM's /health once its engine core is dead (EngineDeadError), never for a passing moment
 
 
@@ -156,7 +160,7 @@ class Supervisor:
                 elif self.policy.unhealthy_s and now - last_ok >= self.policy.unhealthy_s:
                     why = f"its /health has failed for {now - last_ok:.0f} s while its process runs"
                 if status == 200 and self.policy.stall_s:
-                    why = await self._stalled(member, watch, now)
+                    why = self._unrejoinable(member) or await self._stalled(member, watch, now)
             if not why or self._stopping:
                 continue
             await self._recover(i, why)
@@ -166,6 +170,17 @@ class Supervisor:
                 return
             last_ok = next_probe = watch.progress_at = time.monotonic()
             watch.progress = None
+
+    def _unrejoinable(self, member: Engine) -> str:
+        """Why an engine out of the pool that answers ``/health`` counts as stalled, or "": the
+        tries to bring it to the current version (each bounded by the pool's control timeout) failed
+        :data:`REJOIN_FAILURES` times in a row, e.g. its engine core was stopped during a weight
+        update, with no call in flight for :meth:`_stalled` to see."""
+        failed = getattr(member, "failed_rejoins", 0)
+        if member.healthy or failed < REJOIN_FAILURES:
+            return ""
+        return (f"it answers /health but {failed} tries in a row to bring it to the current version failed "
+                f"(last: {member.last_error}): a stopped or wedged engine")
 
     async def _stalled(self, member: Engine, watch: Watch, now: float) -> str:
         """Why the engine counts as stalled, or "": calls in flight on it, its step counter unmoved
@@ -198,6 +213,7 @@ class Supervisor:
         log.error("engine %d (port %d) died: %s; last lines of %s:\n%s", i, engine.spec.port, why,
                   getattr(engine, "log_path", "its log"), _tail(engine))
         self.pool.mark_down(member, f"engine process: {why}")
+        member.failed_rejoins = 0  # the relaunched process starts a new count
         while not self._stopping:
             if (
                 engine.alive()

@@ -539,8 +539,12 @@ class EngineUpdater:
                                 "until the learner re-forms the group", engine.name, version)
                     return False
             except Exception as e:
-                log.warning("%s answered but could not be brought to version %d: %s", engine.name, version, e)
+                engine.failed_rejoins += 1  # serve's supervisor relaunches an engine that keeps failing
+                engine.last_error = f"could not be brought to version {version}: {e or type(e).__name__}"
+                log.warning("%s answered but could not be brought to version %d (%d time(s) in a row): %s",
+                            engine.name, version, engine.failed_rejoins, e)
                 return False
+        engine.failed_rejoins = 0
         return True
 
 
