@@ -20,7 +20,6 @@ import random
 import sys
 import time
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -49,6 +48,7 @@ def main() -> None:
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from agentrl.buffer.sample import Sample
     from agentrl.env.tools import tool_schema
     from agentrl.learner.config import LearnConfig
     from agentrl.learner.dist import Dist
@@ -81,7 +81,7 @@ def main() -> None:
         state.optimizer = torch.optim.SGD(model.parameters(), lr=args.lr)
         state.scheduler = torch.optim.lr_scheduler.LambdaLR(state.optimizer, lambda s: 1.0)
 
-    def rollout(ids: list[int], expr: str, n: int, version: int) -> list[SimpleNamespace]:
+    def rollout(ids: list[int], expr: str, n: int, version: int) -> list[Sample]:
         model.eval()
         with torch.no_grad():
             out = model.generate(
@@ -104,20 +104,17 @@ def main() -> None:
                 k = comp.index(eos) + 1
                 comp, lp = comp[:k], lp[:k]
             reward = 1.0 if f'"code": "print({expr})"' in tok.decode(comp) else 0.0
-            samples.append(
-                SimpleNamespace(
-                    token_ids=ids + comp,
-                    loss_mask=[0] * len(ids) + [1] * len(comp),
-                    logprobs=[0.0] * len(ids) + lp,
-                    versions=[-1] * len(ids) + [version] * len(comp),
-                    reward=reward,
-                    group_id=expr,
-                    min_version=version,
-                    error=None,
+            samples.append(  # the buffer's own type: whatever fields the learner's step reads, it has
+                Sample(
+                    ids + comp,
+                    [0] * len(ids) + [1] * len(comp),
+                    [0.0] * len(ids) + lp,
+                    [-1] * len(ids) + [version] * len(comp),
                     episode_id=f"{expr}-{version}-{i}",
+                    group_id=expr,
+                    env="arithmetic",
+                    reward=reward,
                     sample_id=f"{expr}-{version}-{i}",
-                    truncated=False,
-                    info={},
                 )
             )
         return samples

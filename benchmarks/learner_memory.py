@@ -19,8 +19,12 @@ On the shared 2-core build machine the default run takes about 15 minutes (SmolL
 at 2k tokens, 274 s at 8k, 446 s at 16k; each sample attends only to itself, so attention does
 not grow with the row's length squared).
 
+``--settings tiny:256`` (the project's 0.76M-parameter model, one 256-token sample) is the shortest
+run, seconds: what tests/test_benchmark_smoke.py runs to check that the final JSON line is reached.
+
     python benchmarks/learner_memory.py
     python benchmarks/learner_memory.py --unchunked --settings smollm2:2048
+    python benchmarks/learner_memory.py --settings tiny:256
 """
 
 from __future__ import annotations
@@ -39,8 +43,8 @@ TOKENS_PER_SAMPLE = 256
 def _model_path(name: str) -> str:
     from agentrl.models import home, resolve_model
 
-    if name == "smollm2":
-        return resolve_model("smollm2")
+    if name in ("smollm2", "tiny"):
+        return resolve_model(name)
     folder = home() / "models" / "bench-vocab152k"
     if not (folder / "config.json").exists():  # SmolLM2's shape with a Qwen-sized vocabulary, random weights
         import torch
@@ -133,7 +137,7 @@ def measure(name: str, tokens: int, chunk: int, checkpointing: bool, limit_gb: f
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--settings", default=",".join(SETTINGS), help="model:tokens,... (model: "
-                                                                  "smollm2 or vocab152k)")
+                                                                  "smollm2, vocab152k or tiny)")
     p.add_argument(
         "--chunk", type=int, default=-1, help="learn.head_chunk_tokens (-1: the learner's default)"
     )
