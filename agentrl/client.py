@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,6 +24,7 @@ import aiohttp
 from agentrl.errors import TransportError
 
 log = logging.getLogger(__name__)
+SLOW_TRY_S = 5.0  # a failed try that took this long is retried with a warning, not silently
 
 
 @dataclass
@@ -100,6 +102,7 @@ class ServeClient:
         url = self.base_url + path
         for attempt in range(attempts):
             wait = min(self.max_backoff_s, self.backoff_s * 2**attempt)
+            started = time.monotonic()
             try:
                 async with self.session().request(
                     method, url, timeout=aiohttp.ClientTimeout(total=limit), **kw
@@ -126,7 +129,9 @@ class ServeClient:
                         pass
             if not err.retryable or attempt + 1 >= attempts:
                 raise err
-            log.debug("%s; retrying in %.1f s", err, wait)
+            # a try that took a while (a timeout: a partition) is a wait someone should see
+            log.log(logging.WARNING if time.monotonic() - started >= SLOW_TRY_S else logging.DEBUG,
+                    "%s; retrying in %.1f s", err, wait)
             await asyncio.sleep(wait)
         raise AssertionError("unreachable")
 

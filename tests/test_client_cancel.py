@@ -61,3 +61,39 @@ def test_a_timeout_of_its_own_is_still_retried() -> None:
             return fake.calls
 
     assert asyncio.run(main()) == 3
+
+
+def test_a_retry_after_a_slow_try_is_logged_as_a_warning_and_a_quick_one_is_not(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """A partition makes each try wait out its limit: the retry after one says so (a learner was
+    silent for 43 s while its chunk uploads timed out and were sent again); quick retries stay quiet."""
+    import logging
+
+    import agentrl.client
+
+    class _Slow(_Swallowing):
+        delay = 0.0
+
+        @contextlib.asynccontextmanager
+        async def request(self, *args, **kwargs):
+            self.calls += 1
+            await asyncio.sleep(self.delay)
+            raise TimeoutError
+            yield None  # never reached
+
+    async def main(delay: float) -> None:
+        async with ServeClient("http://127.0.0.1:9", "", retries=1, backoff_s=0.01) as client:
+            fake = _Slow()
+            fake.delay = delay
+            client.session = lambda: fake  # type: ignore[method-assign]
+            with pytest.raises(Exception, match="timed out"):
+                await client.request("PUT", "/admin/weights/4/chunks/0")
+
+    monkeypatch.setattr(agentrl.client, "SLOW_TRY_S", 0.2)
+    with caplog.at_level(logging.DEBUG, logger="agentrl.client"):
+        asyncio.run(main(0.0))
+        assert [r.levelno for r in caplog.records if "retrying in" in r.message] == [logging.DEBUG]
+        caplog.clear()
+        asyncio.run(main(0.3))
+        warned = [r for r in caplog.records if "retrying in" in r.message]
+        assert [r.levelno for r in warned] == [logging.WARNING] and "chunks/0: timed out" in warned[0].message
