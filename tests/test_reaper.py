@@ -118,3 +118,33 @@ def test_the_command_is_stopped_when_its_reaper_is_killed_with_kill_9(tmp_path):
     reaper.wait()
     assert _wait_gone(child, 30), "the command outlived its reaper"
     assert (tmp_path / "stopped").read_text().strip() == "stopped"  # by its own SIGTERM handler
+
+
+def test_the_commands_private_folder_is_removed_however_it_ends(tmp_path):
+    """``--tmpdir``: an engine's unix sockets live there; gone after an exit, and after a kill -9 of
+    the owner (the reaper's parent-death SIGTERM)."""
+    done = tmp_path / "done"
+    done.mkdir()
+    (done / "socket").write_text("")
+    code = subprocess.run([sys.executable, "-m", "agentrl.engines.reaper", "--tmpdir", str(done), "--",
+                           "sh", "-c", "exit 3"], timeout=60).returncode
+    assert code == 3 and not done.exists()
+
+    folder = tmp_path / "private"
+    folder.mkdir()
+    script = textwrap.dedent(f"""
+        import subprocess, sys, time
+        p = subprocess.Popen([sys.executable, "-m", "agentrl.engines.reaper", "--tmpdir", "{folder}", "--",
+                              "sh", "-c", "echo $$ > {tmp_path}/child.pid; exec sleep 600"])
+        time.sleep(600)
+    """)
+    owner = subprocess.Popen([sys.executable, "-c", script], env=dict(os.environ, AGENTRL_REAPER_GRACE_S="2"))
+    child = _read_pid(tmp_path / "child.pid")
+    assert folder.exists()
+    owner.send_signal(signal.SIGKILL)
+    owner.wait()
+    assert _wait_gone(child, 10)
+    deadline = time.monotonic() + 10
+    while folder.exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not folder.exists(), "the private folder outlived the reaper"

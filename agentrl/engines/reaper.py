@@ -7,6 +7,8 @@ SIGINT it forwards SIGTERM to the group, waits a grace period, then SIGKILLs the
 it SIGKILLs the group at once (an engine being replaced has nothing left to finish). Its exit
 code is the child's, or 128 + N when a signal N killed the child (as a shell reports it), so whoever
 launched it can tell a ``kill -9`` (137) from an error exit.
+``--tmpdir DIR`` (before ``--``) names a folder the command keeps private files in (an engine's
+unix sockets): the reaper removes it once the group is gone, however the command ended.
 :func:`stop_process` is the launching side's stop (SIGTERM, a wait, SIGKILL). A reaper killed
 with ``kill -9`` cannot pass anything on: the kernel sends its command SIGTERM (PR_SET_PDEATHSIG
 is set for the command too), and the launching side, when it is still alive, notes the group with
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -72,30 +75,46 @@ def signal_group(pgid: int, sig: int) -> bool:
 
 
 def main(argv: list[str]) -> int:
+    tmpdir = None
+    if len(argv) >= 2 and argv[0] == "--tmpdir":
+        tmpdir, argv = argv[1], argv[2:]
     if argv and argv[0] == "--":
         argv = argv[1:]
+    try:
+        return _reap(argv)
+    finally:
+        if tmpdir:
+            shutil.rmtree(tmpdir, ignore_errors=True)
+
+
+def _reap(argv: list[str]) -> int:
     parent = os.getppid()
     _die_with_parent()
     if os.getppid() != parent:  # the parent died before prctl took effect
         return 1
     # the command gets SIGTERM if the reaper itself is killed with kill -9 (e.g. with its own parent,
     # by a process-group kill of `agentrl run`): nothing else would be left to stop it
-    child = subprocess.Popen(argv, start_new_session=True, preexec_fn=_die_with_parent)
+    child: subprocess.Popen | None = None
     deadline: float | None = None  # once stopping: when the group gets SIGKILL if still there
 
     def stop(signum: int, _frame: object) -> None:
         nonlocal deadline
         if deadline is None:
             deadline = time.monotonic() + GRACE_S
-            signal_group(child.pid, signal.SIGTERM)
+            if child is not None:
+                signal_group(child.pid, signal.SIGTERM)
 
     def kill_now(signum: int, _frame: object) -> None:
         nonlocal deadline
         deadline = time.monotonic()
 
+    # the handlers before the command: a SIGTERM while it starts would otherwise end the reaper alone
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
     signal.signal(signal.SIGUSR1, kill_now)
+    child = subprocess.Popen(argv, start_new_session=True, preexec_fn=_die_with_parent)
+    if deadline is not None:  # a stop that came while it started
+        signal_group(child.pid, signal.SIGTERM)
     # The escalation lives in this loop, not in the handlers: a handler runs inside the wait it
     # interrupted, where the child cannot be polled (it would always seem alive: the whole grace).
     while True:
