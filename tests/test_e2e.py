@@ -10,12 +10,14 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
 from agentrl.engines.reaper import stop_process
 from tests.conftest import free_port
+from tests.socket_audit import listening, probe, tree
 
 pytestmark = [pytest.mark.vllm, pytest.mark.docker, pytest.mark.slow]
 
@@ -38,6 +40,43 @@ def _containers(serve_pid: int) -> list[str]:
     so another agentrl run sharing the Docker engine is not counted)."""
     return subprocess.run(["docker", "ps", "-aq", "--filter", f"label=agentrl.pid={serve_pid}"],
                           capture_output=True, text=True, check=True).stdout.split()
+
+
+def _audit_sockets(serve_pid: int, port: int, engine_port: int, marker: Path) -> set[Path]:
+    """#41 item 4: each socket serve's process tree listens on is one of: a unix socket in a folder
+    only serve's user can open; the engine's port, which answers nothing without serve's engine
+    key; serve's own port; or a loopback port that ran nothing when sent a pickle whose loading runs
+    a command (raw, behind a gloo pair's sequence number, as ZeroMQ messages) and an HTTP hello,
+    with every process of the tree still alive after. Returns the unix sockets' folders."""
+    before = {p.pid for p in tree(serve_pid)}
+    found = listening(serve_pid)
+    unix = [x for x in found if x.kind == "unix"]
+    tcp = [x for x in found if x.kind == "tcp"]
+    assert unix and tcp, found  # the engine's ZeroMQ sockets and its worker's gloo ports at least
+    for x in unix:
+        assert not x.address.startswith("@"), f"an abstract unix socket (no permissions): {x}"
+        folder = os.stat(Path(x.address).parent)
+        assert folder.st_uid == os.getuid() and folder.st_mode & 0o077 == 0, (x, oct(folder.st_mode))
+    answers, probed = {}, []
+    for x in tcp:
+        assert x.address.rsplit(":", 1)[0] in ("127.0.0.1", "::1"), f"listening beyond loopback: {x}"
+        if x.port == port:
+            assert x.pid == serve_pid, x
+        elif x.port == engine_port:
+            with pytest.raises(urllib.error.HTTPError) as err:
+                urllib.request.urlopen(f"http://127.0.0.1:{engine_port}/v1/models", timeout=10)
+            assert err.value.code == 401
+        else:
+            probed.append(x)
+    with ThreadPoolExecutor(len(probed) or 1) as pool:  # a port's probe waits 2 s for its answer
+        for x, answer in zip(probed, pool.map(lambda x: probe(x.port, marker), probed), strict=True):
+            answers[x.port] = (x.process, answer)
+    time.sleep(1)
+    assert not marker.exists(), "a listener loaded a pickle and ran its command"
+    assert before <= {p.pid for p in tree(serve_pid)}, "a process of serve's tree died of the probes"
+    print(f"\n[socket audit] {len(unix)} unix sockets in private folders; serve's port; the engine's "
+          f"keyed port; {len(answers)} more ports probed, none ran the pickle: {answers}")
+    return {Path(x.address).parent for x in unix}
 
 
 def test_serve_and_learn_processes_train_on_exact_tokens_and_leave_nothing_behind(tmp_path, tiny_tools_model):
@@ -70,6 +109,8 @@ def test_serve_and_learn_processes_train_on_exact_tokens_and_leave_nothing_behin
         for k in (1, 2, 3):
             assert f"step {k} | version {k} | reward" in learn.stdout
         assert all(s["staleness_max"] <= 1 for s in steps)
+        # every socket serve's processes listen on, probed; the engine serves on (the late call)
+        private_dirs = _audit_sockets(serve.pid, port, engine_port, tmp_path / "pwned")
 
         # Samples generated after update k carry version >= k (per generated token).
         published = {s["version"]: s["time"] for s in steps}
@@ -145,4 +186,5 @@ def test_serve_and_learn_processes_train_on_exact_tokens_and_leave_nothing_behin
         ["pgrep", "-f", f"--port {engine_port}"], capture_output=True, text=True
     ).stdout.split()
     assert ps == [], f"engine processes left behind: {ps}"
+    assert [d for d in private_dirs if d.exists()] == [], "the engine's private folder outlived it"
     assert _containers(serve.pid) == []

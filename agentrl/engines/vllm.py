@@ -13,11 +13,15 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import getpass
 import logging
+import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -117,6 +121,7 @@ class VLLMEngine:
         self.proc: subprocess.Popen | None = None
         self.group: int | None = None  # the engine's process group under its reaper, once it answers
         self.phase, self.phase_since = "not started", time.monotonic()
+        self.tmp_dir: Path | None = None  # the engine's private temporary folder (see private_tmp)
 
     @property
     def url(self) -> str:
@@ -137,14 +142,17 @@ class VLLMEngine:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         logf = open(self.log_path, "ab")  # noqa: SIM115 - the child owns it
         self._log_start = logf.tell()  # an earlier run's lines are not this start-up's
-        cmd = [sys.executable, "-m", "agentrl.engines.reaper", "--", *self.spec.command()]
+        self._remove_tmp()
+        self.tmp_dir = Path(tempfile.mkdtemp(prefix="agentrl-engine-"))
+        cmd = [sys.executable, "-m", "agentrl.engines.reaper", "--tmpdir", str(self.tmp_dir), "--",
+               *self.spec.command()]
         log.info("starting engine on port %d: %s", self.spec.port, " ".join(self.spec.command()[2:]))
         # One vLLM cache for every run of this machine (beside the models): its model-class
         # inspection, cached there, is a 10-20 s subprocess on each start-up otherwise.
-        self.proc = subprocess.Popen(
-            cmd, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            env=self.spec.environment(agentrl_home() / "vllm-cache"),
-        )
+        env = self.spec.environment(agentrl_home() / "vllm-cache")
+        env.update(private_tmp(self.tmp_dir))
+        self.proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                     env=env)
         logf.close()
         _LIVE.add(self.proc)
 
@@ -219,6 +227,7 @@ class VLLMEngine:
         stop_process(proc, timeout_s)  # the reaper takes the engine's whole group down
         _LIVE.discard(proc)
         self._end_group()
+        self._remove_tmp()
 
     def kill(self, timeout_s: float = 10.0) -> None:
         """Kill the engine's whole process group at once, no grace (an engine that is being replaced:
@@ -234,6 +243,13 @@ class VLLMEngine:
                 stop_process(proc, 30.0)
         _LIVE.discard(proc)
         self._end_group()
+        self._remove_tmp()
+
+    def _remove_tmp(self) -> None:
+        """The reaper removes the private folder as it exits; a reaper killed with ``kill -9`` cannot."""
+        if self.tmp_dir is not None and (self.proc is None or self.proc.poll() is not None):
+            shutil.rmtree(self.tmp_dir, ignore_errors=True)
+            self.tmp_dir = None
 
     def _end_group(self) -> None:
         """Kill what is left of the engine's group once its reaper is gone (only a reaper killed
@@ -244,6 +260,23 @@ class VLLMEngine:
                 log.warning("engine on port %d: its reaper was killed; ended its process group %d",
                             self.spec.port, self.group)
             self.group = None
+
+
+def private_tmp(folder: Path) -> dict[str, str]:
+    """The environment that keeps an engine's local endpoints in ``folder`` (mode 0700, serve's
+    user's): vLLM binds the ZeroMQ sockets between its API server, engine core and worker as unix
+    sockets under ``VLLM_RPC_BASE_PATH`` and rendezvous its torch.distributed group through a file
+    under the temporary folder; both default to the machine's shared /tmp, where they outlived
+    every engine. Torch's compiled-kernel cache stays where it was (it is not private and is
+    reused across start-ups)."""
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):
+        user = str(os.getuid())
+    env = {"TMPDIR": str(folder), "VLLM_RPC_BASE_PATH": str(folder)}
+    if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+        env["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(tempfile.gettempdir(), "torchinductor_" + user)
+    return env
 
 
 @atexit.register
