@@ -103,14 +103,26 @@ class DockerBackend(SandboxBackend):
         return await self.reap_stale()
 
     async def reap_stale(self) -> int:
-        """Remove containers of dead owners, and any of our own instance id left by a predecessor."""
-        stale = [c["Id"] for c in await self.api.list(["agentrl.sandbox"])
-                 if (c.get("Labels") or {}).get("agentrl.instance") == self.instance_id
-                 or owner_is_dead(c.get("Labels") or {})]
-        await asyncio.gather(*(self.api.remove(cid) for cid in stale))
-        if stale:
-            log.info("removed %d sandbox containers left by dead owners", len(stale))
-        return len(stale)
+        """Remove containers of dead owners, and any of our own instance id left by a predecessor.
+
+        Swept again until the engine lists none of them (for at most ``api_timeout_s``): a container
+        whose removal is already under way (Docker's AutoRemove once its dead owner's attach closed)
+        answers 409 and stays listed for a moment, as in :meth:`close`."""
+        removed: set[str] = set()
+        deadline = time.monotonic() + self.cfg.api_timeout_s
+        while stale := [c["Id"] for c in await self.api.list(["agentrl.sandbox"])
+                        if (c.get("Labels") or {}).get("agentrl.instance") == self.instance_id
+                        or owner_is_dead(c.get("Labels") or {})]:
+            if time.monotonic() > deadline:
+                log.warning("%d sandbox containers of dead owners still listed after %.0f s of removing "
+                            "them: %s", len(stale), self.cfg.api_timeout_s, ", ".join(i[:12] for i in stale))
+                break
+            await asyncio.gather(*(self.api.remove(cid) for cid in stale))  # 404 and 409 count as done
+            removed.update(stale)
+            await asyncio.sleep(0.05)
+        if removed:
+            log.info("removed %d sandbox containers left by dead owners", len(removed))
+        return len(removed)
 
     async def create(self) -> Slot:
         async with self._create_sem:
