@@ -175,7 +175,12 @@ class LearnConfig:
     precision: Literal["auto", "bf16", "fp32"] = "auto"
     """auto: bf16 compute + fp32 master weights on GPU, fp32 on CPU"""
     loss: Loss = field(default_factory=PGLoss)
-    batch_timeout_s: float = 600.0  # give up waiting for a batch after this long
+    batch_timeout_s: float = 0.0
+    """Give up waiting for serve (a batch, an ack, its info) after this long; 0: wait for ever, saying
+    so (a partition or a restart of any length is ridden out)."""
+    dist_timeout_s: float = 1800.0
+    """Several processes: torch.distributed's timeout, the longest a step, a publish or a checkpoint
+    may keep one rank waiting on another (rank 0's waits on serve send heartbeats and do not count)."""
     policy_wait_s: float = 2.0
     """Named LoRA policies (serve.policies): how long the learner waits for the batch of the policy
     whose turn it is before it tries the next one (a long wait makes the turns strict)."""
@@ -207,6 +212,9 @@ class LearnConfig:
                               "learn.lora.rank > 0 (or another transport for full fine-tuning)")
         if self.lr <= 0:
             raise ConfigError("lr must be positive")
+        if self.batch_timeout_s < 0 or self.dist_timeout_s < 10:
+            raise ConfigError("batch_timeout_s must be >= 0 (0: wait for serve for ever) and "
+                              "dist_timeout_s at least 10")
         if self.micro_batch_tokens < 2:
             raise ConfigError("micro_batch_tokens must be at least 2")
         if self.head_chunk_tokens < 0:

@@ -12,8 +12,12 @@ Invariants (docs/learner.md, *Guards*):
   brings them back, and a batch of nothing but such samples is acknowledged without a step.
 - Several policies are asked in turn, each for a batch at its own version; one with nothing ready
   is passed over, and the next pull asks the policy after the one that had a batch.
-- A serve that does not answer is waited for, up to ``batch_timeout_s``, for batches and acks alike
-  (an ack is idempotent); then its version is compared with the learner's before the next pull.
+- A serve that does not answer is waited for, up to ``batch_timeout_s`` (0: for ever), for batches
+  and acks alike (an ack is idempotent); then its version is compared with the learner's before the
+  next pull.
+- While rank 0 waits on serve (a batch, an ack, serve's info), it tells the other ranks every
+  ``heartbeat_s`` that it is alive (:class:`Wait`), so a wait of any length stays within
+  torch.distributed's timeout, which then only catches a rank that hangs.
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ SERVE_CHECK_S = 30.0  # while no batch comes, ask serve's version at most this o
 REMEMBER_TRAINED = 1 << 16  # trained sample ids kept while their ack is unconfirmed
 RETRY_S = 2.0  # pause before asking a serve that did not answer again
 EMPTY_ROUND_S = 0.05  # several policies, none with a batch ready: pause before asking them all again
+HEARTBEAT_S = 30.0  # rank 0 waiting on serve tells the other ranks it is alive this often
 
 T = TypeVar("T")
 
@@ -69,6 +74,11 @@ class Republish:
 
 
 @dataclass
+class Wait:
+    """Rank 0 is still waiting on serve: the other ranks wait on (a heartbeat, see ``heartbeat_s``)."""
+
+
+@dataclass
 class Stop:
     """Rank 0 could not go on (``reason``); every rank leaves."""
 
@@ -77,9 +87,9 @@ class Stop:
 
 class BatchFeed:
     def __init__(self, cfg: LearnConfig, ctx: Dist, source: BatchSource | None, guards: Counter[str], *,
-                 retry_s: float = RETRY_S) -> None:
+                 retry_s: float = RETRY_S, heartbeat_s: float = HEARTBEAT_S) -> None:
         self.cfg, self.ctx = cfg, ctx
-        self.retry_s = retry_s
+        self.retry_s, self.heartbeat_s = retry_s, heartbeat_s
         self.source = source  # rank 0's; None on the other ranks
         self.guards = guards
         # rank 0: ids of samples trained into the weights whose batch's ack was not confirmed
@@ -142,25 +152,46 @@ class BatchFeed:
     async def next(self, since: float) -> Batch | Republish:
         """The next thing for the loop, on every rank (collective); :class:`Stop` raises SystemExit.
         Gives up ``batch_timeout_s`` after ``since`` (when the wait began, republishing included)."""
-        got: Batch | Republish | Stop | None = None
-        if self.source is not None:
-            try:
-                got = await self._pull(self.source, since)
-            except BaseException as e:
-                self.ctx.broadcast_object(Stop(str(e)))  # let the other ranks leave too
-                raise
-        got = self.ctx.broadcast_object(got)
-        if isinstance(got, Stop):
-            raise SystemExit(f"rank 0 stopped: {got.reason}")
-        assert got is not None
-        return got
+        source = self.source
+        return await self.share(None if source is None else lambda: self._pull(source, since))
+
+    async def share(self, make: Callable[[], Awaitable[T]] | None) -> T:
+        """What rank 0's ``make()`` returns, on every rank (collective: the other ranks pass None).
+        Rank 0 sends :class:`Wait` every ``heartbeat_s`` while it waits; its failure reaches the
+        others as :class:`Stop`, which they raise as SystemExit."""
+        ctx = self.ctx
+        if make is None:
+            got = ctx.broadcast_object(None)
+            while isinstance(got, Wait):
+                got = ctx.broadcast_object(None)
+            if isinstance(got, Stop):
+                raise SystemExit(f"rank 0 stopped: {got.reason}")
+            return got
+        return ctx.broadcast_object(await self._beating(make))
+
+    async def _beating(self, make: Callable[[], Awaitable[T]]) -> T:
+        """Rank 0: ``await make()``, telling the other ranks (waiting in :meth:`share`) every
+        ``heartbeat_s`` that it is alive; a failure is passed on to them before it is raised."""
+        task = asyncio.ensure_future(make())
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=self.heartbeat_s)
+                if done:
+                    return task.result()
+                self.ctx.broadcast_object(Wait())
+        except BaseException as e:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            self.ctx.broadcast_object(Stop(str(e) or type(e).__name__))  # let the other ranks leave too
+            raise
 
     async def ack(self, batch: Batch, updated: bool) -> bool:
-        """Acknowledge a trained batch (rank 0; True elsewhere). Refused: its samples come back,
-        and those now in the weights (``updated``) are remembered so as not to train them again."""
+        """Acknowledge a trained batch (rank 0; True elsewhere, which go on to :meth:`next` and wait
+        there while rank 0 rides out an ack). Refused: its samples come back, and those now in the
+        weights (``updated``) are remembered so as not to train them again."""
         if self.source is None:
             return True
-        acked = await self._ack(batch.batch_id)
+        acked = await self._beating(lambda: self._ack(batch.batch_id))
         if acked:
             self.forget(batch.before)
             return True
@@ -231,7 +262,7 @@ class BatchFeed:
                 continue
             if names:
                 await asyncio.sleep(EMPTY_ROUND_S)
-            if time.monotonic() - since > cfg.batch_timeout_s:
+            if cfg.batch_timeout_s and time.monotonic() - since > cfg.batch_timeout_s:
                 raise SystemExit(f"no batch from {cfg.serve} within {cfg.batch_timeout_s:.0f} s")
 
     async def _ack(self, batch_id: str) -> bool:
@@ -241,14 +272,16 @@ class BatchFeed:
         return bool(await self._ride_out(f"ack of batch {batch_id}", lambda: source.ack(batch_id)))
 
     async def _ride_out(self, what: str, call: Callable[[], Awaitable[T]]) -> T:
-        """``await call()``, tried again while serve does not answer, up to ``batch_timeout_s``: a
-        learner rides out a serve outage (a restart) instead of dying. Only for idempotent calls."""
-        deadline = time.monotonic() + self.cfg.batch_timeout_s
+        """``await call()``, tried again while serve does not answer, up to ``batch_timeout_s`` (0:
+        for ever): a learner rides out a serve outage (a restart, a partition) instead of dying.
+        Only for idempotent calls."""
+        limit = self.cfg.batch_timeout_s
+        deadline = time.monotonic() + limit
         while True:
             try:
                 return await call()
             except TransportError as e:
-                if not e.retryable or time.monotonic() > deadline:
+                if not e.retryable or (limit and time.monotonic() > deadline):
                     raise
                 log.warning("%s got no answer (%s); trying again", what, e)
                 await asyncio.sleep(self.retry_s)

@@ -96,8 +96,8 @@ class ServeSource:
         return token
 
     async def info(self) -> dict[str, Any]:
-        """serve's model and version (waiting for serve up to ``batch_timeout_s``); fills in the batch
-        size and staleness bound the learner takes from serve's buffer."""
+        """serve's model and version (waiting for serve up to ``batch_timeout_s``, 0: for ever); fills
+        in the batch size and staleness bound the learner takes from serve's buffer."""
         from agentrl.errors import TransportError
 
         cfg = self.cfg
@@ -109,7 +109,7 @@ class ServeSource:
             except TransportError as e:
                 if not e.retryable:
                     raise SystemExit(f"serve at {cfg.serve} refused /admin/info: {e}") from None
-                if time.monotonic() > deadline:
+                if cfg.batch_timeout_s and time.monotonic() > deadline:
                     raise SystemExit(f"serve at {cfg.serve} did not answer: {e}") from None
                 log.info("waiting for serve at %s", cfg.serve)
                 await asyncio.sleep(2.0)

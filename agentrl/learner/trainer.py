@@ -22,8 +22,9 @@ Guards, so that no batch is trained wrong (docs/learner.md):
 - A step that did not update the weights (a non-finite loss or gradient norm, nothing to train)
   publishes nothing and does not advance the version; it is counted (``guards`` in each row)
   and logged with the offending samples' ids, and its batch is acknowledged.
-- A serve that does not answer (restarting) is waited for, up to ``batch_timeout_s``, for batches
-  and acks alike (an ack is idempotent), instead of the learner dying with a trained batch.
+- A serve that does not answer (restarting, cut off) is waited for, up to ``batch_timeout_s`` (0:
+  for ever), for batches and acks alike (an ack is idempotent), instead of the learner dying with a
+  trained batch; the other ranks hear from rank 0 meanwhile (:meth:`BatchFeed.share`).
 
 Several named policies on one base model (serve's info lists ``policies``): one LoRA adapter,
 optimizer, version and batch stream each; the loop asks them in turn (one with no batch ready is
@@ -57,7 +58,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from agentrl.learner.config import LearnConfig
-from agentrl.learner.feed import RETRY_S, Batch, BatchFeed, Republish
+from agentrl.learner.feed import HEARTBEAT_S, RETRY_S, Batch, BatchFeed, Republish
 from agentrl.learner.packing import pad_batch, token_logprobs
 from agentrl.learner.report import Reporter, StepReport
 
@@ -98,7 +99,9 @@ class Learner:
 
         map_large_blocks()  # freed activations go back to the system (agentrl/learner/heap.py)
         cfg = self.cfg
-        ctx = init_dist(timeout_s=cfg.batch_timeout_s + 600.0)
+        # rank 0's waits on serve send the others a heartbeat (BatchFeed.share): the timeout bounds
+        # a step, a publish or a checkpoint, and catches a rank that hangs
+        ctx = init_dist(timeout_s=cfg.dist_timeout_s)
         torch.manual_seed(cfg.seed + ctx.rank)
         source = None
         if ctx.is_main:
@@ -109,7 +112,8 @@ class Learner:
                 self.source = ServeSource(cfg)
             source = self.source
         # RETRY_S read here, so that a test can shorten the pause before asking serve again
-        feed = self.feed = BatchFeed(cfg, ctx, source, self.guards, retry_s=RETRY_S)
+        feed = self.feed = BatchFeed(cfg, ctx, source, self.guards, retry_s=RETRY_S,
+                                     heartbeat_s=min(HEARTBEAT_S, cfg.dist_timeout_s / 4))
         try:
             info, model_path, policies = await self._setup(ctx, source)
             feed.policies = policies
@@ -133,7 +137,8 @@ class Learner:
         from agentrl.learner.policies import build_policies, check_policies
 
         cfg = self.cfg
-        info = ctx.broadcast_object(await source.info() if source is not None else None)
+        assert self.feed is not None
+        info = await self.feed.share(None if source is None else source.info)
         publishes, weights_device = ctx.broadcast_object(
             (bool(source.publishes), source.weights_device if source.publishes else "cpu")
             if source is not None else None)
