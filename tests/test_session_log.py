@@ -52,3 +52,40 @@ def test_close_writes_what_was_queued_and_later_lines_are_still_written(tmp_path
     writer.close()  # idempotent
     writer.append(path, "50")  # after close: written at once, after the rest
     assert path.read_text().splitlines() == [str(n) for n in range(51)]
+
+
+def test_a_full_disk_loses_the_line_whole_and_the_next_follows_a_whole_line(tmp_path, monkeypatch) -> None:
+    """A write that runs out of space part way leaves no torn bytes behind (they would glue the next
+    record onto half a line); the lost line is logged, the router goes on."""
+    import errno
+    import os
+
+    import agentrl.buffer.disk as disk
+
+    path = tmp_path / "s.jsonl"
+    writer = SessionLog()
+    real_write, full = os.write, {"on": False, "took": 0}
+
+    def write(fd: int, data) -> int:  # a disk with room for 5 more bytes: a short write, then ENOSPC
+        if full["on"]:
+            if full["took"]:
+                full["on"], full["took"] = False, 0
+                raise OSError(errno.ENOSPC, "No space left on device")
+            full["took"] = real_write(fd, bytes(data[:5]))
+            return full["took"]
+        return real_write(fd, data)
+
+    monkeypatch.setattr(disk.os, "write", write)
+
+    async def main() -> None:
+        writer.append(path, json.dumps({"n": 1}))
+        await writer.flush()
+        full["on"] = True
+        writer.append(path, json.dumps({"n": 2, "pad": "x" * 100}))
+        await writer.flush()
+        writer.append(path, json.dumps({"n": 3}))
+        await writer.flush()
+
+    asyncio.run(main())
+    writer.close()
+    assert [json.loads(x)["n"] for x in path.read_text().splitlines()] == [1, 3]

@@ -24,6 +24,8 @@ import threading
 import weakref
 from pathlib import Path
 
+from agentrl.buffer.disk import append_line
+
 log = logging.getLogger(__name__)
 
 _STOP = None  # the queue item that ends the writer thread
@@ -88,15 +90,16 @@ class SessionLog:
                 path, line = item
                 try:
                     _append(path, line)
-                except OSError as e:  # a full or vanished disk loses this record, not the router
+                except OSError as e:  # a vanished disk loses this record, not the router
                     log.error("could not append a call record to %s: %s", path, e)
             finally:
                 self._queue.task_done()
 
 
 def _append(path: Path, line: str) -> None:
-    with open(path, "a") as f:
-        f.write(line + "\n")
+    """The line whole or not at all: on a full disk it is logged and lost, and no torn part of it is
+    left for the next line to follow (a session file stays one JSON record a line)."""
+    append_line(path, line)
 
 
 def _close_at_exit(ref: weakref.ref[SessionLog]) -> None:
