@@ -88,9 +88,19 @@ def settle_admin_token(cfg_token: str, token_file: str, run_dir: Path) -> str:
     token = find_admin_token(cfg_token, token_file, run_dir) or secrets.token_urlsafe(24)
     run_dir.mkdir(parents=True, exist_ok=True)
     path = run_dir / "admin_token"
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(token)
+    try:
+        held = path.read_text().strip() if path.is_file() else None
+    except OSError:
+        held = None
+    if held != token:  # a new file whole, or the old one stays (a full disk must not empty it)
+        tmp = path.with_name(f".admin_token.{os.getpid()}")
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(token)
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
     path.chmod(0o600)  # an older file may have had wider permissions
     return token
 

@@ -331,3 +331,22 @@ def test_serve_on_a_full_disk_stops_admitting_corrupts_nothing_and_resumes_when_
             assert ids and ids <= put_ids
     finally:
         engine.stop()
+
+
+def test_serve_on_a_disk_already_full_says_so_and_keeps_the_runs_admin_token(tmp_path: Path) -> None:
+    """A serve started (or started again) on a full disk cannot take its first steps: it exits 1
+    with what is wrong and what to do (before: an OSError traceback), and the run's admin token,
+    which a learner of the run reads, is not emptied on the way."""
+    with small_filesystem(tmp_path / "mnt", 4) as mnt:
+        run_dir = mnt / "run"
+        run_dir.mkdir()
+        (run_dir / "admin_token").write_text("the-runs-token")
+        fill(mnt)
+        env = {k: v for k, v in os.environ.items() if k != "AGENTRL_ADMIN_TOKEN"}
+        out = subprocess.run([sys.executable, "-m", "agentrl.cli", "serve", f"--run_dir={run_dir}",
+                              f"--router.port={free_port()}", f"--engine.base_port={free_port()}"],
+                             capture_output=True, text=True, env=env, timeout=300)
+        assert out.returncode == 1, out.stderr[-3000:]
+        assert "agentrl serve: no space left in" in out.stderr and "free some space" in out.stderr, out.stderr
+        assert "Traceback" not in out.stderr, out.stderr[-3000:]
+        assert (run_dir / "admin_token").read_text() == "the-runs-token"

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import shutil
 import sys
 from typing import TYPE_CHECKING, TypeVar
 
@@ -89,6 +90,18 @@ def cmd_serve(args: argparse.Namespace, extra: list[str]) -> int:
         return 130
     except EngineFailed as e:  # its engines died and could not be relaunched: nothing left to serve
         print(f"agentrl serve: {e}", file=sys.stderr, flush=True)
+        return 1
+    except OSError as e:
+        from agentrl.buffer.disk import is_no_space
+
+        if not is_no_space(e):
+            raise
+        # while serving, a full disk pauses admission (buffer.min_free_mb); before it serves, nothing can
+        # start: its token, config and logs need room
+        free = shutil.disk_usage(cfg.run_dir).free / (1 << 20)
+        print(f"agentrl serve: no space left in {cfg.run_dir} ({free:.1f} MiB free) to start in: "
+              f"{e.strerror}{f' ({e.filename})' if e.filename else ''}; free some space and start it again",
+              file=sys.stderr, flush=True)
         return 1
     return 0
 
