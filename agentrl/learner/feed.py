@@ -185,13 +185,15 @@ class BatchFeed:
             self.ctx.broadcast_object(Stop(str(e) or type(e).__name__))  # let the other ranks leave too
             raise
 
-    async def ack(self, batch: Batch, updated: bool) -> bool:
-        """Acknowledge a trained batch (rank 0; True elsewhere, which go on to :meth:`next` and wait
-        there while rank 0 rides out an ack). Refused: its samples come back, and those now in the
-        weights (``updated``) are remembered so as not to train them again."""
+    async def ack(self, batch: Batch, updated: bool, more: bool = True) -> bool:
+        """Acknowledge a trained batch (rank 0; True elsewhere). Refused: its samples come back, and
+        those now in the weights (``updated``) are remembered so as not to train them again.
+        ``more``: a pull follows on every rank, so the others wait in :meth:`next` while rank 0
+        rides out the ack, and hear its heartbeat there; after the last step nobody listens."""
         if self.source is None:
             return True
-        acked = await self._beating(lambda: self._ack(batch.batch_id))
+        ack = self._ack(batch.batch_id)
+        acked = await (self._beating(lambda: ack) if more else ack)
         if acked:
             self.forget(batch.before)
             return True

@@ -235,7 +235,7 @@ class Learner:
                                         trained=list(feed.trained), next_policy=feed.next_policy)
 
             # --- ack
-            acked = await feed.ack(got, updated)
+            acked = await feed.ack(got, updated, more=not cfg.steps or policies.steps_done() < cfg.steps)
 
             # --- report
             if not ctx.is_main:
