@@ -100,7 +100,8 @@ async def parity(url: str, served: str, model: Any, tokens: int, max_tokens: int
     async with aiohttp.ClientSession() as http:
         i = 0
         while sum(d.numel() for d in diffs) < tokens:
-            prompt = [1, 510 + i, 1029, 314, 253 + i, 2205]
+            # ids within any vocabulary (tiny's is 2,052); SmolLM2's 49,152 leave them as they are
+            prompt = [t % model.config.vocab_size for t in (1, 510 + i, 1029, 314, 253 + i, 2205)]
             body = {"model": served, "token_ids": prompt, "sampling_params": {
                 "max_tokens": max_tokens, "temperature": 1.0, "logprobs": 0, "ignore_eos": True}}
             async with http.post(url + "/inference/v1/generate", json=body) as r:
