@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from agentrl.sandbox.backend import SandboxBackend, Slot, owner_is_dead, owner_labels
@@ -103,25 +104,32 @@ class DockerBackend(SandboxBackend):
         return await self.reap_stale()
 
     async def reap_stale(self) -> int:
-        """Remove containers of dead owners, and any of our own instance id left by a predecessor.
+        """Remove containers of dead owners, and any of our own instance id left by a predecessor
+        (swept until the engine lists none of them, as in :meth:`close`)."""
+        async def stale() -> list[str]:
+            return [c["Id"] for c in await self.api.list(["agentrl.sandbox"])
+                    if (c.get("Labels") or {}).get("agentrl.instance") == self.instance_id
+                    or owner_is_dead(c.get("Labels") or {})]
 
-        Swept again until the engine lists none of them (for at most ``api_timeout_s``): a container
-        whose removal is already under way (Docker's AutoRemove once its dead owner's attach closed)
-        answers 409 and stays listed for a moment, as in :meth:`close`."""
+        removed = await self._remove_until_unlisted(stale, "of dead owners ")
+        if removed:
+            log.info("removed %d sandbox containers left by dead owners", removed)
+        return removed
+
+    async def _remove_until_unlisted(self, listed: Callable[[], Awaitable[list[str]]], what: str = "") -> int:
+        """Remove what ``listed()`` names until it names nothing, for at most ``api_timeout_s``; how
+        many were removed. A container whose removal is already under way (ours, or Docker's
+        AutoRemove once its dead owner's attach closed) answers 409 and stays listed for a moment."""
         removed: set[str] = set()
         deadline = time.monotonic() + self.cfg.api_timeout_s
-        while stale := [c["Id"] for c in await self.api.list(["agentrl.sandbox"])
-                        if (c.get("Labels") or {}).get("agentrl.instance") == self.instance_id
-                        or owner_is_dead(c.get("Labels") or {})]:
+        while ids := await listed():
             if time.monotonic() > deadline:
-                log.warning("%d sandbox containers of dead owners still listed after %.0f s of removing "
-                            "them: %s", len(stale), self.cfg.api_timeout_s, ", ".join(i[:12] for i in stale))
+                log.warning("%d sandbox containers %sstill listed after %.0f s of removing them: %s",
+                            len(ids), what, self.cfg.api_timeout_s, ", ".join(i[:12] for i in ids))
                 break
-            await asyncio.gather(*(self.api.remove(cid) for cid in stale))  # 404 and 409 count as done
-            removed.update(stale)
+            await asyncio.gather(*(self.api.remove(cid) for cid in ids))  # 404 and 409 count as done
+            removed.update(ids)
             await asyncio.sleep(0.05)
-        if removed:
-            log.info("removed %d sandbox containers left by dead owners", len(removed))
         return len(removed)
 
     async def create(self) -> Slot:
@@ -161,23 +169,9 @@ class DockerBackend(SandboxBackend):
         answers 409 and is still listed for a moment), for at most ``api_timeout_s``.
         """
         self._closed = True
-        removed: set[str] = set()
         try:
             await asyncio.gather(*self._creating, *self._removing, return_exceptions=True)
-            deadline = time.monotonic() + self.cfg.api_timeout_s
-            while ids := await self._listed_ids():
-                if time.monotonic() > deadline:
-                    log.warning(
-                        "%d sandbox containers still listed after %.0f s of removing them: %s",
-                        len(ids),
-                        self.cfg.api_timeout_s,
-                        ", ".join(i[:12] for i in ids),
-                    )
-                    break
-                await asyncio.gather(*(self.api.remove(cid) for cid in ids))  # 404 and 409 count as done
-                removed.update(ids)
-                await asyncio.sleep(0.05)
-            return len(removed)
+            return await self._remove_until_unlisted(self._listed_ids)
         finally:
             await self.api.close()
 
