@@ -149,22 +149,29 @@ def run_one(name: str, args: list[str], keys: list[str], run_root: Path,
         return False, f"timed out after {timeout_s:.0f} s; stderr ends:\n{err[-2000:]}"
     (folder / "stdout.txt").write_text(proc.stdout)
     (folder / "stderr.txt").write_text(proc.stderr)
+    result, why = final_line(proc, keys)
+    return result is not None, why
+
+
+def final_line(proc: subprocess.CompletedProcess[str], keys: list[str]) -> tuple[dict[str, Any] | None, str]:
+    """A finished benchmark's final JSON object if it exited 0 and that line holds ``keys``; else
+    None and what went wrong (with the tail of its stderr). tests/test_benchmark_smoke.py uses it too."""
     tail = proc.stderr[-2000:]
     if proc.returncode != 0:
-        return False, f"exited {proc.returncode}; stderr ends:\n{tail}"
+        return None, f"exited {proc.returncode}; stderr ends:\n{tail}"
     lines = proc.stdout.strip().splitlines()
     if not lines:
-        return False, f"printed nothing; stderr ends:\n{tail}"
+        return None, f"printed nothing; stderr ends:\n{tail}"
     try:
         result: Any = json.loads(lines[-1])
     except json.JSONDecodeError as e:
-        return False, f"last line is not JSON ({e}): {lines[-1][:300]!r}"
+        return None, f"last line is not JSON ({e}): {lines[-1][:300]!r}; stderr ends:\n{tail}"
     if not isinstance(result, dict):
-        return False, f"last line is not a JSON object: {lines[-1][:300]!r}"
+        return None, f"last line is not a JSON object: {lines[-1][:300]!r}"
     missing = [k for k in keys if k not in result]
     if missing:
-        return False, f"final line lacks {missing}"
-    return True, ""
+        return None, f"final line lacks {missing}: {result}"
+    return result, ""
 
 
 def main() -> None:
