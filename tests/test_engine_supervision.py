@@ -86,7 +86,8 @@ class FakeEngine:
 
 class StubPool:
     def __init__(self, n: int) -> None:
-        self.engines = [SimpleNamespace(name=f"engine-{i}", healthy=True, outstanding=0) for i in range(n)]
+        self.engines = [SimpleNamespace(name=f"engine-{i}", healthy=True, outstanding=0, failed_rejoins=0,
+                                       last_error="") for i in range(n)]
         self.version = 7
         self.downs: list[tuple[str, str]] = []
         self.fakes: list[FakeEngine] = []

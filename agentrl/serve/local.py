@@ -176,7 +176,7 @@ class Supervisor:
         tries to bring it to the current version (each bounded by the pool's control timeout) failed
         :data:`REJOIN_FAILURES` times in a row, e.g. its engine core was stopped during a weight
         update, with no call in flight for :meth:`_stalled` to see."""
-        failed = getattr(member, "failed_rejoins", 0)
+        failed = member.failed_rejoins
         if member.healthy or failed < REJOIN_FAILURES:
             return ""
         return (f"it answers /health but {failed} tries in a row to bring it to the current version failed "
