@@ -115,7 +115,7 @@ class Learner:
         feed = self.feed = BatchFeed(cfg, ctx, source, self.guards, retry_s=RETRY_S,
                                      heartbeat_s=min(HEARTBEAT_S, cfg.dist_timeout_s / 4))
         try:
-            info, model_path, policies = await self._setup(ctx, source)
+            info, model_path, policies = await self._setup(ctx, feed)
             feed.policies = policies
             await self._resume(policies, feed)
             await self._meet_serve(policies, info)
@@ -131,14 +131,13 @@ class Learner:
 
     # ------------------------------------------------------------------ setup, resume, handshake
 
-    async def _setup(self, ctx: Dist, source: BatchSource | None) -> tuple[dict[str, Any], str, PolicySet]:
+    async def _setup(self, ctx: Dist, feed: BatchFeed) -> tuple[dict[str, Any], str, PolicySet]:
         """Serve's info, the model path, and the policy set serve's info asks for, on every rank."""
         from agentrl.learner.dist import load_model
         from agentrl.learner.policies import build_policies, check_policies
 
-        cfg = self.cfg
-        assert self.feed is not None
-        info = await self.feed.share(None if source is None else source.info)
+        cfg, source = self.cfg, feed.source
+        info = await feed.share(None if source is None else source.info)
         publishes, weights_device = ctx.broadcast_object(
             (bool(source.publishes), source.weights_device if source.publishes else "cpu")
             if source is not None else None)
