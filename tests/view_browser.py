@@ -86,11 +86,25 @@ class Console:
         self.recording = False
 
 
-def wait_for(page: Any, js: str, timeout_s: float = 60.0) -> Any:
+def wait_for(page: Any, js: str, timeout_s: float = 240.0) -> Any:
     """Poll a JS expression in the page until it is truthy (bounded); returns its value. (Passed as a
     function: the view's Content-Security-Policy rightly forbids evaluating strings. An expression
-    that throws fails the wait at once, so it must be safe before the page has drawn anything.)"""
-    handle = page.wait_for_function(f"() => ({js})", timeout=timeout_s * 1000, polling=200)
+    that throws fails the wait at once, so it must be safe before the page has drawn anything.)
+
+    The bound is generous: CI runs these tests niced beside vLLM engines, and an episode page's first
+    request loads the tokenizer, which took over 60 s there once. A wait that runs out says what the
+    page's status line showed (an error the page caught, or the last progress it reported)."""
+    from playwright.sync_api import TimeoutError as PlaywrightTimeout
+
+    try:
+        handle = page.wait_for_function(f"() => ({js})", timeout=timeout_s * 1000, polling=200)
+    except PlaywrightTimeout as e:
+        try:
+            status = page.evaluate("(document.getElementById('status') || {}).textContent || ''")
+        except Exception as err:  # the page may be gone: say that instead
+            status = f"(unreadable: {err})"
+        raise AssertionError(f"{js!r} not true after {timeout_s:.0f} s at {page.url}; "
+                             f"the page's status line: {status!r}") from e
     return handle.json_value()  # the value that met the wait, not a later one
 
 
