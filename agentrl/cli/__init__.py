@@ -370,7 +370,7 @@ def parser() -> argparse.ArgumentParser:
     mb = msub.add_parser("build", help="put a built-in model in the cache (the project's shipped build where "
                          "there is one, else built here) and print its folder")
     mb.add_argument("name", choices=["tiny", "tiny-tools", "tiny-moe", "tiny-arith", "tiny-agent", "smollm2",
-                                     "smollm2-tools"])
+                                     "smollm2-tools", "smollm2-moe"])
     mb.add_argument("--rebuild", action="store_true",
                     help="build it here from its recipe, whatever the cache and the shipped files hold")
     mb.add_argument("--ship", action="store_true",

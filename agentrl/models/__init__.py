@@ -62,6 +62,10 @@ def recipe_stamp(name: str) -> tuple[str, dict[str, Any]]:
         from agentrl.models.moe import MOE_RECIPE
 
         return "agentrl_recipe.json", MOE_RECIPE
+    if name == "smollm2-moe":
+        from agentrl.models.moe import SMOLLM2_MOE_RECIPE
+
+        return "agentrl_recipe.json", SMOLLM2_MOE_RECIPE
     if name in ("smollm2", "smollm2-135m"):
         from agentrl.models.smollm2 import PACKAGE
 
@@ -82,6 +86,12 @@ def _tiny_moe(out: Path) -> Path:  # the mixture-of-experts one (agentrl/models/
     from agentrl.models.moe import build_tiny_moe_model
 
     return build_tiny_moe_model(out)
+
+
+def _smollm2_moe(out: Path) -> Path:  # SmolLM2 upcycled into an MoE (agentrl/models/moe.py)
+    from agentrl.models.moe import build_smollm2_moe_model
+
+    return build_smollm2_moe_model(out)
 
 
 def _smollm2(out: Path) -> Path:
@@ -321,6 +331,7 @@ BUILDERS.update({
     "tiny": _tiny, "tiny-tools": build_tiny_tools_model, "tiny-moe": _tiny_moe,
     "tiny-arith": build_tiny_arith_model, "tiny-agent": build_tiny_agent_model,
     "smollm2": _smollm2, "smollm2-135m": _smollm2, "smollm2-tools": build_smollm2_tools_model,
+    "smollm2-moe": _smollm2_moe,
 })
 
 
