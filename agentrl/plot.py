@@ -248,9 +248,10 @@ def chart_importance(logs: RunLogs, axes: list[Any]) -> bool:
     if not _have(keys, axes, "importance-weight statistics"):
         return False
     steps = _steps(rows)
-    weight_keys = [k for k in keys if not k.startswith("mismatch/") and "frac" not in k]
+    weights = ("is/", "is_", "mismatch/ratio_std")  # the spread on every step, is/* under tis or mis
+    weight_keys = [k for k in keys if k.startswith(weights) and "frac" not in k]
     frac_keys = [k for k in keys if "frac" in k]
-    kl_keys = [k for k in keys if k.startswith("mismatch/kl")]
+    kl_keys = [k for k in keys if k.startswith("mismatch/kl") or k == "mismatch/abs_log_ratio"]
     for ax, group, title, ylabel in (
             (ax1, weight_keys, "Importance weights pi_old / mu", "weight"),
             (ax2, frac_keys, "Share of tokens clipped or masked", "fraction"),

@@ -22,6 +22,7 @@ from agentrl.learner.losses import (
     masked_is,
     masked_mean,
     mismatch_kl,
+    mismatch_spread,
     mismatch_token_mask,
     policy_gradient_loss,
     ppo_clip_loss,
@@ -248,6 +249,15 @@ def test_mismatch_kl_estimators_on_sampled_tokens() -> None:
     kl = mismatch_kl(t([[0.5, -0.5, 9.0]]), t([[0.0, 0.0, 0.0]]), t([[1, 1, 0]]))
     close(kl["k1"], (-0.5 + 0.5) / 2)
     close(kl["k3"], ((e(0.5) - 1 - 0.5) + (e(-0.5) - 1 + 0.5)) / 2)
+
+
+def test_mismatch_spread_is_the_mean_abs_log_ratio_and_the_weights_std_on_sampled_tokens() -> None:
+    # log(pi / mu) = +0.5 and -0.5; the masked third token would add a huge term
+    got = mismatch_spread(t([[0.5, -0.5, 9.0]]), t([[0.0, 0.0, 0.0]]), t([[1, 1, 0]]))
+    close(got["abs_log_ratio"], 0.5)
+    close(got["ratio_std"], (e(0.5) - e(-0.5)) / 2)
+    same = mismatch_spread(t([[-1.0, -2.0]]), t([[-1.0, -2.0]]), t([[1, 1]]))
+    assert same["abs_log_ratio"].item() == 0.0 and same["ratio_std"].item() == 0.0
 
 
 def test_mismatch_kl_is_zero_when_learner_and_engine_agree() -> None:

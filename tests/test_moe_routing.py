@@ -158,6 +158,26 @@ def test_replay_routes_through_the_recorded_experts_and_the_gate_still_learns(mo
         assert torch.allclose(model(input_ids=ids, use_cache=False).logits, own)
 
 
+def test_replay_that_does_not_follow_routes_as_the_learner_and_still_counts_the_disagreement(
+    moe_model: str,
+) -> None:
+    model = _hf(moe_model)
+    ids = torch.randint(10, 2000, (1, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        own = model(input_ids=ids, use_cache=False).logits
+    other = torch.zeros(1, 12, 2, 2, dtype=torch.long)
+    other[..., 1] = 1
+    followed, counted = ReplayStats(), ReplayStats()
+    with torch.no_grad(), replay_routing(model, other, followed):
+        model(input_ids=ids, use_cache=False)
+    with torch.no_grad(), replay_routing(model, other, counted, follow=False):
+        out = model(input_ids=ids, use_cache=False).logits
+    assert torch.equal(out, own)  # its own routing, bit for bit
+    assert (counted.replayed, counted.differed) == (followed.replayed, followed.differed)
+    assert counted.replayed == 24
+    assert counted.differed > 0
+
+
 # -- the learner's step: samples carry their routing (agentrl.buffer.sample.Sample.routing) --------
 def _routed_samples(n: int, seed: int) -> list[Any]:
     """Samples whose routing is recorded on most tokens (ids 255: a few the learner routes itself),

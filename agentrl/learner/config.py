@@ -172,6 +172,10 @@ class LearnConfig:
     """Positions per chunk of the LM head (agentrl.learner.head): about three [chunk, vocabulary] fp32
     tensors exist at once (0.6 GB for SmolLM2's 49,152-token vocabulary); 0: the whole row's logits."""
     activation_checkpointing: bool = False  # recompute decoder-layer activations in backward (less memory)
+    routing_replay: bool = True
+    """MoE models: route each token through the experts the engine used when it sampled it (its
+    recorded routing); false: the learner routes every token itself, and still counts where its
+    routing differs from the record (learner.jsonl's routing_disagreement)."""
     precision: Literal["auto", "bf16", "fp32"] = "auto"
     """auto: bf16 compute + fp32 master weights on GPU, fp32 on CPU"""
     loss: Loss = field(default_factory=PGLoss)

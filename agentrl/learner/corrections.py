@@ -27,6 +27,7 @@ __all__ = [
     "log_ratio",
     "masked_is",
     "mismatch_kl",
+    "mismatch_spread",
     "mismatch_token_mask",
     "truncated_is",
 ]
@@ -158,6 +159,20 @@ def mismatch_kl(logp_train: Tensor, logp_behaviour: Tensor, mask: Tensor) -> Sta
     return {
         "k1": masked_mean(-log_r, mask),
         "k3": masked_mean(torch.exp(log_r) - 1 - log_r, mask),
+    }
+
+
+@torch.no_grad()
+def mismatch_spread(logp_train: Tensor, logp_behaviour: Tensor, mask: Tensor) -> Stats:
+    """How far the learner's logprobs are from the engine's on the sampled tokens, before any
+    correction: ``abs_log_ratio`` = E|log pi - log mu| (token-mean) and ``ratio_std``, the standard
+    deviation of the importance weights pi / mu (1 and 0 when they agree exactly)."""
+    log_r = log_ratio(logp_train, logp_behaviour, mask)
+    ratio = torch.exp(log_r)
+    mean = masked_mean(ratio, mask)
+    return {
+        "abs_log_ratio": masked_mean(log_r.abs(), mask),
+        "ratio_std": torch.sqrt(masked_mean((ratio - mean) ** 2, mask)),
     }
 
 

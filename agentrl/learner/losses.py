@@ -35,6 +35,7 @@ from agentrl.learner.corrections import (
     approx_proximal_logp,
     masked_is,
     mismatch_kl,
+    mismatch_spread,
     mismatch_token_mask,
     truncated_is,
 )
@@ -77,6 +78,7 @@ __all__ = [
     "masked_mean",
     "masked_sum",
     "mismatch_kl",
+    "mismatch_spread",
     "mismatch_token_mask",
     "policy_gradient_loss",
     "ppo_clip_loss",
@@ -133,6 +135,7 @@ def compute_loss(
 
     # measured before any masking, so the metric shows the mismatch that the masks act on
     stats.update({f"mismatch/kl_{k}": v for k, v in mismatch_kl(logp_old, logp_behaviour, mask).items()})
+    stats.update({f"mismatch/{k}": v for k, v in mismatch_spread(logp_old, logp_behaviour, mask).items()})
     if mismatch_band is not None:
         mask, s = mismatch_token_mask(logp_old, logp_behaviour, mask, *mismatch_band)
         stats.update({f"mismatch/{k}": v for k, v in s.items()})

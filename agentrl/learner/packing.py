@@ -154,13 +154,14 @@ def packed_forward(model: torch.nn.Module, rows: Rows, device: torch.device | st
 
 @contextlib.contextmanager
 def routing_replayed(model: torch.nn.Module, rows: Rows, device: torch.device | str = "cpu",
-                     stats: ReplayStats | None = None) -> Iterator[None]:
+                     stats: ReplayStats | None = None, follow: bool = True) -> Iterator[None]:
     """Within the block, a forward pass over the packed row (and its backward, which recomputes it
     under activation checkpointing) routes each token through its recorded experts; nothing changes
-    for samples without a routing."""
+    for samples without a routing. ``follow=False`` only counts, in ``stats``, where the learner's own
+    routing differs from the record."""
     experts = rows.routing if isinstance(rows, MicroBatch) else packed_routing(rows, device)
     if experts is None:
         yield
         return
-    with replay_routing(model, experts, stats):
+    with replay_routing(model, experts, stats, follow=follow):
         yield

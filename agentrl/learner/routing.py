@@ -76,12 +76,13 @@ def _forward(self: Any, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torc
     _, own = torch.topk(probs, self.top_k, dim=-1)
     recorded = self._agentrl_recorded
     indices = own
-    if recorded is not None:
+    if recorded is not None:  # counted whether or not it is followed
         rec = recorded.reshape(-1, recorded.shape[-1]).to(own.device, torch.long)
         if rec.shape[0] != own.shape[0]:
             raise ValueError(f"routing replay: {rec.shape[0]} recorded tokens for a pass over {own.shape[0]}")
         has = (rec >= 0).all(dim=-1)
-        indices = torch.where(has[:, None], rec, own)
+        if self._agentrl_follow:
+            indices = torch.where(has[:, None], rec, own)
         n = int(has.sum())
         if n:
             stats = self._agentrl_stats
@@ -100,9 +101,10 @@ def _forward(self: Any, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torc
 
 @contextlib.contextmanager
 def replay_routing(model: torch.nn.Module, experts: torch.Tensor | None,
-                   stats: ReplayStats | None = None) -> Iterator[ReplayStats]:
+                   stats: ReplayStats | None = None, follow: bool = True) -> Iterator[ReplayStats]:
     """Within the block, the model's routers use ``experts`` ([batch, tokens, layers, k]; ids < 0:
-    the learner's own routing); ``None`` replays nothing but still counts nothing. Yields the stats."""
+    the learner's own routing); ``None`` replays nothing and counts nothing; ``follow=False`` routes
+    as the learner would and only counts where that differs from ``experts``. Yields the stats."""
     routers = moe_routers(model)
     stats = stats if stats is not None else ReplayStats()
     if experts is not None and experts.shape[-2] != len(routers):
@@ -111,6 +113,7 @@ def replay_routing(model: torch.nn.Module, experts: torch.Tensor | None,
     for i, r in enumerate(routers):
         r._agentrl_recorded = None if experts is None else experts[..., i, :]
         r._agentrl_stats = stats
+        r._agentrl_follow = follow
         r.forward = types.MethodType(_forward, r)
     try:
         yield stats

@@ -153,7 +153,7 @@ def _dummy_pass(state: TrainState, backward: bool) -> None:
 
 
 def _old_logprobs(state: TrainState, prep: TrainBatch, plan: list[list[list[int]]],
-                  chunk_tokens: int) -> dict[tuple[int, int], torch.Tensor]:
+                  cfg: LearnConfig) -> dict[tuple[int, int], torch.Tensor]:
     """pi_old of every row this rank trains, keyed (minibatch, row): no grad, eval mode (no dropout)."""
     ctx = state.ctx
     out: dict[tuple[int, int], torch.Tensor] = {}
@@ -165,9 +165,9 @@ def _old_logprobs(state: TrainState, prep: TrainBatch, plan: list[list[list[int]
                     _dummy_pass(state, backward=False)
                     continue
                 mb = MicroBatch.build([prep.samples[j] for j in rows[mine[i]]], device=ctx.device)
-                with routing_replayed(state.model, mb):
+                with routing_replayed(state.model, mb, follow=cfg.routing_replay):
                     out[(m, mine[i])] = packed_logprobs(
-                        state.model, mb, ctx.device, chunk_tokens=chunk_tokens
+                        state.model, mb, ctx.device, chunk_tokens=cfg.head_chunk_tokens
                     )
     return out
 
@@ -204,7 +204,8 @@ def _update(
         row_routing = ReplayStats()
         topk = bool(loss_cfg.distill_topk_coef) and TEACHER_TOPK in mb.sections
         trained = mb.mask != 0
-        with routing_replayed(model, mb, stats=row_routing):  # held through backward: a recompute replays too
+        # held through backward: a recompute replays too
+        with routing_replayed(model, mb, stats=row_routing, follow=cfg.routing_replay):
             forward = packed_forward(model, mb, topk=topk, chunk_tokens=cfg.head_chunk_tokens)
             logp = forward.logp
             routed[0] += row_routing.tokens  # read now: a recompute in backward counts again
@@ -318,7 +319,7 @@ def train_step(
         and updates > 1
         and getattr(loss_cfg, "proximal", "recompute") == "recompute"
     )
-    old = _old_logprobs(state, prep, plan, cfg.head_chunk_tokens) if recompute else {}
+    old = _old_logprobs(state, prep, plan, cfg) if recompute else {}
     lr = state.scheduler.get_last_lr()[0]
     done: list[dict[str, Any]] = []
     for _ in range(epochs):

@@ -49,9 +49,10 @@ function charts() {
   const serveMin = minutes("serve");
   const [tokX, tokY] = rate(serveMin, col("serve", "router.completion_tokens"), 1);
   const [rateX, rateY] = rate(serveMin, col("serve", "rollout.episodes"), 60);
-  const isKeys = keysOf("learner", (k) => k.startsWith("is/") && !k.includes("frac"));
+  // the weights' spread (mismatch/ratio_std) is measured on every step, the is/* weights under tis or mis
+  const isKeys = keysOf("learner", (k) => (k.startsWith("is/") && !k.includes("frac")) || k === "mismatch/ratio_std");
   const fracKeys = keysOf("learner", (k) => k.startsWith("is/") && k.includes("frac"));
-  const klKeys = keysOf("learner", (k) => k.startsWith("mismatch/kl"));
+  const klKeys = keysOf("learner", (k) => k.startsWith("mismatch/kl") || k === "mismatch/abs_log_ratio");
   const epBin = data.episodes ? data.episodes.bin : 1;
   const epX = col("episodes", "episode"), epR = col("episodes", "reward");
   const epWin = Math.max(5, Math.floor(epR.length / 20));
