@@ -50,11 +50,11 @@ BENCHMARKS: list[tuple[str, list[str], list[str]]] = [
     ),
     (
         "moe_replay",
-        ["--requests", "2", "--tokens", "8"],
-        # docs/learner.md (routing replay)
-        ["routing_disagreement", "mean_abs_diff_no_replay", "mean_abs_diff_replay", "replay_reduction",
-         "flipped_tokens", "learner_forward_s_no_replay", "learner_forward_s_replay", "tokens",
-         "record_bytes_per_token"],
+        ["--requests", "2", "--tokens", "8", "--step-repeats", "1", "--step-samples", "1"],
+        # docs/learner.md (routing replay): on smollm2-moe against the dense floor
+        ["routing_disagreement", "mean_abs_diff_replay", "mean_abs_diff_no_replay",
+         "disagreeing_tokens_diff_replay", "disagreeing_tokens_diff_no_replay", "dense_floor",
+         "replay_vs_floor", "replay_bytes_per_sample", "replay_step_s_ratio", "tokens"],
     ),
     (
         "sampling_parity",
@@ -124,6 +124,13 @@ BENCHMARKS: list[tuple[str, list[str], list[str]]] = [
         # README.md (chaos) and docs/operating.md: recoveries, their times, the audit
         ["trials", "recoveries", "failed_trials", "max_recovery_s", "lost_samples", "double_trained",
          "skipped_tasks", "orphans", "identity", "buffer", "wall_minutes"],
+    ),
+    (
+        "moe_run",
+        ["--steps", "1"],
+        # docs/learner.md (routing replay in training): replay on, off, and the dense floor
+        ["kl_replay", "kl_no_replay", "kl_dense", "ratio_std_replay", "ratio_std_no_replay",
+         "replay_bytes_per_sample", "train_s_per_step_replay", "train_s_per_step_no_replay"],
     ),
     (
         "first_hour",
