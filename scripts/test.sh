@@ -26,7 +26,7 @@ fi
 with() { if [ -n "$markers" ]; then echo "($markers) and $1"; else echo "$1"; fi; }
 base=$(mktemp -d /tmp/agentrl-tests.XXXXXX)
 LANE2=(tests/test_chaos.py tests/test_partition.py tests/test_full_disk.py tests/test_own_environment.py
-       tests/test_self_distill.py tests/test_lora_vllm.py tests/test_moe_e2e.py)
+       tests/test_self_distill.py tests/test_lora_vllm.py tests/test_moe_e2e.py tests/test_moe_smollm2.py)
 nice -n 10 "${pytest[@]}" -m "$(with "not system")" --basetemp="$base/in-process" "$@" > "$base/in-process.log" 2>&1 &
 beside=$!
 lane2=
