@@ -12,17 +12,22 @@ dtype) then scores the same tokens: the MoE with its own routing and with the en
   differently from the engine; ``routing_disagreeing_tokens`` the share of tokens with such a layer;
 - ``mean_abs_diff_no_replay`` / ``mean_abs_diff_replay``: the mean |learner - engine| logprob over
   all sampled tokens of the MoE, ``dense_floor`` the same for the dense model, and
-  ``replay_vs_floor`` = mean_abs_diff_replay / dense_floor (target: at most 1.2);
+  ``replay_vs_floor`` = mean_abs_diff_replay / dense_floor (target: at most 1.2), and
+  ``no_replay_vs_floor`` the same without replay;
 - ``disagreeing_tokens_diff_no_replay`` / ``..._replay``: the same over the sampled tokens predicted
   from a position whose learner routing disagreed in some layer (``disagreeing_tokens`` of them), and
   ``disagreeing_tokens_cut`` their ratio (target: at least 5);
 - ``replay_bytes_per_sample``: what the routing adds to a sample's buffer record (the buffer's own
   encoding), ``replay_bytes_per_token`` per token;
 - ``replay_step_s_ratio``: the learner's forward and backward over the samples with replay, over the
-  same without (``--step-repeats`` alternations), with ``learner_step_s_replay`` / ``_no_replay``.
+  same without (``--step-repeats`` alternations), with ``learner_step_s_replay`` / ``_no_replay``;
+- ``meets_target``: both targets met.
 
-    .venv/bin/python benchmarks/moe_replay.py [--requests 32] [--tokens 64] [--dtype bfloat16]
-        [--model smollm2-moe] [--dense smollm2]
+    .venv/bin/python benchmarks/moe_replay.py [--requests 256] [--tokens 80] [--dtype float32]
+        [--model smollm2-moe] [--dense smollm2] [--step-repeats 3] [--step-samples 16]
+
+At fp32 a disagreement is rare (about one token in a thousand), hence the 20,000 sampled tokens of
+the defaults; at bf16 a quarter of the tokens disagree.
 
 ``--model`` takes another MoE (a built-in name or a folder vLLM serves, e.g. ``tiny-moe``) and
 ``--dense`` its dense counterpart (``tiny`` for ``tiny-moe``).
@@ -227,27 +232,37 @@ def main() -> None:
     extra = sum(b - a for a, b in sizes) / len(sizes)
     positions = sum(len(s["prompt"]) + len(s["ids"]) for s in moe_samples) / len(moe_samples)
 
-    mean = lambda t: round(float(t.mean()), 6) if t.numel() else None  # noqa: E731
-    cut = (mean(own_t[flips_t]) / mean(replayed_t[flips_t])) if flips_t.any() else None
+    def mean(t: Any) -> float | None:
+        return float(t.mean()) if t.numel() else None
+
+    def sig(x: float | None) -> float | None:  # 4 significant digits: the fp32 figures are ~1e-6
+        return float(f"{x:.4g}") if x is not None else None
+
+    def ratio(a: float | None, b: float | None) -> float | None:
+        return round(a / b, 3) if a is not None and b else None
+
+    cut = ratio(mean(own_t[flips_t]), mean(replayed_t[flips_t]))
     result = {
         "benchmark": "moe_replay", "model": args.model, "dense": args.dense, "dtype": args.dtype,
         "requests": args.requests, "tokens": int(replayed_t.numel()),
         "routing_disagreement": round(routings.disagreement, 5),
         "routing_disagreeing_tokens": round(float(flips_t.float().mean()), 5),
-        "mean_abs_diff_no_replay": mean(own_t), "mean_abs_diff_replay": mean(replayed_t),
-        "dense_floor": mean(floor),
-        "replay_vs_floor": round(mean(replayed_t) / mean(floor), 3),
+        "mean_abs_diff_no_replay": sig(mean(own_t)), "mean_abs_diff_replay": sig(mean(replayed_t)),
+        "dense_floor": sig(mean(floor)),
+        "replay_vs_floor": ratio(mean(replayed_t), mean(floor)),
+        "no_replay_vs_floor": ratio(mean(own_t), mean(floor)),
         "disagreeing_tokens": int(flips_t.sum()),
-        "disagreeing_tokens_diff_no_replay": mean(own_t[flips_t]),
-        "disagreeing_tokens_diff_replay": mean(replayed_t[flips_t]),
-        "disagreeing_tokens_cut": round(cut, 2) if cut else None,
+        "disagreeing_tokens_diff_no_replay": sig(mean(own_t[flips_t])),
+        "disagreeing_tokens_diff_replay": sig(mean(replayed_t[flips_t])),
+        "disagreeing_tokens_cut": cut,
         "replay_bytes_per_sample": round(extra, 1),
         "replay_bytes_per_token": round(extra / positions, 2),
         "learner_step_s_replay": round(seconds[True] / args.step_repeats, 3),
         "learner_step_s_no_replay": round(seconds[False] / args.step_repeats, 3),
         "replay_step_s_ratio": round(seconds[True] / seconds[False], 3),
     }
-    result["meets_target"] = bool(cut and cut >= 5 and result["replay_vs_floor"] <= 1.2)
+    floor_ratio = result["replay_vs_floor"]
+    result["meets_target"] = bool(cut and cut >= 5 and floor_ratio is not None and floor_ratio <= 1.2)
     print(json.dumps(result), flush=True)
 
 
