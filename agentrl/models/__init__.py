@@ -91,7 +91,7 @@ def _tiny_moe(out: Path) -> Path:  # the mixture-of-experts one (agentrl/models/
 def _smollm2_moe(out: Path) -> Path:  # SmolLM2 upcycled into an MoE (agentrl/models/moe.py)
     from agentrl.models.moe import SMOLLM2_MOE_RECIPE, build_smollm2_moe_model
 
-    return build_smollm2_moe_model(out, resolve_model(SMOLLM2_MOE_RECIPE["source"]))
+    return build_smollm2_moe_model(out, lambda: resolve_model(SMOLLM2_MOE_RECIPE["source"]))
 
 
 def _smollm2(out: Path) -> Path:

