@@ -161,11 +161,21 @@ def step_seconds(model: Any, samples: list[dict[str, Any]], replay: bool) -> flo
     return time.perf_counter() - t0
 
 
-def record_bytes(s: dict[str, Any]) -> tuple[int, int]:
-    """A sample's buffer record size without and with its routing section."""
-    import numpy as np
+def routing_bytes(sample: Any) -> int:
+    """The bytes a sample's routing section adds to its buffer record (the buffer's own encoding);
+    benchmarks/moe_run.py measures a run's samples with it too."""
+    from dataclasses import replace
 
     from agentrl.buffer.codec import encode_sample
+
+    bare = replace(sample, sections={k: v for k, v in sample.sections.items() if k != "routing"})
+    return len(encode_sample(sample)[0]) - len(encode_sample(bare)[0])
+
+
+def record_bytes(s: dict[str, Any]) -> int:
+    """What its routing adds to the buffer record of a completion of :func:`sample`."""
+    import numpy as np
+
     from agentrl.buffer.sample import Sample
     from agentrl.buffer.sections.routing import routing_array
 
@@ -177,9 +187,7 @@ def record_bytes(s: dict[str, Any]) -> tuple[int, int]:
     positions, experts = s["routing"]
     routing = routing_array(len(ids), experts.shape[1], experts.shape[2], wide=experts.dtype != np.uint8)
     routing[positions] = experts
-    bare, _ = encode_sample(Sample(*args))
-    routed, _ = encode_sample(Sample(*args, routing=routing))
-    return len(bare), len(routed)
+    return routing_bytes(Sample(*args, routing=routing))
 
 
 def main() -> None:
@@ -228,8 +236,7 @@ def main() -> None:
     for r in range(args.step_repeats):
         for replay in ((True, False) if r % 2 == 0 else (False, True)):
             seconds[replay] += step_seconds(model, moe_samples[: args.step_samples], replay)
-    sizes = [record_bytes(s) for s in moe_samples]
-    extra = sum(b - a for a, b in sizes) / len(sizes)
+    extra = sum(record_bytes(s) for s in moe_samples) / len(moe_samples)
     positions = sum(len(s["prompt"]) + len(s["ids"]) for s in moe_samples) / len(moe_samples)
 
     def mean(t: Any) -> float | None:

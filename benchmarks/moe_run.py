@@ -57,7 +57,9 @@ def run(run_dir: Path, model: str, steps: int, engine_dtype: str, *extra: str) -
 
 def routing_bytes(run_dir: Path) -> float | None:
     """Mean bytes the routing section adds to a buffer record, over the run's samples."""
-    from agentrl.buffer.codec import decode_sample, encode_sample
+    from moe_replay import routing_bytes
+
+    from agentrl.buffer.codec import decode_sample
     from agentrl.buffer.log import Kind, ScanReport, scan
     from agentrl.buffer.units import ARRIVAL
 
@@ -73,11 +75,8 @@ def routing_bytes(run_dir: Path) -> float | None:
             if kind != Kind.PUT:
                 continue
             s = decode_sample(memoryview(payload)[ARRIVAL.size:])
-            if s.routing is None:
-                continue
-            with_routing = len(encode_sample(s)[0])
-            s.sections.pop("routing")
-            extra.append(with_routing - len(encode_sample(s)[0]))
+            if s.routing is not None:
+                extra.append(routing_bytes(s))
     return sum(extra) / len(extra) if extra else None
 
 
