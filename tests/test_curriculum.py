@@ -122,7 +122,7 @@ def test_episodes_stored_before_a_kill_but_not_counted_are_noted_and_the_group_s
     cur = Curriculum(cfg, tmp_path / "c.jsonl", G)
     new = stream()
     drawn = [cur.draw(lambda: next(new)) for _ in range(2)]
-    for gid, (index, task) in zip(("a", "b"), drawn):
+    for gid, (index, task) in zip(("a", "b"), drawn, strict=True):
         cur.started(gid, index, task)
         cur.finished_episode(gid, True, 1.0)
     cur.close()  # the kill: "a" had 3 episodes stored, "b" all 4, each with one line written
