@@ -5,6 +5,8 @@ Importing this package is cheap: torch, vLLM and transformers load only where th
 
 from agentrl.env import (
     Environment,
+    MultiAgentEnv,
+    Played,
     Reset,
     StepResult,
     TaskListEnv,
@@ -19,6 +21,8 @@ from agentrl.scoring.registry import scorer
 __version__ = "0.1.0"
 __all__ = [
     "Environment",
+    "MultiAgentEnv",
+    "Played",
     "Reset",
     "StepResult",
     "TaskListEnv",

@@ -172,3 +172,40 @@ async def start_on_loopback(app: web.Application, **runner_options: Any) -> tupl
     await site.start()
     port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
     return runner, f"http://127.0.0.1:{port}"
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        from pathlib import Path
+
+        low, high = (int(x) for x in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
+def free_port(host: str = "127.0.0.1", span: int = 1) -> int:
+    """A port of ``host`` that nothing is bound to now, with the ``span - 1`` ports after it free too
+    (engines listen on ``base_port + i``), for a server a test or a benchmark starts and may start
+    again. It is drawn below the kernel's ephemeral range: once a server on an ephemeral port stops,
+    any outgoing connection of the machine may take that port as its local one, and the server,
+    started again on it, would find it held for as long as that connection lives."""
+    import random
+
+    low = 20000
+    high = min(_ephemeral_range()[0], 65536) - span
+    if high <= low:  # an unusual range: the kernel's choice then
+        with socket.socket() as s:
+            s.bind((host, 0))
+            return s.getsockname()[1]
+    draw = random.Random()  # its own: a seeded global generator would give every process the same ports
+    for _ in range(200):
+        port = draw.randrange(low, high)
+        try:
+            for p in range(port, port + span):
+                with socket.socket() as s:
+                    s.bind((host, p))
+        except OSError:
+            continue
+        return port
+    raise OSError(f"no free port between {low} and {high} on {host}")

@@ -12,9 +12,14 @@ Each tool call sleeps a log-normal time (median ``--tool-median-ms``, shape ``--
 heavy tail; sigma 1.0 puts p99 near 10x the median).
 
 Event-loop lag is sampled by a task that asks to wake every 10 ms and records how late it woke,
-over the measurement window only (after the ramp-up). The last line printed is JSON.
+over the measurement window only (after the ramp-up). The agent process's collector is serve's
+(``--gc pacer``, :mod:`agentrl.serve.collector`) unless ``--gc`` says otherwise; its event loop is
+asyncio's or uvloop's (``--loop``). ``agent_cpu_ms_per_model_call`` is this process's CPU time
+(user and system; the loops, the router and its HTTP client) over the window, per model call; the
+stand-in engine's is ``engine_cpu_ms_per_model_call``. The last line printed is JSON.
 
-    .venv/bin/python benchmarks/agent_loops.py --concurrency 5000 --duration 30
+    .venv/bin/python benchmarks/agent_loops.py --concurrency 20000 --duration 40 --ramp 20
+    .venv/bin/python benchmarks/agent_loops.py --concurrency 50000 --duration 40 --ramp 30 --loop uvloop
     .venv/bin/python benchmarks/agent_loops.py --concurrency 200 --duration 10 --profile prof.out
 """
 
@@ -30,6 +35,7 @@ import math
 import multiprocessing as mp
 import os
 import random
+import resource
 import signal
 import socket
 import sys
@@ -46,6 +52,8 @@ import agentrl  # noqa: E402
 from agentrl.env.tools import parse_tool_calls  # noqa: E402
 from agentrl.rollout.episode import EpisodeLimits, run_episode  # noqa: E402
 from agentrl.router import EnginePool, Router  # noqa: E402
+from agentrl.serve import settle_gc  # noqa: E402
+from agentrl.serve.collector import GcPacer  # noqa: E402
 
 BOS, EOS, OFFSET = 1, 2, 10  # <|im_start|>, <|im_end|>; text tokens start at OFFSET
 ENV_NAME = "bench_calc"
@@ -87,7 +95,7 @@ def render(messages: list[dict[str, Any]], add_generation_prompt: bool) -> list[
 
 
 def engine_main(port: int, engine_ms: float, engine_sigma: float, tool_calls: int, ready: Any,
-                gc_threshold: list[int] | None = None) -> None:
+                gc_threshold: list[int] | None = None, pace_gc: bool = False) -> None:
     from aiohttp import web
 
     if gc_threshold:
@@ -155,6 +163,8 @@ def engine_main(port: int, engine_ms: float, engine_sigma: float, tool_calls: in
         runner = web.AppRunner(app, access_log=None)
         await runner.setup()
         await web.TCPSite(runner, "127.0.0.1", port, backlog=8192).start()
+        if pace_gc:  # (a collector pass over its thousands of open requests would hold their answers
+            GcPacer().start()  # and hand them to the agent process in one burst)
         ready.set()
         parent = os.getppid()
         while os.getppid() == parent:  # die with the benchmark, however it ends
@@ -207,12 +217,23 @@ async def lag_monitor(samples: list[float], own: list[float], measuring: asyncio
 
 async def bench(args: argparse.Namespace, port: int, engine_pid: int) -> dict[str, Any]:
     proc, engine_proc = psutil.Process(), psutil.Process(engine_pid)
-    pool = EnginePool([f"http://127.0.0.1:{port}"], request_timeout_s=120, health_interval_s=5)
+    pool = EnginePool([f"http://127.0.0.1:{port}"], request_timeout_s=120, health_interval_s=5,
+                      max_connections=args.engine_connections)
     router = Router(pool, model_name="stand-in", eos_token_ids={EOS}, max_model_len=1 << 20)
     await pool.start()
     limits = EpisodeLimits(max_turns=args.tool_calls + 2, max_tokens=256, max_episode_tokens=1 << 16,
                            episode_timeout_s=300)
-    gc.collect()
+    pacer = None
+    if args.gc == "pacer":
+        pacer = GcPacer(interval_s=args.gc_interval_ms / 1000, young=args.gc_young)
+    if pacer is not None:
+        pacer.start()  # as serve does once it is up (agentrl.serve.collector)
+    elif args.gc == "thresholds":
+        settle_gc()  # serve's earlier settings: start-up's objects frozen, higher thresholds
+        gc.set_threshold(*args.gc_threshold)  # unless --gc-threshold says otherwise
+    else:
+        gc.set_threshold(*args.gc_threshold)
+        gc.collect()
     rss0 = proc.memory_info().rss
     stop, measuring = asyncio.Event(), asyncio.Event()
     lags: list[float] = []
@@ -240,14 +261,18 @@ async def bench(args: argparse.Namespace, port: int, engine_pid: int) -> dict[st
                 await asyncio.sleep(1.0)
             done["truncated"] += ep.truncated
 
+    # each collection's wall time, and the CPU time this thread spent in it (on a shared machine the
+    # wall time includes time the OS gave other processes)
     gc_pauses: dict[int, list[float]] = {0: [], 1: [], 2: []}
-    gc_start = [0.0]
+    gc_cpu: dict[int, list[float]] = {0: [], 1: [], 2: []}
+    gc_start = [0.0, 0.0]
 
     def on_gc(phase: str, info: dict[str, int]) -> None:
         if phase == "start":
-            gc_start[0] = time.perf_counter()
+            gc_start[0], gc_start[1] = time.perf_counter(), time.thread_time()
         elif measuring.is_set():
             gc_pauses[info["generation"]].append((time.perf_counter() - gc_start[0]) * 1000)
+            gc_cpu[info["generation"]].append((time.thread_time() - gc_start[1]) * 1000)
 
     gc.callbacks.append(on_gc)
     monitor = asyncio.create_task(lag_monitor(lags, own_lags, measuring))
@@ -286,15 +311,24 @@ async def bench(args: argparse.Namespace, port: int, engine_pid: int) -> dict[st
     leaked_sessions = len(router.sessions)
     monitor.cancel()
     gc.callbacks.remove(on_gc)
+    pacer_stats = pacer.stats() if pacer is not None else {}
+    if pacer is not None:
+        pacer.stop()
     await pool.close()
-    cpu = (cpu1.user - cpu0.user) + (cpu1.system - cpu0.system)
+    calls = max(1, calls1 - calls0)
+    cpu_user, cpu_sys = cpu1.user - cpu0.user, cpu1.system - cpu0.system
+    cpu = cpu_user + cpu_sys
     ecpu = (ecpu1.user - ecpu0.user) + (ecpu1.system - ecpu0.system)
     return {
         "concurrent_episodes": args.concurrency,
         "in_flight_at_end": in_flight,
         "episodes_per_s": round(done["measured"] / wall, 1),
         "model_calls_per_s": round((calls1 - calls0) / wall, 1),
-        "agent_cpu_ms_per_model_call": round(cpu * 1000 / max(1, calls1 - calls0), 3),
+        # this process only (the agent loops and the router), not the stand-in engine's
+        "agent_cpu_ms_per_model_call": round(cpu * 1000 / calls, 3),
+        "agent_user_cpu_ms_per_model_call": round(cpu_user * 1000 / calls, 3),
+        "agent_sys_cpu_ms_per_model_call": round(cpu_sys * 1000 / calls, 3),
+        "engine_cpu_ms_per_model_call": round(ecpu * 1000 / calls, 3),
         "loop_lag_p50_ms": round(percentile(lags, 0.5), 2),
         "loop_lag_p99_ms": round(percentile(lags, 0.99), 2),
         "loop_lag_max_ms": round(max(lags, default=float("nan")), 2),
@@ -308,6 +342,13 @@ async def bench(args: argparse.Namespace, port: int, engine_pid: int) -> dict[st
         "gc_full_collections": len(gc_pauses[2]),
         "gc_full_pause_max_ms": round(max(gc_pauses[2], default=0), 1),
         "gc_pause_total_ms": round(sum(map(sum, gc_pauses.values())), 1),
+        "gc_pause_max_ms_by_generation": [round(max(gc_pauses[g], default=0), 1) for g in range(3)],
+        "gc_pause_cpu_max_ms_by_generation": [round(max(gc_cpu[g], default=0), 1) for g in range(3)],
+        "gc_pause_cpu_total_ms": round(sum(map(sum, gc_cpu.values())), 1),
+        "gc_collections_by_generation": [len(gc_pauses[g]) for g in range(3)],
+        "gc": args.gc,
+        "gc_young": args.gc_young,
+        **{f"pacer_{k}": v for k, v in pacer_stats.items()},
         "agent_process_cpu_util": round(cpu / wall, 2),
         "engine_process_cpu_util": round(ecpu / wall, 2),
         "leaked_sessions": leaked_sessions,
@@ -321,7 +362,9 @@ async def bench(args: argparse.Namespace, port: int, engine_pid: int) -> dict[st
         "tool_calls_per_episode": args.tool_calls,
         "engine_ms": args.engine_ms,
         "engine_sigma": args.engine_sigma,
-        "loop": "uvloop" if args.uvloop else "asyncio",
+        "loop": args.loop,
+        "engine_connections_max": args.engine_connections,
+        "open_files_limit": resource.getrlimit(resource.RLIMIT_NOFILE)[0],
         "duration_s": round(wall, 1),
     }
 
@@ -339,7 +382,9 @@ def main() -> None:
                    help="median simulated decode time per model call (a few hundred tokens at the 20-50 "
                         "tokens/s one sequence gets in a heavily batched engine)")
     p.add_argument("--engine-sigma", type=float, default=0.3, help="log-normal shape of the decode time")
-    p.add_argument("--uvloop", action="store_true", help="run the agent loops on uvloop")
+    p.add_argument("--loop", choices=("asyncio", "uvloop"), default="asyncio",
+                   help="the agent process's event loop (uvloop when installed)")
+    p.add_argument("--uvloop", dest="loop", action="store_const", const="uvloop", help="--loop uvloop")
     from agentrl.serve import GC_THRESHOLD
 
     p.add_argument(
@@ -351,8 +396,26 @@ def main() -> None:
         help="gc.set_threshold for the agent process (default: what `agentrl serve` sets; "
         "pass 700 10 10 for Python's own)",
     )
+    p.add_argument("--gc", choices=("pacer", "thresholds", "python"), default="pacer",
+                   help="the agent process's collector: serve's pacer (agentrl.serve.collector; the "
+                   "stand-in engine's process paced too), serve's earlier settle_gc() with --gc-threshold, "
+                   "or Python's own collection with --gc-threshold")
+    p.add_argument("--gc-interval-ms", type=float, default=50.0, help="the pacer's interval")
+    p.add_argument("--gc-young", action=argparse.BooleanOptionalAction, default=False,
+                   help="the pacer collects the young generation each tick (else it only freezes it)")
+    p.add_argument("--engine-connections", type=int, default=None,
+                   help="the router's connections to the engine at most (EnginePool.max_connections; calls "
+                   "beyond wait); default: what this process's open-file limit leaves (HTTP/1.1 holds a "
+                   "socket per call in flight, and the stand-in engine's process has the same limit)")
     p.add_argument("--profile", default="", help="write a cProfile of the measurement window here")
     args = p.parse_args()
+    if args.engine_connections is None:
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if hard != resource.RLIM_INFINITY and soft < hard:
+            soft = hard
+            resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))  # (the engine's process inherits it)
+        if soft != resource.RLIM_INFINITY and args.concurrency + 2048 > soft:
+            args.engine_connections = max(64, soft - 2048)
     args.tool_median_s = args.tool_median_ms / 1000
     BenchCalc.tool_median_s, BenchCalc.tool_sigma = args.tool_median_s, args.tool_sigma
     logging.basicConfig(level=logging.WARNING)
@@ -366,14 +429,15 @@ def main() -> None:
     ready = ctx.Event()
     engine = ctx.Process(
         target=engine_main,
-        args=(port, args.engine_ms, args.engine_sigma, args.tool_calls, ready, args.gc_threshold),
+        args=(port, args.engine_ms, args.engine_sigma, args.tool_calls, ready, args.gc_threshold,
+              args.gc == "pacer"),
         daemon=True,
     )
     engine.start()
     try:
         if not ready.wait(30):
             raise SystemExit("the stand-in engine did not start")
-        if args.uvloop:
+        if args.loop == "uvloop":
             import uvloop
 
             result = uvloop.run(bench(args, port, engine.pid))

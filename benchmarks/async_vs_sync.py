@@ -36,9 +36,11 @@ from common import free_port  # benchmarks/common.py
 
 
 def run_mode(mode: str, args: argparse.Namespace, out: Path, *, name: str = "",
-             extra: tuple[str, ...] = ()) -> Path:
+             extra: tuple[str, ...] = (), env: str = "straggler", max_turns: int = 0) -> Path:
     """One ``agentrl run`` of ``mode`` in ``out/<name or mode>``, with ``extra`` options appended
-    (benchmarks/scoring_pace.py runs the async mode with and without a judge)."""
+    (benchmarks/scoring_pace.py runs the async mode with and without a judge), on ``env`` (one that
+    takes straggler's config; benchmarks/multi_agent_stragglers.py plays ``straggler_roles``) with
+    ``max_turns`` calls per episode at most (default: straggler's ``max_keys + 1``)."""
     name = name or mode
     run_dir = out / name
     if run_dir.exists():
@@ -50,9 +52,9 @@ def run_mode(mode: str, args: argparse.Namespace, out: Path, *, name: str = "",
     cmd = [sys.executable, "-m", "agentrl.cli", "run",
            f"--serve.model={args.model}", f"--serve.run_dir={run_dir}",
            f"--serve.router.port={free_port()}", f"--serve.engine.base_port={free_port()}",
-           "--serve.env.name=straggler", f"--serve.env.mode={mode}",
+           f"--serve.env.name={env}", f"--serve.env.mode={mode}",
            *(f"--serve.env.config.{k}={v}" for k, v in env_cfg.items()),
-           f"--serve.env.group_size={args.group}", f"--serve.env.max_turns={args.max_keys + 1}",
+           f"--serve.env.group_size={args.group}", f"--serve.env.max_turns={max_turns or args.max_keys + 1}",
            f"--serve.env.max_tokens={args.max_tokens}", f"--serve.env.max_concurrency={args.concurrency}",
            f"--serve.buffer.batch_size={args.batch}", f"--serve.buffer.max_staleness={args.max_staleness}",
            f"--learn.steps={args.steps}", f"--learn.lr={args.lr}", "--eval.tasks=0", *extra]

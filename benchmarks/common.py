@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import socket
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -25,10 +24,11 @@ def in_flight_options(p: argparse.ArgumentParser, *, model: str, max_tokens: int
 
 
 def free_port() -> int:
-    """A port nobody listens on now, on 127.0.0.1."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port nobody listens on now, on 127.0.0.1, with the three after it free too, below the
+    ephemeral range (:func:`agentrl.web.free_port`)."""
+    from agentrl.web import free_port as outside_ephemeral
+
+    return outside_ephemeral(span=4)
 
 
 def percentile(xs: Sequence[float], q: float) -> float:

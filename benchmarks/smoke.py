@@ -16,10 +16,12 @@ tail of stderr) and ends with one JSON line::
 and exits 1 if any failed. Output folders go under ``--run-root`` (default: a fresh temporary
 folder), never under the repository; ``TMPDIR`` points there too.
 
-All 13 run by default: none takes over 3 minutes in its shortest mode on the 2-core development
-machine (about 17 minutes in all). ``chaos`` runs one round (``--rounds 1``: four faults, one of
-each kind, 160 s); ``first_hour`` clones HEAD, builds a new venv without pip's cache and runs the
-quickstart to ``step 1`` (150 s, 3.6 GB left under the run root). The run root is kept for its
+All 18 run by default: none takes over 3 minutes in its shortest mode on the 2-core development
+machine (about 20 minutes in all). ``sandbox.py --density`` runs once per backend
+(``sandbox_density_docker``, ``sandbox_density_bubblewrap``: 10 sandboxes, a few seconds each).
+``chaos`` runs one round (``--rounds 1``: four faults, one of each kind, 160 s); ``first_hour``
+clones HEAD, builds a new venv without pip's cache and runs the quickstart to ``step 1`` (150 s,
+3.6 GB left under the run root). The run root is kept for its
 logs (each benchmark's ``stdout.txt`` and ``stderr.txt``); remove it after.
 
     .venv/bin/python benchmarks/smoke.py [--only weight_sync,sandbox] [--run-root DIR] [--timeout-s 1800]
@@ -47,6 +49,16 @@ BENCHMARKS: list[tuple[str, list[str], list[str]]] = [
         ["--n", "10"],
         # README.md (sandboxes) and docs/sandbox.md: warm acquire, exec vs plain docker exec, leaks
         ["warm_acquire_p50_ms", "exec_p50_ms", "docker_exec_p50_ms", "exec_speedup", "leaked_containers"],
+    ),
+    *(
+        (
+            f"sandbox_density_{backend}",
+            ["--density", "--backend", backend, "--density-max", "10", "--exec-seconds", "1"],
+            # docs/sandbox.md (*Density*): warm sandboxes held, MB each, what bounds it, leaks
+            ["backend", "density_target", "max_warm_held", "exec_rate_per_s", "levels", "mb_per_sandbox",
+             "bounded_by", "leaked", "wall_s"],
+        )
+        for backend in ("docker", "bubblewrap")
     ),
     (
         "moe_replay",
@@ -98,6 +110,20 @@ BENCHMARKS: list[tuple[str, list[str], list[str]]] = [
          "staleness_max", "staleness_within_bound", "speedup"],
     ),
     (
+        "multi_agent",
+        ["--steps", "2", "--tasks", "4", "--run-dir", "{run}"],
+        # docs/multi_agent.md (*Learning*) and README.md: each role's held-out success before and after
+        ["roles", "policies", "steps_by_policy", "team_before", "team_after", "wall_minutes"],
+    ),
+    (
+        "multi_agent_stragglers",
+        ["--steps", "2", "--warmup", "1", "--batch", "6", "--group", "2", "--max-keys", "1",
+         "--latency-median", "0.1", "--max-tokens", "16", "--out", "{run}"],
+        # docs/multi_agent.md (*Stragglers*): learner idle of both modes, speed-up, the latency tail
+        ["learner_idle_async", "learner_idle_sync", "speedup", "latency_p99_over_p50", "roles",
+         "wall_minutes"],
+    ),
+    (
         "scoring_pace",
         ["--steps", "2", "--warmup", "1", "--batch", "4", "--group", "2", "--max-keys", "1",
          "--latency-median", "0.1", "--max-tokens", "16", "--judge-s", "0.1", "--out", "{run}"],
@@ -110,6 +136,13 @@ BENCHMARKS: list[tuple[str, list[str], list[str]]] = [
         ["--tasks", "4", "--run-dir", "{run}", "--", "--learn.steps=1"],
         # README.md (learning) and docs/learner.md: success before -> after, the whole run's minutes
         ["success_before", "success_after", "wall_minutes"],
+    ),
+    (
+        "curriculum",
+        ["--tasks", "4", "--out", "{run}", "--", "--learn.steps=1"],
+        # docs/curriculum.md (*Benchmark*): both runs' held-out success and zero-spread share
+        ["success_curriculum", "success_uniform", "success_curriculum_ci95", "success_uniform_ci95",
+         "zero_spread_curriculum", "zero_spread_uniform", "wall_minutes"],
     ),
     (
         "distill",
@@ -140,6 +173,8 @@ BENCHMARKS: list[tuple[str, list[str], list[str]]] = [
     ),
 ]
 NOT_BY_DEFAULT: set[str] = set()  # a benchmark too long to run unless --only names it
+# A second mode of one script runs under a name of its own; its script is named here.
+SCRIPTS = {"sandbox_density_docker": "sandbox", "sandbox_density_bubblewrap": "sandbox"}
 
 
 def run_one(name: str, args: list[str], keys: list[str], run_root: Path,
@@ -147,7 +182,8 @@ def run_one(name: str, args: list[str], keys: list[str], run_root: Path,
     """Run one benchmark; (passed, what went wrong)."""
     folder = run_root / name
     folder.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, f"benchmarks/{name}.py", *(a.replace("{run}", str(folder)) for a in args)]
+    script = SCRIPTS.get(name, name)
+    cmd = [sys.executable, f"benchmarks/{script}.py", *(a.replace("{run}", str(folder)) for a in args)]
     env = dict(os.environ, TMPDIR=str(run_root))
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, cwd=ROOT, env=env)

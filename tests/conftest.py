@@ -13,7 +13,6 @@ import atexit
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -33,7 +32,7 @@ PYTHON_TOOL = {"type": "function", "function": {
     "parameters": {"type": "object", "properties": {"code": {"type": "string"}}, "required": ["code"]}}}
 SYSTEM_MARKERS = ("vllm", "docker")  # tests that start engines, serve or sandboxes
 # the shared engine and its router, and the sandbox tests' backend parameter (docker and bubblewrap)
-SYSTEM_FIXTURES = ("vllm_engine", "http_router", "backend")
+SYSTEM_FIXTURES = ("vllm_engine", "lora_engine", "http_router", "backend")
 
 
 @pytest.hookimpl(wrapper=True, tryfirst=True)  # before the others: ``-m`` selects on the mark
@@ -130,9 +129,11 @@ def straggler_run(run_dir: Path, *settings: str, latency_median_s: float, max_ke
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port below the ephemeral range, with the three after it free too (see
+    :func:`agentrl.web.free_port`: a restarted server finds its port free)."""
+    from agentrl.web import free_port as outside_ephemeral
+
+    return outside_ephemeral(span=4)
 
 
 @pytest.fixture(scope="session")
@@ -160,6 +161,20 @@ def vllm_engine(tiny_tools_model: str, tmp_path_factory: pytest.TempPathFactory)
         return
 
     engine = start_vllm(tiny_tools_model, tmp_path_factory.mktemp("engine"))
+    try:
+        yield engine
+    finally:
+        engine.stop()
+
+
+@pytest.fixture(scope="session")
+def lora_engine(tiny_tools_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """A running vLLM engine with LoRA on (rank 8, three adapters at once, serve's weight-sync extension)
+    serving the tiny model, shared by the test files of LoRA policies and multi-agent roles (one
+    start-up for all of them; ``scripts/test.sh`` runs them one after another). A test that loads
+    adapters unloads them again."""
+    engine = start_vllm(tiny_tools_model, tmp_path_factory.mktemp("lora-engine"), lora_rank=8, max_loras=3,
+                        extra_args=["--worker-extension-cls", "agentrl.weights.vllm_ext.WeightSyncExtension"])
     try:
         yield engine
     finally:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import subprocess
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,7 +37,8 @@ class GroupRun:
 
 
 async def _run(engine_url: str, run_dir: Path, *, env: str, group_size: int, scaffold: dict[str, str],
-               env_overrides: dict[str, Any], env_config: dict[str, Any] | None) -> GroupRun:
+               env_overrides: dict[str, Any], env_config: dict[str, Any] | None,
+               configure: Callable[[Any], None] | None = None) -> GroupRun:
     from agentrl.config import ServeConfig
     from agentrl.rollout.config import FunctionScaffold, ProgramScaffold
     from agentrl.serve import Serve
@@ -55,6 +57,8 @@ async def _run(engine_url: str, run_dir: Path, *, env: str, group_size: int, sca
         cfg.scaffold = FunctionScaffold(agent=scaffold["agent"])
     elif scaffold.get("command"):
         cfg.scaffold = ProgramScaffold(command=scaffold["command"])
+    if configure is not None:
+        configure(cfg)
     cfg.check()
     serve = Serve(cfg)
     samples: list[Any] = []
@@ -88,11 +92,13 @@ async def _run(engine_url: str, run_dir: Path, *, env: str, group_size: int, sca
 
 
 def run_group(engine_url: str, run_dir: Path, *, env: str, group_size: int = 2, scaffold: dict[str, str],
-              env_config: dict[str, Any] | None = None, **env_overrides: Any) -> GroupRun:
+              env_config: dict[str, Any] | None = None, configure: Callable[[Any], None] | None = None,
+              **env_overrides: Any) -> GroupRun:
     """One group of ``group_size`` episodes of ``env`` played by ``scaffold`` ({"agent": ...} or
-    {"command": ...}) through Serve; returns what it produced once serve has shut down."""
+    {"command": ...}) through Serve; returns what it produced once serve has shut down.
+    ``configure``: changes the ServeConfig before it is checked (policies, roles, LoRA)."""
     return asyncio.run(_run(engine_url, run_dir, env=env, group_size=group_size, scaffold=scaffold,
-                            env_overrides=env_overrides, env_config=env_config))
+                            env_overrides=env_overrides, env_config=env_config, configure=configure))
 
 
 def check_exact_samples(run: GroupRun) -> None:
@@ -143,3 +149,17 @@ def check_exact_samples(run: GroupRun) -> None:
                 assert recs[b]["parent"] == a  # the chain extends call by call
             assert s.reward == ep["reward"]
     assert run.containers_left == []
+
+
+def on_lora(roles: dict[str, Any], *policies: str) -> Callable[[Any], None]:
+    """A :func:`run_group` ``configure`` for the shared LoRA engine (``tests/conftest.py``'s
+    ``lora_engine``): its LoRA flags, the named ``policies`` (staleness bound 0) and the ``roles``'
+    bindings (``env.roles``)."""
+    from agentrl.serve.config import PolicyConfig
+
+    def configure(cfg: Any) -> None:
+        cfg.engine.lora_rank, cfg.engine.max_loras = 8, 3
+        cfg.policies = {p: PolicyConfig(max_staleness=0) for p in policies}
+        cfg.env.roles = dict(roles)
+
+    return configure

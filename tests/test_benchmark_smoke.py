@@ -12,7 +12,8 @@ here instead of at the next measurement).
 Not here, because each starts vLLM engines, sandboxes or a whole ``agentrl run`` for minutes:
 ``async_vs_sync``, ``chaos``, ``delta_sync``, ``distill``, ``first_hour``, ``learning``,
 ``lora_sync``, ``moe_replay``, ``sampling_parity``, ``sandbox``, ``scaffolds``, ``weight_sync``,
-and ``scoring_pace`` (two ``agentrl run`` of ``async_vs_sync``'s workload, with and without a judge).
+``scoring_pace`` (two ``agentrl run`` of ``async_vs_sync``'s workload, with and without a judge), and
+``tinker_cookbook`` (tinker-cookbook is not in the project's extras, and a short run takes minutes).
 """
 
 from __future__ import annotations
@@ -80,6 +81,13 @@ BENCHMARKS: list[tuple[str, list[str], list[str], list[str | tuple[str, ...]]]] 
         ["model"],
         ["tokens_per_s", "plain_torch_tokens_per_s", "overhead_ratio", "cpu_overhead_ratio",
          "learner_step_s", "plain_step_s"],
+    ),
+    (
+        "tinker_service",
+        ["--model", "tiny", "--samples", "2", "--tokens", "64", "--steps", "1", "--warmup", "0"],
+        # docs/tinker.md (*Throughput*) and the script's docstring
+        ["model", "lora_rank"],
+        ["service_tokens_per_s", "learner_tokens_per_s", "ratio", "service_step_s", "learner_step_s"],
     ),
     (
         "learner_memory",

@@ -20,7 +20,6 @@ import logging
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -30,6 +29,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+from agentrl.web import free_port  # this file also runs as a script (spawn), where tests/ is no package
 
 TOKEN = "crash-test-token"
 BATCH = 4
@@ -161,12 +162,6 @@ async def learn_main(workdir: Path, port: int, settle_only: bool) -> None:
 
 
 # ---------------------------------------------------------------------------------------- test
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def spawn(role: str, workdir: Path, port: int) -> subprocess.Popen[bytes]:

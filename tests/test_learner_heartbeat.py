@@ -117,4 +117,7 @@ def test_two_ranks_ride_out_waits_on_serve_longer_than_the_process_groups_timeou
 
 
 if __name__ == "__main__":
-    print(json.dumps(_drive()), flush=True)
+    # one write of a whole line: the two ranks share stdout, and print's separate writes of the text
+    # and its newline interleaved (one line came out holding both ranks' objects)
+    sys.stdout.write(json.dumps(_drive()) + "\n")
+    sys.stdout.flush()

@@ -165,6 +165,37 @@ def test_an_adapter_version_is_loaded_beside_the_last_with_no_pause_and_old_ones
     asyncio.run(go())
 
 
+def test_a_pinned_version_stays_loaded_through_later_versions_and_is_loaded_into_a_rejoining_engine() -> None:
+    from tests.test_weight_sync import _close, _pool
+
+    async def go() -> None:
+        pool, up, fakes = await _pool(2)
+        up.default_policy, up.keep, up.pinned = "solver", {"solver": 2}, {"solver": {1}}
+        try:
+            for v in (1, 2, 3, 4):
+                result = await up.load_adapter(f"/w/v{v}", v, policy="solver")
+                assert result["failed"] == []
+            # the window (3, 4) and the pinned version 1; 2 left the window and was unloaded
+            assert sorted(up.adapters["solver"]) == [1, 3, 4] and result["loaded"] == [1, 3, 4]
+            for e, f in zip(pool.engines, fakes, strict=True):
+                assert sorted(e.adapters["solver"]) == [1, 3, 4]
+                assert e.adapter("solver:v1") == ("solver-v1", 1) and e.adapter("solver") == ("solver-v4", 4)
+                unloads = [b["lora_name"] for _, p, b in f.calls if p == "/v1/unload_lora_adapter"]
+                assert unloads == ["solver-v2"]
+
+            # an engine that restarted with no adapters gets the pinned version back with the window
+            fakes[1].calls.clear()
+            pool.engines[1].adapters.clear()
+            assert await up.rejoin(pool.engines[1])
+            assert [b["lora_name"] for _, p, b in fakes[1].calls if p == "/v1/load_lora_adapter"] == \
+                ["solver-v1", "solver-v3", "solver-v4"]
+            assert pool.engines[1].adapter("solver:v1") == ("solver-v1", 1)
+        finally:
+            await _close(pool, fakes)
+
+    asyncio.run(go())
+
+
 def test_serve_receives_an_adapter_upload_and_refuses_one_that_is_not(
     tiny_model: str, tmp_path: Path
 ) -> None:

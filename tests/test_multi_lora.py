@@ -158,6 +158,7 @@ def test_the_router_takes_the_policy_from_model_and_a_sample_never_spans_two() -
 
         policies = ["proposer", "solver"]
         model_name = "tiny"
+        serves_base = False
         named_policy = Router.named_policy
         policy_of = Router.policy_of
 
@@ -166,6 +167,10 @@ def test_the_router_takes_the_policy_from_model_and_a_sample_never_spans_two() -
     assert r.policy_of({"model": "tiny"})[1] == "proposer" and r.policy_of({})[1] == "proposer"
     # refused later as an unknown model
     assert r.named_policy({"model": "critic"}) == ({"model": "critic"}, None)
+    # "base" (a frozen role) is the base weights only where the engines serve LoRA adapters beside them
+    assert r.named_policy({"model": "base"}) == ({"model": "base"}, None)
+    r.serves_base = True
+    assert r.named_policy({"model": "base"}) == ({"model": "tiny"}, "base")
 
     reply = {"role": "assistant", "content": "hi"}
     first = [{"role": "user", "content": "a"}]

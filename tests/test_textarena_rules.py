@@ -1,5 +1,6 @@
 """TextArena's rewards mean what they say (#41): a fixed opponent never hands the policy a win it did
-not earn, and a game's number of players is the game's own.
+not earn, and a game's number of players is the game's own. With ``opponent="roles"`` each seat is
+a role (#36), played by what the run binds to it, and scored with its own seat's reward.
 
 The games are written here (TextArena ``Env`` subclasses registered under test ids), so each case
 is exactly the one named: a race whose observations list no moves, the same race listing its moves
@@ -8,6 +9,7 @@ on the ``[GAME]`` line, and a one-player game.
 
 from __future__ import annotations
 
+import asyncio
 import re
 from typing import Any
 
@@ -18,6 +20,9 @@ from textarena.envs.registration import ENV_REGISTRY, register
 
 from agentrl.env import make
 from agentrl.errors import ConfigError
+from agentrl.rollout.config import EpisodeLimits, RoleBinding
+from agentrl.rollout.episode import run_episode
+from agentrl.router.sessions import SessionSummary
 from tests.test_env_adapters import play
 
 MOVES = ("[step]", "[wait]")
@@ -115,3 +120,73 @@ def test_a_one_player_game_plays_by_name() -> None:
     assert ep.error is None and ep.terminated, ep.error
     assert ep.reward == 1.0 and ep.info["success"] is True
     assert make("textarena:TicTacToe-v0").num_players == 2  # a two-player game keeps two
+
+
+# -- seats as roles (#36) --------------------------------------------------------------------------
+
+class Stepping:
+    """A chat client that always answers ``[step]``; it records (session, body) per call."""
+
+    model_name = "m"
+
+    def __init__(self) -> None:
+        self.bodies: list[tuple[str | None, dict[str, Any]]] = []
+
+    async def begin(self, session_id: str, **meta: Any) -> None:
+        pass
+
+    async def chat(self, body: dict[str, Any], session_id: str | None = None) -> dict[str, Any]:
+        self.bodies.append((session_id, body))
+        return {"choices": [{"message": {"role": "assistant", "content": "[step]"}, "finish_reason": "stop"}],
+                "agentrl": {"session_id": session_id, "call_index": len(self.bodies) - 1, "versions": [[0]]}}
+
+    async def end(self, session_id: str) -> SessionSummary | None:
+        return SessionSummary(session_id, [])
+
+
+def play_seats(roles: dict[str, RoleBinding]) -> tuple[Any, Stepping]:
+    client, game = Stepping(), "textarena:AgentrlRaceListed-v0"
+    task = next(iter(make(game, opponent="roles").tasks("train")))
+    ep = asyncio.run(run_episode(client, game, task, group_id="g", env_config={"opponent": "roles"},
+                                 roles=roles, limits=EpisodeLimits(max_turns=12)))
+    return ep, client
+
+
+def test_each_seat_plays_through_its_roles_agent_and_gets_its_seats_reward() -> None:
+    assert make("textarena:AgentrlRaceListed-v0", opponent="roles").roles == ("player_0", "player_1")
+    assert make("textarena:AgentrlRaceListed-v0").roles == ()  # self-play stays one agent
+    ep, client = play_seats({"player_1": RoleBinding(frozen=True)})
+    assert ep.error is None and ep.terminated, ep.error
+    # both step every turn: player 0 moves first and reaches square 3 first
+    assert ep.info["rewards"] == {"0": 1.0, "1": -1.0} and ep.info["moves"] == 5
+    assert ep.info["role_rewards"] == {"player_0": 1.0, "player_1": -1.0}
+    sessions = [s for s, _ in client.bodies]
+    assert sessions == [f"{ep.episode_id}.player_{i % 2}" for i in range(5)]
+    assert {b.get("model") for s, b in client.bodies if s.endswith(".player_1")} == {"base"}
+    assert all("model" not in b for s, b in client.bodies if s.endswith(".player_0"))
+    # the trained seat won: success and the episode's reward are its side's
+    assert ep.info["success"] is True and ep.reward == 1.0 and ep.info["seats"] == [0]
+    graph = ep.info["graph"]["nodes"]
+    assert [(n["role"], n["trained"]) for n in graph] == [("player_0", True), ("player_1", False)] * 2 + [
+        ("player_0", True)]
+
+
+def test_with_every_seat_trained_success_is_not_defined() -> None:
+    ep, _ = play_seats({})
+    assert ep.error is None and "success" not in ep.info and ep.reward == 0.0  # (1 - 1) / 2
+
+
+def test_seats_as_roles_are_declared_to_the_start_time_check() -> None:
+    from agentrl.serve.build import check_declared_roles
+    from agentrl.serve.config import ServeConfig
+
+    cfg = ServeConfig()
+    cfg.env.name, cfg.env.config = "textarena:AgentrlRaceListed-v0", {"opponent": "roles"}
+    cfg.env.roles = {"player_1": RoleBinding(endpoint="http://x/v1")}
+    check_declared_roles(cfg)
+    cfg.env.roles = {"player_2": RoleBinding()}
+    with pytest.raises(ConfigError, match=r"its roles: \['player_0', 'player_1'\]"):
+        check_declared_roles(cfg)
+    cfg.env.config, cfg.env.roles = {}, {"player_1": RoleBinding()}
+    with pytest.raises(ConfigError, match="not a multi-agent environment"):
+        check_declared_roles(cfg)

@@ -177,3 +177,63 @@ def test_failures_are_named_closed_mid_answer_not_http_refused_and_timed_out() -
             for s in servers:
                 s.close()
     run(go())
+
+
+def test_a_kept_alive_connection_times_out_on_time_and_is_dropped() -> None:
+    async def once_then_silent(
+        reader: asyncio.StreamReader, writer: asyncio.StreamWriter, state: dict[str, Any]
+    ) -> None:
+        body = await read_request(reader)
+        writer.write(ok(body or b""))
+        await writer.drain()
+        await read_request(reader)
+        await asyncio.sleep(10)
+
+    async def go() -> None:
+        server, url, state = await serve(once_then_silent)
+        up = Upstream()
+        try:
+            assert await up.post(url, "/x", b"{}", 5) == (200, b"{}")
+            loop = asyncio.get_running_loop()
+            t0 = loop.time()
+            with pytest.raises(TimeoutError):
+                await up.post(url, "/x", b"{}", 0.3)  # on the kept-alive connection
+            waited = loop.time() - t0
+            assert 0.3 <= waited < 0.3 + 0.25, waited  # never early, at most a bucket (and some) late
+            assert not up._buckets or all(not b for b in up._buckets.values())
+            server.close()
+            server, url, state = await serve(echo)
+            assert await up.post(url, "/x", b"{}", 5) == (200, b"{}")  # a new connection, not the dead one
+        finally:
+            await up.close()
+            server.close()
+
+    run(go())
+
+
+def test_max_connections_holds_calls_beyond_it_until_one_is_free() -> None:
+    async def slow_echo(
+        reader: asyncio.StreamReader, writer: asyncio.StreamWriter, state: dict[str, Any]
+    ) -> None:
+        while (body := await read_request(reader)) is not None:
+            state["in_flight"] = state.get("in_flight", 0) + 1
+            state["most"] = max(state.get("most", 0), state["in_flight"])
+            await asyncio.sleep(0.05)
+            state["in_flight"] -= 1
+            writer.write(ok(body))
+            await writer.drain()
+
+    async def go() -> None:
+        server, url, state = await serve(slow_echo)
+        up = Upstream(max_connections=2)
+        try:
+            got = await asyncio.gather(*(up.post(url, "/x", b"%d" % i, 5) for i in range(6)))
+            assert got == [(200, b"%d" % i) for i in range(6)]
+            assert state["most"] == 2 and state["connections"] == 2
+            with pytest.raises(TimeoutError):  # waiting for a connection counts against the timeout
+                await asyncio.gather(*(up.post(url, "/x", b"{}", 0.08) for _ in range(6)))
+        finally:
+            await up.close()
+            server.close()
+
+    run(go())

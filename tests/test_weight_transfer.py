@@ -61,6 +61,38 @@ async def _commit(
         return r.status, await r.text()
 
 
+def test_a_pinned_versions_folder_stays_on_disk_and_a_restart_restores_it_before_the_latest(
+    tmp_path: Path,
+) -> None:
+    from agentrl.web import start_on_loopback
+    from agentrl.weights import WeightReceiver
+
+    async def go() -> None:
+        pool = RecordingPool()
+        receiver = WeightReceiver(tmp_path / "w", pool, keep=2, pinned=[1])  # type: ignore[arg-type]
+        app = web.Application(client_max_size=2**30)
+        receiver.add_routes(app, lambda request: None)
+        runner, url = await start_on_loopback(app)
+        try:
+            for v in (1, 2, 3, 4):
+                await publish(f"weights {v}".encode(), v, url, "")
+        finally:
+            await runner.cleanup()
+        # version 2 left the window of 2 (3, 4); the pinned 1 stays, marked loaded
+        assert sorted(p.name for p in (tmp_path / "w").iterdir()) == ["v1", "v3", "v4"]
+        # a restarted serve: the pinned version first, then the latest (the policy's version)
+        again = RecordingPool()
+        restarted = WeightReceiver(tmp_path / "w", again, keep=2, pinned=[1, 7])  # type: ignore[arg-type]
+        latest = restarted.latest_loaded()
+        assert latest == (4, tmp_path / "w" / "v4")
+        assert restarted.pinned_loaded(below=latest[0]) == [(1, tmp_path / "w" / "v1")]
+        for version, path in [*restarted.pinned_loaded(below=latest[0]), latest]:
+            await restarted.restore(version, path)
+        assert [v for v, _ in again.loaded] == [1, 4] and again.version == 4
+
+    asyncio.run(go())
+
+
 @pytest.mark.parametrize("size", [0, 1, 64 * 1024, 1_000_003])
 def test_published_weights_arrive_byte_for_byte_with_chunks_in_flight_at_once(
     tmp_path: Path, size: int

@@ -185,10 +185,10 @@ class Buffer:
         return entries
 
     def in_flight_allowance(self, in_flight: int) -> int:
-        """How many new episodes may start now: keeps in_flight + buffered <= (max_staleness+1) x batch_size.
-
-        Buffered counts unconsumed samples (leased ones too); an episode that is split into several
-        samples makes the rule conservative.
+        """How many more samples may be started now: keeps in_flight + buffered <= (max_staleness+1) x
+        batch_size, where ``in_flight`` is the samples the producers' episodes in flight are expected
+        to make (the orchestrator counts an episode as the mean a finished one made) and buffered
+        counts unconsumed samples (leased ones too).
         """
         cap = (self.cfg.max_staleness + 1) * self.cfg.batch_size
         allowance = 0 if self.disk_full else max(0, cap - in_flight - self.pending)

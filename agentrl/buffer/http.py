@@ -187,7 +187,7 @@ class BufferClient:
         return int(got.json()["stored"])
 
     async def wait_for_room(self, producer: str, in_flight: int, timeout_s: float) -> int:
-        """Admission control for a remote producer: how many episodes it may start now."""
+        """Admission control for a remote producer: the room left, in samples, beside its ``in_flight``."""
         got = await self.http.json(
             "POST",
             "/buffer/room",

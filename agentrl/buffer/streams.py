@@ -65,7 +65,8 @@ class PolicyBuffers:
         return stored
 
     def in_flight_allowance(self, in_flight: int) -> int:
-        """Episodes that may start now: ``in_flight`` plus every stream's unconsumed samples stay
+        """Samples that may be started now: ``in_flight`` (the samples the episodes in flight are
+        expected to make, one per trained role's policy) plus every stream's unconsumed samples stay
         within the sum of the streams' bounds ((max_staleness + 1) x batch_size each)."""
         if any(b.disk_full for b in self.streams.values()):  # see agentrl.buffer.disk
             return 0

@@ -315,6 +315,30 @@ def cmd_view(args: argparse.Namespace, extra: list[str]) -> int:
     return 0
 
 
+def cmd_tinker(args: argparse.Namespace, extra: list[str]) -> int:
+    """Serve the Tinker API (the official ``tinker`` SDK's routes) on a model of this machine: LoRA
+    training clients with forward_backward and optim_step on agentrl's learner parts. API keys
+    (each a tenant, starting with ``tml-``) come from --keys-file or $AGENTRL_TINKER_KEYS(_FILE);
+    programs reach it with ``tinker.ServiceClient(base_url=URL, api_key=KEY)`` (docs/tinker.md)."""
+    _no_settings("tinker", extra)
+    _setup_logging(args.verbose)
+    import asyncio
+
+    from agentrl.credentials import SecretError
+    from agentrl.tinker.service import run_service
+
+    try:
+        asyncio.run(run_service(args.model, args.host, args.port, args.keys_file or "",
+                                state_dir=args.state_dir or "", lora_alpha=args.lora_alpha,
+                                sampling=not args.no_sampling, engine_port=args.engine_port,
+                                max_clients=args.max_clients, session_ttl_s=args.session_ttl))
+    except (SecretError, ValueError, OSError) as e:
+        raise SystemExit(f"agentrl tinker: {e}") from None
+    except KeyboardInterrupt:
+        return 0
+    return 0
+
+
 # `agentrl eval`'s defaults are the config tree's (one definition, shared with agentrl run's evaluation)
 EVAL = C.EvalConfig()
 LIMITS = C.EpisodeLimits()
@@ -454,6 +478,29 @@ def parser() -> argparse.ArgumentParser:
     pp.add_argument("run_dir", help="a run directory, e.g. runs/latest")
     pp.add_argument("--out", help="where to write the PNGs (default: RUN_DIR/plots)")
     pp.set_defaults(fn=cmd_plot)
+
+    tp = sub.add_parser("tinker", help="a Tinker-compatible training service (the tinker SDK's API)",
+                        description=cmd_tinker.__doc__)
+    tp.add_argument("--model", default="smollm2", help="built-in model name or folder (default: %(default)s)")
+    tp.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
+    tp.add_argument("--port", type=int, default=8900, help="port (default: %(default)s; 0: a free one)")
+    tp.add_argument("--keys-file", help="file of API keys, one a line (default: $AGENTRL_TINKER_KEYS, "
+                                        "comma-separated, or the file $AGENTRL_TINKER_KEYS_FILE names)")
+    tp.add_argument("--state-dir", help="where save_state writes checkpoints, a folder per API key "
+                                        "(default: ~/.cache/agentrl/tinker)")
+    tp.add_argument("--engine-port", type=int, default=8950,
+                    help="port of the vLLM engine that samples, started on the first sampling call "
+                         "(default: %(default)s)")
+    tp.add_argument("--no-sampling", action="store_true",
+                    help="train only: no sampling engine, sampling calls are refused")
+    tp.add_argument("--max-clients", type=int, default=16,
+                    help="training clients held at once, all keys together (default: %(default)s)")
+    tp.add_argument("--session-ttl", type=float, default=300.0,
+                    help="seconds without a heartbeat after which a session's training clients are "
+                         "freed; the SDK beats every 10 s (default: %(default)s)")
+    tp.add_argument("--lora-alpha", type=float, default=32.0,
+                    help="LoRA alpha of every training client's adapter (default: %(default)s)")
+    tp.set_defaults(fn=cmd_tinker)
 
     vp = sub.add_parser("view", help="a web view of a run directory: live charts, episodes, tokens",
                         description=cmd_view.__doc__)

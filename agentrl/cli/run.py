@@ -253,6 +253,7 @@ def held_out_eval(cfg: RunConfig, url: str, label: str, run_dir: Path) -> EvalRe
             concurrency=ev.concurrency,
             success_reward=ev.success_reward,
             sandbox_config=dataclasses.replace(cfg.serve.sandbox, warm=0, max_concurrency=ev.concurrency),
+            roles=e.roles,
         )
     )
     write_result(result, run_dir / f"eval_{label}.json")
@@ -260,7 +261,8 @@ def held_out_eval(cfg: RunConfig, url: str, label: str, run_dir: Path) -> EvalRe
     print(f"eval {label}: success {result.success_rate:.3f} (95% CI "
           f"{lo:.3f}-{hi:.3f}) over {result.n} tasks, reward mean "
           f"{result.reward_mean:.3f}, {result.failed} failed, {result.seconds:.0f} s", flush=True)
-    for name, e in result.by_env.items():  # a mix: each environment's own
+    # a mix: each environment's own; a multi-agent environment: each role's own
+    for name, e in [*result.by_env.items(), *((f"role {r}", e) for r, e in result.by_role.items())]:
         lo, hi = e["success_ci95"]
         print(f"eval {label}:   {name}: success {e['success_rate']:.3f} "
               f"(95% CI {lo:.3f}-{hi:.3f}) over {e['n']} tasks",
@@ -337,6 +339,11 @@ def run(cfg: RunConfig) -> int:
             summary["success_by_env"] = {name: [round(e["success_rate"], 4),
                                                 round(after.by_env.get(name, {}).get("success_rate", 0.0), 4)]
                                          for name, e in before.by_env.items()}
+        if before.by_role:  # a multi-agent environment: each role's success before and after
+            late = after.by_role
+            summary["success_by_role"] = {
+                role: [round(e["success_rate"], 4), round(late.get(role, {}).get("success_rate", 0), 4)]
+                for role, e in before.by_role.items()}
         print(f"success on held-out tasks: {before.success_rate:.3f} before -> {after.success_rate:.3f} "
               f"after ({len(history)} learner steps, {summary['wall_minutes']} min)", flush=True)
     try:

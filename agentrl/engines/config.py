@@ -17,6 +17,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+#: what a call naming ``model: "base"`` samples from on LoRA engines: the base weights, no adapter (a
+#: frozen role of a multi-agent episode); no adapter is ever published under it
+BASE_POLICY = "base"
 
 @dataclass(kw_only=True)
 class EngineOptions:

@@ -64,12 +64,27 @@ class Engine:
 
     def adapter(self, policy: str = DEFAULT_POLICY) -> tuple[str, int] | None:
         """The newest adapter of ``policy`` this engine has loaded, as (its name, its version);
-        None: the base weights (no version of that policy was published yet)."""
-        versions = self.adapters.get(policy)
+        None: the base weights (no version of that policy was published yet).
+
+        ``<policy>:lag<k>`` (a role that plays against the policy k versions back): the version k
+        before the newest, the base weights while fewer than k+1 were published. serve keeps k+1 of
+        its versions loaded; should that version be gone all the same, the oldest one loaded.
+
+        ``<policy>:v<N>`` (a role that plays against the policy's published version N): exactly that
+        version, the base weights until it is published. serve never unloads it once loaded."""
+        name, _, lag = policy.partition(":lag")
+        name, _, pin = name.partition(":v")
+        versions = self.adapters.get(name)
         if not versions:
             return None
-        version = max(versions)
-        return adapter_name(version, policy), version
+        version = int(pin) if pin else max(versions) - int(lag or 0)
+        if version <= 0 or version > max(versions):
+            return None
+        if version not in versions:
+            log.warning("engine %s no longer holds %s's version %d (%s): it samples from the oldest it "
+                        "holds, %d", self.name, name, version, policy, min(versions))
+            version = min(versions)
+        return adapter_name(version, name), version
 
 
 def adapter_name(version: int, policy: str = DEFAULT_POLICY) -> str:
@@ -87,10 +102,13 @@ def parse_version(v: Any) -> int:
 
 class EnginePool:
     def __init__(self, urls: list[str], *, request_timeout_s: float = 600.0, control_timeout_s: float = 60.0,
-                 health_interval_s: float = 2.0, health_failures: int = 3, api_key: str = "") -> None:
+                 health_interval_s: float = 2.0, health_failures: int = 3, api_key: str = "",
+                 max_connections: int | None = None) -> None:
         """``health_failures``: consecutive failed health checks before an engine is taken out (a
         refused or dropped connection during a call takes it out at once). ``api_key``: the key the
-        engines serve launched demand (agentrl.engines.guard); sent with every call."""
+        engines serve launched demand (agentrl.engines.guard); sent with every call.
+        ``max_connections``: calls in flight per engine at once (each holds a socket; more wait in
+        order); None: no bound."""
         if not urls:
             raise ValueError("the engine pool needs at least one engine URL")
         self.engines = [Engine(url=u.rstrip("/"), name=f"engine-{i}") for i, u in enumerate(urls)]
@@ -104,7 +122,8 @@ class EnginePool:
         self._affinity: dict[str, Engine] = {}
         self._http: aiohttp.ClientSession | None = None
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self._upstream = Upstream(api_key)  # the hot path (render / generate / derender calls)
+        # the hot path (render / generate / derender calls)
+        self._upstream = Upstream(api_key, max_connections=max_connections)
         self._health_task: asyncio.Task | None = None
         # Closed (cleared) by the weight-update code around a pause window: new engine calls wait
         # here instead of failing; calls already in flight are kept by vLLM's pause(mode=keep).
@@ -117,6 +136,11 @@ class EnginePool:
         # Awaited after ``on_rejoin`` let a returning engine in, before it takes traffic (the router's
         # expert capture binds itself there: a relaunched engine starts without it).
         self.on_ready: list[Callable[[Engine], Awaitable[None]]] = []
+
+    @property
+    def headers(self) -> dict[str, str]:
+        """What every call to an engine carries (its API key, if the engines demand one)."""
+        return dict(self._headers)
 
     async def start(self) -> None:
         # Keep-alive connections, unbounded in number (a router at 1,024 concurrent calls keeps as

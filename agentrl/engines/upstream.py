@@ -4,9 +4,18 @@ Every completion makes one such call (token-in generate), so its cost is the rou
 aiohttp's client took about 150 us of CPU per call here, an ``asyncio.StreamReader`` client about
 40 us, and this one (an ``asyncio.Protocol`` that parses the response as its bytes arrive, with no
 per-line awaits) less again. It does only what that call needs: POST with a Content-Length body, a
-response with Content-Length or chunked encoding, connections kept alive and reused per engine (no
-limit on their number; idle ones are dropped before the server's keep-alive timeout). Streaming
+response with Content-Length or chunked encoding, connections kept alive and reused per engine (idle
+ones are dropped before the server's keep-alive timeout). HTTP/1.1 carries one request at a time per
+connection, so each call in flight holds a socket: ``max_connections`` bounds them per engine (calls
+beyond it wait, in order, within their timeout), for a process whose open-file limit is below the
+calls it keeps in flight; unset, there is no bound. Streaming
 and control calls stay on aiohttp.
+
+Timeouts: a request's deadline joins a bucket of :data:`TICK_S`; one timer per bucket fails the
+requests still waiting in it with ``TimeoutError`` (never early, at most a tick late). A timer per
+request (``asyncio.timeout``) cost more CPU than the rest of the exchange's Python code, and with
+thousands of calls in flight for a 120 s timeout the loop's timer heap held up to a million
+cancelled handles, which it re-sorts in one go (benchmarks/agent_loops.py).
 
 Failures: :class:`UpstreamClosed` when the connection was refused, reset or closed before the
 response was complete (the engine is gone or going); :class:`UpstreamProtocolError` for an answer
@@ -26,6 +35,7 @@ from agentrl.errors import AgentrlError
 IDLE_S = 4.0  # uvicorn (vLLM) closes idle keep-alive connections after 5 s
 MAX_HEAD = 64 * 1024
 UNTIL_CLOSE = -2  # a status line and headers longer than this are not an engine's answer
+TICK_S = 0.05  # the deadline buckets' width: a timeout fires at most this late
 
 
 class UpstreamClosed(AgentrlError, ConnectionError):
@@ -49,6 +59,7 @@ class _Connection(asyncio.Protocol):
         self.last_used = 0.0
         self._buf = bytearray()
         self._waiter: asyncio.Future[tuple[int, bytes, bool]] | None = None
+        self.bucket: set[_Connection] | None = None  # the deadline bucket it waits in (Upstream._wait_until)
         self._head: tuple[int, int, bool, bool] | None = None  # status, body start, chunked, keep-alive
         self._length = -1
 
@@ -96,6 +107,11 @@ class _Connection(asyncio.Protocol):
         self._waiter = asyncio.get_running_loop().create_future()
         self.transport.write(request)
         return await self._waiter
+
+    def expire(self) -> None:
+        """The request's deadline passed: it fails with ``TimeoutError`` (the caller drops the connection)."""
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_exception(TimeoutError())
 
     def _fail(self, err: Exception) -> None:
         if self._waiter is not None and not self._waiter.done():
@@ -169,13 +185,55 @@ def _dechunk(buf: bytearray, pos: int) -> bytes | None:
         pos += size + 2
 
 
+class _Slots:
+    """At most ``n`` holders; waiters are served in order, each handed the slot a holder gives back.
+
+    (``asyncio.Semaphore`` looks past every waiter it already woke, on each release: with thousands
+    waiting, a burst of releases cost quadratic time on the event loop.)"""
+
+    def __init__(self, n: int) -> None:
+        self.free = n
+        self.waiters: deque[asyncio.Future[None]] = deque()
+
+    def take(self) -> bool:
+        if self.free > 0 and not self.waiters:
+            self.free -= 1
+            return True
+        return False
+
+    async def wait(self, deadline: float) -> None:
+        fut = asyncio.get_running_loop().create_future()
+        self.waiters.append(fut)
+        try:
+            async with asyncio.timeout_at(deadline):
+                await fut
+        except BaseException:
+            if fut.done() and not fut.cancelled():
+                self.release()  # handed a slot it will not use: pass it on
+            else:
+                fut.cancel()  # left in the queue; release skips it
+            raise
+
+    def release(self) -> None:
+        while self.waiters:
+            fut = self.waiters.popleft()
+            if not fut.done():
+                fut.set_result(None)  # the slot goes straight to the next waiter
+                return
+        self.free += 1
+
+
 class Upstream:
-    def __init__(self, api_key: str = "", idle_s: float = IDLE_S) -> None:
+    def __init__(self, api_key: str = "", idle_s: float = IDLE_S, max_connections: int | None = None) -> None:
         self.idle_s = idle_s
+        self.max_connections = max_connections
+        self._slots: dict[tuple[str, int], _Slots] = {}  # per engine, with max_connections
         # the engine's key (agentrl.engines.guard), sent with every request; empty: none
         self._auth = f"Authorization: Bearer {api_key}\r\n" if api_key else ""
         self._idle: dict[tuple[str, int], deque[_Connection]] = {}
         self._addr: dict[str, tuple[str, int, str]] = {}
+        self._buckets: dict[int, set[_Connection]] = {}  # deadline tick -> the exchanges due then
+        self._loop: asyncio.AbstractEventLoop | None = None  # the loop whose timers fire the buckets
 
     def _address(self, base_url: str) -> tuple[str, int, str]:
         a = self._addr.get(base_url)
@@ -194,18 +252,35 @@ class Upstream:
             f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\n\r\n"
         ).encode("latin-1") + payload
         key = (host, port)
-        async with asyncio.timeout(timeout_s):
-            conn = self._take(key)
-            if conn is not None:
-                try:
-                    return await self._exchange(key, conn, request)
-                except _StaleConnection:
-                    pass  # closed by the server while idle: nothing was read, send it once more
-            conn = await self._open(host, port)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        if self.max_connections is None:
+            return await self._post(key, request, deadline)
+        self._bind(loop)
+        slots = self._slots.get(key)
+        if slots is None:
+            slots = self._slots[key] = _Slots(self.max_connections)
+        if not slots.take():
+            await slots.wait(deadline)
+        try:
+            return await self._post(key, request, deadline)
+        finally:
+            slots.release()
+
+    async def _post(self, key: tuple[str, int], request: bytes, deadline: float) -> tuple[int, bytes]:
+        host, port = key
+        conn = self._take(key)
+        if conn is not None:
             try:
-                return await self._exchange(key, conn, request)
-            except _StaleConnection as e:
-                raise UpstreamClosed(f"{host}:{port} closed the connection without answering") from e
+                return await self._exchange(key, conn, request, deadline)
+            except _StaleConnection:
+                pass  # closed by the server while idle: nothing was read, send it once more
+        async with asyncio.timeout_at(deadline):  # (a new connection: rare, a timer of its own)
+            conn = await self._open(host, port)
+        try:
+            return await self._exchange(key, conn, request, deadline)
+        except _StaleConnection as e:
+            raise UpstreamClosed(f"{host}:{port} closed the connection without answering") from e
 
     async def _open(self, host: str, port: int) -> _Connection:
         try:
@@ -224,8 +299,30 @@ class Upstream:
             conn.close()
         return None
 
-    async def _exchange(self, key: tuple[str, int], conn: _Connection, request: bytes) -> tuple[int, bytes]:
+    def _wait_until(self, conn: _Connection, deadline: float) -> None:
+        """Put ``conn``'s exchange in the bucket of ``deadline``, whose timer expires what is left in it."""
+        loop = asyncio.get_running_loop()
+        self._bind(loop)
+        tick = int(deadline / TICK_S) + 1  # the bucket's time, tick * TICK_S, is never before the deadline
+        bucket = self._buckets.get(tick)
+        if bucket is None:
+            bucket = self._buckets[tick] = set()
+            loop.call_at(tick * TICK_S, self._expire, tick)
+        bucket.add(conn)
+        conn.bucket = bucket
+
+    def _bind(self, loop: asyncio.AbstractEventLoop) -> None:
+        if loop is not self._loop:  # buckets and slots of a loop that is gone never fire: start afresh
+            self._loop, self._buckets, self._slots = loop, {}, {}
+
+    def _expire(self, tick: int) -> None:
+        for conn in self._buckets.pop(tick, ()):
+            conn.expire()
+
+    async def _exchange(self, key: tuple[str, int], conn: _Connection, request: bytes,
+                        deadline: float) -> tuple[int, bytes]:
         done = keep = False
+        self._wait_until(conn, deadline)
         try:
             status, body, keep = await conn.exchange(request)
             done = True
@@ -234,6 +331,9 @@ class Upstream:
         except UpstreamProtocolError as e:
             raise UpstreamProtocolError(f"{e} (from {key[0]}:{key[1]})") from e
         finally:
+            if conn.bucket is not None:
+                conn.bucket.discard(conn)
+                conn.bucket = None
             if done and keep and not conn.closed:
                 conn.last_used = time.monotonic()
                 self._idle.setdefault(key, deque()).append(conn)

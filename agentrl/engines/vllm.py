@@ -95,6 +95,27 @@ def port_taken(host: str, port: int) -> bool:
     return False
 
 
+def port_holders(port: int) -> str:
+    """Who holds local ``port``, as words: each socket's process and state (a listener, or a
+    connection that took the port as its local end), for the error that says the port is taken."""
+    import psutil
+
+    try:
+        conns = [c for c in psutil.net_connections(kind="tcp") if c.laddr and c.laddr.port == port]
+    except (psutil.Error, OSError):
+        return "(the sockets could not be listed)"
+    said = []
+    for c in conns:
+        who = f"pid {c.pid}" if c.pid else "a process"
+        try:
+            who += f" ({' '.join(psutil.Process(c.pid).cmdline()[:4])[:80]})" if c.pid else ""
+        except psutil.Error:
+            pass
+        peer = f" to {c.raddr.ip}:{c.raddr.port}" if c.raddr else ""
+        said.append(f"{who}, {c.status}{peer}")
+    return "; ".join(said) or "(no socket seen: perhaps another network namespace)"
+
+
 async def wait_ports_free(specs: list[EngineSpec], timeout_s: float) -> None:
     """Until no process listens on any of ``specs``' ports. After ``kill -9`` of serve its engines
     are still shutting down (their reapers give them a grace period): an engine launched on a port
@@ -102,9 +123,9 @@ async def wait_ports_free(specs: list[EngineSpec], timeout_s: float) -> None:
     deadline, told = time.monotonic() + timeout_s, False
     while taken := [s.port for s in specs if port_taken(s.host, s.port)]:
         if time.monotonic() > deadline:
-            raise EngineStartError(f"engine port(s) {taken} still held by another process "
-                                   f"after {timeout_s:.0f} s (`ss -ltnp` names it); "
-                                   "stop it, or set engine.base_port to free ports")
+            holders = "; ".join(f"{port}: {port_holders(port)}" for port in taken)
+            raise EngineStartError(f"engine port(s) {taken} still held after {timeout_s:.0f} s, by "
+                                   f"{holders}; stop it, or set engine.base_port to free ports")
         if not told:
             _progress.info("engine port(s) %s still held by another process (an earlier engine shutting "
                            "down?); waiting up to %.0f s", taken, timeout_s)

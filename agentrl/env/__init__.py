@@ -4,7 +4,7 @@ Importing this package stays cheap: gymnasium loads only with ``agentrl.env.gym`
 ``datasets`` only when a dataset source is read.
 """
 
-from agentrl.env.base import Environment, Message, Reset, StepResult, TaskListEnv, ToolEnv
+from agentrl.env.base import Environment, Message, Played, Reset, StepResult, TaskListEnv, ToolEnv
 from agentrl.env.registry import (
     DuplicateEnvironmentError,
     UnknownEnvironmentError,
@@ -16,11 +16,13 @@ from agentrl.env.registry import (
     registered,
     unregister,
 )
+from agentrl.env.roles import Agent, MultiAgentEnv
 from agentrl.env.tasks import TaskSource, load_tasks
 from agentrl.env.tools import ToolCallError, parse_tool_calls, tool, tool_schema
 
 __all__ = [
-    "DuplicateEnvironmentError", "Environment", "Message", "Reset", "StepResult", "TaskListEnv", "TaskSource",
+    "Agent", "DuplicateEnvironmentError", "Environment", "Message", "MultiAgentEnv", "Played", "Reset",
+    "StepResult", "TaskListEnv", "TaskSource",
     "ToolCallError", "ToolEnv", "UnknownEnvironmentError", "UserCodeError", "environment", "import_user_code",
     "load_tasks", "lookup", "make", "parse_tool_calls", "registered", "tool", "tool_schema", "unregister",
 ]

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from agentrl.env.tasks import load_tasks
 from agentrl.env.tools import ToolCallError, call_tool, parse_arguments, parse_tool_calls, tool_schema
+from agentrl.sandbox.types import SandboxError
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
@@ -120,11 +121,15 @@ class Played:
 
     ``sample_rewards``: the reward of each model call's sample, in call order (the calls of one
     player in a two-player game chain into that player's sample, which gets that player's reward);
-    None gives every sample ``reward``.
+    None gives every sample ``reward``. ``role_rewards`` (a multi-agent environment,
+    :class:`agentrl.env.roles.MultiAgentEnv`): each role's reward, which its samples get (a role
+    left out gets ``reward``, the episode's team reward); a role the environment does not declare
+    fails the episode.
     """
 
     reward: float
     sample_rewards: list[float] | None = None
+    role_rewards: dict[str, float] | None = None
     truncated: bool = False
     info: dict[str, Any] = field(default_factory=dict)
 
@@ -158,12 +163,19 @@ class ToolEnv(Environment):
     max_turns: int = 6
 
     def __init__(self) -> None:
-        self._tools: dict[str, Callable] = {name: getattr(self, name) for name in _tool_names(type(self))}
+        self._tool_names = _tool_names(type(self))
         self.task: dict[str, Any] = {}
         self.messages: list[Message] = []
         self.turns = 0
         self.tool_errors: dict[str, int] = {}
         self.tool_calls = 0
+
+    @property
+    def _tools(self) -> dict[str, Callable]:
+        """The tools, bound now: bound methods kept on the instance would make every episode's
+        environment a reference cycle, left for the cyclic collector (whose passes over thousands of
+        live episodes are what stalls the event loop; see agentrl.serve.collector)."""
+        return {name: getattr(self, name) for name in self._tool_names}
 
     # -- override these ---------------------------------------------------------------------
     def prompt(self, task: dict[str, Any]) -> str:
@@ -238,6 +250,8 @@ class ToolEnv(Environment):
         else:
             try:
                 result = await call_tool(fn, err)
+            except SandboxError:  # the sandbox's infrastructure failed, not the tool: the episode fails
+                raise
             except Exception as e:  # a tool that raises is the model's problem, not the server's
                 self._count_error("tool_raised")
                 log.debug("tool %s raised", name, exc_info=True)

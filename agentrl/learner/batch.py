@@ -7,8 +7,10 @@ backpropagates. Per-token fields may be numpy arrays or lists; no sample is modi
 Invariants:
 - Advantages are per episode (:func:`agentrl.learner.advantages.episode_advantages`): an episode
   that became several samples counts once in its group's mean and std, and its samples share its
-  advantage. Samples of failed episodes, and samples with nothing generated after their first
-  token, are neither trained nor part of any baseline.
+  advantage. In a multi-agent episode each role is its own episode for this (``info["role"]``): a
+  role's samples compare with that role's in the group's other episodes, never with another
+  role's. Samples of failed episodes, and samples with nothing generated after their first token,
+  are neither trained nor part of any baseline.
 - A completion that several samples of one episode contain (a call that two later calls extend:
   each sample is the chain of calls up to a leaf, ``sample.info["calls"]``) is trained once: in
   the first of those samples in batch order, masked out of the others
@@ -102,6 +104,30 @@ class TrainBatch:
     process: list[np.ndarray | None] | None = None  # per sample, its tokens' process advantages (None: none)
 
 
+def _role_key(s: Sample) -> str:
+    info = s.info or {}
+    return "" if info.get("advantage") == "team" else str(info.get("role") or "")
+
+
+def role_advantages(adv: Tensor, samples: Sequence[Sample], rewards: Tensor) -> Tensor:
+    """A multi-agent role's own settings (``env.roles.<role>``, carried on its samples' ``info``): with
+    ``advantage: baseline`` the sample's reward minus the running baseline its episode saw
+    (``info["baseline"]``) instead of the group's; ``loss_weight`` scales the advantage."""
+    out = adv
+    for i, s in enumerate(samples):
+        info = s.info or {}
+        baseline, weight = info.get("baseline"), info.get("loss_weight")
+        if baseline is None and weight is None:
+            continue
+        if out is adv:
+            out = adv.clone()
+        if info.get("advantage") == "baseline" and baseline is not None:
+            out[i] = float(rewards[i]) - float(baseline)
+        if weight is not None:
+            out[i] = out[i] * float(weight)
+    return out
+
+
 def prepare(samples: Sequence[Sample], loss: LossConfig) -> TrainBatch:
     """The step's inputs for ``samples`` under ``loss`` (a ``LossConfig``); see the module's invariants."""
     usable = usable_samples(samples)
@@ -109,8 +135,13 @@ def prepare(samples: Sequence[Sample], loss: LossConfig) -> TrainBatch:
     truncated = [bool(s.truncated) for s in usable]
     if loss.overlong == "penalize":
         rewards = rewards - loss.overlong_penalty * torch.tensor(truncated, dtype=torch.float32)
-    adv = episode_advantages(rewards, [s.episode_id for s in usable], [s.group_id for s in usable],
+    # a multi-agent episode's roles each compare with the same role of the group's other episodes
+    # (a role on the team reward with the team)
+    roles = [_role_key(s) for s in usable]
+    adv = episode_advantages(rewards, list(zip([s.episode_id for s in usable], roles, strict=True)),
+                             list(zip([s.group_id for s in usable], roles, strict=True)),
                              normalize_std=loss.advantage_std)
+    adv = role_advantages(adv, usable, rewards)
     masks, shared = shared_completion_masks(usable)
     if loss.overlong == "mask":
         for i, cut in enumerate(truncated):

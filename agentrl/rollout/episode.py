@@ -21,16 +21,19 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
-from dataclasses import dataclass, field, replace
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from agentrl.buffer.sample import POLICY_KEY, Sample
 from agentrl.env import make
-from agentrl.env.base import MIX_TAG, Played, PlayingEnv
-from agentrl.errors import AgentrlError, EnvironmentFailure, ErrorKind, ScaffoldError, TransportError
-from agentrl.rollout.config import EpisodeLimits
+from agentrl.env.base import MIX_TAG, SUCCESS_KEY, Played, PlayingEnv
+from agentrl.env.roles import MultiAgentEnv
+from agentrl.errors import EnvironmentFailure, ErrorKind, ScaffoldError, TransportError
+from agentrl.rollout.calls import SessionModel, episode_samples
+from agentrl.rollout.config import EpisodeLimits, RoleBinding
 from agentrl.rollout.protocols import ChatClient
+from agentrl.rollout.roles import Cast, RoleBaselines
 from agentrl.router.errors import EngineError, InvalidRequest, RouterError
 from agentrl.router.sessions import SessionSummary
 from agentrl.sandbox.attach import ImagePools, attached
@@ -42,8 +45,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-__all__ = ["BuiltinLoop", "EpisodeLimits", "EpisodeResult", "SessionModel", "error_kind", "play_episode",
-           "run_episode"]
+__all__ = ["BuiltinLoop", "EpisodeLimits", "EpisodeResult", "SessionModel", "episode_samples", "error_kind",
+           "play_episode", "run_episode"]
 
 _MESSAGE_KEYS = ("role", "content", "tool_calls")
 
@@ -82,6 +85,15 @@ class EpisodeResult:
         self.error_kind, self.error = kind, message
 
 
+def is_success(ep: EpisodeResult, success_reward: float = 0.0) -> bool:
+    """Whether an episode succeeded: the environment's declared success where it declares one, else a
+    reward above ``success_reward``; an episode that failed or was cut short never succeeds."""
+    if ep.error is not None or not ep.terminated or ep.truncated:
+        return False
+    declared = ep.info.get(SUCCESS_KEY)
+    return bool(declared) if declared is not None else ep.reward > success_reward
+
+
 def error_kind(e: BaseException) -> ErrorKind:
     """The boundary an exception crossed, as a failed episode records it."""
     if isinstance(e, ScaffoldError):
@@ -118,21 +130,27 @@ def _clean(message: dict[str, Any]) -> dict[str, Any]:
 async def run_episode(client: ChatClient, env_name: str, task: dict[str, Any], *, group_id: str,
                       env_config: dict[str, Any] | None = None,
                       sandbox_pool: SandboxPool | ImagePools | None = None,
-                      limits: EpisodeLimits | None = None) -> EpisodeResult:
+                      limits: EpisodeLimits | None = None,
+                      roles: Mapping[str, RoleBinding] | None = None,
+                      baselines: RoleBaselines | None = None) -> EpisodeResult:
+    """Play one episode of ``task``. ``roles``: a multi-agent environment's bindings (``env.roles``);
+    ``baselines``: the running baselines its roles with ``advantage: baseline`` share."""
     limits = limits or EpisodeLimits()
     ep = EpisodeResult(episode_id=uuid.uuid4().hex, group_id=group_id, env=env_name,
                        task_id=str(task.get("id", "")), started=time.time())
     t0 = time.monotonic()
+    cast = Cast(client, ep, limits, roles or {}, baselines)  # used by a multi-agent environment only
     await client.begin(ep.episode_id, group_id=group_id, env=env_name)
     try:
         async with asyncio.timeout(limits.episode_timeout_s):
-            await _episode_body(client, env_name, task, env_config or {}, sandbox_pool, limits, ep)
+            await _episode_body(client, env_name, task, env_config or {}, sandbox_pool, limits, ep, cast)
     except TimeoutError:
         ep.truncated, ep.truncation = True, "timeout"
     except Exception as e:
         record_failure(ep, e)
     finally:
         ep.seconds = time.monotonic() - t0
+        await cast.finish()
         await finish_samples(client, ep)
     return ep
 
@@ -140,8 +158,8 @@ async def run_episode(client: ChatClient, env_name: str, task: dict[str, Any], *
 async def finish_samples(client: ChatClient, ep: EpisodeResult,
                          summary: SessionSummary | None = None) -> SessionSummary | None:
     """Close the episode's session (unless ``summary`` says it is closed) and turn its records into
-    ``ep.samples`` (at least one sample: an episode with no model call gets an empty, flagged one so
-    its group stays countable)."""
+    samples, ahead of those already in ``ep.samples`` (a multi-agent episode's roles'); at least one
+    sample: an episode with no model call gets an empty, flagged one so its group stays countable."""
     if summary is None:
         try:
             summary = await asyncio.shield(client.end(ep.episode_id))
@@ -152,7 +170,7 @@ async def finish_samples(client: ChatClient, ep: EpisodeResult,
     if summary is not None:
         ep.splits = summary.splits
         ep.answer = ep.answer or summary.last_reply  # a scaffold's own answer, else the last reply
-        ep.samples = _samples(summary, ep)
+        ep.samples = [*episode_samples(summary, ep), *ep.samples]
     if not ep.samples:
         ep.samples = [Sample([], [], [], [], episode_id=ep.episode_id, group_id=ep.group_id, env=ep.env,
                              reward=0.0, truncated=ep.truncated, error=ep.error or "NoModelCall",
@@ -181,7 +199,7 @@ async def episode_env(env_name: str, env_config: dict[str, Any],
 
 async def _episode_body(client: ChatClient, env_name: str, task: dict[str, Any], env_config: dict[str, Any],
                         sandbox_pool: SandboxPool | ImagePools | None, limits: EpisodeLimits,
-                        ep: EpisodeResult) -> None:
+                        ep: EpisodeResult, cast: Cast) -> None:
     policy = str(task.get(POLICY_KEY) or "")  # a named LoRA policy plays the task (serve.policies)
     if policy:
         ep.info[POLICY_KEY] = policy
@@ -190,10 +208,16 @@ async def _episode_body(client: ChatClient, env_name: str, task: dict[str, Any],
     async with episode_env(env_name, env_config, sandbox_pool, ep, task) as env:
         try:
             opening = await env.reset(task)
+        except SandboxError:  # its sandbox's infrastructure failed, not the environment
+            raise
         except Exception as e:
             raise EnvironmentFailure(f"reset raised {type(e).__name__}: {e}") from e
         messages = list(opening.messages)
         ep.info["tools"] = len(opening.tools)  # offered: with none ever called, nothing is learned about them
+        if isinstance(env, MultiAgentEnv) and env.roles:  # (one with no roles plays as one agent)
+            await cast.open(env.roles)
+            await play_episode(env, task, cast)
+            return
         if isinstance(env, PlayingEnv):
             await play_episode(env, task, SessionModel(client, ep, limits, policy))
             return
@@ -234,6 +258,8 @@ async def _episode_body(client: ChatClient, env_name: str, task: dict[str, Any],
             messages.append(message)
             try:
                 result = await env.step(message)
+            except SandboxError:  # its sandbox's infrastructure failed, not the environment
+                raise
             except Exception as e:
                 raise EnvironmentFailure(f"step raised {type(e).__name__}: {e}") from e
             ep.reward += result.reward
@@ -253,70 +279,15 @@ async def _episode_body(client: ChatClient, env_name: str, task: dict[str, Any],
                 return
 
 
-class LimitReached(AgentrlError):
-    """A playing environment asked for a call beyond the episode's turn or token budget."""
-
-    def __init__(self, truncation: str) -> None:
-        super().__init__(f"the episode's {truncation} limit is reached")
-        self.truncation = truncation
-
-
-class SessionModel:
-    """The policy as a :class:`~agentrl.env.base.PlayingEnv` sees it: chat calls recorded in the
-    episode's session, under the episode's limits (the built-in loop's sampling, the per-call and
-    per-episode token budgets, the turn limit). Counts what it spends on ``ep``."""
-
-    def __init__(
-        self, client: ChatClient, ep: EpisodeResult, limits: EpisodeLimits, policy: str = ""
-    ) -> None:
-        self.client, self.ep, self.limits = client, ep, limits
-        self.policy = policy  # the named LoRA policy the episode's calls sample from ("": the default)
-        # the named policies a call may pick by its own "model" (a seat of a self-play game); any
-        # other model name an environment sends is its own business and is dropped, as before
-        self.policies = set(getattr(client, "policies", None) or ())
-        self.name = client.model_name
-        self.max_tokens, self.temperature = limits.max_tokens, limits.temperature
-        self.refused: str | None = None  # the limit that stopped the episode, if one did
-        self.model_failure: BaseException | None = None  # an engine failure behind a call
-
-    async def chat(self, body: dict[str, Any]) -> dict[str, Any]:
-        ep, limits = self.ep, self.limits
-        budget = min(limits.max_tokens, limits.max_episode_tokens - ep.completion_tokens)
-        if ep.turns >= limits.max_turns or budget <= 0:
-            self.refused = "max_turns" if ep.turns >= limits.max_turns else "max_tokens"
-            raise LimitReached(self.refused)
-        asked = body.get("max_completion_tokens") or body.get("max_tokens") or budget
-        # The learner corrects with the temperature and top_p the loop samples at: they are not the
-        # environment's to change. One choice, not streamed: one sample per call.
-        named = body.get("model") if body.get("model") in self.policies else None
-        body = {k: v for k, v in body.items() if k not in ("model", "stream", "stream_options", "n",
-                                                            "max_completion_tokens")}
-        body.update(max_tokens=min(int(asked), budget), temperature=limits.temperature, top_p=limits.top_p)
-        if named or self.policy:
-            body["model"] = named or self.policy
-        try:
-            out = await self.client.chat(body, session_id=ep.episode_id)
-        except InvalidRequest as e:
-            if e.code == "context_length_exceeded":
-                self.refused = "context"
-            raise
-        except (EngineError, TransportError) as e:
-            self.model_failure = e
-            raise
-        ep.turns += 1
-        ep.versions.extend(sorted(set(out.get("agentrl", {}).get("versions", [[]])[0])))
-        ep.completion_tokens += len(out["choices"][0].get("token_ids") or []) or int(
-            (out.get("usage") or {}).get("completion_tokens") or 0)
-        return out
-
-
-async def play_episode(env: PlayingEnv, task: dict[str, Any], model: SessionModel) -> None:
+async def play_episode(env: PlayingEnv, task: dict[str, Any], model: SessionModel | Cast) -> None:
     """Let ``env`` play (``reset`` was called with ``task``); record how it ended on ``model.ep``. A
     limit reached is a truncation, an engine failure behind a call keeps its kind, anything else the
     environment raised is its failure. (``agentrl envs try`` plays through here too.)"""
     ep = model.ep
     try:
         played = await env.play(task, model)
+    except SandboxError:  # its sandbox's infrastructure failed, not the environment
+        raise
     except Exception as e:
         if model.refused is not None:
             ep.truncated, ep.truncation = True, model.refused
@@ -331,6 +302,8 @@ async def play_episode(env: PlayingEnv, task: dict[str, Any], model: SessionMode
     ep.info.update(played.info)
     if played.sample_rewards is not None:
         ep.sample_rewards = {i: float(r) for i, r in enumerate(played.sample_rewards)}
+    if played.role_rewards and isinstance(model, Cast):
+        model.role_rewards = {str(k): float(v) for k, v in played.role_rewards.items()}
     if model.refused is not None:  # it caught the refusal and finished anyway: still cut short
         ep.truncated, ep.truncation = True, model.refused
     elif played.truncated:
@@ -346,23 +319,6 @@ async def _close_env(env: Environment) -> None:
         log.warning("environment close() raised", exc_info=True)
 
 
-def _samples(summary: SessionSummary, ep: EpisodeResult) -> list[Sample]:
-    """The session's samples (numpy per-token fields, built once) with the episode's fields; a sample
-    whose last call the environment rewarded on its own (a self-play seat) takes that reward."""
-    extra = {k: ep.info[k] for k in ("tools", "tool_calls", MIX_TAG) if k in ep.info}
-    out = []
-    for s in summary.samples:
-        calls = s.info["calls"]
-        reward = ep.sample_rewards.get(calls[-1], ep.reward) if calls else ep.reward
-        out.append(replace(s, episode_id=ep.episode_id, group_id=ep.group_id, env=ep.env, reward=reward,
-                           truncated=ep.truncated, error=ep.error, error_kind=ep.error_kind,
-                           info={"task_id": ep.task_id, "turns": ep.turns, "sandbox_id": ep.sandbox_id,
-                                 "calls": calls, "truncation": ep.truncation, "splits": ep.splits, **extra,
-                                 **({POLICY_KEY: s.info[POLICY_KEY]} if POLICY_KEY in s.info else {})},
-                           timings={"episode_s": ep.seconds, "started": ep.started}))
-    return out
-
-
 @dataclass
 class EpisodeLoop:
     """What the orchestrator's producers share: the model's client, the environment (name and
@@ -374,6 +330,8 @@ class EpisodeLoop:
     env_config: dict[str, Any]
     limits: EpisodeLimits
     sandbox_pool: SandboxPool | ImagePools | None = None
+    roles: dict[str, RoleBinding] = field(default_factory=dict)  # a multi-agent environment's bindings
+    baselines: RoleBaselines = field(default_factory=RoleBaselines)  # its roles' running baselines
 
     async def __call__(self, task: dict[str, Any], group_id: str) -> EpisodeResult:
         raise NotImplementedError
@@ -386,5 +344,5 @@ class BuiltinLoop(EpisodeLoop):
     async def __call__(self, task: dict[str, Any], group_id: str) -> EpisodeResult:
         return await run_episode(
             self.client, self.env_name, task, group_id=group_id, env_config=self.env_config,
-            sandbox_pool=self.sandbox_pool, limits=self.limits,
+            sandbox_pool=self.sandbox_pool, limits=self.limits, roles=self.roles, baselines=self.baselines,
         )

@@ -29,12 +29,16 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from agentrl.env.base import MIX_TAG, SUCCESS_KEY
-from agentrl.rollout.config import EpisodeLimits
+from agentrl.env.roles import ROLE_SUCCESS_KEY
+from agentrl.rollout.config import EpisodeLimits, RoleBinding
+from agentrl.rollout.episode import is_success
 from agentrl.rollout.remote import OpenAIChat
 from agentrl.router.errors import RouterError
 from agentrl.sandbox.types import SandboxConfig
 
 if TYPE_CHECKING:
+    from collections.abc import Mapping
+
     from agentrl.rollout.episode import EpisodeResult
     from agentrl.rollout.protocols import ChatClient
     from agentrl.sandbox.attach import ImagePools
@@ -91,6 +95,9 @@ class EvalResult:
     # a mix's tasks (each names its environment under ``mix_env``): the same figures per environment,
     # {name: {n, successes, success_rate, success_ci95, reward_mean, reward_ci95}}; empty otherwise
     by_env: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # a multi-agent environment that declares each role's success (``info["role_success"]``): the
+    # same figures per role (its reward: the role's own); empty otherwise
+    by_role: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def summary(self) -> dict[str, Any]:
         """Everything but the per-episode list (one JSON line)."""
@@ -105,7 +112,7 @@ class EvalResult:
                f"(95% CI {lo:.1%}-{hi:.1%}; {judged}) | mean reward {self.reward_mean:.3f} (95% "
                f"CI {rlo:.3f}-{rhi:.3f}) | failed {self.failed} truncated {self.truncated} "
                f"| mean turns {self.turns_mean:.2f} | {self.seconds:.1f} s")
-        for name, e in self.by_env.items():
+        for name, e in [*self.by_env.items(), *((f"role {r}", e) for r, e in self.by_role.items())]:
             lo, hi = e["success_ci95"]
             out += f"\n  {name}: {e['n']} tasks, success {e['success_rate']:.1%} (95% CI {lo:.1%}-{hi:.1%})"
         return out
@@ -138,6 +145,22 @@ def tally_by_env(
     return {name: tally([wins[i] for i in idx], [rewards[i] for i in idx]) for name, idx in groups.items()}
 
 
+def tally_by_role(episodes: list[EpisodeResult]) -> dict[str, dict[str, Any]]:
+    """:func:`tally` per role of a multi-agent environment's episodes, from the roles' declared
+    success (``info["role_success"]``) and rewards (``info["role_rewards"]``); an episode that failed
+    or was cut short counts as a failure of every role. Empty when no episode declares any."""
+    roles: list[str] = []
+    for ep in episodes:
+        roles += [r for r in ep.info.get(ROLE_SUCCESS_KEY) or {} if r not in roles]
+    out = {}
+    for role in roles:
+        wins = [ep.error is None and ep.terminated and not ep.truncated
+                and bool((ep.info.get(ROLE_SUCCESS_KEY) or {}).get(role)) for ep in episodes]
+        rewards = [float((ep.info.get("role_rewards") or {}).get(role, ep.reward)) for ep in episodes]
+        out[role] = tally(wins, rewards)
+    return out
+
+
 def eval_tasks(env_name: str, env_config: dict[str, Any], split: str, n: int) -> list[dict[str, Any]]:
     """The first ``n`` tasks of ``split`` (aliases: heldout, eval -> test); fewer when the split is
     smaller."""
@@ -154,28 +177,21 @@ def eval_tasks(env_name: str, env_config: dict[str, Any], split: str, n: int) ->
     return out
 
 
-def is_success(ep: EpisodeResult, success_reward: float = 0.0) -> bool:
-    """Whether an episode succeeded: the environment's declared success where it declares one, else a
-    reward above ``success_reward``; an episode that failed or was cut short never succeeds."""
-    if ep.error is not None or not ep.terminated or ep.truncated:
-        return False
-    declared = ep.info.get(SUCCESS_KEY)
-    return bool(declared) if declared is not None else ep.reward > success_reward
-
-
 async def evaluate(env: str, endpoint: str | ChatClient, tasks: int | list[dict[str, Any]] = 100, *,
                    split: str = "test",
                    env_config: dict[str, Any] | None = None, api_key: str = "", model: str = "",
                    limits: EpisodeLimits | None = None, concurrency: int = 32, success_reward: float = 0.0,
                    sandbox_pool: SandboxPool | ImagePools | None = None,
-                   sandbox_config: SandboxConfig | None = None) -> EvalResult:
+                   sandbox_config: SandboxConfig | None = None,
+                   roles: Mapping[str, RoleBinding] | None = None) -> EvalResult:
     """Run one episode per task and measure success.
 
     ``endpoint``: an OpenAI base URL ending in ``/v1`` or a :class:`~agentrl.rollout.protocols.ChatClient`
     (e.g. a :class:`Router`). ``tasks``: how many of ``split``'s tasks (from the start, so two
     evaluations see the same tasks) or the task dicts themselves. ``limits``: the episode limits and
     sampling (default :class:`EpisodeLimits` at temperature 1). Environments that need a sandbox get
-    a pool here (``sandbox_config``'s limits) unless ``sandbox_pool`` is given.
+    a pool here (``sandbox_config``'s limits) unless ``sandbox_pool`` is given. ``roles``: a
+    multi-agent environment's bindings (``env.roles``), each role played by its own as in training.
     """
     from agentrl.env.registry import sandbox_image_of
     from agentrl.rollout.episode import run_episode
@@ -205,7 +221,8 @@ async def evaluate(env: str, endpoint: str | ChatClient, tasks: int | list[dict[
         async def one(task: dict[str, Any]) -> Any:
             async with gate:
                 return await run_episode(client, env, task, group_id=f"eval-{task.get('id', '')}",
-                                         env_config=env_config, sandbox_pool=sandbox_pool, limits=limits)
+                                         env_config=env_config, sandbox_pool=sandbox_pool, limits=limits,
+                                         roles=roles)
 
         episodes = await asyncio.gather(*(one(t) for t in task_list))
         model_name = client.model_name
@@ -229,7 +246,7 @@ async def evaluate(env: str, endpoint: str | ChatClient, tasks: int | list[dict[
         truncated=sum(bool(ep.truncated) for ep in episodes),
         turns_mean=sum(ep.turns for ep in episodes) / n if n else 0.0, seconds=time.monotonic() - t0,
         temperature=limits.temperature, declared=sum(SUCCESS_KEY in ep.info for ep in episodes),
-        episodes=rows, by_env=tally_by_env(task_list, wins, rewards))
+        episodes=rows, by_env=tally_by_env(task_list, wins, rewards), by_role=tally_by_role(episodes))
 
 
 def write_result(result: EvalResult, path: str | Path) -> Path:

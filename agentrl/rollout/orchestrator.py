@@ -1,9 +1,11 @@
 """The orchestrator: keeps groups of episodes running, bounded by admission control.
 
 It starts a group of G episodes on one task only while the buffer's admission rule allows it
-(in flight plus buffered at most (max_staleness + 1) x batch size, so little is generated only to be
-thrown away as stale) and while fewer than ``max_concurrency`` episodes run. Episodes are played
-by an :class:`~agentrl.rollout.protocols.EpisodeProducer` (the built-in agent loop or an external
+(the samples of the episodes in flight plus those buffered at most (max_staleness + 1) x batch size,
+so little is generated only to be thrown away as stale; an episode in flight counts as the mean a
+finished one made, three for a multi-agent episode of three trained roles) and while fewer than
+``max_concurrency`` episodes run. Episodes are played by an
+:class:`~agentrl.rollout.protocols.EpisodeProducer` (the built-in agent loop or an external
 scaffold: the orchestrator does not know which); finished episodes go to a
 :class:`~agentrl.rollout.protocols.BufferSink` (durable) and to ``episodes.jsonl`` in the run
 directory.
@@ -17,7 +19,8 @@ at an infrastructure boundary (model, transport, sandbox: :data:`agentrl.errors.
 make it back off before starting more, whoever played them.
 
 ``sync=True`` turns it into the synchronous baseline that the asynchronous design is measured
-against (``benchmarks/async_vs_sync.py``): start one batch of groups, wait for the slowest
+against (``benchmarks/async_vs_sync.py``): start one batch of groups (``batch_size`` samples; a
+multi-agent episode makes one per role), wait for the slowest
 episode, then wait until the learner has trained on the batch and the engines serve the new
 weights (``policy_version``), and only then start the next batch.
 """
@@ -28,6 +31,7 @@ import asyncio
 import itertools
 import json
 import logging
+import math
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -37,15 +41,31 @@ from typing import TYPE_CHECKING, Any
 from agentrl.aio import to_the_end
 from agentrl.buffer.disk import append_line
 from agentrl.env import make
+from agentrl.env.registry import lookup
+from agentrl.env.roles import MultiAgentEnv
 from agentrl.errors import INFRASTRUCTURE
-from agentrl.rollout.episode import EpisodeResult
+from agentrl.rollout.episode import EpisodeResult, is_success
 from agentrl.rollout.frontier import TaskFrontier
 from agentrl.rollout.protocols import BufferSink, EpisodeProducer
 
 if TYPE_CHECKING:
+    from agentrl.rollout.concurrency import ConcurrencyController
+    from agentrl.rollout.curriculum import Curriculum
     from agentrl.scoring.stage import ScoringStage
 
 log = logging.getLogger(__name__)
+
+
+def expected_samples(env_name: str, env_config: dict[str, Any],
+                     trained: Callable[[str], bool] | None = None) -> int:
+    """How many samples an episode of the environment makes: one per trained role of a multi-agent
+    environment (``trained(role)``; every role without it), one otherwise. Known before an instance
+    is built (``MultiAgentEnv.declared_roles``)."""
+    cls = lookup(env_name)
+    if not (isinstance(cls, type) and issubclass(cls, MultiAgentEnv)):
+        return 1
+    roles = cls.declared_roles(env_config)
+    return max(1, sum(1 for role in roles if trained is None or trained(role)))
 
 
 def task_stream(env_name: str, env_config: dict[str, Any], split: str = "train") -> Iterator[dict[str, Any]]:
@@ -66,13 +86,21 @@ class Orchestrator:
                  run_dir: Path | None = None, max_episodes: int = 0, sync: bool = False, batch_size: int = 0,
                  policy_version: Callable[[], int] | None = None,
                  episode_log: Callable[[dict[str, Any]], Any] | None = None,
-                 frontier: TaskFrontier | None = None, scoring: ScoringStage | None = None) -> None:
+                 frontier: TaskFrontier | None = None, scoring: ScoringStage | None = None,
+                 samples_per_episode: int | None = None, curriculum: Curriculum | None = None,
+                 concurrency: ConcurrencyController | None = None) -> None:
         """``episode_log``: also given each finished episode's summary line (a rollout worker on
         another machine sends them to serve's ``episodes.jsonl``). ``policy_version``: the version
         the engines serve (the sync baseline waits for it to move). ``scoring``: a
         :class:`~agentrl.scoring.stage.ScoringStage` each finished episode goes through before the
         buffer, outside ``max_concurrency`` (an episode being scored holds no agent-loop slot, but
-        counts against the buffer's room until its samples are in)."""
+        counts against the buffer's room until its samples are in). ``samples_per_episode``: what an
+        episode is expected to make (serve passes one per trained role; default: one per declared
+        role); admission counts episodes in flight at the mean that finished ones made, this until
+        one has, and the sync baseline's barrier is one batch of samples. ``curriculum``: draws each
+        group's task (:mod:`agentrl.rollout.curriculum`) instead of the stream's next one.
+        ``concurrency``: its ``limit`` bounds the episodes in flight instead of ``max_concurrency``
+        (:mod:`agentrl.rollout.concurrency`)."""
         self.producer, self.sink = producer, sink
         self.env_name, self.env_config = env_name, dict(env_config or {})
         self.group_size = group_size
@@ -93,7 +121,11 @@ class Orchestrator:
         self._tasks: set[asyncio.Task] = set()
         self._started = 0
         self._infra_failures = 0  # consecutive episodes that failed at an infrastructure boundary
+        self.samples_per_episode = samples_per_episode  # None: expected_samples, at the start of run
+        self._made = [0, 0]  # episodes that made samples, and their samples (admission's mean)
         self.frontier = frontier  # needs a sink that is a GroupLedger (serve's own buffer)
+        self.curriculum = curriculum
+        self.concurrency = concurrency
         self._cursor = 0  # index in the task stream of the next task drawn
         self.resumed = {"groups": 0, "episodes": 0}
 
@@ -113,6 +145,8 @@ class Orchestrator:
         return self._infra_failures + (self.scoring.outage if self.scoring is not None else 0)
 
     async def run(self) -> None:
+        if self.samples_per_episode is None:
+            self.samples_per_episode = expected_samples(self.env_name, self.env_config)
         tasks = task_stream(self.env_name, self.env_config)
         if self.frontier is not None:
             self._cursor = self.frontier.cursor
@@ -123,9 +157,14 @@ class Orchestrator:
                 await self._run_sync(tasks)
                 return
             while not self.max_episodes or self._started < self.max_episodes:
-                room = await self.sink.wait_for_room(self.in_flight + self.landing + self.group_size - 1,
-                                                     timeout_s=5.0)
-                if room <= 0 or self.in_flight + self.group_size > max(self.max_concurrency, self.group_size):
+                # admission counts samples: the episodes in flight, landing and about to start, each
+                # at the mean a finished episode made (three for three trained roles)
+                made, samples = self._made
+                per_episode = samples / made if made else self.samples_per_episode
+                expected = math.ceil((self.in_flight + self.landing + self.group_size) * per_episode)
+                room = await self.sink.wait_for_room(expected - 1, timeout_s=5.0)
+                cap = self.max_concurrency if self.concurrency is None else self.concurrency.limit
+                if room <= 0 or self.in_flight + self.group_size > max(cap, self.group_size):
                     await asyncio.sleep(0.05)
                     continue
                 if failures := self._failures_in_a_row:
@@ -147,7 +186,10 @@ class Orchestrator:
     async def _run_sync(self, tasks: Iterator[dict[str, Any]]) -> None:
         if self.policy_version is None:
             raise ValueError("the sync baseline needs policy_version (the version the engines serve)")
-        groups = max(1, self.batch_size // self.group_size)
+        # one batch of samples: a multi-agent episode makes one per trained role, and a barrier of
+        # several batches would let the learner train on the rest without waiting (no longer the
+        # baseline)
+        groups = max(1, self.batch_size // (self.group_size * self.samples_per_episode))
         while not self.max_episodes or self._started < self.max_episodes:
             version = self.policy_version()
             # the barrier: the slowest episode decides
@@ -160,13 +202,21 @@ class Orchestrator:
                     t0 = time.monotonic()
 
     def _draw(self, tasks: Iterator[dict[str, Any]]) -> tuple[int, dict[str, Any]]:
+        if self.curriculum is not None:
+            return self.curriculum.draw(lambda: self._next(tasks))
+        return self._next(tasks)
+
+    def _next(self, tasks: Iterator[dict[str, Any]]) -> tuple[int, dict[str, Any]]:
         index, self._cursor = self._cursor, self._cursor + 1
         return index, next(tasks)
 
     async def _resume_open_groups(self) -> None:
         """Start again the groups an earlier run left open, each with the episodes the buffer lacks."""
         for group_id, (index, task) in list(self.frontier.open.items()):
-            missing = self.group_size - await self.sink.group_progress(group_id)
+            stored = await self.sink.group_progress(group_id)
+            if self.curriculum is not None:
+                self.curriculum.stored(group_id, stored)
+            missing = self.group_size - stored
             if missing <= 0:
                 self.frontier.finish(group_id)
                 continue
@@ -184,6 +234,8 @@ class Orchestrator:
             group_id = f"{task.get('id', 'task')}-{uuid.uuid4().hex[:8]}"
             if self.frontier is not None:
                 self.frontier.start(group_id, index, task)
+        if self.curriculum is not None:
+            self.curriculum.started(group_id, index, task)
         # Count the group as in flight before it runs: admission must see it at once.
         self.in_flight += members
         self._started += members
@@ -225,6 +277,8 @@ class Orchestrator:
 
     async def _deliver(self, ep: EpisodeResult) -> None:
         await self.sink.put(ep.samples)
+        if self.curriculum is not None:
+            self.curriculum.finished_episode(ep.group_id, is_success(ep), ep.reward)
         self._account(ep)
 
     def _account(self, ep: EpisodeResult) -> None:
@@ -239,6 +293,9 @@ class Orchestrator:
             self._infra_failures = 0
         c["truncated"] += ep.truncated
         c["samples"] += len(ep.samples)
+        if ep.samples:
+            self._made[0] += 1
+            self._made[1] += len(ep.samples)
         c["reward_sum"] += ep.reward
         c["tool_calls"] += ep.info.get("tool_calls", 0)
         line = {"time": time.time(), **ep.summary()}
@@ -252,6 +309,10 @@ class Orchestrator:
                "backing_off": self.backing_off}
         if self.scoring is not None:
             out["scoring"] = self.scoring.status()
+        if self.curriculum is not None:
+            out["curriculum"] = self.curriculum.status()
+        if self.concurrency is not None:
+            out["concurrency"] = self.concurrency.status()
         if self.frontier is not None:
             out["frontier"] = {
                 "cursor": self._cursor,

@@ -43,7 +43,8 @@ class ChatClient(Protocol):
 
 class BufferSink(Protocol):
     async def wait_for_room(self, in_flight: int, timeout_s: float) -> int:
-        """How many more episodes may start now, waiting up to ``timeout_s`` for room."""
+        """The room left, in samples, beside ``in_flight`` (the samples the producer's episodes in
+        flight are expected to make), waiting up to ``timeout_s`` for some."""
 
     async def put(self, samples: list[Sample]) -> int:
         """Store an episode's samples (idempotent by sample id); how many were new."""

@@ -10,6 +10,9 @@ environment (and its sandbox) and resets it, then starts the scaffold with the s
   ``OPENAI_BASE_URL``/``OPENAI_API_KEY``/``OPENAI_MODEL`` and ``AGENTRL_*`` variables set; its
   standard output is its answer.
 
+With ``env.roles`` the program's agents are roles, each with its own endpoint and router session
+(``ScaffoldContext.roles``, ``AGENTRL_ROLE_<ROLE>_BASE_URL``; :mod:`agentrl.rollout.scaffold_roles`).
+
 Either way the scaffold only sees an OpenAI endpoint (and, where the environment has one, the
 episode's sandbox to run commands in). Scaffolds run on the host, not inside the sandbox: sandbox
 containers have no network, so a process in there could not reach the router; an agent that works
@@ -40,7 +43,7 @@ import signal
 import sys
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -48,11 +51,14 @@ from agentrl.errors import EnvironmentFailure, ScaffoldError
 from agentrl.rollout.config import EpisodeLimits
 from agentrl.rollout.episode import EpisodeLoop, EpisodeResult, episode_env, finish_samples, record_failure
 from agentrl.rollout.protocols import ChatClient
+from agentrl.rollout.roles import RoleBaselines
+from agentrl.rollout.scaffold_roles import RoleEndpoint, ScaffoldRoles
 from agentrl.router.session_store import SessionLimits
 from agentrl.router.sessions import SessionSummary
 
 if TYPE_CHECKING:
     from agentrl.env.base import Environment
+    from agentrl.rollout.config import RoleBinding
     from agentrl.sandbox.attach import ImagePools
     from agentrl.sandbox.handle import Sandbox
     from agentrl.sandbox.pool import SandboxPool
@@ -76,6 +82,9 @@ class ScaffoldContext:
     sandbox: Sandbox | None = None  # the episode's sandbox (exec/write_file/read_file), or None
     max_tokens: int = 128  # per model call (the router caps it anyway)
     temperature: float = 1.0
+    roles: dict[str, RoleEndpoint] = field(default_factory=dict)
+    """with ``env.roles``: each role's own endpoint (its calls sample the role's binding and train its
+    policy); ``base_url`` is then the first role's. Empty without roles."""
 
     @property
     def prompt(self) -> str:
@@ -97,6 +106,12 @@ class ScaffoldContext:
                "AGENTRL_MAX_TOKENS": str(self.max_tokens), "AGENTRL_TEMPERATURE": str(self.temperature)}
         if self.sandbox is not None:
             out["AGENTRL_SANDBOX_ID"] = str(self.sandbox.id)
+        if self.roles:
+            out["AGENTRL_ROLES"] = ",".join(self.roles)
+        for role, where in self.roles.items():
+            out.update({f"AGENTRL_ROLE_{role.upper()}_BASE_URL": where.base_url,
+                        f"AGENTRL_ROLE_{role.upper()}_API_KEY": where.api_key,
+                        f"AGENTRL_ROLE_{role.upper()}_MODEL": where.model})
         return out
 
 
@@ -190,9 +205,12 @@ async def run_scaffold_episode(
     client: ChatClient, env_name: str, task: dict[str, Any], *, group_id: str, scaffold: Scaffold,
     base_url: str, env_config: dict[str, Any] | None = None,
     sandbox_pool: SandboxPool | ImagePools | None = None, limits: EpisodeLimits | None = None,
+    roles: Mapping[str, RoleBinding] | None = None, baselines: RoleBaselines | None = None,
 ) -> EpisodeResult:
     """One episode played by ``scaffold`` through a router session at ``base_url`` (the router's
     address, e.g. ``http://127.0.0.1:8000``). Never raises for scaffold or environment failures.
+    ``roles`` (``env.roles``): the program's agents, one session each
+    (:mod:`agentrl.rollout.scaffold_roles`) instead of the episode's one.
 
     A scaffold that fails after the router could not serve one of its calls (no engine, an engine
     error) is recorded as a model failure, not as the scaffold's: the outage is the likely cause,
@@ -203,24 +221,31 @@ async def run_scaffold_episode(
     ep.info["scaffold"] = scaffold_name(scaffold)
     session_limits = SessionLimits(max_calls=limits.max_turns, max_tokens=limits.max_tokens,
                                    max_session_tokens=limits.max_episode_tokens)
-    await client.begin(ep.episode_id, limits=session_limits, group_id=group_id, env=env_name,
-                       scaffold=ep.info["scaffold"])
+    cast = ScaffoldRoles(client, ep, roles, session_limits, baselines) if roles else None
+    if cast is None:
+        await client.begin(ep.episode_id, limits=session_limits, group_id=group_id, env=env_name,
+                           scaffold=ep.info["scaffold"])
     t0 = time.monotonic()
     summary: SessionSummary | None = None
     try:
+        sid = ep.episode_id
+        where = await cast.open(base_url) if cast is not None else {"": RoleEndpoint(
+            f"{base_url.rstrip('/')}/sessions/{sid}/v1", f"sess-{sid}", client.model_name)}
+        first = next(iter(where.values()))
         async with episode_env(env_name, env_config or {}, sandbox_pool, ep, task) as env:
             try:
                 opening = await env.reset(task)
             except Exception as e:
                 raise EnvironmentFailure(f"reset raised {type(e).__name__}: {e}") from e
             ctx = ScaffoldContext(
-                base_url=f"{base_url.rstrip('/')}/sessions/{ep.episode_id}/v1",
-                api_key=f"sess-{ep.episode_id}", model=client.model_name, messages=list(opening.messages),
-                tools=list(opening.tools), task=task, sandbox=env.sandbox, max_tokens=limits.max_tokens,
-                temperature=limits.temperature,
+                base_url=first.base_url, api_key=first.api_key, model=first.model,
+                messages=list(opening.messages), tools=list(opening.tools), task=task, sandbox=env.sandbox,
+                max_tokens=limits.max_tokens, temperature=limits.temperature,
+                roles=where if cast is not None else {},
             )
             outcome, answer = await _play(scaffold, ctx, limits.episode_timeout_s)
-            summary = await client.end(ep.episode_id)  # what the session spent decides how it ended
+            # what the session (or the role sessions) spent decides how it ended
+            summary = await cast.end() if cast is not None else await client.end(ep.episode_id)
             if _settle(outcome, answer, summary, ep):
                 answer = answer if answer is not None else (summary.last_reply if summary else "")
                 ep.info["answer"] = answer[-2000:]
@@ -231,6 +256,8 @@ async def run_scaffold_episode(
         record_failure(ep, e)
     finally:
         ep.seconds = time.monotonic() - t0
+        if cast is not None:
+            await cast.finish()
         summary = await finish_samples(client, ep, summary)
         if summary is not None:
             ep.turns, ep.completion_tokens, ep.versions = (
@@ -299,5 +326,5 @@ class ScaffoldLoop(EpisodeLoop):
         return await run_scaffold_episode(
             self.client, self.env_name, task, group_id=group_id, scaffold=self.scaffold,
             base_url=self.base_url, env_config=self.env_config, sandbox_pool=self.sandbox_pool,
-            limits=self.limits,
+            limits=self.limits, roles=self.roles, baselines=self.baselines,
         )

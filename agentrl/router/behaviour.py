@@ -16,6 +16,7 @@ import logging
 import uuid
 from typing import Any
 
+from agentrl.engines.config import BASE_POLICY
 from agentrl.engines.pool import Engine, EnginePool
 from agentrl.router.call import Prepared
 from agentrl.router.errors import EngineError
@@ -43,6 +44,11 @@ class BehaviourCapture:
             adapter is not None
         ):  # a LoRA policy: the newest version of it this engine holds, for the whole call
             prep.gen_req["model"], prep.adapter_version = adapter
+        elif prep.policy == BASE_POLICY or ":" in prep.policy:
+            # the base weights by name ("base"), or an earlier or pinned version of a policy that
+            # does not exist yet: version 0, not the stamp the engine's weights carry (LoRA serve
+            # stamps the default policy's newest version there)
+            prep.adapter_version = 0
         if prep.session is None:
             return
         if expert_ids:

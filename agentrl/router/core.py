@@ -37,7 +37,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
-from agentrl.engines.pool import Engine, EnginePool
+from agentrl.engines.pool import DEFAULT_POLICY, Engine, EnginePool
 from agentrl.router.behaviour import BehaviourCapture
 from agentrl.router.call import Prepared, completion_entry, record_call
 from agentrl.router.chat_parity import (
@@ -70,7 +70,7 @@ class Router:
     def __init__(self, pool: EnginePool, *, model_name: str, eos_token_ids: set[int],
                  max_model_len: int, sessions_dir: Path | None = None, retries: int = 1,
                  model_dir: str | Path | None = None, render: str = "auto", ignore_seed: bool = False,
-                 max_kept_tokens: int = 64, policies: Sequence[str] = ()) -> None:
+                 max_kept_tokens: int = 64, policies: Sequence[str] = (), serves_base: bool = False) -> None:
         """``render``: "auto" renders and derenders here when the model folder's tokenizer allows it
         and calibration against an engine agrees (else the engine's routes); "engine" always uses
         the engine's routes (three round trips per completion). ``ignore_seed``: drop requests'
@@ -78,7 +78,8 @@ class Router:
         ``max_kept_tokens``: the largest kept set a recorded truncated call may sample from
         (:class:`~agentrl.router.sampling.Capture`; 0 refuses truncation without a top_k).
         ``policies``: named LoRA policies (serve.policies), the first the default: a request's
-        ``model`` picks one."""
+        ``model`` picks one. ``serves_base``: the engines serve LoRA adapters, so ``model: "base"``
+        samples from the base weights (a frozen role); without it "base" is not a model here."""
         self._pool = pool
         self.model_name = model_name
         self.eos_token_ids = set(eos_token_ids)
@@ -92,6 +93,7 @@ class Router:
             "routing_captured": 0, "routing_missing": 0,
         }
         self.policies = list(policies)
+        self.serves_base = serves_base
         self.seeds = SeedRule(ignore_seed, self.counters)
         self.renderers = Renderers(pool, model_name=model_name, eos_token_ids=self.eos_token_ids,
                                    max_model_len=max_model_len, model_dir=model_dir, render=render,
@@ -170,6 +172,15 @@ class Router:
     # -- sessions ---------------------------------------------------------------------------------
     def open_session(self, session_id: str | None = None, limits: SessionLimits | None = None,
                      **meta: Any) -> Session:
+        """The session ``session_id``, opened now unless it is open. ``meta["policy"]``: what its calls
+        sample when their ``model`` names no policy (a name ``model`` could give: a named policy,
+        ``"base"``, ``"<policy>:lag<k>"``)."""
+        policy = meta.get("policy")
+        if policy and self.named_policy({"model": policy})[1] is None:
+            also = ", base, <policy>:lag<k> or <policy>:v<N>" if self.serves_base else ""
+            raise InvalidRequest(f"a session's policy is one of the named policies {self.policies}"
+                                 f"{also}, not {policy!r}",
+                                 param="policy", code="invalid_policy")
         return self.store.open(session_id, limits, **meta)
 
     def get_session(self, session_id: str) -> Session:
@@ -209,13 +220,22 @@ class Router:
     def named_policy(self, body: Any) -> tuple[Any, str | None]:
         """(``body`` with the served model's name in ``model``, the policy it named) when its
         ``model`` names one of the named policies; else (``body``, None)."""
-        return named_policy(body, self.model_name, self.policies)
+        return named_policy(body, self.model_name, self.policies, base=self.serves_base)
 
-    def policy_of(self, body: Any) -> tuple[Any, str]:
+    def policy_of(self, body: Any, session_default: str | None = None) -> tuple[Any, str]:
         """The call's policy and its body as the engines take it: a named policy when ``model``
-        names one, else the default (the first named policy, or the one unnamed policy)."""
+        names one, else its session's (``session_default``, the ``policy`` of the session's meta: a
+        role of an external multi-agent program), else the default (the first named policy, or the
+        one unnamed policy)."""
         body, named = self.named_policy(body)
+        if named is None and session_default:
+            _, named = self.named_policy({"model": session_default})
         return body, named or default_policy(self.policies)
+
+    def session_policy(self, session_id: str | None) -> str | None:
+        """The policy a session's calls sample when their ``model`` names none (None: the default)."""
+        session = self.store.sessions.get(session_id) if session_id else None
+        return session.meta.get("policy") if session is not None else None
 
     def validate(self, body: Any) -> dict[str, Any]:
         return self.seeds.apply(validate_chat(body, self.model_name, self.max_prompt_chars))
@@ -272,7 +292,7 @@ class Router:
 
     async def prepare_chat(self, engine: Engine, body: Any, session_id: str | None, t0: float) -> Prepared:
         # validate
-        body, policy = self.policy_of(body)
+        body, policy = self.policy_of(body, self.session_policy(session_id))
         body = self.validate(body)
         check_max_tokens(body, self.max_model_len)
         session = self.open_session(session_id) if session_id else None
@@ -290,6 +310,8 @@ class Router:
         choice = 0
         if session is not None and messages is not None and session.records:
             parent, choice = session.find_parent(messages, policy) or (None, 0)
+            if parent is not None:  # the same messages: record the parent's copies, not a second set
+                messages[: len(parent.messages)] = parent.messages
         # render: the whole conversation, or a continued call's new messages
         prompt = await renderer.prompt(engine, engine_body, parent, choice, self.eos_token_ids)
         if session is not None and session.records:
@@ -309,7 +331,7 @@ class Router:
 
     async def prepare_completion(self, engine: Engine, body: Any, session_id: str | None,
                                  t0: float) -> Prepared:
-        body, policy = self.policy_of(body)
+        body, policy = self.policy_of(body, self.session_policy(session_id))
         body = self.seeds.apply(validate_completion(body, self.model_name))
         check_max_tokens(body, self.max_model_len)
         session = self.open_session(session_id) if session_id else None
@@ -417,7 +439,8 @@ class Router:
         """Count the call's tokens and, in a session, write its record (as the call completes)."""
         self.counters["prompt_tokens"] += len(prep.prompt_ids)
         self.counters["completion_tokens"] += sum(len(c.token_ids) for c in comps)
-        return record_call(prep, comps, prep.policy if self.policies else "")
+        # the one unnamed policy's calls carry no name; the base weights and a lagged version do
+        return record_call(prep, comps, prep.policy if self.policies or prep.policy != DEFAULT_POLICY else "")
 
     def _check_length(self, prompt_ids: list[int]) -> None:
         if len(prompt_ids) >= self.max_model_len:

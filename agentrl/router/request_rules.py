@@ -11,19 +11,38 @@ caller's body is never changed in place (a copy is returned).
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Sequence
 from typing import Any
 
+from agentrl.engines.config import BASE_POLICY
 from agentrl.engines.pool import DEFAULT_POLICY
 
 log = logging.getLogger(__name__)
 
+# a policy some versions back (":lag<k>"), or at one published version (":v<N>")
+LAGGED = re.compile(r"([a-z][a-z0-9_]{0,39}):(lag|v)([0-9]{1,6})")
 
-def named_policy(body: Any, model_name: str, policies: Sequence[str]) -> tuple[Any, str | None]:
+
+def named_policy(body: Any, model_name: str, policies: Sequence[str], *,
+                 base: bool = False) -> tuple[Any, str | None]:
     """(``body`` with the served model's name in ``model``, the policy it named) when its ``model``
-    names one of the named ``policies``; else (``body``, None)."""
-    if policies and isinstance(body, dict) and body.get("model") in policies:
-        return dict(body, model=model_name), body["model"]
+    names one of the named ``policies``; or, with ``base`` (LoRA engines), ``"base"``
+    (:data:`~agentrl.engines.config.BASE_POLICY`: the base weights, no adapter) or
+    ``"<policy>:lag<k>"`` (``default`` for the default policy: its adapter k versions back, a
+    self-play opponent) or ``"<policy>:v<N>"`` (its published version N, a fixed opponent). Else
+    (``body``, None)."""
+    if not isinstance(body, dict):
+        return body, None
+    model = body.get("model")
+    if (base and model == BASE_POLICY) or (policies and model in policies):
+        return dict(body, model=model_name), model
+    lagged = LAGGED.fullmatch(model) if base and isinstance(model, str) else None
+    if lagged is not None:
+        name = default_policy(policies) if lagged[1] == "default" else lagged[1]
+        pinned_to_none = lagged[2] == "v" and not int(lagged[3])  # versions start at 1
+        if (name in policies or name == default_policy(policies)) and not pinned_to_none:
+            return dict(body, model=model_name), f"{name}:{lagged[2]}{int(lagged[3])}"
     return body, None
 
 

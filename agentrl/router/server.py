@@ -129,8 +129,9 @@ async def close_session(request: web.Request) -> web.Response:
     summary = await router.end(sid)
     if summary is None:
         raise NotFound(f"unknown session {sid!r}", param="session_id")
-    return _samples_response(router, sid, summary.samples,
-                             {k: v for k, v in vars(summary).items() if k not in ("samples", "session_id")})
+    # the call log (an external multi-agent program's graph) is for serve's own scaffolds only
+    header = {k: v for k, v in vars(summary).items() if k not in ("samples", "session_id", "call_log")}
+    return _samples_response(router, sid, summary.samples, header)
 
 
 async def engines_status(request: web.Request) -> web.Response:

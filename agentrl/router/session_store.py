@@ -4,7 +4,8 @@ A session is opened by an episode's agent loop (``Router.begin``), by the admin 
 scaffold (``POST /admin/sessions``), or by the first call that names it; its calls are recorded in
 it, and in ``<sessions_dir>/<id>.jsonl`` when the router has one. Invariants: a session id is
 checked before it names a file; a session's limits (:class:`SessionLimits`) are kept until it is
-closed, so a call beyond its model-call or token budget is refused with a 400 whose code names the
+closed (sessions opened with one limits object spend one budget together), so a call beyond its
+model-call or token budget is refused with a 400 whose code names the
 limit (``max_turns_exceeded``, ``max_tokens_exceeded``) and the limit is reported in its summary.
 The log files are written off the event loop (:class:`~agentrl.router.session_log.SessionLog`);
 :meth:`SessionStore.flush` waits until what was recorded is on disk.
@@ -13,7 +14,7 @@ The log files are written off the event loop (:class:`~agentrl.router.session_lo
 from __future__ import annotations
 
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,8 @@ class SessionLimits:
     max_tokens: int = 0  # completion tokens per call: caps the request's max_tokens
     max_session_tokens: int = 0  # completion tokens over the whole session
     refused: str | None = None  # "max_turns" | "max_tokens" once a call was refused
+    bound: list[str] = field(default_factory=list, repr=False, compare=False)
+    """the open sessions it bounds (several: the role sessions of one episode, one budget)"""
 
 
 class SessionStore:
@@ -51,6 +54,9 @@ class SessionStore:
             raise InvalidRequest("a session id has 1-128 letters, digits, '_', '-' or inner '.' (no path), "
                                  f"not {sid[:60]!r}", param="session_id", code="invalid_session_id")
         if limits is not None:
+            if self.limits.get(sid) is not limits:
+                self.release(sid)
+                limits.bound.append(sid)
             self.limits[sid] = limits
         if sid in self.sessions:
             return self.sessions[sid]
@@ -66,8 +72,14 @@ class SessionStore:
             raise NotFound(f"unknown session {session_id!r}", param="session_id") from None
 
     def close(self, session_id: str) -> Session | None:
-        self.limits.pop(session_id, None)
+        self.release(session_id)
         return self.sessions.pop(session_id, None)
+
+    def release(self, session_id: str) -> None:
+        """Take ``session_id`` off its limits (its budget no longer counts its calls)."""
+        lim = self.limits.pop(session_id, None)
+        if lim is not None and session_id in lim.bound:
+            lim.bound.remove(session_id)
 
     async def flush(self) -> None:
         """Wait until every record written so far is in its session's log file."""
@@ -89,15 +101,14 @@ class SessionStore:
         lim = self.limits.get(session.session_id) if session is not None else None
         if lim is None or session is None:
             return 0
-        if lim.max_calls and len(session.records) >= lim.max_calls:
+        records = [r for s in self.sharing(lim) for r in s.records]
+        if lim.max_calls and len(records) >= lim.max_calls:
             lim.refused = "max_turns"
             raise InvalidRequest(f"this episode allows at most {lim.max_calls} model calls",
                                  param="messages", code="max_turns_exceeded")
         caps = [lim.max_tokens] if lim.max_tokens else []
         if lim.max_session_tokens:
-            left = lim.max_session_tokens - sum(
-                len(c.token_ids) for r in session.records for c in r.completions
-            )
+            left = lim.max_session_tokens - sum(len(c.token_ids) for r in records for c in r.completions)
             if left <= 0:
                 lim.refused = "max_tokens"
                 raise InvalidRequest(
@@ -107,6 +118,11 @@ class SessionStore:
                 )
             caps.append(left)
         return min(caps, default=0)
+
+    def sharing(self, lim: SessionLimits) -> list[Session]:
+        """The open sessions ``lim`` bounds together (opened with that one object: the role sessions of
+        an external multi-agent program share their episode's budget)."""
+        return [self.sessions[sid] for sid in lim.bound if sid in self.sessions]
 
     def model_failure(self, session_id: str | None) -> None:
         """Count a call that failed for want of a working engine on its session (a scaffold's episode

@@ -131,6 +131,18 @@ _COMPLETION_FIELDS = frozenset(f.name for f in fields(Completion))
 
 
 @dataclass
+class CallSummary:
+    """One recorded call as an episode graph needs it (:func:`agentrl.rollout.roles.session_graph`)."""
+
+    index: int
+    parent: int | None  # the call it continued token for token, or None
+    created: float  # when it completed
+    policy: str
+    completion_tokens: int
+    versions: list[int]  # the policy versions that sampled it, sorted
+
+
+@dataclass
 class SessionSummary:
     """A closed session as the episode that owned it needs it: the same in-process and over HTTP."""
 
@@ -143,6 +155,7 @@ class SessionSummary:
     last_reply: str = ""  # content of the last reply that had any (a scaffold's answer when it returns none)
     refused: str | None = None  # "max_turns" | "max_tokens" when the session refused a call at its limit
     model_failures: int = 0  # calls that failed for want of a working engine (5xx, none healthy)
+    call_log: list[CallSummary] = field(default_factory=list)  # in-process only (empty over HTTP)
 
 
 @dataclass
@@ -170,6 +183,8 @@ class Session:
             last,
             refused,
             self.model_failures,
+            [CallSummary(r.index, r.parent, r.created, r.policy, sum(len(c.token_ids) for c in r.completions),
+                         sorted({int(v) for c in r.completions for v in c.versions})) for r in self.records],
         )
 
     def record(self, rec: CallRecord) -> None:

@@ -15,6 +15,7 @@ import os
 import socket
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
+from typing import Any
 
 from agentrl.sandbox.channel import ExecChannel
 from agentrl.sandbox.types import SandboxConfig
@@ -60,6 +61,10 @@ class SandboxBackend(ABC):
     async def live_ids(self) -> list[str]:
         """Ids of this instance's sandboxes that still exist (tests and leak checks)."""
         return []
+
+    def stats(self) -> dict[str, Any]:
+        """What the backend adds to ``SandboxPool.stats()`` (several Docker hosts: each one's state)."""
+        return {}
 
 
 # --- who owns a sandbox -------------------------------------------------------------------------

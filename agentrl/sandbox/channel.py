@@ -2,7 +2,9 @@
 
 Invariants: every request gets a fresh id and one future; when the stream ends or breaks, every
 pending future fails with SandboxError and the channel stays closed. A call that outlives its
-timeout raises `ExecdTimeout` (the caller treats the sandbox as broken and replaces it).
+timeout raises `ExecdTimeout` (the caller treats the sandbox as broken and replaces it). A cause
+found outside the stream (its Docker host stopped answering, see hosts.py) can close it with an
+error of its own (:meth:`ExecChannel.lose`), which later calls then raise.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import contextlib
 import itertools
 import logging
 import struct
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -44,11 +46,29 @@ class ExecChannel:
         self._ready: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
         self._pending[0] = self._ready
         self._closed_reason: str | None = None
+        self._error: type[SandboxError] = SandboxError  # what calls on a closed channel raise
+        self._on_close: list[Callable[[str], None]] = []
         self._reader = asyncio.create_task(self._read(chunks), name=f"agent-reader-{name}")
 
     @property
     def closed(self) -> bool:
         return self._closed_reason is not None
+
+    def on_close(self, callback: Callable[[str], None]) -> None:
+        """Call ``callback(reason)`` once when the stream ends or breaks by itself (at once if it has);
+        not when it is closed on purpose, by :meth:`aclose` or :meth:`lose`."""
+        if self._closed_reason is not None:
+            callback(self._closed_reason)
+        else:
+            self._on_close.append(callback)
+
+    def lose(self, reason: str, error: type[SandboxError]) -> None:
+        """Close the channel for a cause found outside it: pending and later calls raise ``error``
+        with ``reason``, even where the stream had already ended for a reason that said less."""
+        self._closed_reason, self._error, self._on_close = None, error, []
+        self._fail(reason)
+        with contextlib.suppress(Exception):
+            self._writer.close()
 
     async def wait_ready(self, timeout: float) -> dict[str, Any]:
         """The agent's first message. Raises SandboxError when it refused to run (it could not
@@ -65,7 +85,7 @@ class ExecChannel:
         """Send one request and wait for its answer. Errors the agent reports come back as
         ``{"error": <exception class name>, "message": ...}`` for the caller to map."""
         if self._closed_reason is not None:
-            raise SandboxError(f"sandbox {self.name}: {self._closed_reason}")
+            raise self._error(f"sandbox {self.name}: {self._closed_reason}")
         rid = next(self._ids)
         fut: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
         self._pending[rid] = fut
@@ -111,11 +131,18 @@ class ExecChannel:
             self._closed_reason = reason
         for fut in self._pending.values():
             if not fut.done():
-                fut.set_exception(SandboxError(f"sandbox {self.name}: {self._closed_reason}"))
+                fut.set_exception(self._error(f"sandbox {self.name}: {self._closed_reason}"))
                 fut.exception()  # mark retrieved: nobody may be waiting any more
+        callbacks, self._on_close = self._on_close, []
+        for callback in callbacks:
+            try:
+                callback(self._closed_reason or reason)
+            except Exception:
+                log.exception("sandbox %s: a close callback failed", self.name)
 
     async def aclose(self) -> None:
         """Close our end; the agent sees EOF on stdin and exits."""
+        self._on_close = []
         self._fail("channel closed")
         with contextlib.suppress(Exception):
             self._writer.close()

@@ -4,8 +4,9 @@ Role: the Docker backend's only way to reach the engine, so that thousands of ep
 the event loop (the `docker` SDK is synchronous). Also a stdlib, synchronous `remove_by_label` for
 the at-exit backstop, which runs when no event loop is left.
 
-Invariants: every call has a timeout; any failure to reach the engine, or an unexpected status,
-raises SandboxError; removing a container that is already gone (or going) is not an error.
+Invariants: every call has a timeout; a failure to reach the engine at all (refused, reset, no
+socket, timed out) raises SandboxHostDown, an unexpected status SandboxError; removing a container
+that is already gone (or going) is not an error.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from urllib.parse import quote, urlencode, urlsplit
 
 import aiohttp
 
-from agentrl.sandbox.types import SandboxError
+from agentrl.sandbox.types import SandboxError, SandboxHostDown
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +63,7 @@ class DockerAPI:
                 raw = await resp.read()
                 status = resp.status
         except (aiohttp.ClientError, OSError, TimeoutError) as e:
-            raise SandboxError(f"Docker engine at {self.host} unreachable ({method} {path}): {e!r}") from e
+            raise SandboxHostDown(f"Docker engine at {self.host} unreachable ({method} {path}): {e!r}") from e
         data: Any = raw
         if raw and raw[:1] in (b"{", b"["):
             data = json.loads(raw)
@@ -77,6 +78,24 @@ class DockerAPI:
     async def image_exists(self, image: str) -> bool:
         status, _ = await self.request("GET", f"/images/{quote(image, safe='')}/json", ok=(200, 404))
         return status == 200
+
+    async def copy_image(self, image: str, to: DockerAPI) -> None:
+        """Stream ``image`` from this engine into the engine ``to`` (``docker save | docker load``
+        without the CLI); each read or write may stall at most ``timeout`` s, the whole copy longer."""
+        slow = aiohttp.ClientTimeout(total=None, sock_connect=self.timeout, sock_read=to.timeout)
+        try:
+            async with self._client().get(f"{self._base()}{API}/images/{quote(image, safe='')}/get",
+                                          timeout=slow) as src:
+                if src.status != 200:
+                    raise SandboxError(f"Docker at {self.host} cannot export {image!r}: {src.status}")
+                async with to._client().post(f"{to._base()}{API}/images/load", params={"quiet": "1"},
+                                             data=src.content.iter_chunked(1 << 20), timeout=slow) as dst:
+                    answer = await dst.read()
+                    if dst.status != 200 or b'"error' in answer:
+                        raise SandboxError(f"Docker at {to.host} could not load {image!r}: "
+                                           f"{dst.status} {answer[:300]!r}")
+        except (aiohttp.ClientError, OSError, TimeoutError) as e:
+            raise SandboxHostDown(f"copying {image!r} from {self.host} to {to.host} failed: {e!r}") from e
 
     async def create(self, body: dict[str, Any]) -> str:
         _, data = await self.request("POST", "/containers/create", body=body, ok=(201,))
@@ -120,7 +139,7 @@ class DockerAPI:
             while (await asyncio.wait_for(reader.readline(), self.timeout)) not in (b"\r\n", b""):
                 pass
         except (OSError, TimeoutError) as e:
-            raise SandboxError(f"Docker engine at {self.host}: attach to {cid[:12]} failed: {e!r}") from e
+            raise SandboxHostDown(f"Docker engine at {self.host}: attach to {cid[:12]} failed: {e!r}") from e
         code = status_line.split(b" ", 2)[1:2]
         if code not in ([b"101"], [b"200"]):
             writer.close()

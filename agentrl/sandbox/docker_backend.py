@@ -99,8 +99,8 @@ class DockerBackend(SandboxBackend):
         await self.api.ping()
         if not await self.api.image_exists(self.cfg.image):
             raise SandboxError(
-                f"sandbox image {self.cfg.image!r} is not built; run `agentrl sandbox build` "
-                "(or agentrl.sandbox.build_images())")
+                f"sandbox image {self.cfg.image!r} is not built on the Docker engine at {self.api.host}; "
+                "run `agentrl sandbox build` (or agentrl.sandbox.build_images())")
         return await self.reap_stale()
 
     async def reap_stale(self) -> int:

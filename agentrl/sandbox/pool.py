@@ -86,6 +86,10 @@ class SandboxPool:
         from agentrl.sandbox.bwrap_backend import BubblewrapBackend
         from agentrl.sandbox.docker_backend import DockerBackend
 
+        if self.cfg.docker_hosts:  # several engines: the hosts layer places and takes out (hosts.py)
+            from agentrl.sandbox.hosts import DockerHosts
+
+            return DockerHosts(self.cfg, self.instance_id)
         if self.cfg.backend == "docker":
             return DockerBackend(self.cfg, self.instance_id)
         if self.cfg.backend == "bubblewrap":
@@ -324,6 +328,7 @@ class SandboxPool:
             "in_use": len(self._in_use),
             "creating": self._creating,
             **self._stats.as_dict(),
+            **(self.backend.stats() if self.backend else {}),
         }
 
     async def live_ids(self) -> list[str]:

@@ -59,6 +59,12 @@ class SandboxConfig:
     as this uid:gid on the host (it may not be 0: bwrap would map the sandbox to host root)."""
     docker_host: str = ""
     """Docker engine address; empty: $DOCKER_HOST or unix:///var/run/docker.sock."""
+    docker_hosts: list[str] = field(default_factory=list)
+    """Several Docker engine addresses (``unix://...`` or ``tcp://host:port``) to spread sandboxes
+    over: each new one goes to the answering engine with the fewest live sandboxes; an engine that
+    stops answering is taken out (its sandboxes fail with SandboxHostDown) and probed until it
+    answers again. An engine that lacks ``image`` gets it copied from one that has it (build it on
+    any one). Empty: the one engine of ``docker_host``."""
     create_concurrency: int = 4
     """Most sandboxes being created at once (bounds the engine's load on small machines)."""
     start_timeout_s: float = 60.0
@@ -82,6 +88,11 @@ class SandboxConfig:
             raise ValueError("sandbox.warm and sandbox.max_reuses must be >= 0")
         if self.cpus <= 0 or self.exec_timeout_s <= 0:
             raise ValueError("sandbox.cpus and sandbox.exec_timeout_s must be positive")
+        if self.docker_hosts and (self.docker_host or self.backend == "bubblewrap"):
+            raise ValueError("sandbox.docker_hosts spreads Docker sandboxes over several engines: leave "
+                             "sandbox.docker_host empty and sandbox.backend 'docker' or 'auto' with it")
+        if len(set(self.docker_hosts)) != len(self.docker_hosts):
+            raise ValueError(f"sandbox.docker_hosts names an engine twice: {self.docker_hosts}")
         if self.memory_mb < AGENT_RESERVE_MB + 32:
             raise ValueError(f"sandbox.memory_mb={self.memory_mb} is too small: the exec agent keeps "
                              f"{AGENT_RESERVE_MB} MB out of the writable mounts; use at least "
@@ -123,3 +134,9 @@ class SandboxError(AgentrlError, RuntimeError):
 
     Never raised for what a command does (that is an ExecResult). Counted in `SandboxPool.stats()`.
     """
+
+
+class SandboxHostDown(SandboxError):
+    """A Docker engine did not answer at all (connection refused or reset, socket gone, timeout):
+    with ``sandbox.docker_hosts`` its host is taken out of placement, and every sandbox that lived on
+    it fails its calls with this error (an infrastructure failure: the episode is not scored)."""

@@ -3,6 +3,7 @@
 - :mod:`agentrl.serve.config`: ``ServeConfig``, the command's config tree (the components' own configs);
 - :mod:`agentrl.serve.build`: the one builder that makes the components from it;
 - :mod:`agentrl.serve.app`: the serve process (HTTP app, status, metrics, start-up and shutdown);
+- :mod:`agentrl.serve.collector`: a garbage-collector pacer (the agent-loop benchmark's, not serve's);
 - :mod:`agentrl.serve.local`: engines as child processes of this machine;
 - :mod:`agentrl.serve.ray`: engines and rollout workers placed as Ray actors (``serve --ray``);
 - :mod:`agentrl.serve.teacher_engine`: the teacher engine serve launches for distillation.

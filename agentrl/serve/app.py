@@ -52,8 +52,11 @@ GC_THRESHOLD = (50_000, 50, 100)
 
 
 def settle_gc() -> None:
-    """What serve does to Python's garbage collector once it is up (benchmarks call it too, to
-    measure serve as it runs).
+    """What serve does to Python's garbage collector once it is up (benchmarks/router_overhead.py
+    measures with it, and benchmarks/agent_loops.py with ``--gc thresholds``). The pacer
+    (:class:`~agentrl.serve.collector.GcPacer`, ``--gc pacer`` there) is not serve's: its whole-heap
+    passes while the heap grows stalled the loop 2.4-11.9 s at 20,000-50,000 episodes, which in
+    serve would hold every router call and health check that long.
 
     - Start-up's objects (tokenizer, chat template, imported modules: about 365k) are frozen out of
       the collector's generations, so its passes over the hot path's garbage stay short (the
@@ -166,11 +169,16 @@ class Serve:
         await self.pool.start()
         self.updater = EngineUpdater(self.pool)  # brings engines to a version; rejoins through pool.on_rejoin
         # LoRA policies: the versions a sample may still be drawn from stay loaded as adapters
-        self.updater.adapter_keep = cfg.buffer.max_staleness + 1
-        staleness = cfg.staleness()  # named policies (multi-LoRA): each its own versions and window
-        if staleness:
-            self.updater.default_policy = next(iter(staleness))
-            self.updater.keep = {name: bound + 1 for name, bound in staleness.items()}
+        # (and those a role plays against some versions back: env.roles.<role>.lag)
+        windows = cfg.adapter_windows()
+        self.updater.adapter_keep = windows.get("", cfg.buffer.max_staleness + 1)
+        staleness = cfg.staleness()
+        if staleness:  # named policies (multi-LoRA): each its own versions and window
+            self.updater.default_policy = next(iter(cfg.policies))
+            self.updater.keep = windows
+        # and the versions roles play at (env.roles.<role>.version), once published, whatever comes after
+        pins = cfg.pinned_versions()
+        self.updater.pinned = {name or self.updater.default_policy: set(vs) for name, vs in pins.items()}
         await self.updater.start()  # stamps the engines with the pool's version
         if self.local is not None:  # a dead engine is relaunched and rejoins at the current version
             self.local.supervise(self.pool, build.restart_policy(cfg))
@@ -213,6 +221,7 @@ class Serve:
                 keep=keep,
                 max_bytes=weights_cap(self.model_path),
                 adapters_only=True,
+                pinned=pins.get(name, ()),
             )
             for name in staleness
         }
@@ -220,7 +229,8 @@ class Serve:
             self.policy_weights[self.updater.default_policy]
             if staleness
             else WeightReceiver(
-                self.run_dir / "weights", self.updater, keep=keep, max_bytes=weights_cap(self.model_path)
+                self.run_dir / "weights", self.updater, keep=keep, max_bytes=weights_cap(self.model_path),
+                pinned=pins.get("", ()),
             )
         )
         for name, receiver in (self.policy_weights or {"": self.weights}).items():
@@ -230,6 +240,8 @@ class Serve:
             ):  # a restart: carry on
                 self._phase(f"restoring {f'policy {name} ' if name else 'policy '}version "
                             f"{latest[0]} from {latest[1]}")
+                for pinned in receiver.pinned_loaded(below=latest[0]):  # a role plays at it: loaded first
+                    await receiver.restore(*pinned)
                 await receiver.restore(*latest)
         teacher = None
         if self.teacher_engine is not None:
@@ -277,7 +289,10 @@ class Serve:
                 policy_version=lambda: self.pool.version,
                 teacher=teacher,
                 judge_endpoint=judge,
+                engines=self.pool,
             )
+            if self.orchestrator.concurrency is not None:
+                self.orchestrator.concurrency.start()
             self._rollout_task = asyncio.create_task(self.orchestrator.run(), name="orchestrator")
         self.phase = "serving"
         settle_gc()
@@ -461,6 +476,8 @@ class Serve:
             if t is not None:
                 t.cancel()
                 await asyncio.gather(t, return_exceptions=True)
+        if self.orchestrator is not None and self.orchestrator.concurrency is not None:
+            await self.orchestrator.concurrency.stop()
         # then each part that was started, in this order, by its own closing method (sync or async)
         parts = (
             (self._runner, "cleanup"),
@@ -535,6 +552,19 @@ def prometheus_series(status: dict[str, Any]) -> dict[str, float]:
             out[f"rollout_{k}_total"] = rollout[k]
     if isinstance(rollout.get("in_flight"), int | float):
         out["rollout_in_flight"] = rollout["in_flight"]
+    concurrency = rollout.get("concurrency")
+    if concurrency:  # the controller's limit, its inputs per engine and its decisions
+        out["concurrency_limit"] = concurrency["limit"]
+        out["concurrency_fallback"] = int(concurrency["fallback"])
+        out["concurrency_paused"] = int(concurrency["paused"])
+        out["concurrency_garbage_total"] = concurrency["garbage"]
+        for decision, n in concurrency["decisions"].items():
+            out[f'concurrency_decisions_total{{decision="{decision}"}}'] = n
+        for name, reading in concurrency["engines"].items():
+            lab = f'{{engine="{_label(name)}"}}'
+            for k in ("running", "waiting", "kv", "preemptions"):
+                if k in reading:
+                    out[f"concurrency_engine_{k}{lab}"] = reading[k]
     for k, v in (status.get("buffer") or {}).items():
         if isinstance(v, int | float) and not isinstance(v, bool):
             out[f"buffer_{k}"] = v

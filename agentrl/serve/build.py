@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import secrets
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from agentrl.errors import ConfigError
 from agentrl.rollout.config import FunctionScaffold, ProgramScaffold
 from agentrl.rollout.protocols import GroupLedger
 from agentrl.serve.config import ServeConfig
@@ -26,6 +28,7 @@ if TYPE_CHECKING:
     from agentrl.buffer.config import BufferConfig
     from agentrl.engines.config import EngineSpec
     from agentrl.engines.pool import EnginePool
+    from agentrl.rollout.concurrency import ConcurrencyController
     from agentrl.rollout.orchestrator import Orchestrator
     from agentrl.rollout.protocols import BufferSink, ChatClient, EpisodeProducer
     from agentrl.rollout.scaffold import Scaffold
@@ -35,6 +38,8 @@ if TYPE_CHECKING:
     from agentrl.scoring.stage import ScoringStage
     from agentrl.scoring.teacher import Teacher
     from agentrl.serve.local import RestartPolicy
+
+log = logging.getLogger(__name__)
 
 
 def import_user_code(cfg: ServeConfig) -> None:
@@ -106,13 +111,17 @@ def build_router(cfg: ServeConfig, pool: EnginePool, model_path: str, run_dir: P
         ignore_seed=drops_seeds(cfg),
         max_kept_tokens=cfg.router.max_kept_tokens,
         policies=list(cfg.policies),
+        serves_base=cfg.engine.lora_rank > 0,
     )
 
 
 def buffer_config(cfg: ServeConfig, run_dir: Path) -> BufferConfig:
     """The buffer's config: the ``buffer`` section, its log under the run directory, groups of
-    ``env.group_size``."""
-    return dataclasses.replace(cfg.buffer, path=str(run_dir / "buffer"), group_size=cfg.env.group_size)
+    ``env.group_size``; with the curriculum on, groups without reward spread dropped (its low-signal
+    gate: the rollout plays another group instead)."""
+    gate = cfg.buffer.drop_uniform_groups or cfg.env.curriculum.enabled
+    return dataclasses.replace(cfg.buffer, path=str(run_dir / "buffer"), group_size=cfg.env.group_size,
+                               drop_uniform_groups=gate)
 
 
 def build_buffer(cfg: ServeConfig, run_dir: Path) -> Buffer | PolicyBuffers:
@@ -166,9 +175,27 @@ def build_producer(cfg: ServeConfig, client: ChatClient, sandbox_pool: SandboxPo
     e = cfg.env
     scaffold = scaffold if scaffold is not None else load_scaffold_of(cfg)
     if scaffold is None:
-        return BuiltinLoop(client, e.name, dict(e.config), e.limits(), sandbox_pool)
-    return ScaffoldLoop(client, e.name, dict(e.config), e.limits(), sandbox_pool, scaffold=scaffold,
-                        base_url=router_url or scaffold_url(cfg))
+        check_declared_roles(cfg)
+        return BuiltinLoop(client, e.name, dict(e.config), e.limits(), sandbox_pool, roles=dict(e.roles))
+    # the program's agents are the roles env.roles names (the environment declares none of them)
+    return ScaffoldLoop(client, e.name, dict(e.config), e.limits(), sandbox_pool, roles=dict(e.roles),
+                        scaffold=scaffold, base_url=router_url or scaffold_url(cfg))
+
+
+def check_declared_roles(cfg: ServeConfig) -> None:
+    """The roles ``env.roles`` binds are roles the configured environment declares."""
+    from agentrl.env.registry import lookup
+    from agentrl.env.roles import MultiAgentEnv
+
+    if not cfg.env.roles:
+        return
+    cls = lookup(cfg.env.name)
+    declared = cls.declared_roles(cfg.env.config) if isinstance(cls, type) and issubclass(
+        cls, MultiAgentEnv) else ()
+    unknown = sorted(set(cfg.env.roles) - set(declared))
+    if unknown:
+        raise ConfigError(f"env.roles binds {unknown}, which environment {cfg.env.name!r} does not declare "
+                          f"(its roles: {list(declared) or 'none: it is not a multi-agent environment'})")
 
 
 def build_orchestrator(
@@ -183,9 +210,12 @@ def build_orchestrator(
     episode_log: Callable[[dict[str, Any]], Any] | None = None,
     teacher: Teacher | None = None,
     judge_endpoint: tuple[str, str, str] | None = None,
+    engines: EnginePool | None = None,
 ) -> Orchestrator:
+    """``engines``: serve's pool, whose ``/metrics`` the concurrency controller reads
+    (``env.concurrency.controller``; without a pool, the static cap)."""
     from agentrl.rollout.frontier import TaskFrontier
-    from agentrl.rollout.orchestrator import Orchestrator
+    from agentrl.rollout.orchestrator import Orchestrator, expected_samples
 
     e = cfg.env
     # serve's own rollout keeps a task frontier beside its buffer (a restart skips and repeats
@@ -195,7 +225,13 @@ def build_orchestrator(
     if run_dir is not None and isinstance(sink, GroupLedger):
         stream = json.dumps({"env": e.name, "config": e.config}, sort_keys=True, default=str)
         frontier = TaskFrontier(run_dir / "rollout_frontier.jsonl", fresh=not cfg.restore, stream=stream)
-    return Orchestrator(
+    curriculum = None
+    if e.curriculum.enabled:
+        from agentrl.rollout.curriculum import Curriculum
+
+        curriculum = Curriculum(e.curriculum, run_dir / "curriculum.jsonl" if run_dir is not None else None,
+                                e.group_size, fresh=not cfg.restore)
+    orchestrator = Orchestrator(
         producer,
         sink,
         env_name=e.name,
@@ -210,7 +246,32 @@ def build_orchestrator(
         episode_log=episode_log,
         frontier=frontier,
         scoring=build_scoring(cfg, teacher, judge_endpoint),
+        # a role bound to a frozen, lagged, pinned or external model makes no samples
+        samples_per_episode=expected_samples(e.name, e.config,
+                                             lambda role: role not in e.roles or e.roles[role].trained),
+        curriculum=curriculum,
+        concurrency=build_concurrency(cfg, engines),
     )
+    if orchestrator.concurrency is not None:  # it grows the limit only while the episodes press on it
+        orchestrator.concurrency.in_flight = lambda: orchestrator.in_flight
+    return orchestrator
+
+
+def build_concurrency(cfg: ServeConfig, engines: EnginePool | None) -> ConcurrencyController | None:
+    """The concurrency controller ``env.concurrency`` describes (not started), or None when it is off
+    (or there is no engine pool to read: a rollout worker under Ray keeps the static cap)."""
+    e = cfg.env
+    if not e.concurrency.controller:
+        return None
+    if engines is None:
+        log.warning("env.concurrency.controller: no engine pool here to read metrics from; using the "
+                    "static cap env.max_concurrency = %d", e.max_concurrency)
+        return None
+    from agentrl.rollout.concurrency import ConcurrencyController, http_reader
+
+    read, close = http_reader(engines.engines, engines.headers)
+    return ConcurrencyController(e.concurrency, static_cap=e.max_concurrency, group_size=e.group_size,
+                                 read=read, close=close)
 
 
 def build_scoring(cfg: ServeConfig, teacher: Teacher | None = None,

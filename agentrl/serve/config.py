@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from agentrl.buffer.config import BufferConfig
-from agentrl.engines.config import EngineConfig
+from agentrl.engines.config import BASE_POLICY, EngineConfig
 from agentrl.errors import ConfigError
 from agentrl.rollout.config import LoopScaffold, RolloutConfig, ScaffoldConfig
 from agentrl.router.config import RouterConfig
@@ -101,9 +101,32 @@ class ServeConfig:
         return {name: p.max_staleness if p.max_staleness >= 0 else self.buffer.max_staleness
                 for name, p in self.policies.items()}
 
+    def adapter_windows(self) -> dict[str, int]:
+        """How many of each policy's newest versions the engines keep loaded as adapters: its staleness
+        bound + 1 (every version a sample may still come from), or more where a role plays against it
+        some versions back (``env.roles.<role>.lag``). Keyed by name; "" for the one unnamed policy."""
+        bounds = self.staleness() or {"": self.buffer.max_staleness}
+        first = next(iter(bounds))
+        for b in self.env.roles.values():
+            if b.lag:
+                name = b.policy or first
+                bounds[name] = max(bounds.get(name, 0), b.lag)
+        return {name: bound + 1 for name, bound in bounds.items()}
+
+    def pinned_versions(self) -> dict[str, set[int]]:
+        """The versions roles play at (``env.roles.<role>.version``), which the engines keep loaded
+        beside each policy's window once published. Keyed like :meth:`adapter_windows`."""
+        first = next(iter(self.staleness()), "")
+        pins: dict[str, set[int]] = {}
+        for b in self.env.roles.values():
+            if b.version:
+                pins.setdefault(b.policy or first, set()).add(b.version)
+        return pins
+
     def adapters_loaded(self) -> int:
-        """LoRA adapter versions the engines hold at once: each policy's max_staleness + 1, summed."""
-        return sum(s + 1 for s in self.staleness().values()) or self.buffer.max_staleness + 1
+        """LoRA adapter versions the engines hold at once: every policy's window and pinned versions,
+        summed."""
+        return sum(self.adapter_windows().values()) + sum(len(vs) for vs in self.pinned_versions().values())
 
     def without_secrets(self) -> ServeConfig:
         """This config with its admin token and client keys left out (for processes that get them
@@ -125,13 +148,25 @@ class ServeConfig:
                               "> 0) is not supported yet: the teacher engine loads full weights; train "
                               "without LoRA, or use a separate teacher (scoring.teacher.url)")
         self.check_policies()
+        self.check_roles()
         loaded = self.adapters_loaded()
         if self.engine.lora_rank and self.engine.max_loras < loaded:
             raise ConfigError(f"engine.max_loras ({self.engine.max_loras}) must be at least "
-                              f"{loaded} (each policy's max_staleness + 1, summed): every "
-                              "version a sample may still come from stays loaded as an adapter")
+                              f"{loaded} (each policy's max_staleness + 1, summed, and the versions "
+                              "roles are pinned to): every version a sample may still come from stays "
+                              "loaded as an adapter")
         self.check_sampling()
         self.scoring.check()
+        if self.env.curriculum.enabled:
+            try:
+                self.env.curriculum.check()
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
+        if self.env.concurrency.controller:
+            try:
+                self.env.concurrency.check()
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
         if self.scoring.judge.engine and self.ray.address:
             raise ConfigError("scoring.judge.engine (the judge on serve's own engine) is not supported with "
                               "serve --ray (ray.address): give the judge an endpoint, scoring.judge.url")
@@ -142,10 +177,10 @@ class ServeConfig:
 
     def check_policies(self) -> None:
         for name, p in self.policies.items():
-            if not POLICY_NAME.fullmatch(name) or name in (self.model, "default"):
+            if not POLICY_NAME.fullmatch(name) or name in (self.model, "default", BASE_POLICY):
                 raise ConfigError(f"policies.{name[:60]}: a policy's name is a lowercase "
                                   "letter then up to 39 lowercase letters, digits or "
-                                  "'_', other than the model's name and 'default'")
+                                  "'_', other than the model's name, 'default' and 'base'")
             if p.max_staleness < -1:
                 raise ConfigError(f"policies.{name}.max_staleness must be -1 (buffer.max_staleness) or more")
         if self.policies and not self.engine.lora_rank:
@@ -153,6 +188,46 @@ class ServeConfig:
                               "engine.lora_rank > 0 (agentrl run sets it from learn.lora.rank)")
         if self.policies and self.ray.address:
             raise ConfigError("serve.policies is not supported with serve --ray (ray.address) yet")
+
+    def check_roles(self) -> None:
+        """``env.roles``: each binding names one thing that can play its role here. (That the
+        environment declares the roles is checked when the producer is built.)"""
+        for role, b in self.env.roles.items():
+            if not POLICY_NAME.fullmatch(role):
+                raise ConfigError(f"env.roles.{role[:60]}: a role's name is a lowercase letter then up to 39 "
+                                  "lowercase letters, digits or '_'")
+            if sum((bool(b.policy or b.lag or b.version), bool(b.frozen), bool(b.endpoint))) > 1:
+                raise ConfigError(f"env.roles.{role}: bind it to one of policy (with or without lag or "
+                                  "version), frozen and endpoint")
+            if b.advantage not in ("group", "baseline", "team") or not 0 <= b.loss_weight <= 100:
+                raise ConfigError(f"env.roles.{role}: advantage is group, baseline or team, and loss_weight "
+                                  "a number from 0 to 100")
+            if b.lag < 0 or b.lag > 1000:
+                raise ConfigError(f"env.roles.{role}.lag must be between 0 and 1000 versions")
+            if b.lag and not self.engine.lora_rank:
+                raise ConfigError(f"env.roles.{role}.lag: an earlier version is an adapter the engines "
+                                  "keep loaded beside the newest, so it needs engine.lora_rank > 0 (LoRA "
+                                  "training)")
+            if b.version and b.lag:
+                raise ConfigError(f"env.roles.{role}: lag (versions back, advancing) or version (one "
+                                  "fixed published version), not both")
+            if b.version < 0 or (b.version and not self.engine.lora_rank):
+                raise ConfigError(f"env.roles.{role}.version: a published version (1 or more) is an "
+                                  "adapter the engines keep loaded beside the newest, so it needs "
+                                  "engine.lora_rank > 0 (LoRA training)")
+            if b.policy and b.policy not in self.policies:
+                raise ConfigError(f"env.roles.{role}.policy: {b.policy!r} is not a policy of serve.policies "
+                                  f"({sorted(self.policies) or 'none named'})")
+            if b.frozen and not self.engine.lora_rank:
+                raise ConfigError(f"env.roles.{role}.frozen: the frozen base model is served beside LoRA "
+                                  "adapters, so it needs engine.lora_rank > 0 (LoRA training); otherwise "
+                                  "bind the role to an endpoint (env.roles.<role>.endpoint)")
+            if b.endpoint and not b.endpoint.startswith(("http://", "https://")):
+                raise ConfigError(f"env.roles.{role}.endpoint must be an http(s) base URL, "
+                                  f"not {b.endpoint!r}")
+        if self.env.roles and self.ray.address:
+            raise ConfigError("env.roles (a multi-agent episode's bindings) works on one serve; not yet "
+                              "with serve --ray")
 
     def check_sampling(self) -> None:
         """The built-in loop's sampling is one the learner can replay, and the engines can report."""

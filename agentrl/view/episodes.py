@@ -8,15 +8,15 @@ mask, behaviour logprobs and per-token versions. Nothing here re-derives a mask 
 
 Bounds: a session file larger than ``MAX_SESSION_BYTES`` is refused (:class:`TooLarge`); message
 text is cut at ``MAX_TEXT`` characters; a page of tokens holds at most ``MAX_TOKENS_PER_PAGE``.
-An episode id is a plain name (letters, digits, ``-``, ``_``), so it cannot reach outside
-``sessions/``.
+A session id is checked with the router's own rule (letters, digits, ``-``, ``_`` and inner
+dots, never ``..``), so it cannot reach outside ``sessions/``; a multi-agent episode's role sessions,
+``<episode id>.<role>``, open the same way as an episode's own.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import re
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,11 +24,10 @@ from typing import Any
 
 from agentrl.buffer.sample import Sample
 from agentrl.errors import AgentrlError
-from agentrl.router.sessions import CallRecord, Session
+from agentrl.router.sessions import CallRecord, Session, valid_session_id
 
 log = logging.getLogger(__name__)
 
-EPISODE_ID = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
 MAX_SESSION_BYTES = 64 << 20
 MAX_TEXT = 20_000
 MAX_TOKENS_PER_PAGE = 20_000
@@ -169,7 +168,7 @@ class SessionCache:
         self._entries: OrderedDict[str, _Entry] = OrderedDict()
 
     def path(self, episode_id: str) -> Path | None:
-        if not EPISODE_ID.match(episode_id):
+        if not valid_session_id(episode_id):
             return None
         p = self.dir / f"{episode_id}.jsonl"
         return p if p.is_file() else None

@@ -6,7 +6,9 @@
   week-long run costs the same memory as a long afternoon, and the kept rows stay evenly spread.
 - :class:`EpisodeIndex` follows ``episodes.jsonl`` and keeps, per episode, its byte offset, a hash of its
   id and the fields the browser filters on (about 60 bytes an episode, in ``array`` columns); a page
-  of rows, or one episode's line, is read back from the file by offset.
+  of rows, or one episode's line, is read back from the file by offset. A multi-agent episode adds
+  the roles that called and what sampled them (a bit each, in one 64-bit mask apiece), and each
+  role's reward (a column per role, NaN where an episode has no such role).
 
 Invariants: only complete lines are read (a line the run is still writing waits for the next
 refresh); one refresh reads at most ``budget`` bytes, so a request on a huge run returns in bounded
@@ -27,6 +29,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from agentrl.view.graph import role_rewards, roles_and_samplers
+
 log = logging.getLogger(__name__)
 
 CHUNK = 1 << 20  # bytes read at a time
@@ -42,7 +46,7 @@ LEARNER_PREFIXES = ("is/", "mismatch/")
 SERVE_KEYS = (
     "time", "version", "router.completion_tokens", "router.calls", "rollout.episodes", "rollout.failed",
     "rollout.in_flight", "buffer.depth", "buffer.dropped", "sandbox.exec_p50_ms", "sandbox.exec_p99_ms",
-    "sandbox.acquire_p50_ms", "sandbox.acquire_p99_ms", "sandbox.in_use",
+    "sandbox.acquire_p50_ms", "sandbox.acquire_p99_ms", "sandbox.in_use", "rollout.concurrency.limit",
 )
 
 
@@ -208,6 +212,8 @@ class EpisodeFilter:
     version_max: int | None = None  # ... and <= this
     error_kind: str = ""  # "", "none" (no error), "any" (some error) or a kind
     truncation: str = ""  # "", "no", "yes" (any reason) or a reason
+    role: str = ""  # a multi-agent episode in which this role called
+    policy: str = ""  # ... and one whose calls this sampled ("policy:<name>", "frozen", "endpoint:<url>")
 
 
 def _id_hash(episode_id: str) -> int:
@@ -236,6 +242,33 @@ class _Codes:
         return self._index.get(name)
 
 
+class _Tags:
+    """Names (roles, samplers) as bits of a 64-bit mask; past 63 names the rest share the last bit."""
+
+    def __init__(self) -> None:
+        self.names: list[str] = []
+        self._bit: dict[str, int] = {}
+
+    def mask(self, names: list[str]) -> int:
+        m = 0
+        for name in names:
+            if name not in self._bit:
+                if len(self.names) >= 63:
+                    name = "other"
+                    if name not in self._bit:
+                        self._bit[name] = 63
+                        self.names.append(name)
+                else:
+                    self._bit[name] = len(self.names)
+                    self.names.append(name)
+            m |= 1 << self._bit[name]
+        return m
+
+    def bit(self, name: str) -> int | None:
+        b = self._bit.get(name)
+        return None if b is None else 1 << b
+
+
 class EpisodeIndex:
     """``episodes.jsonl`` as columns: byte offset, time, reward, version range, env, error kind,
     truncation."""
@@ -256,6 +289,10 @@ class EpisodeIndex:
         self.env = array("B")
         self.kind = array("B")
         self.trunc = array("B")
+        self.roles, self.samplers = _Tags(), _Tags()
+        self.role_mask = array("Q")
+        self.sampler_mask = array("Q")
+        self.role_reward: dict[str, array] = {}  # role -> its reward per episode (NaN: not in it)
 
     def __len__(self) -> int:
         return len(self.offsets)
@@ -281,12 +318,22 @@ class EpisodeIndex:
             self.kind.append(self.kinds.code(str(kind)))
             trunc = row.get("truncation") or ("unknown" if row.get("truncated") else "")
             self.trunc.append(self.truncs.code(str(trunc)))
+            roles, samplers = roles_and_samplers(row)
+            self.role_mask.append(self.roles.mask(roles))
+            self.sampler_mask.append(self.samplers.mask(samplers))
+            rewards = role_rewards(row) if roles else {}
+            for role in rewards.keys() - self.role_reward.keys():
+                if len(self.role_reward) < 63:  # as many columns as the role mask has bits
+                    self.role_reward[role] = array("d", [NAN] * (len(self.offsets) - 1))
+            for role, col in self.role_reward.items():
+                col.append(rewards.get(role, NAN))
 
     def facets(self) -> dict[str, list[str]]:
         """The values each filter can take in this run."""
         return {
             "envs": self.envs.names[1:], "error_kinds": self.kinds.names[1:],
-            "truncations": self.truncs.names[1:],
+            "truncations": self.truncs.names[1:], "roles": sorted(self.roles.names),
+            "policies": sorted(self.samplers.names),
         }
 
     def match(self, f: EpisodeFilter, offset: int, limit: int) -> tuple[int, list[int]]:
@@ -305,6 +352,10 @@ class EpisodeIndex:
             trunc = self.truncs.lookup(f.truncation)
             if trunc is None:
                 return 0, []
+        role = self.roles.bit(f.role) if f.role else 0
+        policy = self.samplers.bit(f.policy) if f.policy else 0
+        if role is None or policy is None:
+            return 0, []
         total, page = 0, []
         for i in range(len(self.offsets) - 1, -1, -1):
             if env is not None and self.env[i] != env:
@@ -322,6 +373,8 @@ class EpisodeIndex:
                 continue
             t = self.trunc[i]
             if (f.truncation == "no" and t) or (f.truncation == "yes" and not t) or (trunc not in (None, t)):
+                continue
+            if (role and not self.role_mask[i] & role) or (policy and not self.sampler_mask[i] & policy):
                 continue
             if offset <= total < offset + limit:
                 page.append(self.offsets[i])
@@ -350,10 +403,13 @@ class EpisodeIndex:
         return None
 
     def series(self, max_points: int) -> dict[str, Any]:
-        """Episode rewards in finish order, averaged over bins of equal size (at most ``max_points`` bins)."""
+        """Episode rewards in finish order, averaged over bins of equal size (at most ``max_points`` bins);
+        for a multi-agent run also each role's (``role_reward.<role>``: the mean over the bin's episodes
+        the role played in, None for a bin without one)."""
         n = len(self.rewards)
         size = max(1, math.ceil(n / max(1, max_points)))
         xs, ts, rs, fails = [], [], [], []
+        per_role: dict[str, list[float | None]] = {role: [] for role in self.role_reward}
         for start in range(0, n, size):
             end = min(n, start + size)
             xs.append((start + end + 1) / 2)  # episodes are numbered from 1
@@ -361,5 +417,9 @@ class EpisodeIndex:
             ts.append(None if math.isnan(t) else t)
             rs.append(sum(self.rewards[start:end]) / (end - start))
             fails.append(sum(1 for k in self.kind[start:end] if k))
-        return {"rev": n, "rows": n, "bin": size, "points": len(xs),
-                "cols": {"episode": xs, "time": ts, "reward": rs, "failed": fails}}
+            for role, col in self.role_reward.items():
+                got = [r for r in col[start:end] if not math.isnan(r)]
+                per_role[role].append(sum(got) / len(got) if got else None)
+        cols: dict[str, list[Any]] = {"episode": xs, "time": ts, "reward": rs, "failed": fails}
+        cols.update({f"role_reward.{role}": ys for role, ys in sorted(per_role.items())})
+        return {"rev": n, "rows": n, "bin": size, "points": len(xs), "cols": cols}

@@ -4,15 +4,17 @@ Pages (HTML; each needs the view's cookie, or ``?token=`` once, see :mod:`agentr
 
 - ``GET /view/``: the run: charts that update while the run writes its logs;
 - ``GET /view/episodes``: the episode browser (filters in the query: env, reward, version, error
-  kind, truncation; pages of at most ``MAX_PAGE`` rows);
-- ``GET /view/episode/<id>``: one episode's calls, tool outputs and tokens.
+  kind, truncation, role, policy; pages of at most ``MAX_PAGE`` rows);
+- ``GET /view/episode/<id>``: one episode's calls, tool outputs and tokens; for a multi-agent
+  episode, its graph (roles as lanes, calls as nodes), each node opening its role session's tokens.
 
 Each page is ``static/page.html`` (the head and the nav, the same on every page) around the page's
 own ``<main>`` in ``static/<page>.html``, put together once when the routes are mounted.
 
 API (JSON; the cookie or ``Authorization: Bearer <token>``): ``/view/api/run``,
 ``/view/api/series?rev=L,S,E``, ``/view/api/episodes?...``, ``/view/api/episode/<id>``,
-``/view/api/episode/<id>/sample/<k>?offset=&limit=``. Static files: ``/view/static/<name>``
+``/view/api/episode/<id>/sample/<k>?offset=&limit=`` (``<id>`` an episode's, or a role session's,
+``<episode id>.<role>``). Static files: ``/view/static/<name>``
 (no token: they are the package's own files, and the login page needs them).
 
 Invariants: every route but ``POST /view/login`` is a GET, and none writes to the run directory or
@@ -46,6 +48,7 @@ from agentrl.view.episodes import (
     sample_summary,
     token_page,
 )
+from agentrl.view.graph import graph_view, roles_and_samplers
 from agentrl.view.logs import EpisodeFilter, EpisodeIndex, LogTail, env_label, learner_numbers, serve_numbers
 from agentrl.view.tokens import Detokenizer
 from agentrl.web import error_response
@@ -65,7 +68,7 @@ SECURITY_HEADERS = {
 }
 STATIC_TYPES = {".html": "text/html", ".js": "text/javascript", ".css": "text/css"}
 # each page: its static file (the <main> part) and the scripts it loads after common.js
-PAGES = {"run": ("charts.js", "run.js"), "episodes": ("episodes.js",), "episode": ("episode.js",)}
+PAGES = {"run": ("charts.js", "run.js"), "episodes": ("episodes.js",), "episode": ("graph.js", "episode.js")}
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
@@ -150,15 +153,21 @@ class ViewState:
                     "facets": self.episodes.facets(), "rows": [_episode_row(r) for r in rows]}
 
     def episode(self, episode_id: str) -> dict[str, Any] | None:
+        """The episode's line, its calls and samples (its own session), and its graph (a multi-agent
+        episode, whose calls are in its roles' sessions instead); None when there is none of these."""
         with self.lock:
             got = self.sessions.get(episode_id)
-            if got is None:
-                return None
             self.episodes.refresh()
             line = self.episodes.find(episode_id)  # None while the episode is still being played
-        session, samples = got
-        return {"episode": line, "calls": call_views(session),
-                "samples": [sample_summary(k, s) for k, s in enumerate(samples)]}
+        graph = graph_view(line)
+        if got is None and graph is None:
+            return None
+        session, samples = got if got is not None else (None, [])
+        if graph is not None:  # which role sessions the view can open
+            graph["sessions"] = {sid: self.sessions.path(sid) is not None
+                                 for sid in sorted({n["session"] for n in graph["nodes"] if n["session"]})}
+        return {"episode": line, "calls": call_views(session) if session is not None else [],
+                "samples": [sample_summary(k, s) for k, s in enumerate(samples)], "graph": graph}
 
     def sample(self, episode_id: str, k: int, offset: int, limit: int) -> dict[str, Any] | None:
         with self.lock:
@@ -193,6 +202,7 @@ def _episode_row(r: dict[str, Any]) -> dict[str, Any]:
         "seconds": r.get("seconds"),
         "num_samples": r.get("num_samples"),
         "tool_calls": (r.get("info") or {}).get("tool_calls") if isinstance(r.get("info"), dict) else None,
+        "roles": roles_and_samplers(r)[0],
     }
 
 
@@ -294,6 +304,8 @@ def add_view_routes(app: web.Application, state: ViewState) -> None:
             version_max=_num(request, "version_max", int),
             error_kind=request.query.get("error_kind", ""),
             truncation=request.query.get("truncation", ""),
+            role=request.query.get("role", ""),
+            policy=request.query.get("policy", ""),
         )
         offset = max(0, _num(request, "offset", int, 0))
         limit = min(MAX_PAGE, max(1, _num(request, "limit", int, 50)))
@@ -302,7 +314,8 @@ def add_view_routes(app: web.Application, state: ViewState) -> None:
     async def episode(request: web.Request) -> web.StreamResponse:
         got = await asyncio.to_thread(state.episode, request.match_info["episode_id"])
         if got is None:
-            return _error("no recorded calls for this episode (sessions/<id>.jsonl)", 404)
+            return _error("no recorded calls for this episode (sessions/<id>.jsonl) and no graph "
+                          "in its line of episodes.jsonl", 404)
         return _json(got)
 
     async def sample(request: web.Request) -> web.StreamResponse:

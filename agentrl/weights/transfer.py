@@ -79,12 +79,16 @@ class WeightReceiver:
     """
 
     def __init__(self, root: Path, updater: EngineUpdater | PolicyUpdater, keep: int = 2,
-                 max_bytes: int = 64 << 30, adapters_only: bool = False) -> None:
+                 max_bytes: int = 64 << 30, adapters_only: bool = False,
+                 pinned: Iterable[int] = ()) -> None:
         """``max_bytes``: the largest upload a version may declare (a chunk's offset and length must
-        fall inside the declared size, so no request can make serve write beyond it)."""
+        fall inside the declared size, so no request can make serve write beyond it). ``pinned``: the
+        versions a role plays at (``env.roles.<role>.version``), whose folders stay whatever comes
+        after, so an engine that rejoins and a restarted serve load them again."""
         self.root = root
         self.updater = updater
         self.keep = keep
+        self.pinned = frozenset(pinned)
         # awaited with each version the engines loaded, before the commit answers
         self.on_loaded: list[Any] = []
         self.max_bytes = max_bytes
@@ -258,6 +262,12 @@ class WeightReceiver:
                 found.append((v, p))
         return max(found) if found else None
 
+    def pinned_loaded(self, below: int) -> list[tuple[int, Path]]:
+        """The pinned versions older than ``below`` that engines loaded, oldest first: what a restarted
+        serve loads beside the latest (which is restored last, so it is the policy's version)."""
+        return [(v, self.root / f"v{v}") for v in sorted(self.pinned)
+                if v < below and (self.root / f"v{v}" / LOADED).exists()]
+
     async def restore(self, version: int, path: Path) -> dict[str, Any]:
         """Load a version an earlier serve of this run directory published into the engines, before
         they take traffic, so a restarted serve carries on at the learner's version."""
@@ -283,7 +293,7 @@ class WeightReceiver:
                 v = int(p.name[1:].split(".")[0])
             except ValueError:
                 continue
-            if p.is_dir() and v <= version - keep:
+            if p.is_dir() and v <= version - keep and v not in self.pinned:
                 shutil.rmtree(p, ignore_errors=True)
             elif p.suffix == ".staging" and v <= version:  # an upload that was never committed
                 self._staging.pop(v, None)

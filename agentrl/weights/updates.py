@@ -8,7 +8,8 @@ that was out back to the current version. :class:`EngineUpdater` works over an
 ``mark_down``) and installs itself as the pool's ``on_rejoin`` hook: the router never imports
 this package. serve's :class:`~agentrl.weights.transfer.WeightReceiver` drives it. A LoRA policy's
 versions take another path (:meth:`EngineUpdater.load_adapter`): each is loaded as its own adapter
-beside the last ``adapter_keep`` with no pause (nothing in an engine changes under a request).
+beside the last ``adapter_keep`` with no pause (nothing in an engine changes under a request),
+and a version a role is pinned to (``pinned``) stays loaded whatever comes after.
 Several named policies (multi-LoRA) each have their own adapters, versions and kept window
 (:meth:`EngineUpdater.policy` is one policy's view, which its weight receiver drives).
 
@@ -87,6 +88,9 @@ class EngineUpdater:
         self.adapters: dict[str, dict[int, str]] = {}
         self.adapter_keep = 2
         self.keep: dict[str, int] = {}  # a named policy's own window (default: adapter_keep)
+        # policy -> versions a role plays at (env.roles.<role>.version): once published, loaded
+        # beside the window whatever comes after, and into every engine that rejoins
+        self.pinned: dict[str, set[int]] = {}
         self.default_policy = DEFAULT_POLICY
         self._lock = asyncio.Lock()
         pool.on_rejoin = self.rejoin
@@ -481,7 +485,7 @@ class EngineUpdater:
         """Load LoRA adapter ``path`` into every healthy engine as ``policy``'s ``version`` (the
         default policy's when None): new calls of that policy go to it as soon as an engine has
         it, calls under way finish on theirs, and the policy's versions older than its newest
-        ``keep_of(policy)`` are unloaded. Fails like :meth:`update_weights`."""
+        ``keep_of(policy)`` are unloaded, but for its ``pinned`` ones. Fails like :meth:`update_weights`."""
         policy = policy or self.default_policy
         async with self._lock:
             self.updating = True
@@ -495,8 +499,10 @@ class EngineUpdater:
                 per_engine, failed = await self._on_each(targets, version, "adapter", timeout_s, one)
                 kept = self.adapters.setdefault(policy, {})
                 kept[version] = path
+                pinned = self.pinned.get(policy, set())
                 for v in sorted(kept)[:-self.keep_of(policy)]:
-                    del kept[v]
+                    if v not in pinned:
+                        del kept[v]
                 if policy == self.default_policy:
                     self.pool.version = version
                     self.weights_path = path

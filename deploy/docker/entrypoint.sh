@@ -14,7 +14,7 @@ if [ -n "${AGENTRL_ADMIN_TOKEN_FILE:-}" ]; then
   export AGENTRL_ADMIN_TOKEN
 fi
 case "${1:-}" in
-  "" | -* | serve | learn | run | config | model | sandbox | envs | status | plot | eval | view | doctor)
+  "" | -* | serve | learn | run | config | model | sandbox | envs | status | plot | eval | view | doctor | tinker)
     exec agentrl "$@" ;;
   *)
     exec "$@" ;;

@@ -12,7 +12,7 @@ import re
 from typing import Any
 
 import agentrl
-from environments.arithmetic.problems import arithmetic_problem
+from environments.arithmetic.problems import arithmetic_problem, sized_problem
 
 SYSTEM = "Use the python tool to compute the answer, then reply with the number."
 
@@ -23,14 +23,25 @@ class ArithmeticEnv(agentrl.ToolEnv):
     sandbox_image = "agentrl/base:bookworm"
     max_turns = 4
 
-    def __init__(self, num_train: int = 10_000, num_test: int = 200, seed: int = 0) -> None:
+    def __init__(self, num_train: int = 10_000, num_test: int = 200, seed: int = 0,
+                 digits: list[int] | None = None) -> None:
+        """``digits``: mixed difficulty, each task's operands of one of these sizes (its ``digits``),
+        drawn alike (e.g. [1, 2, 4, 8]: from trivial to beyond a small model's reach); None: the
+        default problems (operands up to 99)."""
         super().__init__()
-        self.num_train, self.num_test, self.seed = num_train, num_test, seed
+        if digits is not None and (not digits or any(not 1 <= d <= 30 for d in digits)):
+            raise ValueError(f"digits must be a non-empty list of sizes from 1 to 30 (got {digits})")
+        self.num_train, self.num_test, self.seed, self.digits = num_train, num_test, seed, digits
 
     def tasks(self, split: str = "train"):
         # Disjoint streams: test tasks come from a different seed than training tasks.
         rng = random.Random(f"{self.seed}-{split}")
         for i in range(self.num_train if split == "train" else self.num_test):
+            if self.digits:
+                size = rng.choice(self.digits)
+                expr, value = sized_problem(rng, size)
+                yield {"id": f"{split}-{i}", "question": f"What is {expr}?", "answer": value, "digits": size}
+                continue
             expr, value = arithmetic_problem(rng)
             yield {"id": f"{split}-{i}", "question": f"What is {expr}?", "answer": value}
 

@@ -34,15 +34,22 @@ def key_counts(max_keys: int, alpha: float = 1.5) -> tuple[list[int], list[float
     return ks, weights
 
 
+def set_workload(env: Any, latency_median_s: float, latency_sigma: float, max_keys: int, num_train: int,
+                 num_test: int, seed: int) -> None:
+    """The straggler workload's settings on ``env`` (checked), and its latency generator (this one and
+    ``straggler_roles`` share them)."""
+    if latency_median_s < 0 or latency_sigma < 0 or max_keys < 1:
+        raise ValueError("latency_median_s and latency_sigma must be >= 0 and max_keys >= 1")
+    env.latency_median_s, env.latency_sigma = latency_median_s, latency_sigma
+    env.max_keys, env.num_train, env.num_test, env.seed = max_keys, num_train, num_test, seed
+    env.rng = random.Random()
+
+
 @agentrl.environment("straggler")
 class StragglerEnv(agentrl.Environment):
     def __init__(self, latency_median_s: float = 0.25, latency_sigma: float = 1.3, max_keys: int = 8,
                  num_train: int = 10_000, num_test: int = 200, seed: int = 0) -> None:
-        if latency_median_s < 0 or latency_sigma < 0 or max_keys < 1:
-            raise ValueError("latency_median_s and latency_sigma must be >= 0 and max_keys >= 1")
-        self.latency_median_s, self.latency_sigma = latency_median_s, latency_sigma
-        self.max_keys, self.num_train, self.num_test, self.seed = max_keys, num_train, num_test, seed
-        self.rng = random.Random()
+        set_workload(self, latency_median_s, latency_sigma, max_keys, num_train, num_test, seed)
         self.task: dict[str, Any] = {}
         self.turns = 0
         self.good_calls = 0

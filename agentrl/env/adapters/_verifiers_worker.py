@@ -6,11 +6,16 @@ own virtual environment (``.venv-verifiers``), in this process, started by
 agentrl) and speaks JSON lines on stdin/stdout:
 
 - ``{"id", "op": "tasks", "env": {...}}`` -> ``{"id", "tasks": [wire task data, ...], "tool_sets": [[OpenAI
-  tool, ...], ...], "tools_of": [index into tool_sets per task]}`` (the tools each task's agent is offered);
-- ``{"id", "op": "rollout", "env": {...}, "idx": n, "base_url", "api_key", "model"}`` -> ``{"id",
-  "reward", "rewards", "metrics", "errors", "ok", "turns"}``: verifiers' own ``Env.run_episode`` on
-  the task, its agent talking to ``base_url`` (agentrl's relay into the episode's router session),
-  scored by the task's own weighted ``@vf.reward`` functions;
+  tool, ...], ...], "tools_of": [index into tool_sets per task], "agents": {name: trainable}}`` (the tools
+  each task's agent is offered; the env's agents, its ``AgentConfig`` fields in declaration order, and
+  whether its ``setup`` leaves each trainable);
+- ``{"id", "op": "rollout", "env": {...}, "idx": n, "base_url", "api_key", "model", "roles"?}`` -> ``{"id",
+  "reward", "rewards", "metrics", "errors", "ok", "turns", "agents"}``: verifiers' own
+  ``Env.run_episode`` on the task, its agents talking to ``base_url`` (agentrl's relay into the
+  episode's router session), scored by the task's own weighted ``@vf.reward`` functions. With
+  ``roles`` (``{agent: {"base_url", "api_key", "model"}}``, a multi-agent env) each agent talks to its
+  own endpoint instead (its role's relay), and ``agents`` gives each agent's reward (the mean of its
+  traces'), trace count and standing (``trainable``, as the env's ``setup`` left it);
 - ``{"id", "op": "cancel", "target": id}`` cancels a rollout (the episode's wall clock ran out).
 
 Requests run concurrently. Two changes to verifiers' machinery, and why: harness programs are
@@ -25,13 +30,22 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import hashlib
 import json
 import os
 import sys
 import traceback
+import types
 from pathlib import Path
 from typing import Any
+
+# the episode's per-agent endpoints (agent -> {"base_url", "api_key", "model"}), read by the env's
+# wrapped ``setup``, which verifiers calls in the rollout's own task with the episode's agents
+_routes: contextvars.ContextVar[dict[str, dict[str, str]] | None] = contextvars.ContextVar(
+    "routes", default=None)
+# and what that setup left each agent's standing (agent -> trainable), for the reply
+_standing: contextvars.ContextVar[dict[str, bool] | None] = contextvars.ContextVar("standing", default=None)
 
 
 def _offline_scripts() -> None:
@@ -101,6 +115,48 @@ async def tool_schemas(servers: list[Any]) -> list[dict[str, Any]]:
     return out
 
 
+def agent_names(env: Any) -> list[str]:
+    from verifiers.v1.configs.agent import agent_config_fields
+
+    return list(agent_config_fields(env.config))
+
+
+async def standing(env: Any) -> dict[str, bool]:
+    """Each agent of the env and whether its ``setup`` leaves it trainable, read by running ``setup``
+    on stand-ins that only carry ``trainable`` (all trainable when setup needs more of them)."""
+    import verifiers.v1 as vf
+
+    agents = vf.Agents(env.config, lambda name, spec: types.SimpleNamespace(name=name, trainable=True))
+    try:
+        await env.setup(agents)
+    except Exception:  # a setup that uses more than an agent's standing: no standing known before a run
+        return dict.fromkeys(agent_names(env), True)
+    return {name: bool(getattr(agents, name).trainable) for name in agent_names(env)}
+
+
+def route_agents(env: Any) -> None:
+    """Wrap the env's ``setup`` so that an episode given ``roles`` points each agent at its own
+    endpoint (model and client) before the env's own setup, and records the agents' standing after.
+    ``setup`` is the one hook verifiers hands the episode's agents to before they run."""
+    from verifiers.v1.clients import EvalClientConfig, ModelContext
+
+    own = env.setup
+
+    async def setup(agents: Any) -> None:
+        routes = _routes.get()
+        for name in agent_names(env) if routes is not None else ():
+            agent, route = getattr(agents, name), routes[name]
+            client = EvalClientConfig(base_url=route["base_url"], api_key_var="AGENTRL_RELAY_KEY")
+            agent.config = agent.config.model_copy(update={"model": route["model"], "client": client})
+            agent.ctx = ModelContext(model=route["model"], client=client, sampling=agent.ctx.sampling)
+        await own(agents)
+        seen = _standing.get()
+        if seen is not None:
+            seen.update({name: bool(getattr(agents, name).trainable) for name in agent_names(env)})
+
+    env.setup = setup
+
+
 async def listing(env: Any, tasks: list[Any]) -> dict[str, Any]:
     """The tasks' wire data and the tools each one's agent is offered (its task's tool servers, then the
     taskset's shared ones), each distinct tool list once."""
@@ -115,7 +171,7 @@ async def listing(env: Any, tasks: list[Any]) -> dict[str, Any]:
             tool_sets.append(await tool_schemas([*t.toolsets(t.config), *shared]))
         tools_of.append(sets[key])
     return {"tasks": [t.data.model_dump(mode="json", exclude_none=True) for t in tasks],
-            "tool_sets": tool_sets, "tools_of": tools_of}
+            "tool_sets": tool_sets, "tools_of": tools_of, "agents": await standing(env)}
 
 
 def list_tasks(spec: dict[str, Any]) -> dict[str, Any]:
@@ -139,6 +195,7 @@ class Worker:
         async with self.lock:
             if key not in self.envs:
                 env = vf.load_environment(resolve(spec))
+                route_agents(env)
                 await self.stack.enter_async_context(env.serving())
                 tasks = list(env.taskset.take(int(spec.get("max_tasks", 100_000))))
                 self.envs[key] = (env, tasks)
@@ -153,11 +210,32 @@ class Worker:
 
         env, tasks = await self.env(req["env"])
         task = tasks[int(req["idx"])]
+        # the relay reads its episode from the URL, not the key: one variable serves every episode
         os.environ["AGENTRL_RELAY_KEY"] = req["api_key"]
         ctx = vf.ModelContext(model=req["model"], client=vf.EvalClientConfig(base_url=req["base_url"],
                                                                              api_key_var="AGENTRL_RELAY_KEY"))
+        roles = req.get("roles")
+        if roles is not None and set(roles) != set(agent_names(env)):
+            raise ValueError(f"roles {sorted(roles)} are not the env's agents {agent_names(env)}")
+        _routes.set(roles)  # this request's task only: concurrent episodes each have their own
+        seen: dict[str, bool] = {}
+        _standing.set(seen)
         episode = await env.run_episode(task, ctx)
         traces = list(episode.traces)
+        agents: dict[str, dict[str, Any]] = {}
+        for t in traces:
+            name = t.agent.name if t.agent is not None else "agent"
+            a = agents.setdefault(name, {"rewards": [], "trainable": seen.get(name, True)})
+            a["rewards"].append(t.reward)
+            a["trainable"] = a["trainable"] and (t.agent is None or bool(t.agent.trainable))
+        for name, trainable in seen.items():
+            agents.setdefault(name, {"rewards": [], "trainable": trainable})
+        agents = {name: {"reward": sum(a["rewards"]) / len(a["rewards"]) if a["rewards"] else None,
+                         "traces": len(a["rewards"]), "trainable": a["trainable"]}
+                  for name, a in agents.items()}
+        # a multi-agent episode's reward is its trainable agents' (verifiers': the traces that train the
+        # policy); a simulated user's or a judge's trace has a reward of its own task, or none
+        scored = [t for t in traces if roles is None or t.agent is None or t.agent.trainable] or traces
         rewards = {
             name: (r.score, r.weight) for t in traces for name, r in t.rewards.items() if r is not None
         }
@@ -165,12 +243,13 @@ class Worker:
         errors = [f"{e.type}: {e.message}" for e in episode.errors] + [
             f"{e.type}: {e.message}" for t in traces for e in getattr(t, "errors", [])]
         return {
-            "reward": sum(t.reward for t in traces) / max(1, len(traces)),
+            "reward": sum(t.reward for t in scored) / max(1, len(scored)),
             "rewards": rewards,
             "metrics": metrics,
             "errors": errors,
             "ok": bool(episode.ok),
             "timeout": bool(episode.is_timeout),
+            "agents": agents,
         }
 
     async def handle(self, req: dict[str, Any], out: asyncio.Queue[dict[str, Any]]) -> None:

@@ -22,6 +22,19 @@ packages of its interpreter); a name found nowhere is refused when it is looked 
 looked. A task's opening carries the tools verifiers' agent will offer on it (its task's and
 taskset's tool servers', listed with the tasks by the worker without starting them).
 
+Multi-agent environments: a verifiers ``Env`` that declares two or more agents (``AgentConfig``
+fields on its config, e.g. the built-in ``user-sim``'s ``assistant`` and ``user``; picked with
+``env_args: {id: ...}`` or by the taskset's own ``Env``) is an agentrl multi-agent environment whose
+roles are its agents, by their field names. Each agent's calls go to its own relay, in front of its
+role's agent (:class:`~agentrl.env.roles.Agent`), so ``env.roles`` binds each to the default policy,
+a named LoRA policy, the frozen base, a lagged policy or an endpoint, and its calls are recorded in
+its role's session (the agent's own ``model``/``client`` in verifiers' config give way to the
+binding). Each role's reward is the mean of its agent's traces' rewards (``Played.role_rewards``);
+the episode's reward is the mean over the traces verifiers trains. An agent the env's ``setup``
+marks untrainable (``agents.user.trainable = False``) is reported in ``info["untrainable"]``, and a
+binding that trains it is warned about. An env with one agent plays as before: that agent is the
+episode's policy.
+
 Splits: verifiers tasksets have none; the last ``num_test`` tasks are held out (never trained on),
 or ``eval_taskset_args`` names the taskset arguments of a separate evaluation set.
 """
@@ -45,10 +58,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from agentrl.env.adapters import AdapterError
-from agentrl.env.base import Model, Played, PlayingEnv, Reset
+from agentrl.env.base import Model, Played, Reset
+from agentrl.env.roles import ROLE_NAME, Agent, MultiAgentEnv
 
 if TYPE_CHECKING:
-    from collections.abc import AsyncGenerator
+    from collections.abc import AsyncGenerator, Mapping
 
 log = logging.getLogger(__name__)
 
@@ -97,10 +111,12 @@ def _die_with_parent() -> None:
 
 
 class Listing(NamedTuple):
-    """A taskset's tasks (wire data) and the OpenAI tools each one's agent is offered."""
+    """A taskset's tasks (wire data), the OpenAI tools each one's agent is offered, and the env's agents
+    (name -> whether its ``setup`` leaves it trainable)."""
 
     tasks: tuple[dict[str, Any], ...]
     tools: tuple[list[dict[str, Any]], ...]
+    agents: tuple[tuple[str, bool], ...] = ()
 
 
 @functools.lru_cache(maxsize=32)
@@ -112,7 +128,8 @@ def list_tasks(python: str, spec_json: str) -> Listing:
         raise AdapterError(f"verifiers could not load {json.loads(spec_json)['taskset']!r}: "
                            f"{r.stderr.strip()[-1500:]}")
     out = json.loads(r.stdout.strip().splitlines()[-1])
-    return Listing(tuple(out["tasks"]), tuple(out["tool_sets"][i] for i in out["tools_of"]))
+    return Listing(tuple(out["tasks"]), tuple(out["tool_sets"][i] for i in out["tools_of"]),
+                   tuple((str(k), bool(v)) for k, v in (out.get("agents") or {}).items()))
 
 
 class _Worker:
@@ -231,8 +248,31 @@ async def _until_loop_ends(worker: _Worker) -> AsyncGenerator[None, None]:
 # put on its sys.path
 
 
-class VerifiersEnv(PlayingEnv):
-    """A verifiers environment: its own rollout and rubric, its model calls through the episode's session.
+def _spec(taskset_id: str, config: Mapping[str, Any]) -> dict[str, Any]:
+    """What the worker loads for an environment built with ``config`` (its keyword arguments)."""
+    return {"taskset": taskset_id, "taskset_args": dict(config.get("taskset_args") or {}),
+            "env_args": dict(config.get("env_args") or {}), "harness": config.get("harness", "null"),
+            "max_tasks": int(config.get("max_tasks", 100_000))}
+
+
+def _roles_of(taskset_id: str, listing: Listing) -> tuple[str, ...]:
+    """The env's agents as roles (none for an env of one agent, which plays as the episode's policy)."""
+    names = tuple(name for name, _ in listing.agents)
+    if len(names) < 2:
+        return ()
+    bad = [n for n in names if not ROLE_NAME.fullmatch(n)]
+    if bad:
+        raise AdapterError(f"verifiers:{taskset_id}'s agents {bad} cannot be agentrl roles: a role is a "
+                           "lowercase letter then up to 39 lowercase letters, digits or '_'")
+    return names
+
+
+_warned: set[tuple[str, str]] = set()  # (taskset, role) trained though verifiers does not train it
+
+
+class VerifiersEnv(MultiAgentEnv):
+    """A verifiers environment: its own rollout and rubric, its model calls through the episode's session
+    (with several agents, each agent's through its role's; see the module's docstring).
 
     Args:
         taskset_args: the taskset's config fields (``--env.taskset.*`` in verifiers' CLI).
@@ -259,11 +299,26 @@ class VerifiersEnv(PlayingEnv):
         if found is None:
             raise AdapterError("no Python with verifiers: see docs/environments.md (a .venv-verifiers)")
         self.python = found
-        self.spec = {"taskset": self.taskset_id, "taskset_args": dict(taskset_args or {}),
-                     "env_args": dict(env_args or {}), "harness": harness, "max_tasks": max_tasks}
+        self.spec = _spec(self.taskset_id, {"taskset_args": taskset_args, "env_args": env_args,
+                                            "harness": harness, "max_tasks": max_tasks})
         self.eval_spec = {**self.spec, "taskset_args": dict(eval_taskset_args)} if eval_taskset_args else None
         self.num_test = num_test
         self.task: dict[str, Any] = {}
+        try:
+            listing = list_tasks(self.python, json.dumps(self.spec, sort_keys=True))
+        except AdapterError:  # a taskset that does not load says so where its tasks are asked for
+            listing = Listing((), ())
+        self.roles = _roles_of(self.taskset_id, listing)
+        #: the agents verifiers does not train (its env's ``setup`` marks them ``trainable = False``)
+        self.untrainable = tuple(name for name, trainable in listing.agents if not trainable and self.roles)
+
+    @classmethod
+    def declared_roles(cls, config: Mapping[str, Any]) -> tuple[str, ...]:
+        python = interpreter(str(config.get("python") or ""))
+        if python is None:
+            raise AdapterError("no Python with verifiers: see docs/environments.md (a .venv-verifiers)")
+        spec = _spec(cls.taskset_id, config)
+        return _roles_of(cls.taskset_id, list_tasks(python, json.dumps(spec, sort_keys=True)))
 
     def _listed(self, spec: dict[str, Any]) -> tuple[dict[str, Any], ...]:
         return list_tasks(self.python, json.dumps(spec, sort_keys=True)).tasks
@@ -306,19 +361,47 @@ class VerifiersEnv(PlayingEnv):
         return Reset(messages=messages, tools=list(tools))
 
     async def play(self, task: dict[str, Any], model: Model) -> Played:
+        if self.roles:  # a multi-agent env: MultiAgentEnv.play hands play_roles one agent per role
+            return await super().play(task, model)
         from agentrl.env.adapters.relay import serve_model
 
-        spec = self._spec_of(task)
-        worker = _worker(self.python)
         async with serve_model(model) as (base_url, api_key):
-            out = await worker.call(
-                "rollout",
-                env=spec,
-                idx=int(task["idx"]),
-                base_url=base_url,
-                api_key=api_key,
-                model=model.name,
-            )
+            out = await self._rollout(task, base_url=base_url, api_key=api_key, model=model.name)
+        return self._played(out)
+
+    async def play_roles(self, task: dict[str, Any], agents: Mapping[str, Agent]) -> Played:
+        from agentrl.env.adapters.relay import serve_model
+
+        for role in self.untrainable:
+            if agents[role].trained and (self.taskset_id, role) not in _warned:
+                _warned.add((self.taskset_id, role))
+                log.warning("verifiers:%s marks agent %r not trainable (its env's setup), but env.roles "
+                            "binds role %r to a trained policy, so its calls train it; bind it with "
+                            "`frozen: true` or an endpoint to leave it untrained",
+                            self.taskset_id, role, role)
+        async with contextlib.AsyncExitStack() as stack:
+            routes: dict[str, dict[str, str]] = {}
+            for role in self.roles:  # one relay per role: each agent's calls reach its role's agent
+                base_url, api_key = await stack.enter_async_context(serve_model(agents[role]))
+                routes[role] = {"base_url": base_url, "api_key": api_key, "model": agents[role].name}
+            first = routes[self.roles[0]]
+            out = await self._rollout(task, base_url=first["base_url"], api_key=first["api_key"],
+                                      model=first["model"], roles=routes)
+        played = self._played(out)
+        standing = {role: a for role, a in (out.get("agents") or {}).items() if role in self.roles}
+        played.role_rewards = {role: float(a["reward"]) for role, a in standing.items()
+                               if a.get("reward") is not None}
+        played.info["agents"] = standing
+        played.info["untrainable"] = sorted(r for r, a in standing.items() if not a.get("trainable", True))
+        return played
+
+    async def _rollout(self, task: dict[str, Any], **fields: Any) -> dict[str, Any]:
+        """verifiers' own rollout of ``task`` in the worker, its agents calling the given endpoints."""
+        worker = _worker(self.python)
+        return await worker.call("rollout", env=self._spec_of(task), idx=int(task["idx"]), **fields)
+
+    @staticmethod
+    def _played(out: dict[str, Any]) -> Played:
         if out.get("error"):
             raise RuntimeError(f"verifiers raised {out['error']}")
         if not out.get("ok"):

@@ -1,6 +1,7 @@
 // One episode: its line, its calls (new messages, tool outputs, replies, tool calls) and every
 // sample token by token. Trained tokens (loss mask 1) are coloured by the policy version that
-// sampled them; hovering a token shows its id, raw token, version and behaviour logprob.
+// sampled them; hovering a token shows its id, raw token, version and behaviour logprob. A
+// multi-agent episode shows its graph (graph.js); a node opens its call from its role's session.
 "use strict";
 
 const episodeId = decodeURIComponent(location.pathname.split("/").pop());
@@ -32,9 +33,8 @@ function message(m) {
     m.content ? el("pre", {}, m.content) : null, ...toolCalls(m.tool_calls));
 }
 
-function renderCalls(calls) {
-  const box = document.getElementById("calls");
-  box.replaceChildren(...calls.map((c) => {
+function callCards(calls) {
+  return calls.map((c) => {
     const head = `call ${c.index}` + (c.parent !== null ? ` (continues call ${c.parent})` : "") +
       ` · ${c.engine} · ${c.prompt_tokens} prompt tokens · ${fmt(c.latency_s, 2)} s`;
     const replies = c.choices.map((ch, i) => el("div", {class: "msg assistant reply"},
@@ -42,7 +42,11 @@ function renderCalls(calls) {
       ch.content ? el("pre", {}, ch.content) : null, ...toolCalls(ch.tool_calls)));
     return el("section", {class: "card call", id: "call-" + c.index}, el("h3", {}, head),
       ...c.new_messages.map(message), ...replies);
-  }));
+  });
+}
+
+function renderCalls(calls) {
+  document.getElementById("calls").replaceChildren(...callCards(calls));
 }
 
 function versionClass(versions) {
@@ -73,7 +77,7 @@ function renderTokens(area, page, summary) {
   const frag = document.createDocumentFragment();
   for (let i = 0; i < page.ids.length; i++) {
     const at = page.offset + i;
-    if (starts.has(at)) frag.append(el("span", {class: "callmark"}, `call ${starts.get(at)} ▸`));
+    if (starts.has(at)) frag.append(el("span", {class: "callmark", "data-call": starts.get(at)}, `call ${starts.get(at)} ▸`));
     let c = "tok " + (page.mask[i] ? "t " + cls(page.version[i]) : "p");
     if (special.has(i)) c += " sp";
     const text = page.text ? page.text[i] : `[${page.ids[i]}]`;
@@ -93,16 +97,17 @@ function legend(summary, counts) {
       `version ${v}: ${counts.get(v) || 0} tokens`)));
 }
 
-async function renderSample(summary) {
-  const box = el("section", {class: "card sample", id: "sample-" + summary.index});
-  document.getElementById("samples").append(box);
+// one sample of session `sid` (the episode's own, or a role's), token by token, appended to `parent`
+async function renderSample(summary, sid, parent, boxId) {
+  const box = el("section", {class: "card sample", id: boxId});
+  parent.append(box);
   box.append(el("h3", {}, `sample ${summary.index}: ${summary.tokens} tokens, ${summary.trained} trained ` +
     `(loss mask), ${summary.versions.length} version${summary.versions.length === 1 ? "" : "s"}, calls ${summary.calls.join(" → ")}`));
   const area = el("div", {class: "tokens"});
   const counts = new Map();
   let offset = 0;
   for (;;) {
-    const page = await api(`/episode/${encodeURIComponent(episodeId)}/sample/${summary.index}?offset=${offset}`);
+    const page = await api(`/episode/${encodeURIComponent(sid)}/sample/${summary.index}?offset=${offset}`);
     if (page.tokenizer_error && !box.querySelector(".note")) box.append(el("p", {class: "note"}, page.tokenizer_error));
     page.mask.forEach((m, i) => { if (m) counts.set(page.version[i], (counts.get(page.version[i]) || 0) + 1); });
     const sub = el("span", {class: "page"});
@@ -115,15 +120,73 @@ async function renderSample(summary) {
   box.dataset.loaded = "1";
 }
 
+const roleSessions = new Map();  // session id -> its /episode answer (calls and samples)
+
+// a node of the graph: its call's card and the sample (of its role's session) that holds it
+async function openNode(node, graph) {
+  const box = document.getElementById("node-detail");
+  box.dataset.loaded = "";
+  box.dataset.node = String(node.id);
+  document.querySelectorAll("svg.graph .node").forEach((g) => g.classList.toggle("picked", g.dataset.node === String(node.id)));
+  const head = el("h3", {}, `call ${node.id} · ${node.role} · ${samplerLabel(node.sampler)} · ` +
+    `${node.completion_tokens} tokens` + (node.versions.length ? ` · versions ${node.versions.join(", ")}` : "") +
+    (node.trained ? " · trained" : " · not trained"));
+  box.replaceChildren(head);
+  if (!node.session || !graph.sessions[node.session]) {
+    box.append(el("p", {class: "note"}, node.session
+      ? `sessions/${node.session}.jsonl is not in the run directory: this call's tokens are not available.`
+      : "A call to an external endpoint: it was not recorded in a router session, so there are no tokens to show."));
+    box.dataset.loaded = "1";
+    return;
+  }
+  try {
+    let got = roleSessions.get(node.session);
+    if (!got) {
+      got = await api("/episode/" + encodeURIComponent(node.session));
+      roleSessions.set(node.session, got);
+    }
+    if (box.dataset.node !== String(node.id)) return;  // another node was picked meanwhile
+    const sample = got.samples.find((s) => s.calls.includes(node.call));
+    box.append(el("p", {class: "note"}, `session ${node.session}, call ${node.call}` +
+      (sample ? `: in sample ${sample.index} of the session (calls ${sample.calls.join(" → ")})` : "")));
+    if (sample) await renderSample(sample, node.session, box, "node-sample");
+    // where this call's tokens start, in a sample of several calls (a role's turns)
+    const mark = box.querySelector(`#node-sample .callmark[data-call="${node.call}"]`);
+    if (mark) mark.classList.add("here");
+    if (box.dataset.node !== String(node.id)) return;
+    box.append(...callCards(got.calls.filter((c) => c.index === node.call)));
+    box.dataset.loaded = "1";
+  } catch (e) {
+    box.append(el("p", {class: "error"}, e.message));
+    box.dataset.loaded = "1";
+  }
+}
+
+function renderGraph(graph) {
+  document.getElementById("graph-section").hidden = false;
+  // the hover read-out above the node's tokens, not below the (empty) episode samples
+  document.getElementById("graph").after(document.getElementById("tooltip"));
+  drawGraph(document.getElementById("graph"), graph, (n) => openNode(n, graph));
+}
+
 async function start() {
   document.getElementById("episode-id").textContent = episodeId;
   try {
     const got = await api("/episode/" + encodeURIComponent(episodeId));
     renderEpisode(got.episode);
+    if (got.graph) renderGraph(got.graph);
     renderCalls(got.calls);
-    for (const s of got.samples) await renderSample(s);
+    if (got.graph && !got.calls.length) {
+      const note = "A multi-agent episode: its calls are in its roles' sessions. Pick a node of the graph.";
+      document.getElementById("samples").append(el("p", {class: "note"}, note));
+      document.getElementById("calls").append(el("p", {class: "note"}, note));
+    }
+    const samples = document.getElementById("samples");
+    for (const s of got.samples) await renderSample(s, episodeId, samples, "sample-" + s.index);
     document.body.dataset.ready = "1";
-    setStatus(`${got.calls.length} calls, ${got.samples.length} sample${got.samples.length === 1 ? "" : "s"}`, true);
+    const what = got.graph ? `${got.graph.nodes.length} calls by ${got.graph.roles.length} roles` :
+      `${got.calls.length} calls, ${got.samples.length} sample${got.samples.length === 1 ? "" : "s"}`;
+    setStatus(what, true);
   } catch (e) {
     setStatus(e.message, false);
   }

@@ -4,7 +4,7 @@
 
 const PAGE = 50;
 const REFRESH_MS = 5000;
-const FIELDS = ["env", "reward_min", "reward_max", "version_min", "version_max", "error_kind", "truncation"];
+const FIELDS = ["env", "reward_min", "reward_max", "version_min", "version_max", "error_kind", "truncation", "role", "policy"];
 
 function query() {
   const q = new URLSearchParams(location.search);
@@ -15,11 +15,11 @@ function query() {
   return out;
 }
 
-function fillSelect(id, values, fixed) {
+function fillSelect(id, values, fixed, label) {
   const sel = document.getElementById(id);
   // a refresh keeps what the person has chosen but not yet applied
   const want = sel.options.length ? sel.value : (new URLSearchParams(location.search).get(id) || "");
-  const opts = [...fixed, ...values.map((v) => [v, v])];
+  const opts = [...fixed, ...values.map((v) => [v, label ? label(v) : v])];
   if (want && !opts.some(([v]) => v === want)) opts.push([want, want]);
   sel.replaceChildren(...opts.map(([v, label]) => el("option", {value: v, selected: v === want}, label)));
 }
@@ -42,7 +42,7 @@ function row(r) {
   return el("tr", {class: r.error_kind ? "failed" : ""},
     el("td", {}, link), el("td", {}, fmtTime(r.time)), el("td", {}, r.env), el("td", {}, r.task_id),
     el("td", {class: "num"}, fmt(r.reward)), el("td", {class: "num"}, r.turns), el("td", {class: "num"}, r.tool_calls ?? "–"),
-    el("td", {}, versions(r)), el("td", {}, trunc), el("td", {title: r.error || ""}, r.error_kind || ""),
+    el("td", {}, versions(r)), el("td", {}, (r.roles || []).join(", ")), el("td", {}, trunc), el("td", {title: r.error || ""}, r.error_kind || ""),
     el("td", {class: "num"}, r.completion_tokens), el("td", {class: "num"}, fmt(r.seconds, 1)));
 }
 
@@ -64,6 +64,9 @@ async function load() {
     fillSelect("env", got.facets.envs, [["", "any"]]);
     fillSelect("error_kind", got.facets.error_kinds, [["", "any"], ["none", "no error"], ["any", "any error"]]);
     fillSelect("truncation", got.facets.truncations, [["", "any"], ["no", "not truncated"], ["yes", "truncated"]]);
+    // a multi-agent run's roles, and what sampled them ("policy:" is the default policy)
+    fillSelect("role", got.facets.roles, [["", "any"]]);
+    fillSelect("policy", got.facets.policies, [["", "any"]], (v) => (v === "policy:" ? "default policy" : v));
     document.getElementById("rows").replaceChildren(...got.rows.map(row));
     pager(got.total, got.offset);
     setStatus(`${got.indexed} episodes indexed`, true);

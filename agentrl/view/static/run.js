@@ -56,7 +56,7 @@ function charts() {
   const epBin = data.episodes ? data.episodes.bin : 1;
   const epX = col("episodes", "episode"), epR = col("episodes", "reward");
   const epWin = Math.max(5, Math.floor(epR.length / 20));
-  return {
+  const specs = {
     "reward": {title: "Reward per learner step", xLabel: "step", yLabel: "reward",
                series: learnerSeries(["reward_mean"]), empty: "no learner steps yet"},
     "episode-reward": {title: "Reward per episode" + (epBin > 1 ? ` (means of ${epBin})` : ""), xLabel: "episode",
@@ -85,9 +85,24 @@ function charts() {
                 empty: "no sandbox metrics (this run has no sandbox, or serve has not reported yet)"},
     "rollout": {title: "Rollout and buffer", xLabel: "minutes", yLabel: "count", yMin: 0,
                 series: [["rollout.in_flight", "episodes in flight"], ["buffer.depth", "buffer depth"],
-                         ["version", "policy version"]].map(([k, name]) => ({name, xs: serveMin, ys: col("serve", k)})),
+                         ["version", "policy version"], ["rollout.concurrency.limit", "concurrency limit"]].map(([k, name]) => ({name, xs: serveMin, ys: col("serve", k)})),
                 empty: "no serve metrics yet"},
   };
+  // a multi-agent run: each role's reward, from its episodes' role rewards (episodes.jsonl)
+  const roleKeys = keysOf("episodes", (k) => k.startsWith("role_reward."));
+  if (roleKeys.length) {
+    specs["role-reward"] = {title: `Reward per role (moving average over ${epWin} points)`, xLabel: "episode",
+      yLabel: "reward", empty: "no multi-agent episodes yet",
+      series: roleKeys.map((k) => roleSeries(k.slice("role_reward.".length), epX, col("episodes", k), epWin))};
+  }
+  return specs;
+}
+
+// one role's points (bins without the role are skipped) and their moving average
+function roleSeries(role, xs, ys, window) {
+  const px = [], py = [];
+  ys.forEach((y, i) => { if (y !== null) { px.push(xs[i]); py.push(y); } });
+  return {name: role, xs: px, ys: movingAverage(py, window)};
 }
 
 function last(src, key) {
