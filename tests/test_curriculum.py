@@ -291,6 +291,43 @@ def test_a_stopped_curriculum_rollout_resumes_with_frontier_buffer_and_statistic
     buf.close()
 
 
+def test_a_kill_between_a_draw_and_its_frontier_line_does_not_draw_that_task_again(tmp_path: Path) -> None:
+    """The curriculum wrote its draw of the stream's task 0, the frontier never heard of the group:
+    the restarted rollout goes on with task 1 (the stream's tasks are each drawn as new once)."""
+    import uuid
+
+    from agentrl.buffer import Buffer, BufferConfig, Sample
+    from agentrl.rollout.frontier import TaskFrontier
+
+    (tmp_path / "curriculum.jsonl").write_text(json.dumps({"draw": 0, "pool": "new", "i": 0}) + "\n")
+
+    async def producer(task: dict[str, Any], group_id: str) -> EpisodeResult:
+        episode = uuid.uuid4().hex
+        sample = Sample(token_ids=list(range(8)), loss_mask=[0] * 4 + [1] * 4,
+                        logprobs=[0.0] * 4 + [-0.5] * 4, versions=[-1] * 4 + [0] * 4, episode_id=episode,
+                        group_id=group_id, env="arithmetic")
+        return EpisodeResult(episode_id=episode, group_id=group_id, env="arithmetic",
+                             task_id=str(task.get("id")), reward=0.0, terminated=True, samples=[sample])
+
+    async def run() -> Orchestrator:
+        buf = Buffer(BufferConfig(path=str(tmp_path / "buffer"), batch_size=8, max_staleness=1000,
+                                  group_size=G))
+        cur = Curriculum(CurriculumConfig(enabled=True), tmp_path / "curriculum.jsonl", G, fresh=False)
+        orch = Orchestrator(producer, buf, env_name="arithmetic", group_size=G, max_concurrency=G,
+                            run_dir=tmp_path, max_episodes=G, curriculum=cur,
+                            frontier=TaskFrontier(tmp_path / "rollout_frontier.jsonl", fresh=False))
+        try:
+            await asyncio.wait_for(orch.run(), timeout=30)
+        finally:
+            buf.close()
+        return orch
+
+    orch = asyncio.run(run())
+    draws = [json.loads(x) for x in (tmp_path / "curriculum.jsonl").read_text().splitlines() if '"draw"' in x]
+    assert [(d["draw"], d["pool"], d["i"]) for d in draws] == [(0, "new", 0), (1, "new", 1)]
+    assert orch.curriculum is not None and orch.curriculum.new_drawn == 2
+
+
 def test_arithmetic_mixes_difficulty_by_operand_size_and_keeps_its_default_tasks() -> None:
     import itertools
 

@@ -84,6 +84,9 @@ class Curriculum:
         self._groups: dict[str, int] = {}  # open group id -> stream index
         self._uncounted: dict[str, int] = {}  # open group id -> its stored episodes no line counts
         self.uncounted_episodes = 0
+        # stream tasks its draws took as new, by every run: a restart's stream goes on from there even
+        # when a kill fell between a draw's line and the task frontier's line for its group
+        self.new_drawn = 0
         self._fd: int | None = None
         if path is not None:
             if path.exists() and not fresh:
@@ -113,6 +116,7 @@ class Curriculum:
         pool = rng.choices(names, weights)[0]
         if pool == "new":
             index, task = next_new()
+            self.new_drawn = max(self.new_drawn, index + 1)
         else:
             members = sorted(pools[pool])
             # within the learnable pool a task near one half first; elsewhere any alike
@@ -212,6 +216,8 @@ class Curriculum:
         elif "draw" in rec:
             self.draws = max(self.draws, int(rec["draw"]) + 1)
             self.drawn_by_pool[rec["pool"]] = self.drawn_by_pool.get(rec["pool"], 0) + 1
+            if rec["pool"] == "new":
+                self.new_drawn = max(self.new_drawn, int(rec["i"]) + 1)
         elif int(rec["i"]) not in self.tasks:
             return False
         elif "start" in rec:

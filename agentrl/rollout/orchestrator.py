@@ -149,7 +149,8 @@ class Orchestrator:
             self.samples_per_episode = expected_samples(self.env_name, self.env_config)
         tasks = task_stream(self.env_name, self.env_config)
         if self.frontier is not None:
-            self._cursor = self.frontier.cursor
+            self._cursor = max(self.frontier.cursor,
+                               self.curriculum.new_drawn if self.curriculum is not None else 0)
             tasks = itertools.islice(tasks, self._cursor, None)  # what earlier runs drew is not drawn again
             await self._resume_open_groups()
         try:
