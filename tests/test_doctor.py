@@ -77,6 +77,22 @@ def test_doctor_says_docker_is_missing_when_docker_host_names_no_socket(tmp_path
     assert f"no Docker engine answers at unix://{sock}" in line and "fix: start the engine" in line
 
 
+@pytest.mark.docker
+def test_doctor_checks_every_engine_of_docker_hosts(tmp_path: Path, built: str) -> None:
+    default, gone = "unix:///var/run/docker.sock", f"unix://{tmp_path / 'nothing-here.sock'}"
+    both = f'--serve.sandbox.docker_hosts=["{default}", "{gone}"]'
+    code, lines, out = doctor(tmp_path, "--serve.sandbox.backend=docker", both)
+    assert code == 1 and missing(lines) == {"docker"}, out
+    line = lines["docker"][1]
+    assert "1 of 2 Docker engines of sandbox.docker_hosts answer" in line, out
+    assert f"{gone}: no Docker engine answers" in line and default + ":" not in line, out
+    assert "take it out of sandbox.docker_hosts" in line, out
+    code, lines, out = doctor(tmp_path, "--serve.sandbox.backend=docker",
+                              f'--serve.sandbox.docker_hosts=["{default}"]')
+    assert code == 0 and lines["docker"][0] == "ok", out
+    assert "1 of 1 Docker engines of sandbox.docker_hosts answer" in lines["docker"][1], out
+
+
 @pytest.mark.skipif(not shutil.which("bwrap"), reason="needs bubblewrap (scripts/setup.sh installs it)")
 def test_a_missing_docker_engine_is_a_warning_where_bubblewrap_stands_in(tmp_path: Path, built: str) -> None:
     sock = tmp_path / "nothing-here.sock"

@@ -162,9 +162,9 @@ def test_two_training_clients_on_one_base_do_not_touch_each_other(service, refer
 
 
 def test_the_policy_gradient_losses_match_their_definitions(service, reference):
-    """importance_sampling, ppo, cispo and dro on one datum whose sampling logprobs are the model's
-    own shifted by known amounts: each ``loss:sum`` equals its documented formula on the returned
-    target logprobs."""
+    """importance_sampling, ppo, cispo, gspo and dro on one datum whose sampling logprobs are the
+    model's own shifted by known amounts: each ``loss:sum`` equals its documented formula on the
+    returned target logprobs."""
     _, tokenizer = reference
     tc = _client(service).create_lora_training_client(base_model="smollm2", rank=4, seed=5).result()
     ids = tokenizer.encode(TEXT)
@@ -175,10 +175,18 @@ def test_the_policy_gradient_losses_match_their_definitions(service, reference):
     rng = np.random.default_rng(0)
     q = (logp + rng.uniform(-0.5, 0.5, n)).astype(np.float32)  # ratios from 0.6 to 1.65: some clipped
     adv = rng.normal(0, 1, n).astype(np.float32)
+    marked = (np.arange(n) >= 3).astype(np.float32)  # gspo's sequence ratio: all tokens but the first 3
     datum = types.Datum(model_input=base.model_input, loss_fn_inputs={
-        "target_tokens": np.array(ids[1:], dtype=np.int64), "logprobs": q, "advantages": adv})
+        "target_tokens": np.array(ids[1:], dtype=np.int64), "logprobs": q, "advantages": adv,
+        "sequence_ratio_mask": marked})
     r = np.exp(logp.astype(np.float64) - q)
+    seq = np.exp((logp.astype(np.float64) - q)[3:].mean())
+
+    def gspo(lo: float, hi: float) -> float:
+        return -np.minimum(seq * adv, np.clip(seq, lo, hi) * adv).sum()
+
     want = {
+        "gspo": gspo(0.8, 1.2),
         "importance_sampling": -(r * adv).sum(),
         "ppo": -np.minimum(r * adv, np.clip(r, 0.8, 1.2) * adv).sum(),
         "cispo": -(np.clip(r, 0.8, 1.2) * logp * adv).sum(),
@@ -190,6 +198,12 @@ def test_the_policy_gradient_losses_match_their_definitions(service, reference):
     tight = tc.forward([datum], "ppo", {"clip_low_threshold": 0.95, "clip_high_threshold": 1.05}).result()
     want_tight = -np.minimum(r * adv, np.clip(r, 0.95, 1.05) * adv).sum()
     assert abs(tight.metrics["loss:sum"] - want_tight) < 1e-3
+    # gspo clipped: the sequence ratio lies outside [0.999, 1.001] (the mean offset is not ~0)
+    assert abs(seq - 1) > 1e-3, seq
+    clipped = tc.forward([datum], "gspo", {"clip_low_threshold": 0.999,
+                                            "clip_high_threshold": 1.001}).result()
+    assert abs(clipped.metrics["loss:sum"] - gspo(0.999, 1.001)) < 1e-3
+    assert abs(gspo(0.999, 1.001) - gspo(0.8, 1.2)) > 1e-3  # the clip changed the loss
 
 
 def test_bad_requests_are_4xx_in_the_sdks_types_and_the_service_keeps_serving(service, reference):

@@ -142,11 +142,37 @@ class _UnixConnection(http.client.HTTPConnection):
 
 
 def probe_docker(sandbox: SandboxConfig, images: list[str], m: Machine) -> tuple[Probe, bool]:
-    """(the probe, whether an engine answers). Works when the engine answers and has the images."""
-    host = sandbox.resolved_docker_host()
+    """(the probe, whether an engine answers). Works when the engine answers and has the images;
+    with ``sandbox.docker_hosts``, when every engine listed answers and one of them has the images
+    (the sandbox pool copies an image to the engines that lack it)."""
+    if sandbox.docker_hosts:
+        return probe_docker_hosts(sandbox.docker_hosts, images, m)
     # scripts/docker-up.sh starts an engine at the default socket only; one named by DOCKER_HOST
     # (or sandbox.docker_host) that does not answer is the user's to start
     chosen = bool(sandbox.docker_host or os.environ.get("DOCKER_HOST"))
+    return probe_docker_host(sandbox.resolved_docker_host(), chosen, images, m)
+
+
+def probe_docker_hosts(hosts: list[str], images: list[str], m: Machine) -> tuple[Probe, bool]:
+    found = [(host, *probe_docker_host(host, True, images, m)) for host in hosts]
+    down = [f"{host}: {probe.detail}" for host, probe, up in found if not up]
+    lacking = [host for host, probe, up in found if up and not probe.works]
+    answering = len(hosts) - len(down)
+    about = f"{answering} of {len(hosts)} Docker engines of sandbox.docker_hosts answer"
+    if down:
+        return Probe(False, f"{about}; {'; '.join(down)}",
+                     "start each engine listed, or take it out of sandbox.docker_hosts"), answering > 0
+    if len(lacking) == len(hosts):
+        return Probe(False, f"{about}, but none has the sandbox image {', '.join(images)}",
+                     f"DOCKER_HOST={hosts[0]} agentrl sandbox build (serve copies the image to the "
+                     "other engines)"), True
+    copies = f"; serve copies the image to {', '.join(lacking)}" if lacking else ""
+    return Probe(True, f"{about}" + (f", image {', '.join(images)} built" if images else "") + copies), True
+
+
+def probe_docker_host(host: str, chosen: bool, images: list[str], m: Machine) -> tuple[Probe, bool]:
+    """One engine at ``host``; ``chosen``: the user named it (not the default socket, which setup
+    starts)."""
     try:
         status, version = docker_get(host, "/version")
         if status != 200 or not isinstance(version, dict):

@@ -67,6 +67,19 @@ def _cispo(logp: torch.Tensor, x: dict[str, torch.Tensor], config: Config) -> to
     return -ratio * logp * x["advantages"]
 
 
+def _gspo(logp: torch.Tensor, x: dict[str, torch.Tensor], config: Config) -> torch.Tensor:
+    # GSPO-token: every token's ratio has the value of the sequence's (the geometric mean of the
+    # per-token ratios over the tokens sequence_ratio_mask marks; 1 when it marks none) and the
+    # gradient of the token's own logprob, clipped as ppo's
+    lo, hi = _clip(config)
+    marked = x["sequence_ratio_mask"] != 0
+    log_ratio = (logp.detach() - x["logprobs"])[marked]
+    seq = log_ratio.mean() if log_ratio.numel() else logp.new_zeros(())
+    ratio = torch.exp(seq + logp - logp.detach())
+    a = x["advantages"]
+    return -torch.minimum(ratio * a, ratio.clamp(lo, hi) * a)
+
+
 def _dro(logp: torch.Tensor, x: dict[str, torch.Tensor], config: Config) -> torch.Tensor:
     beta = _number(config, "beta", 0.05)
     return -(logp * x["advantages"] - 0.5 * beta * (logp - x["logprobs"]) ** 2)
@@ -77,6 +90,8 @@ LOSSES: dict[str, Loss] = {
     "importance_sampling": Loss(("logprobs", "advantages"), _importance_sampling),
     "ppo": Loss(("logprobs", "advantages"), _ppo, ("clip_low_threshold", "clip_high_threshold")),
     "cispo": Loss(("logprobs", "advantages"), _cispo, ("clip_low_threshold", "clip_high_threshold")),
+    "gspo": Loss(("logprobs", "advantages", "sequence_ratio_mask"), _gspo,
+                 ("clip_low_threshold", "clip_high_threshold")),
     "dro": Loss(("logprobs", "advantages"), _dro, ("beta",)),
 }
-NOT_YET = ("gspo", "stable_reinforce", "custom")  # names the SDK knows that this service does not run yet
+NOT_YET = ("stable_reinforce", "custom")  # names the SDK knows that this service does not run yet
