@@ -63,10 +63,37 @@ def test_a_trained_adapters_samples_carry_the_training_sides_logprobs(service):
 
     top = base.sample(types.ModelInput.from_ints(text), num_samples=1, sampling_params=types.SamplingParams(
         max_tokens=1), include_prompt_logprobs=True, topk_prompt_logprobs=3).result()
+    assert top.topk_prompt_logprobs[0] is None and top.prompt_logprobs[0] is None  # no context there
     for i, row in enumerate(top.topk_prompt_logprobs[1:], start=1):
         lps = [lp for _, lp in row]
         assert len(row) == 3 and lps == sorted(lps, reverse=True)
         assert lps[0] >= top.prompt_logprobs[i] - 1e-4  # the best is at least the prompt's own token
+
+    # the last 3 prompt positions scored, the same as in the whole prompt's; the rest None
+    one = types.SamplingParams(max_tokens=1)
+    last = base.sample(types.ModelInput.from_ints(text), num_samples=1, sampling_params=one,
+                       include_prompt_logprobs=True, topk_prompt_logprobs=3,
+                       prompt_logprobs_last_n=3).result()
+    assert last.prompt_logprobs[:-3] == [None] * (len(text) - 3)
+    assert np.abs(np.array(last.prompt_logprobs[-3:]) - np.array(top.prompt_logprobs[-3:])).max() < 1e-4
+    assert last.topk_prompt_logprobs[:-3] == [None] * (len(text) - 3)
+    assert [[t for t, _ in row] for row in last.topk_prompt_logprobs[-3:]] == \
+        [[t for t, _ in row] for row in top.topk_prompt_logprobs[-3:]]
+    with pytest.raises(tinker.BadRequestError, match="prompt_logprobs_last_n must be"):
+        base.sample(types.ModelInput.from_ints(text), num_samples=1, sampling_params=types.SamplingParams(
+            max_tokens=1), include_prompt_logprobs=True, prompt_logprobs_last_n=len(text)).result()
+
+    # the top 4 of each sampled token's distribution: ranked, and the sampled token's own logprob
+    # where it is among them (at temperature 1, no truncation: the model's distribution)
+    tops = sampler.sample(types.ModelInput.from_ints(prompt), num_samples=1, sampling_params=params,
+                          topk_sample_logprobs=4).result().sequences[0]
+    assert len(tops.topk_logprobs) == len(tops.tokens) == 12
+    for token, lp, row in zip(tops.tokens, tops.logprobs, tops.topk_logprobs, strict=True):
+        lps = [x for _, x in row]
+        assert len(row) == 4 and lps == sorted(lps, reverse=True) and lps[0] >= lp - 1e-4
+        assert sum(np.exp(lps)) <= 1 + 1e-4
+        if token in dict(row):
+            assert abs(dict(row)[token] - lp) < 1e-4
 
     path = tc.save_weights_for_sampler("after-one-step").result().path
     assert path.endswith("/sampler_weights/after-one-step")

@@ -41,6 +41,7 @@ class Sampled:
     tokens: list[int]
     logprobs: list[float]
     stop_reason: str  # "stop" or "length"
+    topk: list[list[tuple[int, float]]] | None = None  # per sampled token, when asked
 
 
 @dataclass
@@ -103,11 +104,18 @@ class Sampler:
         self.loaded.add(name)
 
     async def sample(self, model: str, prompt: list[int], n: int, params: dict[str, Any], *,
-                     prompt_logprobs: bool, topk_prompt: int) -> SampleResult:
+                     prompt_logprobs: bool, topk_prompt: int, topk_sample: int = 0,
+                     last_n: int | None = None) -> SampleResult:
+        """``n`` sequences from ``model`` (``base`` or a published adapter); ``topk_sample``: the
+        top-k logprobs of each sampled token's distribution too; ``last_n``: the prompt logprobs of
+        the last ``last_n`` prompt tokens only (the others NaN, their top-k rows empty)."""
         await self.start()
         if model != "base" and model not in self.loaded:
             raise BadRequest(f"sampler weights {model} are not loaded")
         sp = _vllm_params(params, n, len(prompt), self.max_model_len)
+        # one more than asked: the engine's list may lead with the sampled token, which need not be
+        # among the top k (_top_sampled ranks what came and keeps k)
+        sp["logprobs"] = topk_sample + 1 if topk_sample else 0
         if prompt_logprobs or topk_prompt:
             sp["prompt_logprobs"] = max(topk_prompt, 0)
         req = {"request_id": f"tinker-{secrets.token_hex(8)}", "token_ids": prompt, "model": model,
@@ -117,11 +125,15 @@ class Sampler:
         for choice in sorted(gen["choices"], key=lambda c: c["index"]):
             content = (choice.get("logprobs") or {}).get("content") or []
             tokens = list(choice.get("token_ids") or [c["token_id"] for c in content])
+            topk = [_top_sampled(c.get("top_logprobs") or [], topk_sample) for c in content] \
+                if topk_sample else None
             sequences.append(Sampled(tokens, [float(c["logprob"]) for c in content],
-                                     "length" if choice.get("finish_reason") == "length" else "stop"))
+                                     "length" if choice.get("finish_reason") == "length" else "stop", topk))
         out = SampleResult(sequences)
         if "prompt_logprobs" in sp:
             rows = gen.get("prompt_logprobs") or [None] * len(prompt)
+            if last_n is not None:  # scored: the last last_n positions only
+                rows = [None] * (len(prompt) - last_n) + list(rows[len(prompt) - last_n:])
             out.prompt_logprobs = [math.nan if row is None else float(_entry(row, tok)["logprob"])
                                    for row, tok in zip(rows, prompt, strict=True)]
             if topk_prompt:
@@ -140,6 +152,12 @@ def _entry(row: dict[str, Any], token: int) -> dict[str, Any]:
     if got is None:
         raise SamplerError(f"the engine sent no prompt logprob for token {token}")
     return got
+
+
+def _top_sampled(entries: list[dict[str, Any]], k: int) -> list[tuple[int, float]]:
+    """The ``k`` most likely of a sampled position's top-logprob entries, best first (each token once)."""
+    best = {int(e["token_id"]): float(e["logprob"]) for e in entries}
+    return sorted(best.items(), key=lambda x: -x[1])[:k]
 
 
 def _topk(row: dict[str, Any], k: int) -> list[tuple[int, float]]:

@@ -509,21 +509,30 @@ class TinkerService:
         topk = body.get("topk_prompt_logprobs") or 0
         if not isinstance(topk, int) or isinstance(topk, bool) or not 0 <= topk <= 20:
             raise BadRequest(f"topk_prompt_logprobs must be an integer from 0 to 20; got {topk!r}")
-        for unsupported in ("topk_sample_logprobs", "prompt_alt_tokens_k"):
-            if body.get(unsupported):
-                raise BadRequest(f"{unsupported} is not supported by this service yet")
-        if body.get("target_prompt_logprobs") is not None or body.get("prompt_logprobs_last_n") is not None:
-            raise BadRequest("target_prompt_logprobs and prompt_logprobs_last_n are not supported by this "
-                             "service yet")
+        topk_sample = body.get("topk_sample_logprobs") or 0
+        if not isinstance(topk_sample, int) or isinstance(topk_sample, bool) or not 0 <= topk_sample <= 20:
+            raise BadRequest(f"topk_sample_logprobs must be an integer from 0 to 20; got {topk_sample!r}")
+        want_prompt = bool(body.get("prompt_logprobs"))
+        last_n = body.get("prompt_logprobs_last_n")
+        if last_n is not None:
+            if not want_prompt:
+                raise BadRequest("prompt_logprobs_last_n applies to prompt logprobs; set prompt_logprobs")
+            if not isinstance(last_n, int) or isinstance(last_n, bool) or not 1 <= last_n <= len(prompt) - 1:
+                raise BadRequest(f"prompt_logprobs_last_n must be an integer from 1 to {len(prompt) - 1} "
+                                 f"(the prompt's length - 1); got {last_n!r}")
+        if body.get("prompt_alt_tokens_k"):
+            raise BadRequest("prompt_alt_tokens_k is not supported by this service yet")
+        if body.get("target_prompt_logprobs") is not None:
+            raise BadRequest("target_prompt_logprobs is not supported by this service yet")
         from agentrl.tinker.sampler import _vllm_params
 
         params = body.get("sampling_params") or {}
         _vllm_params(params, n, len(prompt), self.sampler.max_model_len)  # refused now, not in the future
-        sampler, want_prompt = self.sampler, bool(body.get("prompt_logprobs"))
+        sampler = self.sampler
 
         async def sample(_: Any) -> Any:
             return await sampler.sample(model, prompt, n, params, prompt_logprobs=want_prompt,
-                                        topk_prompt=topk)
+                                        topk_prompt=topk, topk_sample=topk_sample, last_n=last_n)
 
         ids = [f"seq-{secrets.token_hex(6)}" for _ in range(n)]
         return self._submit(request, "sample", None, then=sample, extra={"sample_sequence_ids": ids})

@@ -261,13 +261,20 @@ def sample_result(result: Any, *, proto: bool) -> tuple[bytes, str]:
     if not proto:
         import orjson
 
-        sequences = [{"stop_reason": s.stop_reason, "tokens": s.tokens, "logprobs": s.logprobs}
-                     for s in result.sequences]
+        def rows(topk: list[list[tuple[int, float]]]) -> list[Any]:
+            return [[(t, max(lp, MASK_LOGPROB)) for t, lp in row] or None for row in topk]
+
+        sequences = []
+        for s in result.sequences:
+            seq: dict[str, Any] = {"stop_reason": s.stop_reason, "tokens": s.tokens, "logprobs": s.logprobs}
+            if s.topk is not None:
+                seq["topk_logprobs"] = rows(s.topk)
+            sequences.append(seq)
         out: dict[str, Any] = {"type": "sample", "sequences": sequences}
         if result.prompt_logprobs is not None:
             out["prompt_logprobs"] = [None if math.isnan(x) else x for x in result.prompt_logprobs]
         if result.topk_prompt is not None:
-            out["topk_prompt_logprobs"] = [row or None for row in result.topk_prompt]
+            out["topk_prompt_logprobs"] = rows(result.topk_prompt)
         return orjson.dumps(out), "application/json"
     pb = _pb()
     msg = pb.SampleResponse()
@@ -276,15 +283,26 @@ def sample_result(result: Any, *, proto: bool) -> tuple[bytes, str]:
         seq.stop_reason = pb.STOP_REASON_LENGTH if s.stop_reason == "length" else pb.STOP_REASON_STOP
         seq.tokens = np.asarray(s.tokens, dtype=np.int32).tobytes()
         seq.logprobs = np.asarray(s.logprobs, dtype=np.float32).tobytes()
+        if s.topk is not None:
+            _topk_message(seq.topk_sampled_logprobs, s.topk)
     if result.prompt_logprobs is not None:
         msg.prompt_logprobs = np.asarray(result.prompt_logprobs, dtype=np.float32).tobytes()
     if result.topk_prompt:
-        k = max(len(row) for row in result.topk_prompt)
-        ids = np.zeros((len(result.topk_prompt), k), dtype=np.int32)
-        lps = np.full((len(result.topk_prompt), k), -np.inf, dtype=np.float32)
-        for i, row in enumerate(result.topk_prompt):
-            for j, (t, lp) in enumerate(row):
-                ids[i, j], lps[i, j] = t, lp
-        msg.topk_prompt_logprobs.length, msg.topk_prompt_logprobs.k = len(result.topk_prompt), k
-        msg.topk_prompt_logprobs.token_ids, msg.topk_prompt_logprobs.logprobs = ids.tobytes(), lps.tobytes()
+        _topk_message(msg.topk_prompt_logprobs, result.topk_prompt)
     return msg.SerializeToString(), PROTO
+
+
+MASK_LOGPROB = -99999.0  # the SDK's filler of a top-k matrix (with token id 0); -inf is sent as it too
+
+
+def _topk_message(msg: Any, topk: list[list[tuple[int, float]]]) -> None:
+    """Per-position top-k lists as the SDK's dense ``TopkLogprobs`` (length x k, int32 ids and
+    float32 logprobs), short rows filled with (0, MASK_LOGPROB): an all-filler row reads back None."""
+    k = max((len(row) for row in topk), default=0)
+    ids = np.zeros((len(topk), k), dtype=np.int32)
+    lps = np.full((len(topk), k), MASK_LOGPROB, dtype=np.float32)
+    for i, row in enumerate(topk):
+        for j, (t, lp) in enumerate(row):
+            ids[i, j], lps[i, j] = t, max(lp, MASK_LOGPROB)
+    msg.length, msg.k = len(topk), k
+    msg.token_ids, msg.logprobs = ids.tobytes(), lps.tobytes()
