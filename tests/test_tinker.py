@@ -300,6 +300,72 @@ def test_save_state_and_load_state_resume_to_identical_next_step_losses(service,
             assert r.status_code == 400, (bad, r.text)
 
 
+def test_training_runs_and_checkpoints_are_listed_published_given_ttls_and_deleted(service):
+    """The RestClient's calls on one key's run: its checkpoints listed (with the TTL and metadata
+    save_state set), weights info, a TTL out of range refused; another key reads a checkpoint only
+    while it is published, and never lists, deletes or re-publishes it; a deleted checkpoint is
+    gone from the listing and from load_state."""
+    from datetime import UTC, datetime
+
+    sc = _client(service, KEY_A)
+    tc = sc.create_lora_training_client(base_model="smollm2", rank=4, seed=3, train_mlp=False,
+                                        user_metadata={"purpose": "listing"}).result()
+    first = tc.save_state("first", ttl_seconds=7200, user_metadata={"step": "0"}).result().path
+    second = tc.save_state("second").result().path
+    rest = tinker.RestClient(base_url=service, api_key=KEY_A)
+
+    listed = rest.list_checkpoints(tc.model_id).result().checkpoints
+    assert [c.tinker_path for c in listed] == [first, second]
+    assert [c.checkpoint_type for c in listed] == ["training", "training"]
+    assert all(c.size_bytes > 0 and not c.public for c in listed)
+    assert listed[0].user_metadata == {"step": "0"} and listed[1].expires_at is None
+    left = (listed[0].expires_at - datetime.now(UTC)).total_seconds()
+    assert 7000 < left <= 7200
+    run = rest.get_training_run(tc.model_id).result()
+    assert (run.training_run_id, run.lora_rank, run.is_lora) == (tc.model_id, 4, True)
+    assert run.last_checkpoint.tinker_path == second and run.user_metadata == {"purpose": "listing"}
+    runs = rest.list_training_runs(limit=100).result().training_runs
+    assert tc.model_id in [r.training_run_id for r in runs]
+    mine = rest.list_user_checkpoints(limit=100).result().checkpoints
+    assert {first, second} <= {c.tinker_path for c in mine}
+    info = rest.get_weights_info_by_tinker_path(first).result()
+    assert (info.base_model, info.lora_rank, info.train_attn, info.train_mlp) == ("smollm2", 4, True, False)
+    session_id = tc.model_id.split(":train:")[0]  # the SDK names a training client after its session
+    assert tc.model_id in rest.get_session(session_id).result().training_run_ids
+
+    rest.set_checkpoint_ttl_from_tinker_path(second, 3600).result()
+    rest.set_checkpoint_ttl_from_tinker_path(first, None).result()
+    listed = {c.tinker_path: c for c in rest.list_checkpoints(tc.model_id).result().checkpoints}
+    assert listed[first].expires_at is None and listed[second].expires_at is not None
+    with pytest.raises(tinker.BadRequestError, match="ttl_seconds must be"):
+        rest.set_checkpoint_ttl_from_tinker_path(second, 60).result()
+
+    b = _client(service, KEY_B)
+    b_rest = tinker.RestClient(base_url=service, api_key=KEY_B)
+    with pytest.raises(tinker.NotFoundError):
+        b.create_training_client_from_state(first).result()
+    with pytest.raises(tinker.NotFoundError):
+        b_rest.list_checkpoints(tc.model_id).result()
+    rest.publish_checkpoint_from_tinker_path(first).result()
+    assert {c.tinker_path: c.public for c in rest.list_checkpoints(tc.model_id).result().checkpoints}[first]
+    copy = b.create_training_client_from_state(first).result()  # published: B may load it
+    assert copy.get_info().lora_rank == 4
+    assert b_rest.get_weights_info_by_tinker_path(first).result().lora_rank == 4
+    for attempt in (b_rest.delete_checkpoint_from_tinker_path, b_rest.unpublish_checkpoint_from_tinker_path):
+        with pytest.raises(tinker.NotFoundError):
+            attempt(first).result()
+    rest.unpublish_checkpoint_from_tinker_path(first).result()
+    with pytest.raises(tinker.NotFoundError):
+        b.create_training_client_from_state(first).result()
+
+    rest.delete_checkpoint_from_tinker_path(first).result()
+    assert [c.tinker_path for c in rest.list_checkpoints(tc.model_id).result().checkpoints] == [second]
+    with pytest.raises(tinker.NotFoundError):
+        sc.create_training_client_from_state(first).result()
+    with pytest.raises(tinker.NotFoundError):
+        rest.delete_checkpoint_from_tinker_path(first).result()
+
+
 def test_forward_backward_custom_trains_as_its_loss_says(service, reference):
     """The SDK runs a custom loss on the client (a forward, its loss's gradient sent back as
     cross-entropy weights): a custom loss written as the weighted negative log-likelihood trains a

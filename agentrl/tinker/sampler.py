@@ -103,6 +103,17 @@ class Sampler:
             raise SamplerError(f"the sampling engine did not load the adapter: {e}") from e
         self.loaded.add(name)
 
+    async def unload(self, name: str) -> None:
+        """Take adapter ``name`` out of the engine (its checkpoint was deleted or expired)."""
+        if name not in self.loaded or self.pool is None:
+            return
+        self.loaded.discard(name)
+        try:
+            await self.pool.control(self.pool.engines[0], "/v1/unload_lora_adapter", {"lora_name": name},
+                                    timeout_s=60)
+        except Exception as e:  # noqa: BLE001 - it can no longer be named; the engine keeps the memory
+            log.warning("agentrl tinker: the engine did not unload adapter %s: %s", name, e)
+
     async def sample(self, model: str, prompt: list[int], n: int, params: dict[str, Any], *,
                      prompt_logprobs: bool, topk_prompt: int, topk_sample: int = 0,
                      last_n: int | None = None) -> SampleResult:

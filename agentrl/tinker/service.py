@@ -27,7 +27,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
-import re
 import secrets
 import threading
 import time
@@ -40,6 +39,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
+from agentrl.tinker.checkpoints import CheckpointStore, Ref, check_ttl, parse
 from agentrl.tinker.sampler import Sampler
 from agentrl.tinker.trainer import Trainer
 from agentrl.tinker.wire import (
@@ -74,6 +74,7 @@ class Model:
     rank: int
     targets: list[str]
     user_metadata: dict[str, Any] = field(default_factory=dict)
+    last_request: float = field(default_factory=time.time)  # wall time of its last request
 
 
 @dataclass
@@ -82,9 +83,9 @@ class SamplingSession:
     engine_model: str  # the engine's name for what it samples: "base" or a published adapter
     model_path: str | None  # the sampler_weights path it samples, None for the base model
     clients: int = 0  # clients that joined it (the SDK numbers each one's requests apart)
+    session: str | None = None  # the session that created it, if one did
 
 
-CHECKPOINT_NAME = re.compile(r"[A-Za-z0-9_.-]{1,128}")
 
 
 def _json(obj: Any, status: int = 200) -> web.Response:
@@ -105,7 +106,8 @@ class TinkerService:
         if not keys:
             raise ValueError("the Tinker service needs at least one API key")
         self.trainer, self.base_model, self.model_path = trainer, base_model, model_path
-        self.state_dir = Path(state_dir)  # <tenant>/<model id>/<checkpoint name>.pt
+        self.state_dir = Path(state_dir)
+        self.store = CheckpointStore(self.state_dir, on_remove=self._removed)  # runs and checkpoints
         self.names = {base_model, model_path, *aliases}
         self.tenants = {k: hashlib.sha256(k.encode()).hexdigest()[:12] for k in keys}
         self.max_queued, self.poll_s, self.result_ttl_s = max_queued, poll_s, result_ttl_s
@@ -167,23 +169,20 @@ class TinkerService:
             raise BadRequest(f"training client {model_id} exists already")
         return model_id
 
-    def _checkpoint(self, tenant: str, path: Any) -> tuple[Path, str]:
-        """The file of ``tinker://<model id>/weights/<name>`` for ``tenant`` (another tenant's path
-        is not there: each tenant's checkpoints live under its own folder)."""
-        parts = path[len("tinker://"):].split("/") if isinstance(path, str) and path.startswith("tinker://") \
-            else []
-        if len(parts) != 3 or parts[1] != "weights" or not CHECKPOINT_NAME.fullmatch(parts[2]) or \
-                not re.fullmatch(r"[A-Za-z0-9_.:-]{1,200}", parts[0]) or \
-                not parts[0].strip(".") or not parts[2].strip("."):  # no "." or ".." out of the folder
-            raise BadRequest(f"{path!r} is not a checkpoint path of this service "
-                             "(tinker://<training client>/weights/<name>)")
-        return self.state_dir / tenant / parts[0].replace(":", "_") / f"{parts[2]}.pt", path
-
     def _model(self, request: web.Request, model_id: Any) -> Model:
         m = self.models.get(model_id) if isinstance(model_id, str) else None
         if m is None or m.tenant != request["tenant"]:
             raise NotFound(f"no training client {model_id!r} for this API key")
+        m.last_request = time.time()
         return m
+
+    def _removed(self, tenant: str, ref: Ref) -> None:
+        """A checkpoint was deleted or expired: sampler weights leave the engine too."""
+        published = self.published.pop(ref.path, None) if ref.kind == "sampler_weights" else None
+        if published is not None and self.sampler is not None:
+            task = asyncio.ensure_future(self.sampler.unload(published[1]))
+            self.tasks.add(task)
+            task.add_done_callback(self.tasks.discard)
 
     def _submit(self, request: web.Request, kind: str, work: Callable[[], Any] | None,
                 model_id: str | None = None, then: Callable[[Any], Awaitable[Any]] | None = None,
@@ -335,6 +334,8 @@ class TinkerService:
                 raise
             self.models[model_id] = Model(tenant, model_id, name, rank, targets,
                                           metadata if isinstance(metadata, dict) else {})
+            self.store.record_run(tenant, model_id, base_model=self.base_model, rank=rank, targets=targets,
+                                  user_metadata=self.models[model_id].user_metadata)
             return {"type": "create_model", "model_id": model_id}
 
         return self._submit(request, "create_model", work, model_id)
@@ -372,13 +373,18 @@ class TinkerService:
         body = await self._body(request)
         m = self._model(request, body.get("model_id"))
         name = body.get("path") or f"step-{secrets.token_hex(4)}"
-        dest, path = self._checkpoint(m.tenant, f"tinker://{m.model_id}/weights/{name}")
+        ref = parse(f"tinker://{m.model_id}/weights/{name}", ("weights",))
+        dest, ttl, metadata = self.store.file(m.tenant, ref), body.get("ttl_seconds"), \
+            body.get("user_metadata")
+        if ttl is not None:
+            check_ttl(ttl)
         if dest.exists() and not body.get("overwrite"):
-            raise BadRequest(f"checkpoint {path} exists; pass overwrite=True to replace it")
+            raise BadRequest(f"checkpoint {ref.path} exists; pass overwrite=True to replace it")
 
         def work() -> dict[str, Any]:
             self.trainer.save(m.adapter, dest)
-            return {"type": "save_weights", "path": path}
+            self.store.saved(m.tenant, ref, ttl_seconds=ttl, user_metadata=metadata)
+            return {"type": "save_weights", "path": ref.path}
 
         return self._submit(request, "save_weights", work, m.model_id)
 
@@ -388,9 +394,9 @@ class TinkerService:
         shape is the checkpoint's."""
         body = await self._body(request)
         tenant, optimizer = request["tenant"], bool(body.get("optimizer"))
-        src, path = self._checkpoint(tenant, body.get("path"))
-        if not src.is_file():
-            raise NotFound(f"no checkpoint {path} for this API key")
+        ref = parse(body.get("path"), ("weights",))
+        src, _ = self.store.locate(tenant, ref)  # its own, or one another key published
+        path = ref.path
         if body.get("model_id") is not None:
             m = self._model(request, body.get("model_id"))
 
@@ -415,6 +421,9 @@ class TinkerService:
                 raise
             self.models[model_id] = Model(tenant, model_id, name, int(state["rank"]), list(state["targets"]),
                                           metadata if isinstance(metadata, dict) else {})
+            self.store.record_run(tenant, model_id, base_model=self.base_model, rank=int(state["rank"]),
+                                  targets=list(state["targets"]),
+                                  user_metadata=self.models[model_id].user_metadata)
             self.trainer.load(name, state, optimizer=optimizer)
             return {"type": "load_weights", "path": path, "model_id": model_id}
 
@@ -427,17 +436,20 @@ class TinkerService:
         this key, or the base model."""
         if model_path:
             published = self.published.get(model_path) if isinstance(model_path, str) else None
-            if published is None or published[0] != request["tenant"]:
+            if published is None:
                 raise NotFound(f"no sampler weights {model_path!r} for this API key")
+            if published[0] != request["tenant"]:  # readable while its owner has it published
+                self.store.locate(request["tenant"], parse(model_path, ("sampler_weights",)))
             return published[1]
         if base_model not in self.names:
             raise BadRequest(f"base_model {base_model!r} is not served here; this service samples "
                              f"{self.base_model!r}")
         return "base"
 
-    def _new_sampling_session(self, tenant: str, engine_model: str, model_path: str | None) -> str:
+    def _new_sampling_session(self, tenant: str, engine_model: str, model_path: str | None,
+                              session: str | None = None) -> str:
         sid = f"ss-{secrets.token_hex(8)}"
-        self.sampling_sessions[sid] = SamplingSession(tenant, engine_model, model_path)
+        self.sampling_sessions[sid] = SamplingSession(tenant, engine_model, model_path, session=session)
         return sid
 
     def _sampling_session(self, request: web.Request, sid: Any) -> SamplingSession:
@@ -454,18 +466,20 @@ class TinkerService:
         if self.sampler is None:
             raise BadRequest("this service was started without sampling (--no-sampling)")
         name = body.get("path") or f"snapshot-{secrets.token_hex(4)}"
-        if not isinstance(name, str) or not CHECKPOINT_NAME.fullmatch(name) or not name.strip("."):
-            raise BadRequest(f"sampler weights name {name!r}: use 1-128 letters, digits, '_', '-', '.'")
-        path = f"tinker://{m.model_id}/sampler_weights/{name}"
+        ref = parse(f"tinker://{m.model_id}/sampler_weights/{name}", ("sampler_weights",))
+        path, ttl, metadata = ref.path, body.get("ttl_seconds"), body.get("user_metadata")
+        if ttl is not None:
+            check_ttl(ttl)
         if path in self.published:
             raise BadRequest(f"sampler weights {path} exist already")
         engine_name = f"{m.adapter}-{secrets.token_hex(4)}"
-        folder = self.state_dir / m.tenant / m.model_id.replace(":", "_") / "sampler" / name
+        folder = self.store.file(m.tenant, ref)
         sampler, tenant, named = self.sampler, m.tenant, bool(body.get("path"))
 
         async def publish(exported: Path) -> dict[str, Any]:
             await sampler.publish(engine_name, exported)
             self.published[path] = (tenant, engine_name)
+            self.store.saved(tenant, ref, ttl_seconds=ttl, user_metadata=metadata)
             if named:
                 return {"type": "save_weights_for_sampler", "path": path}
             return {"type": "save_weights_for_sampler", "path": path,
@@ -480,7 +494,7 @@ class TinkerService:
         if not isinstance(sid, str) or self.sessions.get(sid) != request["tenant"]:
             raise NotFound(f"no session {sid!r} for this API key")
         model = self._sampler_model(request, body.get("base_model"), body.get("model_path"))
-        sid = self._new_sampling_session(request["tenant"], model, body.get("model_path") or None)
+        sid = self._new_sampling_session(request["tenant"], model, body.get("model_path") or None, sid)
         return _json({"type": "create_sampling_session", "sampling_session_id": sid})
 
     async def join_sampling_session(self, request: web.Request) -> web.Response:
@@ -562,6 +576,72 @@ class TinkerService:
             return web.Response(body=data, content_type=content_type)
         return _json(result)
 
+    # --- training runs, checkpoints and sessions (the SDK's RestClient) ----------------------------
+
+    def _page(self, request: web.Request, items: list[Any], key: str) -> web.Response:
+        try:
+            limit = int(request.query.get("limit", 20))
+            offset = int(request.query.get("offset", 0))
+        except ValueError:
+            raise BadRequest("limit and offset must be integers") from None
+        if not 1 <= limit <= 1000 or offset < 0:
+            raise BadRequest("limit must be from 1 to 1000 and offset at least 0")
+        return _json({key: items[offset:offset + limit],
+                      "cursor": {"offset": offset, "limit": limit, "total_count": len(items)}})
+
+    def _run(self, tenant: str, run: str) -> dict[str, Any]:
+        m = self.models.get(run)
+        return self.store.run(tenant, run, m.last_request if m is not None and m.tenant == tenant else None)
+
+    def _ref(self, request: web.Request) -> Ref:
+        info = request.match_info
+        return parse(f"tinker://{info['run']}/{info['kind']}/{info['name']}")
+
+    async def list_training_runs(self, request: web.Request) -> web.Response:
+        tenant = request["tenant"]
+        return self._page(request, [self._run(tenant, r) for r in self.store.runs(tenant)], "training_runs")
+
+    async def get_training_run(self, request: web.Request) -> web.Response:
+        return _json(self._run(request["tenant"], request.match_info["run"]))
+
+    async def list_checkpoints(self, request: web.Request) -> web.Response:
+        run = request.match_info["run"]
+        self._run(request["tenant"], run)  # one of this key's runs, or 404
+        return _json({"checkpoints": self.store.checkpoints(request["tenant"], run)})
+
+    async def list_user_checkpoints(self, request: web.Request) -> web.Response:
+        tenant = request["tenant"]
+        every = [c for r in self.store.runs(tenant) for c in self.store.checkpoints(tenant, r)]
+        return self._page(request, sorted(every, key=lambda c: c["time"], reverse=True), "checkpoints")
+
+    async def delete_checkpoint(self, request: web.Request) -> web.Response:
+        self.store.delete(request["tenant"], self._ref(request))
+        return _json({})
+
+    async def publish_checkpoint(self, request: web.Request) -> web.Response:
+        self.store.publish(request["tenant"], self._ref(request), request.method == "POST")
+        return _json({})
+
+    async def set_checkpoint_ttl(self, request: web.Request) -> web.Response:
+        body = await self._body(request)
+        self.store.set_ttl(request["tenant"], self._ref(request), body.get("ttl_seconds"))
+        return _json({})
+
+    async def weights_info(self, request: web.Request) -> web.Response:
+        body = await self._body(request)
+        return _json(self.store.weights_info(request["tenant"], parse(body.get("tinker_path"))))
+
+    async def list_sessions(self, request: web.Request) -> web.Response:
+        mine = [sid for sid, tenant in self.sessions.items() if tenant == request["tenant"]]
+        return self._page(request, mine, "sessions")
+
+    async def get_session(self, request: web.Request) -> web.Response:
+        sid = request.match_info["session_id"]
+        if self.sessions.get(sid) != request["tenant"]:
+            raise NotFound(f"no session {sid!r} for this API key")
+        return _json({"training_run_ids": [mid for mid in self.models if mid.startswith(f"{sid}:train:")],
+                      "sampler_ids": [k for k, v in self.sampling_sessions.items() if v.session == sid]})
+
     async def unknown(self, request: web.Request) -> web.Response:
         return _error(f"{request.method} {request.path} is not a route of this service", 404)
 
@@ -589,6 +669,18 @@ class TinkerService:
         r.add_post("/api/v1/asample", self.asample)
         r.add_get("/api/v1/samplers/{sampler_id}", self.get_sampler)
         r.add_post("/api/v1/retrieve_future", self.retrieve_future)
+        r.add_get("/api/v1/training_runs", self.list_training_runs)
+        r.add_get("/api/v1/training_runs/{run}", self.get_training_run)
+        r.add_get("/api/v1/training_runs/{run}/checkpoints", self.list_checkpoints)
+        checkpoint = "/api/v1/training_runs/{run}/checkpoints/{kind}/{name}"
+        r.add_delete(checkpoint, self.delete_checkpoint)
+        r.add_post(checkpoint + "/publish", self.publish_checkpoint)
+        r.add_delete(checkpoint + "/publish", self.publish_checkpoint)
+        r.add_put(checkpoint + "/ttl", self.set_checkpoint_ttl)
+        r.add_get("/api/v1/checkpoints", self.list_user_checkpoints)
+        r.add_post("/api/v1/weights_info", self.weights_info)
+        r.add_get("/api/v1/sessions", self.list_sessions)
+        r.add_get("/api/v1/sessions/{session_id}", self.get_session)
         r.add_route("*", "/{tail:.*}", self.unknown)
         app.on_cleanup.append(self._close)
         return app
