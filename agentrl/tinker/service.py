@@ -513,7 +513,10 @@ class TinkerService:
             raise BadRequest("this service was started without sampling (--no-sampling)")
         sid = body.get("sampling_session_id")
         if sid is not None:
-            model = self._sampling_session(request, sid).engine_model
+            session = self._sampling_session(request, sid)
+            if session.model_path is not None and session.model_path not in self.published:
+                raise NotFound(f"sampler weights {session.model_path} were deleted or expired")
+            model = session.engine_model
         else:
             model = self._sampler_model(request, body.get("base_model"), body.get("model_path"))
         prompt = _prompt_tokens(body.get("prompt"), self.trainer.vocab)
