@@ -50,6 +50,12 @@ def test_a_checkpoint_past_its_ttl_is_gone_at_the_next_look_and_the_service_hear
     assert store.locate("a", kept)[1] == "a"
     with pytest.raises(BadRequest, match="ttl_seconds must be"):
         store.set_ttl("a", kept, 59)
+    # a run.json this store did not record (no run id) is never acted on, even when it says expired
+    stray = tmp_path / "a" / "stray"
+    stray.mkdir()
+    (stray / "x.pt").write_bytes(b"x")
+    (stray / "run.json").write_text('{"checkpoints": {"weights/x": {"expires_at": 1}}}')
+    assert store.expire() == [] and (stray / "x.pt").exists() and (tmp_path / "a" / "x.pt").exists() is False
 
 
 def test_another_tenant_reads_only_what_is_published_and_changes_nothing(tmp_path: Path) -> None:

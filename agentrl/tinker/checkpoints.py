@@ -15,6 +15,8 @@ Invariants:
   has published it, and then only to load or sample it: deleting, publishing, TTLs and listing a
   run stay with the owner. Anything else is unknown (404), as elsewhere in the service.
 - ``run.json`` is rewritten whole (a temporary file, then a rename): a crash leaves the old one.
+  Its changes are serialised by one lock: the worker thread records a saved checkpoint while a
+  route may publish or delete another of the same run.
 - A checkpoint past its TTL is deleted by the first call that looks at the store after it expired
   (every route that reads a path or a listing): no call ever sees an expired checkpoint.
 """
@@ -25,6 +27,7 @@ import json
 import os
 import re
 import shutil
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -82,6 +85,7 @@ class CheckpointStore:
     def __init__(self, root: Path, clock: Callable[[], float] = time.time,
                  on_remove: Callable[[str, Ref], None] | None = None) -> None:
         self.root, self.clock, self.on_remove = Path(root), clock, on_remove
+        self._lock = threading.RLock()  # every read-modify-write of a run.json
 
     # --- where things are ---------------------------------------------------------------------------
 
@@ -125,19 +129,21 @@ class CheckpointStore:
         return self._read(tenant, ref.run).get("checkpoints", {}).get(ref.checkpoint_id, {})
 
     def _change(self, tenant: str, ref: Ref, **settings: Any) -> None:
-        record = self._read(tenant, ref.run)
-        entry = record.setdefault("checkpoints", {}).setdefault(ref.checkpoint_id, {})
-        entry.update(settings)
-        self._write(tenant, ref.run, record)
+        with self._lock:
+            record = self._read(tenant, ref.run)
+            entry = record.setdefault("checkpoints", {}).setdefault(ref.checkpoint_id, {})
+            entry.update(settings)
+            self._write(tenant, ref.run, record)
 
     def record_run(self, tenant: str, run: str, *, base_model: str, rank: int, targets: list[str],
                    user_metadata: dict[str, Any] | None = None) -> None:
         """A training client exists (created, or created from a checkpoint)."""
-        record = self._read(tenant, run)
-        record.update(training_run_id=run, base_model=base_model, lora_rank=rank, targets=targets,
-                      user_metadata={str(k): str(v) for k, v in (user_metadata or {}).items()},
-                      created=record.get("created", self.clock()))
-        self._write(tenant, run, record)
+        with self._lock:
+            record = self._read(tenant, run)
+            record.update(training_run_id=run, base_model=base_model, lora_rank=rank, targets=targets,
+                          user_metadata={str(k): str(v) for k, v in (user_metadata or {}).items()},
+                          created=record.get("created", self.clock()))
+            self._write(tenant, run, record)
 
     def saved(self, tenant: str, ref: Ref, *, ttl_seconds: Any = None, user_metadata: Any = None) -> None:
         """A checkpoint was written: its TTL and metadata (a checkpoint written again starts afresh)."""
@@ -226,28 +232,33 @@ class CheckpointStore:
         """Delete every checkpoint past its TTL; the ones deleted (sampler weights among them are the
         caller's to take out of the engine)."""
         now, gone = self.clock(), []
-        for run_json in self.root.glob("*/*/run.json") if self.root.is_dir() else []:
-            tenant = run_json.parent.parent.name
-            try:
-                record = json.loads(run_json.read_text())
-            except (OSError, ValueError):
-                continue
-            for cid, s in list(record.get("checkpoints", {}).items()):
-                if s.get("expires_at") is not None and s["expires_at"] <= now:
-                    kind, _, name = cid.partition("/")
-                    ref = Ref(record.get("training_run_id", ""), kind, name)
-                    self._remove(tenant, ref, self.file(tenant, ref))
-                    gone.append(ref)
+        with self._lock:
+            for run_json in self.root.glob("*/*/run.json") if self.root.is_dir() else []:
+                tenant = run_json.parent.parent.name
+                try:
+                    record = json.loads(run_json.read_text())
+                except (OSError, ValueError):
+                    continue
+                run = record.get("training_run_id")
+                if not isinstance(run, str) or self.run_dir(tenant, run) != run_json.parent:
+                    continue  # not a run this store recorded: nothing of it is touched
+                for cid, s in list(record.get("checkpoints", {}).items()):
+                    if s.get("expires_at") is not None and s["expires_at"] <= now:
+                        kind, _, name = cid.partition("/")
+                        ref = Ref(run, kind, name)
+                        self._remove(tenant, ref, self.file(tenant, ref))
+                        gone.append(ref)
         return gone
 
     def _remove(self, tenant: str, ref: Ref, f: Path) -> None:
-        if f.is_dir():
-            shutil.rmtree(f, ignore_errors=True)
-        else:
-            f.unlink(missing_ok=True)
-        record = self._read(tenant, ref.run)
-        record.get("checkpoints", {}).pop(ref.checkpoint_id, None)
-        self._write(tenant, ref.run, record)
+        with self._lock:
+            if f.is_dir():
+                shutil.rmtree(f, ignore_errors=True)
+            else:
+                f.unlink(missing_ok=True)
+            record = self._read(tenant, ref.run)
+            record.get("checkpoints", {}).pop(ref.checkpoint_id, None)
+            self._write(tenant, ref.run, record)
         if self.on_remove is not None:
             self.on_remove(tenant, ref)
 
