@@ -18,7 +18,8 @@ Invariants:
   Its changes are serialised by one lock: the worker thread records a saved checkpoint while a
   route may publish or delete another of the same run.
 - A checkpoint past its TTL is deleted by the first call that looks at the store after it expired
-  (every route that reads a path or a listing): no call ever sees an expired checkpoint.
+  (every route that reads a path or a listing): no call ever sees an expired checkpoint. The store
+  keeps the soonest expiry it knows, so a look before then reads no file.
 """
 
 from __future__ import annotations
@@ -86,6 +87,7 @@ class CheckpointStore:
                  on_remove: Callable[[str, Ref], None] | None = None) -> None:
         self.root, self.clock, self.on_remove = Path(root), clock, on_remove
         self._lock = threading.RLock()  # every read-modify-write of a run.json
+        self._soonest = float("-inf")  # no checkpoint expires before this (-inf: unknown, scan)
 
     # --- where things are ---------------------------------------------------------------------------
 
@@ -134,6 +136,8 @@ class CheckpointStore:
             entry = record.setdefault("checkpoints", {}).setdefault(ref.checkpoint_id, {})
             entry.update(settings)
             self._write(tenant, ref.run, record)
+            if settings.get("expires_at") is not None:
+                self._soonest = min(self._soonest, settings["expires_at"])
 
     def record_run(self, tenant: str, run: str, *, base_model: str, rank: int, targets: list[str],
                    user_metadata: dict[str, Any] | None = None) -> None:
@@ -231,7 +235,9 @@ class CheckpointStore:
     def expire(self) -> list[Ref]:
         """Delete every checkpoint past its TTL; the ones deleted (sampler weights among them are the
         caller's to take out of the engine)."""
-        now, gone = self.clock(), []
+        now, gone, soonest = self.clock(), [], float("inf")
+        if now < self._soonest:
+            return gone
         with self._lock:
             for run_json in self.root.glob("*/*/run.json") if self.root.is_dir() else []:
                 tenant = run_json.parent.parent.name
@@ -248,6 +254,9 @@ class CheckpointStore:
                         ref = Ref(run, kind, name)
                         self._remove(tenant, ref, self.file(tenant, ref))
                         gone.append(ref)
+                    elif s.get("expires_at") is not None:
+                        soonest = min(soonest, s["expires_at"])
+            self._soonest = soonest
         return gone
 
     def _remove(self, tenant: str, ref: Ref, f: Path) -> None:
