@@ -28,6 +28,7 @@ base=$(mktemp -d /tmp/agentrl-tests.XXXXXX)
 # (the files of LoRA policies and roles last, one after another: they share one engine, tests/conftest.py)
 LANE2=(tests/test_chaos.py tests/test_partition.py tests/test_full_disk.py tests/test_own_environment.py
        tests/test_self_distill.py tests/test_moe_e2e.py tests/test_moe_smollm2.py tests/test_curriculum_vllm.py
+       tests/test_benchmark_runs.py
        tests/test_tinker_sampling.py tests/test_lora_vllm.py
        tests/test_multi_agent_vllm.py tests/test_textarena_roles_vllm.py tests/test_verifiers_roles_vllm.py
        tests/test_scaffold_roles_vllm.py)

@@ -1,0 +1,44 @@
+"""Every benchmark that starts engines or sandboxes reaches its final JSON line, with the keys the docs
+quote: ``benchmarks/smoke.py``'s list, each in its shortest mode.
+
+``tests/test_benchmark_smoke.py`` runs the benchmarks that need no engine; this file runs those with
+a vLLM engine or sandboxes of their own (and ``first_hour``: a fresh clone and venv to the
+quickstart's first step), ``tests/test_benchmark_runs.py`` those made of whole ``agentrl run``s, one
+after another as ``scripts/test.sh`` runs system tests (each file in its own lane). Each runs as
+a subprocess of this interpreter from the repository root with ``TMPDIR`` under the test's own
+folder (``smoke.run_one``), so what a benchmark leaves in the temporary folder is removed with it.
+The test checks that it exits 0 and that the LAST line of its stdout is a JSON object holding the
+keys README.md and docs/*.md quote; it asserts nothing about the figures, which mean nothing in
+so short a run. ``chaos`` is not here: ``tests/test_chaos.py`` runs it at its defaults (20 trials).
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from tests.test_benchmark_smoke import smoke
+
+pytestmark = [pytest.mark.vllm, pytest.mark.docker, pytest.mark.slow]
+
+COVERED_ELSEWHERE = {"chaos"}  # tests/test_chaos.py runs benchmarks/chaos.py with its defaults
+# made of whole `agentrl run`s (two each for the comparisons): tests/test_benchmark_runs.py
+RUNS = {"async_vs_sync", "multi_agent", "multi_agent_stragglers", "scoring_pace", "learning", "curriculum",
+        "distill"}
+ENGINE_BENCHMARKS = [b for b in smoke.BENCHMARKS if b[0] not in COVERED_ELSEWHERE | RUNS]
+
+
+def run_benchmark(name: str, args: list[str], keys: list[str], tmp_path: Path) -> None:
+    """One benchmark in its shortest mode under ``tmp_path``, which it removes once it passed."""
+    ok, why = smoke.run_one(name, args, keys, tmp_path, timeout_s=1400)
+    assert ok, f"benchmarks/{smoke.SCRIPTS.get(name, name)}.py {' '.join(args)}: {why}"
+    shutil.rmtree(tmp_path, ignore_errors=True)  # first_hour leaves a clone and a venv (3.6 GB)
+
+
+@pytest.mark.timeout(1500)
+@pytest.mark.parametrize(("name", "args", "keys"), ENGINE_BENCHMARKS, ids=[b[0] for b in ENGINE_BENCHMARKS])
+def test_engine_benchmark_reaches_its_json_line(name: str, args: list[str], keys: list[str],
+                                                tmp_path: Path) -> None:
+    run_benchmark(name, args, keys, tmp_path)
