@@ -1,8 +1,10 @@
-"""Release check of the benchmarks CI does not run: each reaches its final JSON line, with the docs' keys.
+"""The benchmarks that start engines: each reaches its final JSON line, with the docs' keys.
 
 ``tests/test_benchmark_smoke.py`` runs the engine-free benchmarks in CI. The ones below start vLLM
-engines, sandboxes or a whole ``agentrl run`` and cost minutes each, too much for CI's time budget,
-so this script runs them before a release: one after another, each as a subprocess of this
+engines, sandboxes or a whole ``agentrl run`` and cost a minute or more each. CI runs this list
+through pytest (``tests/test_benchmark_engines.py`` and ``tests/test_benchmark_runs.py``, one lane
+each, and ``tests/test_chaos.py`` runs ``chaos`` at its defaults instead of its one round here);
+this script runs the same list outside pytest: one after another, each as a subprocess of this
 interpreter from the repository root, in its shortest mode (fewest steps, tasks, requests, rounds,
 episodes; a tiny model where one can be chosen). For each it checks that it exits 0 and that the LAST
 line of its stdout is a JSON object holding the keys README.md and docs/*.md quote for it. It checks
@@ -16,7 +18,7 @@ tail of stderr) and ends with one JSON line::
 and exits 1 if any failed. Output folders go under ``--run-root`` (default: a fresh temporary
 folder), never under the repository; ``TMPDIR`` points there too.
 
-All 18 run by default: none takes over 3 minutes in its shortest mode on the 2-core development
+All 19 run by default: none takes over 3 minutes in its shortest mode on the 2-core development
 machine (about 20 minutes in all). ``sandbox.py --density`` runs once per backend
 (``sandbox_density_docker``, ``sandbox_density_bubblewrap``: 10 sandboxes, a few seconds each).
 ``chaos`` runs one round (``--rounds 1``: four faults, one of each kind, 160 s); ``first_hour``

@@ -3,6 +3,7 @@ expire on the store's clock, what another tenant may read, and paths that would 
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -86,3 +87,95 @@ def test_paths_that_would_leave_the_state_folder_are_refused() -> None:
     assert parse(f"tinker://{RUN}/sampler_weights/step-1.0").checkpoint_id == "sampler_weights/step-1.0"
     with pytest.raises(BadRequest):
         parse(f"tinker://{RUN}/sampler_weights/x", ("weights",))
+
+
+class RecordingSampler:
+    """Stands in for the sampling engine: records the adapters loaded and unloaded."""
+
+    def __init__(self, during_load: object = None) -> None:
+        self.loaded: list[tuple[str, Path]] = []
+        self.unloaded: list[str] = []
+        self.during_load = during_load
+
+    async def publish(self, name: str, folder: Path) -> None:
+        import asyncio
+
+        await asyncio.sleep(0.05)  # an engine's load takes a while: other requests meet it
+        if callable(self.during_load):
+            self.during_load()
+        self.loaded.append((name, folder))
+
+    async def unload(self, name: str) -> None:
+        self.unloaded.append(name)
+
+
+def test_sampler_weights_saved_before_a_restart_load_again_at_their_first_sample(tmp_path: Path) -> None:
+    """A restarted service has none of the saved sampler weights in its engine: the first sample of
+    one loads it from the checkpoint folder (once, however many requests meet the load), for its
+    owner and for another key while it is published; deleted ones, and ones deleted during their
+    load, are 404s; a save under a name already on disk is refused instead of overwriting it."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from agentrl.tinker.service import TinkerService
+
+    keys = ["tml-owner", "tml-other"]
+    first = TinkerService(SimpleNamespace(vocab=100), base_model="smollm2", model_path="/m", keys=keys,
+                          state_dir=tmp_path)
+    owner, other = (first.tenants[k] for k in keys)
+    first.store.record_run(owner, RUN, base_model="smollm2", rank=4, targets=["q_proj"])
+    refs = [Ref(RUN, "sampler_weights", name) for name in ("kept", "gone", "racing")]
+    for ref in refs:
+        first.store.file(owner, ref).mkdir(parents=True)
+        (first.store.file(owner, ref) / "adapter_model.safetensors").write_bytes(b"w")
+        first.store.saved(owner, ref)
+    kept, gone, racing = refs
+
+    sampler = RecordingSampler()
+    service = TinkerService(SimpleNamespace(vocab=100), base_model="smollm2", model_path="/m", keys=keys,
+                            state_dir=tmp_path, sampler=sampler)
+
+    async def play() -> None:
+        assert service._sampler_path(owner, None, kept.path) == kept.path
+        names = await asyncio.gather(*(service._engine_model(owner, kept.path) for _ in range(3)))
+        assert len(set(names)) == 1 and sampler.loaded == [(names[0], service.store.file(owner, kept))]
+        assert await service._engine_model(owner, kept.path) == names[0] and len(sampler.loaded) == 1
+        assert await service._engine_model(owner, None) == "base"
+
+        with pytest.raises(NotFound):  # not published: another key cannot read it
+            service._sampler_path(other, None, kept.path)
+        service.store.publish(owner, kept, True)
+        assert service._sampler_path(other, None, kept.path) == kept.path
+
+        service.store.delete(owner, gone)
+        with pytest.raises(NotFound):
+            service._sampler_path(owner, None, gone.path)
+        with pytest.raises(NotFound):
+            await service._engine_model(owner, gone.path)
+
+        sampler.during_load = lambda: service.store.delete(owner, racing)
+        with pytest.raises(NotFound, match="deleted or expired"):
+            await service._engine_model(owner, racing.path)
+        assert racing.path not in service.published and sampler.unloaded == [sampler.loaded[-1][0]]
+
+        # a training client's save under a name already on disk (saved before the restart)
+        from agentrl.tinker.service import Model
+        from agentrl.tinker.wire import BadRequest
+
+        service.models[RUN] = Model(owner, RUN, "a0", 4, ["q_proj"])
+        with pytest.raises(BadRequest, match="exist already"):
+            await service.save_weights_for_sampler(Request(owner, {"model_id": RUN, "path": "kept"}))
+        assert (service.store.file(owner, kept) / "adapter_model.safetensors").read_bytes() == b"w"
+
+    asyncio.run(play())
+
+
+class Request(dict):
+    """What a route reads of an aiohttp request: the tenant the middleware set, and its body."""
+
+    def __init__(self, tenant: str, body: dict[str, object]) -> None:
+        super().__init__(tenant=tenant)
+        self.body = json.dumps(body).encode()
+
+    async def read(self) -> bytes:
+        return self.body

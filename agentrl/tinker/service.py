@@ -80,7 +80,6 @@ class Model:
 @dataclass
 class SamplingSession:
     tenant: str
-    engine_model: str  # the engine's name for what it samples: "base" or a published adapter
     model_path: str | None  # the sampler_weights path it samples, None for the base model
     clients: int = 0  # clients that joined it (the SDK numbers each one's requests apart)
     session: str | None = None  # the session that created it, if one did
@@ -122,6 +121,7 @@ class TinkerService:
         self.tasks: set[asyncio.Future[None]] = set()
         self.sampler = sampler
         self.published: dict[str, tuple[str, str]] = {}  # sampler_weights path -> (tenant, engine model)
+        self._loading: dict[str, asyncio.Future[str]] = {}  # sampler weights being loaded again
         self.sampling_sessions: dict[str, SamplingSession] = {}
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tinker-worker")
 
@@ -431,25 +431,53 @@ class TinkerService:
 
     # --- sampling ---------------------------------------------------------------------------------
 
-    def _sampler_model(self, request: web.Request, base_model: Any, model_path: Any) -> str:
-        """The engine's model name for a sampling request: a published ``sampler_weights`` path of
-        this key, or the base model."""
+    def _sampler_path(self, tenant: str, base_model: Any, model_path: Any) -> str | None:
+        """The ``sampler_weights`` path a sampling request names (None: the base model), once this
+        key may read it (its own, or one another key published) and it is still on disk, whether
+        the engine has it loaded or not."""
         if model_path:
-            published = self.published.get(model_path) if isinstance(model_path, str) else None
-            if published is None:
+            if not isinstance(model_path, str):
                 raise NotFound(f"no sampler weights {model_path!r} for this API key")
-            if published[0] != request["tenant"]:  # readable while its owner has it published
-                self.store.locate(request["tenant"], parse(model_path, ("sampler_weights",)))
-            return published[1]
+            published = self.published.get(model_path)
+            if published is None or published[0] != tenant:
+                self.store.locate(tenant, parse(model_path, ("sampler_weights",)))
+            return model_path
         if base_model not in self.names:
             raise BadRequest(f"base_model {base_model!r} is not served here; this service samples "
                              f"{self.base_model!r}")
-        return "base"
+        return None
 
-    def _new_sampling_session(self, tenant: str, engine_model: str, model_path: str | None,
-                              session: str | None = None) -> str:
+    async def _engine_model(self, tenant: str, path: str | None) -> str:
+        """The engine's name for what a request samples: "base", or the adapter of sampler weights
+        ``path``. Weights saved before this service (re)started are on disk but not in its engine:
+        the first request that samples them loads them (requests that meet meanwhile share that
+        load)."""
+        if path is None:
+            return "base"
+        if path in self.published:
+            return self.published[path][1]
+        loading = self._loading.get(path)
+        if loading is None:
+            loading = self._loading[path] = asyncio.ensure_future(self._load_again(tenant, path))
+            loading.add_done_callback(lambda _: self._loading.pop(path, None))
+        return await asyncio.shield(loading)
+
+    async def _load_again(self, tenant: str, path: str) -> str:
+        assert self.sampler is not None
+        ref = parse(path, ("sampler_weights",))
+        folder, owner = self.store.locate(tenant, ref)
+        name = f"loaded-{secrets.token_hex(4)}"
+        log.info("agentrl tinker: loading sampler weights %s into the engine (saved before this start)", path)
+        await self.sampler.publish(name, folder)
+        if not folder.exists():  # deleted or expired while it loaded
+            await self.sampler.unload(name)
+            raise NotFound(f"sampler weights {path} were deleted or expired")
+        self.published[path] = (owner, name)
+        return name
+
+    def _new_sampling_session(self, tenant: str, model_path: str | None, session: str | None = None) -> str:
         sid = f"ss-{secrets.token_hex(8)}"
-        self.sampling_sessions[sid] = SamplingSession(tenant, engine_model, model_path, session=session)
+        self.sampling_sessions[sid] = SamplingSession(tenant, model_path, session=session)
         return sid
 
     def _sampling_session(self, request: web.Request, sid: Any) -> SamplingSession:
@@ -470,10 +498,10 @@ class TinkerService:
         path, ttl, metadata = ref.path, body.get("ttl_seconds"), body.get("user_metadata")
         if ttl is not None:
             check_ttl(ttl)
-        if path in self.published:
+        folder = self.store.file(m.tenant, ref)
+        if path in self.published or folder.exists():  # this start's, or one saved before it
             raise BadRequest(f"sampler weights {path} exist already")
         engine_name = f"{m.adapter}-{secrets.token_hex(4)}"
-        folder = self.store.file(m.tenant, ref)
         sampler, tenant, named = self.sampler, m.tenant, bool(body.get("path"))
 
         async def publish(exported: Path) -> dict[str, Any]:
@@ -483,7 +511,7 @@ class TinkerService:
             if named:
                 return {"type": "save_weights_for_sampler", "path": path}
             return {"type": "save_weights_for_sampler", "path": path,
-                    "sampling_session_id": self._new_sampling_session(tenant, engine_name, path)}
+                    "sampling_session_id": self._new_sampling_session(tenant, path)}
 
         return self._submit(request, "save_weights_for_sampler",
                             lambda: self.trainer.export(m.adapter, folder), m.model_id, then=publish)
@@ -493,8 +521,8 @@ class TinkerService:
         sid = body.get("session_id")
         if not isinstance(sid, str) or self.sessions.get(sid) != request["tenant"]:
             raise NotFound(f"no session {sid!r} for this API key")
-        model = self._sampler_model(request, body.get("base_model"), body.get("model_path"))
-        sid = self._new_sampling_session(request["tenant"], model, body.get("model_path") or None, sid)
+        path = self._sampler_path(request["tenant"], body.get("base_model"), body.get("model_path"))
+        sid = self._new_sampling_session(request["tenant"], path, sid)
         return _json({"type": "create_sampling_session", "sampling_session_id": sid})
 
     async def join_sampling_session(self, request: web.Request) -> web.Response:
@@ -511,14 +539,16 @@ class TinkerService:
         body = await self._body(request)
         if self.sampler is None:
             raise BadRequest("this service was started without sampling (--no-sampling)")
-        sid = body.get("sampling_session_id")
+        sid, tenant = body.get("sampling_session_id"), request["tenant"]
         if sid is not None:
-            session = self._sampling_session(request, sid)
-            if session.model_path is not None and session.model_path not in self.published:
-                raise NotFound(f"sampler weights {session.model_path} were deleted or expired")
-            model = session.engine_model
+            path = self._sampling_session(request, sid).model_path
+            if path is not None:
+                try:
+                    self._sampler_path(tenant, None, path)
+                except NotFound:
+                    raise NotFound(f"sampler weights {path} were deleted or expired") from None
         else:
-            model = self._sampler_model(request, body.get("base_model"), body.get("model_path"))
+            path = self._sampler_path(tenant, body.get("base_model"), body.get("model_path"))
         prompt = _prompt_tokens(body.get("prompt"), self.trainer.vocab)
         n = body.get("num_samples", 1)
         if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= 64:
@@ -548,6 +578,7 @@ class TinkerService:
         sampler = self.sampler
 
         async def sample(_: Any) -> Any:
+            model = await self._engine_model(tenant, path)
             return await sampler.sample(model, prompt, n, params, prompt_logprobs=want_prompt,
                                         topk_prompt=topk, topk_sample=topk_sample, last_n=last_n)
 
