@@ -45,7 +45,7 @@ def test_a_trained_adapters_samples_carry_the_training_sides_logprobs(service):
     tc.forward_backward([datum], "cross_entropy").result()
     tc.optim_step(types.AdamParams(learning_rate=1e-3)).result()
 
-    sampler = tc.save_weights_and_get_sampling_client()
+    sampler = tc.save_weights_and_get_sampling_client().result()
     prompt = tokenizer.encode("Name a colour:")
     params = types.SamplingParams(max_tokens=12, temperature=1.0, seed=3, stop=[])
     out = sampler.sample(types.ModelInput.from_ints(prompt), num_samples=2, sampling_params=params).result()
@@ -56,7 +56,7 @@ def test_a_trained_adapters_samples_carry_the_training_sides_logprobs(service):
         assert np.abs(trained - np.array(seq.logprobs)).max() < 1e-3
 
     fresh = sc.create_lora_training_client(base_model="smollm2", rank=4).result()
-    base = sc.create_sampling_client(base_model="smollm2")
+    base = sc.create_sampling_client(base_model="smollm2").result()
     got = base.compute_logprobs(types.ModelInput.from_ints(text)).result()
     assert got[0] is None
     assert np.abs(np.array(got[1:]) - _logprobs(fresh, text)).max() < 1e-3
@@ -97,12 +97,12 @@ def test_a_trained_adapters_samples_carry_the_training_sides_logprobs(service):
 
     path = tc.save_weights_for_sampler("after-one-step").result().path
     assert path.endswith("/sampler_weights/after-one-step")
-    named = sc.create_sampling_client(model_path=path)
+    named = sc.create_sampling_client(model_path=path).result()
     again = named.sample(types.ModelInput.from_ints(prompt), num_samples=1, sampling_params=params).result()
     assert len(again.sequences[0].tokens) == 12
     other = _client(service, KEY_B)
     with pytest.raises(tinker.NotFoundError):
-        other.create_sampling_client(model_path=path).sample(
+        other.create_sampling_client(model_path=path).result().sample(
             types.ModelInput.from_ints(prompt), num_samples=1, sampling_params=params).result()
 
     # deleted: out of the engine, so neither the client that had it nor a new one samples it
@@ -110,5 +110,5 @@ def test_a_trained_adapters_samples_carry_the_training_sides_logprobs(service):
     with pytest.raises(tinker.NotFoundError, match="deleted or expired"):
         named.sample(types.ModelInput.from_ints(prompt), num_samples=1, sampling_params=params).result()
     with pytest.raises(tinker.NotFoundError):
-        sc.create_sampling_client(model_path=path).sample(
+        sc.create_sampling_client(model_path=path).result().sample(
             types.ModelInput.from_ints(prompt), num_samples=1, sampling_params=params).result()
