@@ -32,6 +32,7 @@ logs (each benchmark's ``stdout.txt`` and ``stderr.txt``); remove it after.
 from __future__ import annotations
 
 import argparse
+import getpass
 import json
 import os
 import subprocess
@@ -186,7 +187,11 @@ def run_one(name: str, args: list[str], keys: list[str], run_root: Path,
     folder.mkdir(parents=True, exist_ok=True)
     script = SCRIPTS.get(name, name)
     cmd = [sys.executable, f"benchmarks/{script}.py", *(a.replace("{run}", str(folder)) for a in args)]
+    # TMPDIR under the run root keeps what a benchmark leaves there; torch's compiled-kernel cache
+    # stays the machine's (under a new TMPDIR each engine of each benchmark would compile afresh)
+    inductor = os.path.join(tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}")
     env = dict(os.environ, TMPDIR=str(run_root))
+    env.setdefault("TORCHINDUCTOR_CACHE_DIR", inductor)
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, cwd=ROOT, env=env)
     except subprocess.TimeoutExpired as e:

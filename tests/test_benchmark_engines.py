@@ -5,8 +5,8 @@ quote: ``benchmarks/smoke.py``'s list, each in its shortest mode.
 a vLLM engine or sandboxes of their own (and ``first_hour``: a fresh clone and venv to the
 quickstart's first step), ``tests/test_benchmark_runs.py`` those made of whole ``agentrl run``s, one
 after another as ``scripts/test.sh`` runs system tests (each file in its own lane). Each runs as
-a subprocess of this interpreter from the repository root with ``TMPDIR`` under the test's own
-folder (``smoke.run_one``), so what a benchmark leaves in the temporary folder is removed with it.
+a subprocess of this interpreter from the repository root with ``TMPDIR`` in a folder of its own
+(``smoke.run_one``), so what a benchmark leaves in the temporary folder is removed with it.
 The test checks that it exits 0 and that the LAST line of its stdout is a JSON object holding the
 keys README.md and docs/*.md quote; it asserts nothing about the figures, which mean nothing in
 so short a run. ``chaos`` is not here: ``tests/test_chaos.py`` runs it at its defaults (20 trials).
@@ -15,6 +15,7 @@ so short a run. ``chaos`` is not here: ``tests/test_chaos.py`` runs it at its de
 from __future__ import annotations
 
 import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -30,15 +31,17 @@ RUNS = {"async_vs_sync", "multi_agent", "multi_agent_stragglers", "scoring_pace"
 ENGINE_BENCHMARKS = [b for b in smoke.BENCHMARKS if b[0] not in COVERED_ELSEWHERE | RUNS]
 
 
-def run_benchmark(name: str, args: list[str], keys: list[str], tmp_path: Path) -> None:
-    """One benchmark in its shortest mode under ``tmp_path``, which it removes once it passed."""
-    ok, why = smoke.run_one(name, args, keys, tmp_path, timeout_s=1400)
-    assert ok, f"benchmarks/{smoke.SCRIPTS.get(name, name)}.py {' '.join(args)}: {why}"
-    shutil.rmtree(tmp_path, ignore_errors=True)  # first_hour leaves a clone and a venv (3.6 GB)
+def run_benchmark(name: str, args: list[str], keys: list[str]) -> None:
+    """One benchmark in its shortest mode, its output and ``TMPDIR`` in a folder of the system's
+    temporary folder (pytest's are too long a path for the unix sockets some benchmarks' parts
+    bind), removed once it passed (``first_hour`` leaves a clone and a venv there: 3.6 GB)."""
+    root = Path(tempfile.mkdtemp(prefix="agentrl-bench-"))
+    ok, why = smoke.run_one(name, args, keys, root, timeout_s=1400)
+    assert ok, f"benchmarks/{smoke.SCRIPTS.get(name, name)}.py {' '.join(args)} (output in {root}): {why}"
+    shutil.rmtree(root, ignore_errors=True)
 
 
 @pytest.mark.timeout(1500)
 @pytest.mark.parametrize(("name", "args", "keys"), ENGINE_BENCHMARKS, ids=[b[0] for b in ENGINE_BENCHMARKS])
-def test_engine_benchmark_reaches_its_json_line(name: str, args: list[str], keys: list[str],
-                                                tmp_path: Path) -> None:
-    run_benchmark(name, args, keys, tmp_path)
+def test_engine_benchmark_reaches_its_json_line(name: str, args: list[str], keys: list[str]) -> None:
+    run_benchmark(name, args, keys)

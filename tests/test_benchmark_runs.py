@@ -4,8 +4,6 @@ half of that list, so that ``scripts/test.sh`` can run each half in its own lane
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from tests.test_benchmark_engines import RUNS, run_benchmark, smoke
@@ -17,6 +15,5 @@ RUN_BENCHMARKS = [b for b in smoke.BENCHMARKS if b[0] in RUNS]
 
 @pytest.mark.timeout(1500)
 @pytest.mark.parametrize(("name", "args", "keys"), RUN_BENCHMARKS, ids=[b[0] for b in RUN_BENCHMARKS])
-def test_run_benchmark_reaches_its_json_line(name: str, args: list[str], keys: list[str],
-                                             tmp_path: Path) -> None:
-    run_benchmark(name, args, keys, tmp_path)
+def test_run_benchmark_reaches_its_json_line(name: str, args: list[str], keys: list[str]) -> None:
+    run_benchmark(name, args, keys)

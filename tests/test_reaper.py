@@ -148,3 +148,27 @@ def test_the_commands_private_folder_is_removed_however_it_ends(tmp_path):
     while folder.exists() and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not folder.exists(), "the private folder outlived the reaper"
+
+
+def test_an_engines_private_folder_leaves_room_for_vllms_socket_paths(monkeypatch, tmp_path, caplog) -> None:
+    """vLLM binds ZeroMQ sockets at <the engine's folder>/<uuid4>; a unix socket path holds 107 bytes.
+    A temporary folder too long for that (pytest's, a user's TMPDIR) sends the engine's folder to
+    /tmp, with one warning; a short one is used as it is."""
+    import tempfile
+
+    from agentrl.engines import vllm
+
+    short = tmp_path.parents[len(tmp_path.parents) - 2]  # "/tmp" or the like
+    monkeypatch.setattr(tempfile, "tempdir", str(short))
+    assert vllm.engine_tmp_parent() == str(short)
+    long = tmp_path / ("x" * 60)
+    long.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(long))
+    with caplog.at_level("WARNING", logger="agentrl.engines.vllm"):
+        assert vllm.engine_tmp_parent() == "/tmp" and vllm.engine_tmp_parent() == "/tmp"
+    assert sum("too long a path" in r.getMessage() for r in caplog.records) == 1
+    folder = tempfile.mkdtemp(prefix="agentrl-engine-", dir=vllm.engine_tmp_parent())
+    try:
+        assert len(f"{folder}/{'0' * 36}".encode()) <= 107
+    finally:
+        os.rmdir(folder)

@@ -164,7 +164,7 @@ class VLLMEngine:
         logf = open(self.log_path, "ab")  # noqa: SIM115 - the child owns it
         self._log_start = logf.tell()  # an earlier run's lines are not this start-up's
         self._remove_tmp()
-        self.tmp_dir = Path(tempfile.mkdtemp(prefix="agentrl-engine-"))
+        self.tmp_dir = Path(tempfile.mkdtemp(prefix="agentrl-engine-", dir=engine_tmp_parent()))
         cmd = [sys.executable, "-m", "agentrl.engines.reaper", "--tmpdir", str(self.tmp_dir), "--",
                *self.spec.command()]
         log.info("starting engine on port %d: %s", self.spec.port, " ".join(self.spec.command()[2:]))
@@ -281,6 +281,32 @@ class VLLMEngine:
                 log.warning("engine on port %d: its reaper was killed; ended its process group %d",
                             self.spec.port, self.group)
             self.group = None
+
+
+# vLLM binds its ZeroMQ sockets at <the engine's temporary folder>/<a uuid4>, and a unix socket's path
+# holds at most 107 bytes: with "agentrl-engine-" and 8 random characters, a parent of 46 bytes at most
+MAX_TMP_PARENT = 107 - len("/agentrl-engine-12345678/") - 36
+
+
+def engine_tmp_parent() -> str:
+    """Where an engine's private temporary folder goes: the temporary folder (``TMPDIR``) when its
+    path leaves room for vLLM's socket paths, else ``/tmp`` (said once); an error that says why when
+    neither does."""
+    parent = tempfile.gettempdir()
+    if len(parent.encode()) <= MAX_TMP_PARENT:
+        return parent
+    if os.path.isdir("/tmp") and os.access("/tmp", os.W_OK | os.X_OK):
+        if parent not in _WARNED_TMP:
+            _WARNED_TMP.add(parent)
+            log.warning("the temporary folder %s is too long a path for the engine's sockets (unix socket "
+                        "paths hold 107 bytes): engines keep their sockets under /tmp instead", parent)
+        return "/tmp"
+    raise EngineStartError(f"the temporary folder {parent} is too long a path for the engine's sockets "
+                           f"(at most {MAX_TMP_PARENT} bytes leave room in a unix socket's 107) and /tmp is "
+                           "not writable: set TMPDIR to a shorter folder")
+
+
+_WARNED_TMP: set[str] = set()
 
 
 def private_tmp(folder: Path) -> dict[str, str]:
