@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shlex
 import textwrap
 import uuid
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -351,6 +353,42 @@ def test_filling_every_writable_mount_ends_in_enospc_and_the_agent_lives(backend
             r = await sb.exec(["python3", "-c", HOG], timeout=60)
             assert r.oom_killed and r.exit_code == 137 and not r.timed_out, r
             assert (await sb.exec("echo alive")).stdout == "alive\n"
+    run(body())
+    assert host_is_healthy()
+
+
+def test_a_policy_that_exhausts_its_box_gets_a_failed_tool_call_and_a_scored_episode(backend: str) -> None:
+    """The fill and the memory hog as a policy's own tool calls in a ``shell`` episode: each call's
+    result says what happened (ENOSPC three times, the command killed for memory), the box lives on,
+    and the episode plays to its end and is scored like any other (the policy cleans up and solves
+    the task: reward 1.0). Never an infrastructure failure that would drop the group and excuse it."""
+    from agentrl.errors import INFRASTRUCTURE
+    from agentrl.rollout.episode import run_episode
+    from tests.test_docker_hosts import TASK, GatedRouter, _bash
+
+    script = [_bash(FILL), _bash(f"python3 -c {shlex.quote(HOG)}"),
+              _bash("rm -f /work/fill /tmp/fill /dev/shm/fill; grep -c ERROR logs/app.log > errors.txt"),
+              {"role": "assistant", "content": "done"}]
+
+    class Router(GatedRouter):
+        seen: list[dict[str, Any]] = []  # the messages of the episode's last call
+
+        async def chat(self, body: dict[str, Any], session_id: str) -> dict[str, Any]:
+            self.seen = body["messages"]
+            return await super().chat(body, session_id)
+
+    async def body() -> None:
+        async with pool_of(backend, memory_mb=512) as pool:
+            router = Router(script=script)
+            ep = await run_episode(router, "shell", TASK, group_id="g", sandbox_pool=pool,
+                                   env_config={"timeout_s": 60})
+            assert ep.error is None and ep.error_kind not in INFRASTRUCTURE, ep.error
+            assert ep.terminated and ep.reward == 1.0 and ep.info["tool_calls"] == 3, ep
+            fill, hog, solve = (m["content"] for m in router.seen if m["role"] == "tool")
+            assert fill.count("No space left on device") == 3, fill
+            assert hog.startswith("exit 137 (killed: out of memory)"), hog
+            assert solve == "exit 0", solve
+            assert pool.stats()["oom_kills"] == 1, pool.stats()
     run(body())
     assert host_is_healthy()
 

@@ -60,7 +60,8 @@ class ShellEnv(agentrl.TaskListEnv):
         assert self.sandbox is not None
         r = await self.sandbox.exec(command, timeout=self.timeout_s)
         out = (r.stdout + r.stderr)[-2000:]
-        return f"exit {r.exit_code}" + (" (timed out)" if r.timed_out else "") + (f"\n{out}" if out else "")
+        why = " (timed out)" if r.timed_out else " (killed: out of memory)" if r.oom_killed else ""
+        return f"exit {r.exit_code}{why}" + (f"\n{out}" if out else "")
 
     async def reward(self, task: dict[str, Any], answer: str) -> float:
         assert self.sandbox is not None
