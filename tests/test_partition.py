@@ -12,6 +12,7 @@ acknowledged twice or lost, no batch trained twice, the accounting identity hold
 from __future__ import annotations
 
 import json
+import signal
 import time
 from pathlib import Path
 
@@ -35,13 +36,19 @@ def _wait(run: Run, until, timeout_s: float, what: str) -> None:  # noqa: ANN001
             assert proc is not None and proc.poll() is None, (
                 f"{name} exited with {proc and proc.returncode} while waiting for {what}\n"
                 + _tail(run))
-        assert time.monotonic() < deadline, f"{what}: not within {timeout_s:.0f} s\n" + _tail(run)
+        if time.monotonic() >= deadline:
+            # what each process is doing: `agentrl` prints its threads' stacks on SIGUSR1 and goes on
+            for proc in (run.serve, run.learner):
+                if proc is not None and proc.poll() is None:
+                    proc.send_signal(signal.SIGUSR1)
+            time.sleep(3)
+            raise AssertionError(f"{what}: not within {timeout_s:.0f} s\n" + _tail(run, 12000))
         time.sleep(0.5)
 
 
-def _tail(run: Run) -> str:
+def _tail(run: Run, chars: int = 4000) -> str:
     out = run.run_dir.parent
-    return "\n".join(f"--- {n}\n" + (out / n).read_text(errors="replace")[-4000:]
+    return "\n".join(f"--- {n}\n" + (out / n).read_text(errors="replace")[-chars:]
                      for n in ("learn.out", "serve.out") if (out / n).exists())
 
 

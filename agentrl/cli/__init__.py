@@ -17,8 +17,11 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import faulthandler
 import logging
 import shutil
+import signal
 import sys
 from typing import TYPE_CHECKING, TypeVar
 
@@ -516,6 +519,10 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # `kill -USR1 <pid>` prints every thread's Python stack to stderr (serve.log's or learn's output)
+    # and the process goes on: what a process that makes no progress is doing, without stopping it
+    with contextlib.suppress(ValueError, AttributeError, OSError):  # not the main thread; no SIGUSR1
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
     args, extra = parser().parse_known_args(argv)
     bad = [x for x in extra if not x.startswith("--") or "=" not in x]
     if bad:
