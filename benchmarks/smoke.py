@@ -1,10 +1,11 @@
 """The benchmarks that start engines: each reaches its final JSON line, with the docs' keys.
 
-``tests/test_benchmark_smoke.py`` runs the engine-free benchmarks in CI. The ones below start vLLM
-engines, sandboxes or a whole ``agentrl run`` and cost a minute or more each. CI runs this list
-through pytest (``tests/test_benchmark_engines.py`` and ``tests/test_benchmark_runs.py``, one lane
-each, and ``tests/test_chaos.py`` runs ``chaos`` at its defaults instead of its one round here);
-this script runs the same list outside pytest: one after another, each as a subprocess of this
+``tests/test_benchmark_smoke.py`` runs the engine-free benchmarks in CI, and ``tests/test_chaos.py``
+runs ``chaos`` at its defaults. The ones below start vLLM engines, sandboxes or a whole ``agentrl
+run`` and cost a minute or more each, too much for CI's time budget: before a release, run them
+through pytest (``tests/test_benchmark_engines.py`` and ``tests/test_benchmark_runs.py``, marked
+``benchmark_smoke``: ``AGENTRL_TEST_MARKERS="not gpu" bash scripts/test.sh`` gives each file a lane)
+or with this script: one after another, each as a subprocess of this
 interpreter from the repository root, in its shortest mode (fewest steps, tasks, requests, rounds,
 episodes; a tiny model where one can be chosen). For each it checks that it exits 0 and that the LAST
 line of its stdout is a JSON object holding the keys README.md and docs/*.md quote for it. It checks

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The README's second command: the test suite (runs scripts/setup.sh --tests first if the machine
 # was not set up for the tests).
-# Tests marked `gpu` are deselected unless AGENTRL_TEST_MARKERS says otherwise (e.g. "" on a GPU box).
+# Tests marked `gpu` or `benchmark_smoke` are deselected unless AGENTRL_TEST_MARKERS says otherwise ("" on
+# a GPU box; "not gpu" adds the engine benchmarks' smoke runs, about 20 minutes more on 2 cores).
 # Three pytest runs side by side: the tests of modules that start engines, serve or sandboxes
 # (marked `system` by tests/conftest.py) in two lanes, each one test after another (the second lane
 # holds the long runs of LANE2: an engine's start-up imports vLLM in one process after another, so
@@ -18,7 +19,7 @@ case "$(cat .venv/.agentrl-installed 2>/dev/null)" in
   *) bash scripts/setup.sh --tests ;;
 esac
 bash scripts/docker-up.sh
-markers=${AGENTRL_TEST_MARKERS-not gpu}
+markers=${AGENTRL_TEST_MARKERS-not gpu and not benchmark_smoke}
 pytest=(.venv/bin/python -m pytest -q --durations=25)
 if [ "${AGENTRL_TEST_SPLIT-1}" = 0 ]; then
   exec "${pytest[@]}" -m "$markers" "$@"

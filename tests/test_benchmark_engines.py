@@ -4,7 +4,9 @@ quote: ``benchmarks/smoke.py``'s list, each in its shortest mode.
 ``tests/test_benchmark_smoke.py`` runs the benchmarks that need no engine; this file runs those with
 a vLLM engine or sandboxes of their own (and ``first_hour``: a fresh clone and venv to the
 quickstart's first step), ``tests/test_benchmark_runs.py`` those made of whole ``agentrl run``s, one
-after another as ``scripts/test.sh`` runs system tests (each file in its own lane). Each runs as
+after another as ``scripts/test.sh`` runs system tests (each file in its own lane). They are marked
+``benchmark_smoke``, which CI's run deselects (about 20 minutes more on 2 cores: run them before a
+release with ``AGENTRL_TEST_MARKERS="not gpu" bash scripts/test.sh``). Each runs as
 a subprocess of this interpreter from the repository root with ``TMPDIR`` in a folder of its own
 (``smoke.run_one``), so what a benchmark leaves in the temporary folder is removed with it.
 The test checks that it exits 0 and that the LAST line of its stdout is a JSON object holding the
@@ -22,7 +24,7 @@ import pytest
 
 from tests.test_benchmark_smoke import smoke
 
-pytestmark = [pytest.mark.vllm, pytest.mark.docker, pytest.mark.slow]
+pytestmark = [pytest.mark.vllm, pytest.mark.docker, pytest.mark.slow, pytest.mark.benchmark_smoke]
 
 COVERED_ELSEWHERE = {"chaos"}  # tests/test_chaos.py runs benchmarks/chaos.py with its defaults
 # made of whole `agentrl run`s (two each for the comparisons): tests/test_benchmark_runs.py

@@ -8,7 +8,7 @@ import pytest
 
 from tests.test_benchmark_engines import RUNS, run_benchmark, smoke
 
-pytestmark = [pytest.mark.vllm, pytest.mark.docker, pytest.mark.slow]
+pytestmark = [pytest.mark.vllm, pytest.mark.docker, pytest.mark.slow, pytest.mark.benchmark_smoke]
 
 RUN_BENCHMARKS = [b for b in smoke.BENCHMARKS if b[0] in RUNS]
 
