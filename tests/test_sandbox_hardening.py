@@ -364,7 +364,7 @@ def test_a_policy_that_exhausts_its_box_gets_a_failed_tool_call_and_a_scored_epi
     the task: reward 1.0). Never an infrastructure failure that would drop the group and excuse it."""
     from agentrl.errors import INFRASTRUCTURE
     from agentrl.rollout.episode import run_episode
-    from tests.test_docker_hosts import TASK, GatedRouter, _bash
+    from tests.scripted_shell import TASK, GatedRouter, _bash
 
     script = [_bash(FILL), _bash(f"python3 -c {shlex.quote(HOG)}"),
               _bash("rm -f /work/fill /tmp/fill /dev/shm/fill; grep -c ERROR logs/app.log > errors.txt"),
