@@ -16,31 +16,13 @@ so short a run. ``chaos`` is not here: ``tests/test_chaos.py`` runs it at its de
 
 from __future__ import annotations
 
-import shutil
-import tempfile
-from pathlib import Path
-
 import pytest
 
-from tests.test_benchmark_smoke import smoke
+from tests.benchmark_helpers import COVERED_ELSEWHERE, RUNS, run_benchmark, smoke
 
 pytestmark = [pytest.mark.vllm, pytest.mark.docker, pytest.mark.slow, pytest.mark.benchmark_smoke]
 
-COVERED_ELSEWHERE = {"chaos"}  # tests/test_chaos.py runs benchmarks/chaos.py with its defaults
-# made of whole `agentrl run`s (two each for the comparisons): tests/test_benchmark_runs.py
-RUNS = {"async_vs_sync", "multi_agent", "multi_agent_stragglers", "scoring_pace", "learning", "curriculum",
-        "distill"}
 ENGINE_BENCHMARKS = [b for b in smoke.BENCHMARKS if b[0] not in COVERED_ELSEWHERE | RUNS]
-
-
-def run_benchmark(name: str, args: list[str], keys: list[str]) -> None:
-    """One benchmark in its shortest mode, its output and ``TMPDIR`` in a folder of the system's
-    temporary folder (pytest's are too long a path for the unix sockets some benchmarks' parts
-    bind), removed once it passed (``first_hour`` leaves a clone and a venv there: 3.6 GB)."""
-    root = Path(tempfile.mkdtemp(prefix="agentrl-bench-"))
-    ok, why = smoke.run_one(name, args, keys, root, timeout_s=1400)
-    assert ok, f"benchmarks/{smoke.SCRIPTS.get(name, name)}.py {' '.join(args)} (output in {root}): {why}"
-    shutil.rmtree(root, ignore_errors=True)
 
 
 @pytest.mark.timeout(1500)

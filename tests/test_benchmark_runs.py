@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.test_benchmark_engines import RUNS, run_benchmark, smoke
+from tests.benchmark_helpers import RUNS, run_benchmark, smoke
 
 pytestmark = [pytest.mark.vllm, pytest.mark.docker, pytest.mark.slow, pytest.mark.benchmark_smoke]
 

@@ -18,7 +18,6 @@ Not here, because each starts vLLM engines, sandboxes or a whole ``agentrl run``
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import subprocess
 import sys
@@ -27,12 +26,7 @@ from typing import Any
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-# benchmarks/ holds scripts, not a package: smoke.py loaded by path (nothing added to sys.path)
-_spec = importlib.util.spec_from_file_location("benchmarks_smoke", ROOT / "benchmarks" / "smoke.py")
-assert _spec is not None and _spec.loader is not None
-smoke = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(smoke)
+from tests.benchmark_helpers import ROOT, smoke
 
 ROUTES = ("chat", "responses", "messages")
 

@@ -22,12 +22,11 @@ from pathlib import Path
 
 import pytest
 
+from tests.benchmark_helpers import ROOT, smoke
 from tests.chaos_harness import KINDS
-from tests.test_benchmark_smoke import smoke
 
 pytestmark = [pytest.mark.vllm, pytest.mark.docker, pytest.mark.slow]
 
-ROOT = Path(__file__).resolve().parents[1]
 # the keys of the benchmark's final line that README.md and docs/operating.md quote
 KEYS = next(keys for name, _, keys in smoke.BENCHMARKS if name == "chaos") + [
     "trials_by_kind", "audited_ids", "unaccounted", "restarted"]
