@@ -152,7 +152,7 @@ def test_a_dead_engine_is_taken_out_at_once_relaunched_after_its_back_off_and_re
             killed = time.monotonic()
             engine.die(137)
             await until(lambda: not pool.engines[0].healthy)
-            assert time.monotonic() - killed < 1.0  # out of the pool well before the relaunch
+            assert not engine.launches  # out of the pool before the relaunch
             assert sup.status()[0]["state"] == "restarting"
             assert "killed by signal 9" in pool.downs[0][1]
             await until(lambda: sup.status()[0]["state"] == "up")

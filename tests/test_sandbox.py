@@ -196,7 +196,7 @@ def test_an_infinite_loop_is_killed_at_its_timeout_and_the_box_is_replaced(backe
                 t0 = time.monotonic()
                 r = await sb.exec("sleep 1000 & while true; do :; done", timeout=1.0)
                 assert r.timed_out and r.exit_code == 124
-                assert time.monotonic() - t0 < 5
+                assert time.monotonic() - t0 < 30  # the 1 s timeout, not the command's 1000 s
                 first = sb.id
             await pool.wait_idle()
             # removed: Docker may still list it for a moment while its removal finishes (a 409)

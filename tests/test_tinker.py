@@ -422,26 +422,44 @@ def test_sdk_0_19_and_0_38_see_the_same_training(service):
 
 
 def test_a_program_that_ends_frees_its_training_clients(tmp_path):
-    """With room for two training clients: a program that took both and exited holds them until
-    its session misses heartbeats for the session TTL; then a new client gets a place (and,
-    before, a full service says so with a 4xx)."""
+    """With room for two training clients: while a program holds both, a full service says so with a
+    4xx; once the program has exited (without finishing its session), its session misses heartbeats
+    for the session TTL and a new client gets a place, not before the TTL."""
     script = (
         "import sys, tinker\n"
         "sc = tinker.ServiceClient(base_url=sys.argv[1], api_key=sys.argv[2])\n"
         "for _ in range(2):\n"
         "    sc.create_lora_training_client(base_model='smollm2', rank=4).result()\n"
+        "print('holding', flush=True)\n"
+        "sys.stdin.read()\n"
     )
-    with running_service(tmp_path, "--no-sampling", "--max-clients", "2", "--session-ttl", "12") as url:
-        done = subprocess.run([sys.executable, "-c", script, url, KEY_A], capture_output=True, text=True,
-                              timeout=300)
-        assert done.returncode == 0, done.stderr[-2000:]
+    ttl = 12
+    with running_service(tmp_path, "--no-sampling", "--max-clients", "2", "--session-ttl", str(ttl)) as url:
+        program = subprocess.Popen([sys.executable, "-c", script, url, KEY_A], stdin=subprocess.PIPE,
+                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            assert program.stdout.readline().strip() == "holding", program.stderr.read()[-2000:]
+            sc = _client(url, KEY_B)
+            with pytest.raises(tinker.BadRequestError, match="2 training clients at most"):
+                sc.create_lora_training_client(base_model="smollm2", rank=4).result()
+            program.stdin.close()  # the program exits; its session is not finished
+            assert program.wait(timeout=120) == 0, program.stderr.read()[-2000:]
+        finally:
+            program.kill()
+            program.wait()
         ended = time.monotonic()
-        sc = _client(url, KEY_B)
-        with pytest.raises(tinker.BadRequestError, match="2 training clients at most"):
-            sc.create_lora_training_client(base_model="smollm2", rank=4).result()
-        time.sleep(max(0.0, 13 - (time.monotonic() - ended)))
-        client = _client(url, KEY_B).create_lora_training_client(base_model="smollm2", rank=4).result()
+        while True:  # refused until the TTL has passed since the program's last heartbeat, then placed
+            try:
+                client = _client(url, KEY_B).create_lora_training_client(base_model="smollm2", rank=4)
+                client = client.result()
+                break
+            except tinker.BadRequestError as e:
+                assert "2 training clients at most" in str(e)
+                assert time.monotonic() - ended < ttl + 60, "the exited program's clients were never freed"
+                time.sleep(1)
         assert client.get_info().model_id
+        log = (tmp_path / "service.log").read_text()
+        assert f"ended (no heartbeat for over {ttl} s); freed 2 training clients" in log, log[-3000:]
 
 
 def test_a_client_that_closes_finishes_its_session_at_once(service):
