@@ -1,5 +1,7 @@
 """What the benchmarks share: a free loopback port, one percentile convention, running ``agentrl run``,
-and serve's weight receiver over one engine.
+serve's weight receiver over one engine, and ``die_with_parent`` for every process a benchmark
+starts (``preexec_fn``): a benchmark killed, with SIGTERM or SIGKILL, takes its runs, services and
+engines with it instead of leaving them on the machine.
 
 Benchmarks run as scripts (``python benchmarks/x.py``), so this module is imported as ``common``
 (the script's own folder is on ``sys.path``).
@@ -12,6 +14,8 @@ import contextlib
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
+
+from agentrl.engines.reaper import die_with_parent
 
 
 def in_flight_options(p: argparse.ArgumentParser, *, model: str, max_tokens: int) -> None:
@@ -52,7 +56,7 @@ def agentrl_run(cmd: list[str], run_dir: Path, t0: float) -> dict[str, Any]:
 
     print(" ".join(cmd[2:]), file=sys.stderr, flush=True)
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"}, preexec_fn=die_with_parent)
     assert proc.stdout is not None
     last = ""
     for line in proc.stdout:

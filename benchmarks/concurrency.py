@@ -42,7 +42,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from common import free_port  # noqa: E402
+from common import die_with_parent, free_port  # noqa: E402
 
 from agentrl.engines.pool import EnginePool, metric_sums  # noqa: E402
 from agentrl.rollout.concurrency import ConcurrencyController, http_reader  # noqa: E402
@@ -181,7 +181,7 @@ def start_engines(n: int, model: str, args: argparse.Namespace) -> tuple[list[st
                                  "--model", model, "--served-model-name", "tiny-tools", "--tokens-per-s",
                                  str(args.tokens_per_s), "--kv-tokens", str(args.kv_tokens),
                                  "--prefill-s-per-token", str(args.prefill_s_per_token), "--step-s", "0.02"],
-                                stdout=subprocess.PIPE, text=True)
+                                stdout=subprocess.PIPE, text=True, preexec_fn=die_with_parent)
         procs.append(proc)
         assert proc.stdout is not None
         line = proc.stdout.readline()

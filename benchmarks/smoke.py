@@ -43,6 +43,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from agentrl.engines.reaper import die_with_parent
+
 ROOT = Path(__file__).resolve().parents[1]
 
 # (name, shortest arguments, keys the final JSON line must hold). "{run}" is this benchmark's own
@@ -194,7 +196,8 @@ def run_one(name: str, args: list[str], keys: list[str], run_root: Path,
     env = dict(os.environ, TMPDIR=str(run_root))
     env.setdefault("TORCHINDUCTOR_CACHE_DIR", inductor)
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, cwd=ROOT, env=env)
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, cwd=ROOT, env=env,
+                              preexec_fn=die_with_parent)
     except subprocess.TimeoutExpired as e:
         err = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or "")
         return False, f"timed out after {timeout_s:.0f} s; stderr ends:\n{err[-2000:]}"

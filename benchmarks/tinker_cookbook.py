@@ -41,7 +41,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from common import free_port
+from common import die_with_parent, free_port
 
 # This script's name is the cookbook's package name: with its folder first on sys.path,
 # ``import tinker_cookbook`` would find the script. Its folder has served (common) and goes.
@@ -89,7 +89,8 @@ def running_service(folder: Path, key: str) -> Iterator[str]:
     proc = subprocess.Popen([sys.executable, "-m", "agentrl.cli", "tinker", "--model", "smollm2",
                              "--port", str(port), "--engine-port", str(engine_port),
                              "--state-dir", str(folder / "state")],
-                            stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+                            stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
+                            preexec_fn=die_with_parent)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 300

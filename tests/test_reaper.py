@@ -172,3 +172,25 @@ def test_an_engines_private_folder_leaves_room_for_vllms_socket_paths(monkeypatc
         assert len(f"{folder}/{'0' * 36}".encode()) <= 107
     finally:
         os.rmdir(folder)
+
+
+def test_a_benchmark_killed_takes_the_processes_it_started_with_it(tmp_path):
+    """The benchmarks start their runs, services and engines with ``die_with_parent``: a benchmark
+    ended by SIGTERM (Python's default: no cleanup runs) or by SIGKILL leaves none of them behind."""
+    bench = os.path.join(os.path.dirname(__file__), "..", "benchmarks")
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        pidfile = tmp_path / f"child-{sig}.pid"
+        script = textwrap.dedent(f"""
+            import subprocess, sys, time
+            sys.path.insert(0, {bench!r})
+            from common import die_with_parent
+            child = subprocess.Popen(["sleep", "600"], preexec_fn=die_with_parent)
+            open({str(pidfile)!r}, "w").write(str(child.pid))
+            time.sleep(600)
+        """)
+        benchmark = subprocess.Popen([sys.executable, "-c", script])
+        child = _read_pid(pidfile)
+        assert _alive(child)
+        benchmark.send_signal(sig)
+        benchmark.wait(10)
+        assert _wait_gone(child, 10), f"the benchmark's child outlived it after signal {sig}"

@@ -30,7 +30,11 @@ PR_SET_PDEATHSIG = 1
 GRACE_S = float(os.environ.get("AGENTRL_REAPER_GRACE_S", "15"))
 
 
-def _die_with_parent(sig: int = signal.SIGTERM) -> None:
+def die_with_parent(sig: int = signal.SIGTERM) -> None:
+    """Ask the kernel for signal ``sig`` when this process's parent dies (PR_SET_PDEATHSIG; a no-op
+    where prctl is missing). Passed as ``preexec_fn`` it runs in a child before exec, so the child
+    goes when its launcher goes, however the launcher died (the launching *thread*, strictly: launch
+    from a thread that lives as long as the child should)."""
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, sig)
     except OSError:
@@ -89,7 +93,7 @@ def main(argv: list[str]) -> int:
 
 def _reap(argv: list[str]) -> int:
     parent = os.getppid()
-    _die_with_parent()
+    die_with_parent()
     if os.getppid() != parent:  # the parent died before prctl took effect
         return 1
     # the command gets SIGTERM if the reaper itself is killed with kill -9 (e.g. with its own parent,
@@ -112,7 +116,7 @@ def _reap(argv: list[str]) -> int:
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
     signal.signal(signal.SIGUSR1, kill_now)
-    child = subprocess.Popen(argv, start_new_session=True, preexec_fn=_die_with_parent)
+    child = subprocess.Popen(argv, start_new_session=True, preexec_fn=die_with_parent)
     if deadline is not None:  # a stop that came while it started
         signal_group(child.pid, signal.SIGTERM)
     # The escalation lives in this loop, not in the handlers: a handler runs inside the wait it

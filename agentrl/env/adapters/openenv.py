@@ -27,7 +27,6 @@ from __future__ import annotations
 import asyncio
 import atexit
 import contextlib
-import ctypes
 import importlib
 import json
 import logging
@@ -41,6 +40,7 @@ import urllib.request
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from agentrl.engines.reaper import die_with_parent
 from agentrl.env.adapters import AdapterError
 from agentrl.env.base import Environment, Message, Reset, StepResult
 from agentrl.errors import EnvironmentFailure
@@ -65,10 +65,6 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _die_with_parent() -> None:  # runs in the child before exec: SIGTERM when serve dies, however it dies
-    with contextlib.suppress(Exception):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
 
 class _Server:
     """One OpenEnv server process on loopback, shared by every episode of its environment."""
@@ -91,7 +87,7 @@ class _Server:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "uvicorn", self.app, "--host", "127.0.0.1", "--port", str(port),
                  "--log-level", "warning"], cwd=self.path, env=env, stdout=subprocess.DEVNULL,
-                stderr=subprocess.PIPE, start_new_session=True, preexec_fn=_die_with_parent)
+                stderr=subprocess.PIPE, start_new_session=True, preexec_fn=die_with_parent)
             self.url = f"http://127.0.0.1:{port}"
             await asyncio.to_thread(self._wait_ready)
             log.info("OpenEnv server %s at %s", self.app, self.url)

@@ -44,7 +44,6 @@ from __future__ import annotations
 import ast
 import asyncio
 import contextlib
-import ctypes
 import functools
 import importlib.util
 import itertools
@@ -57,6 +56,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+from agentrl.engines.reaper import die_with_parent
 from agentrl.env.adapters import AdapterError
 from agentrl.env.base import Model, Played, Reset
 from agentrl.env.roles import ROLE_NAME, Agent, MultiAgentEnv
@@ -104,10 +104,6 @@ def _worker_env() -> dict[str, str]:
     env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
     return env
 
-
-def _die_with_parent() -> None:
-    with contextlib.suppress(Exception):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 class Listing(NamedTuple):
@@ -161,7 +157,7 @@ class _Worker:
                 env=_worker_env(),
                 limit=64 << 20,
                 start_new_session=True,
-                preexec_fn=_die_with_parent,
+                preexec_fn=die_with_parent,
             )
             self.reader = asyncio.create_task(self._read())
             self.keeper = _until_loop_ends(self)
