@@ -154,7 +154,7 @@ def test_sampler_weights_saved_before_a_restart_load_again_at_their_first_sample
             await service._engine_model(owner, gone.path)
 
         sampler.during_load = lambda: service.store.delete(owner, racing)
-        with pytest.raises(NotFound, match="deleted or expired"):
+        with pytest.raises(NotFound, match="deleted, expired or unpublished"):
             await service._engine_model(owner, racing.path)
         assert racing.path not in service.published and sampler.unloaded == [sampler.loaded[-1][0]]
 

@@ -107,7 +107,7 @@ def test_a_trained_adapters_samples_carry_the_training_sides_logprobs(service):
 
     # deleted: out of the engine, so neither the client that had it nor a new one samples it
     tinker.RestClient(base_url=service, api_key=KEY_A).delete_checkpoint_from_tinker_path(path).result()
-    with pytest.raises(tinker.NotFoundError, match="deleted or expired"):
+    with pytest.raises(tinker.NotFoundError, match="deleted, expired or unpublished"):
         named.sample(types.ModelInput.from_ints(prompt), num_samples=1, sampling_params=params).result()
     with pytest.raises(tinker.NotFoundError):
         sc.create_sampling_client(model_path=path).result().sample(

@@ -471,7 +471,7 @@ class TinkerService:
         await self.sampler.publish(name, folder)
         if not folder.exists():  # deleted or expired while it loaded
             await self.sampler.unload(name)
-            raise NotFound(f"sampler weights {path} were deleted or expired")
+            raise NotFound(f"sampler weights {path} were deleted, expired or unpublished")
         self.published[path] = (owner, name)
         return name
 
@@ -546,7 +546,7 @@ class TinkerService:
                 try:
                     self._sampler_path(tenant, None, path)
                 except NotFound:
-                    raise NotFound(f"sampler weights {path} were deleted or expired") from None
+                    raise NotFound(f"sampler weights {path} were deleted, expired or unpublished") from None
         else:
             path = self._sampler_path(tenant, body.get("base_model"), body.get("model_path"))
         prompt = _prompt_tokens(body.get("prompt"), self.trainer.vocab)
