@@ -35,7 +35,9 @@ def test_a_trained_adapters_samples_carry_the_training_sides_logprobs(service):
     temperature 1 (EOS off, so every sample has its length): each sampled token's logprob equals
     forward's on the same tokens within 1e-3; the base model's compute_logprobs equals a fresh
     client's forward (B = 0) within 1e-3; a top-3 of the prompt's logprobs is ranked and holds the
-    best; a named sampler checkpoint samples by path, and another key cannot use it."""
+    best; target prompt logprobs of the prompt's own tokens equal the engine's prompt logprobs within
+    1e-3, and prompt alternatives come in the asked shape; a named sampler checkpoint samples by path,
+    and another key cannot use it."""
     sc = _client(service, KEY_A)
     tc = sc.create_lora_training_client(base_model="smollm2", rank=8, seed=1).result()
     tokenizer = tc.get_tokenizer()
@@ -94,6 +96,23 @@ def test_a_trained_adapters_samples_carry_the_training_sides_logprobs(service):
         assert sum(np.exp(lps)) <= 1 + 1e-4
         if token in dict(row):
             assert abs(dict(row)[token] - lp) < 1e-4
+
+    # chosen ids scored at every prompt position, and 4 draws there, on the sampler's weights: the
+    # prompt's own next tokens score what the engine's prompt logprobs say; -1 asks nothing
+    rows = len(text) - 1
+    targets = np.stack([np.array(text[1:]), np.full(rows, 11), np.full(rows, -1)], axis=1)
+    scored = sampler.sample(types.ModelInput.from_ints(text), num_samples=1, sampling_params=one,
+                            include_prompt_logprobs=True, target_prompt_logprobs=types.TensorData.from_numpy(
+                                targets), prompt_alt_tokens_k=4).result()
+    table = scored.target_prompt_logprobs.to_numpy()
+    assert table.shape == (rows, 3) and (table[:, 2] == 0.0).all() and (table[:, 1] < 0).all()
+    assert np.abs(table[:, 0] - np.array(scored.prompt_logprobs[1:])).max() < 1e-3
+    alt = scored.prompt_alt_tokens
+    assert alt.tokens.to_numpy().shape == alt.logprobs.to_numpy().shape == (rows, 4)
+    assert (alt.logprobs.to_numpy() <= 0).all()
+    with pytest.raises(tinker.BadRequestError, match="outside the vocabulary"):
+        sampler.sample(types.ModelInput.from_ints(text), num_samples=1, sampling_params=one,
+                       target_prompt_logprobs=types.TensorData.from_numpy(targets + 10**6)).result()
 
     path = tc.save_weights_for_sampler("after-one-step").result().path
     assert path.endswith("/sampler_weights/after-one-step")

@@ -49,6 +49,8 @@ class SampleResult:
     sequences: list[Sampled]
     prompt_logprobs: list[float] | None = None  # NaN at position 0
     topk_prompt: list[list[tuple[int, float]]] | None = None  # per position (empty at 0)
+    target_prompt: Any = None  # float32 [len(prompt) - 1, K]: the request's target ids' logprobs
+    alt_tokens: Any = None  # (int64 ids, float32 logprobs), each [len(prompt) - 1, k]
 
 
 class Sampler:

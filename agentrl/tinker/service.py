@@ -51,11 +51,13 @@ from agentrl.tinker.wire import (
     forward_backward_result,
     read_forward_backward,
     sample_result,
+    target_cells,
 )
 
 log = logging.getLogger(__name__)
 
 MAX_BODY = 64 << 20  # a request body as sent (compressed or not)
+MAX_ALT_TOKENS = 64  # prompt_alt_tokens_k, at most
 
 
 @dataclass
@@ -567,20 +569,30 @@ class TinkerService:
             if not isinstance(last_n, int) or isinstance(last_n, bool) or not 1 <= last_n <= len(prompt) - 1:
                 raise BadRequest(f"prompt_logprobs_last_n must be an integer from 1 to {len(prompt) - 1} "
                                  f"(the prompt's length - 1); got {last_n!r}")
-        if body.get("prompt_alt_tokens_k"):
-            raise BadRequest("prompt_alt_tokens_k is not supported by this service yet")
-        if body.get("target_prompt_logprobs") is not None:
-            raise BadRequest("target_prompt_logprobs is not supported by this service yet")
+        alt_k = body.get("prompt_alt_tokens_k") or 0
+        if not isinstance(alt_k, int) or isinstance(alt_k, bool) or not 0 <= alt_k <= MAX_ALT_TOKENS:
+            raise BadRequest(f"prompt_alt_tokens_k must be an integer from 0 to {MAX_ALT_TOKENS}; "
+                             f"got {alt_k!r}")
+        targets = body.get("target_prompt_logprobs")
+        if targets is not None:
+            targets = target_cells(targets, len(prompt) - 1, self.trainer.vocab)
         from agentrl.tinker.sampler import _vllm_params
 
         params = body.get("sampling_params") or {}
-        _vllm_params(params, n, len(prompt), self.sampler.max_model_len)  # refused now, not in the future
-        sampler = self.sampler
+        vllm = _vllm_params(params, n, len(prompt), self.sampler.max_model_len)  # refused now, not later
+        sampler, loop = self.sampler, asyncio.get_running_loop()
 
         async def sample(_: Any) -> Any:
             model = await self._engine_model(tenant, path)
-            return await sampler.sample(model, prompt, n, params, prompt_logprobs=want_prompt,
-                                        topk_prompt=topk, topk_sample=topk_sample, last_n=last_n)
+            out = await sampler.sample(model, prompt, n, params, prompt_logprobs=want_prompt,
+                                       topk_prompt=topk, topk_sample=topk_sample, last_n=last_n)
+            if targets is not None or alt_k:  # on the training side's copy of the same weights
+                folder = None if path is None else \
+                    self.store.locate(tenant, parse(path, ("sampler_weights",)))[0]
+                out.target_prompt, out.alt_tokens = await loop.run_in_executor(
+                    self.worker, self.trainer.score_prompt, folder, prompt, targets, alt_k,
+                    vllm["temperature"], vllm.get("seed"))
+            return out
 
         ids = [f"seq-{secrets.token_hex(6)}" for _ in range(n)]
         return self._submit(request, "sample", None, then=sample, extra={"sample_sequence_ids": ids})

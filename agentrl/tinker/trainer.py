@@ -20,10 +20,13 @@ Invariants:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
 import secrets
+import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,6 +37,7 @@ import torch
 from agentrl.learner.lora import LoraConfig, activate, add_adapters, of_adapter
 from agentrl.tinker.losses import LOSSES, NOT_YET
 from agentrl.tinker.wire import BadRequest, ForwardBackward, NotFound
+from agentrl.weights.adapters import is_adapter_key
 
 log = logging.getLogger(__name__)
 
@@ -291,12 +295,107 @@ class Trainer:
 
     def drop(self, name: str) -> None:
         """Remove adapter ``name`` (its weights, gradients and optimizer) from the model."""
-        from peft.tuners.tuners_utils import BaseTunerLayer
-
         if self.adapters.pop(name, None) is None:
             return
-        for module in self.model.modules():
-            if isinstance(module, BaseTunerLayer) and name in getattr(module, "lora_A", {}):
-                module.delete_adapter(name)
-        getattr(self.model, "peft_config", {}).pop(name, None)
+        self._remove(name)
         log.info("training client %s freed", name)
+
+    def _remove(self, name: str) -> None:
+        from peft.tuners.tuners_utils import BaseTunerLayer
+
+        with warnings.catch_warnings():  # peft notes another adapter becomes active (each call picks its own)
+            warnings.filterwarnings("ignore", message=".*was active which is now deleted")
+            for module in self.model.modules():
+                if isinstance(module, BaseTunerLayer) and name in getattr(module, "lora_A", {}):
+                    module.delete_adapter(name)
+        getattr(self.model, "peft_config", {}).pop(name, None)
+        self._trainable()
+
+    def _trainable(self) -> None:
+        """Every adapter trainable again (peft freezes the ones it switches away from; the service
+        keeps them all trainable, as :func:`activate` does)."""
+        for key, p in self.model.named_parameters():
+            if is_adapter_key(key):
+                p.requires_grad_(True)
+
+    def score_prompt(self, adapter_dir: Path | None, prompt: list[int], targets: np.ndarray | None,
+                     alt_k: int, temperature: float, seed: int | None
+                     ) -> tuple[np.ndarray | None, tuple[np.ndarray, np.ndarray] | None]:
+        """The prompt's next-token distributions under the base model (``adapter_dir`` None) or the
+        sampler weights in the peft folder ``adapter_dir`` (loaded into a scratch adapter for this
+        call only), and from them: the logprobs of ``targets`` (``[len(prompt) - 1, K]`` ids, row
+        ``i`` scored at position ``i + 1``; ``-1`` asks nothing and gets 0.0), and ``alt_k`` draws per
+        position, with replacement, at ``temperature`` (0: the most likely token), with the model's
+        logprob of each. Logprobs are fp32 log-softmax over the full vocabulary, as ``forward``'s."""
+        name = self._load_scratch(adapter_dir) if adapter_dir is not None else None
+        try:
+            with torch.no_grad():
+                if name is not None:
+                    activate(self.model, name)
+                    logits = self.model(input_ids=torch.tensor([prompt])).logits[0, :-1].float()
+                else:
+                    with self._base_only():
+                        logits = self.model(input_ids=torch.tensor([prompt])).logits[0, :-1].float()
+        finally:
+            if name is not None:
+                self._remove(name)
+        logp = logits.log_softmax(-1)  # row i: the distribution of prompt[i + 1]
+        scored = None
+        if targets is not None:
+            t = torch.from_numpy(np.ascontiguousarray(targets, dtype=np.int64))
+            scored = torch.where(t >= 0, logp.gather(-1, t.clamp(min=0)), 0.0).numpy().astype(np.float32)
+        alt = None
+        if alt_k:
+            if temperature == 0:
+                ids = logits.argmax(-1, keepdim=True).expand(-1, alt_k)
+            else:
+                gen = torch.Generator().manual_seed(seed if seed is not None else secrets.randbits(62))
+                ids = torch.multinomial((logits / temperature).softmax(-1), alt_k, replacement=True,
+                                        generator=gen)
+            alt = ids.numpy().astype(np.int64), logp.gather(-1, ids).numpy().astype(np.float32)
+        return scored, alt
+
+    def _load_scratch(self, folder: Path) -> str:
+        """The peft folder ``folder`` (sampler weights :meth:`export` wrote) as a new adapter of the
+        model, under a scratch name the caller removes."""
+        import json
+        import re
+
+        from safetensors.torch import load_file
+
+        from agentrl.weights.adapters import ADAPTER_FILE, CONFIG_FILE, PREFIX
+
+        try:
+            config = json.loads((folder / CONFIG_FILE).read_text())
+            tensors = load_file(str(folder / ADAPTER_FILE))
+        except FileNotFoundError:
+            raise NotFound(f"no sampler weights at {folder.name}") from None
+        name = f"s{secrets.token_hex(6)}"
+        cfg = LoraConfig(rank=int(config["r"]), alpha=float(config["lora_alpha"]),
+                         target_modules=list(config["target_modules"]))
+        add_adapters(self.model, cfg, names=[name])
+        params = dict(self.model.named_parameters())
+        try:
+            with torch.no_grad():
+                for key, value in tensors.items():
+                    own = re.sub(r"\.(lora_[AB])\.", rf".\1.{name}.", key.removeprefix(PREFIX), count=1)
+                    params[own].copy_(value)
+        except Exception:
+            self._remove(name)
+            raise
+        return name
+
+    @contextlib.contextmanager
+    def _base_only(self) -> Iterator[None]:
+        """Every adapter off for the block: the base model's forward pass."""
+        from peft.tuners.tuners_utils import BaseTunerLayer
+
+        layers = [m for m in self.model.modules() if isinstance(m, BaseTunerLayer)]
+        for m in layers:
+            m.enable_adapters(False)
+        try:
+            yield
+        finally:
+            for m in layers:
+                m.enable_adapters(True)
+            self._trainable()

@@ -255,6 +255,55 @@ def forward_backward_result(outputs: list[dict[str, np.ndarray]], metrics: dict[
     return msg.SerializeToString(), PROTO
 
 
+MAX_TARGETS = 64  # target_prompt_logprobs' K, at most
+
+
+def target_cells(obj: Any, rows: int, vocab: int) -> np.ndarray:
+    """A sample request's ``target_prompt_logprobs`` (an int64 TensorData of shape ``[rows, K]``,
+    dense or sparse CSR) as a dense int64 matrix, ``-1`` in every cell that asks for nothing; each id
+    in the vocabulary."""
+    name = "target_prompt_logprobs"
+    if not isinstance(obj, dict) or obj.get("dtype") != "int64" or not isinstance(obj.get("data"), list):
+        raise BadRequest(f"{name} must be a TensorData of int64 token ids")
+    shape = obj.get("shape")
+    if not (isinstance(shape, list) and len(shape) == 2
+            and all(isinstance(x, int) and not isinstance(x, bool) for x in shape)) \
+            or shape[0] != rows or not 1 <= shape[1] <= MAX_TARGETS:
+        raise BadRequest(f"{name} must be 2-D, [len(prompt) - 1, K] = [{rows}, K] with K from 1 to "
+                         f"{MAX_TARGETS}; got shape {shape!r}")
+    try:
+        values = np.asarray(obj["data"], dtype=np.int64).reshape(-1)
+        crow, col = obj.get("sparse_crow_indices"), obj.get("sparse_col_indices")
+        if crow is None and col is None:
+            if values.size != rows * shape[1]:
+                raise BadRequest(f"{name}: shape {shape} does not hold its {values.size} values")
+            dense = values.reshape(shape)
+        else:
+            crow, col = np.asarray(crow, dtype=np.int64), np.asarray(col, dtype=np.int64)
+            if crow.shape != (rows + 1,) or col.shape != values.shape or crow[0] != 0 or \
+                    crow[-1] != values.size or (np.diff(crow) < 0).any() or \
+                    (col.size and (col.min() < 0 or col.max() >= shape[1])):
+                raise BadRequest(f"{name}: an inconsistent sparse CSR tensor")
+            dense = np.full(shape, -1, dtype=np.int64)
+            dense[np.repeat(np.arange(rows), np.diff(crow)), col] = values
+    except (TypeError, ValueError, OverflowError) as e:
+        raise BadRequest(f"{name}: {e}") from None
+    if dense.size and (dense.min() < -1 or dense.max() >= vocab):
+        raise BadRequest(f"{name}: a token id is outside the vocabulary [0, {vocab}) (and not -1)")
+    return dense
+
+
+def _tensor_json(a: np.ndarray) -> dict[str, Any]:
+    return {"data": a.reshape(-1).tolist(), "dtype": str(a.dtype), "shape": list(a.shape)}
+
+
+def _tensor_proto(msg: Any, a: np.ndarray) -> None:
+    pb = _pb()
+    msg.dtype = pb.DTYPE_INT64 if a.dtype == np.int64 else pb.DTYPE_FLOAT32
+    msg.shape.extend(list(a.shape))
+    msg.dense = np.ascontiguousarray(a, dtype=np.int64 if a.dtype == np.int64 else np.float32).tobytes()
+
+
 def sample_result(result: Any, *, proto: bool) -> tuple[bytes, str]:
     """A ``SampleResponse`` (from :class:`agentrl.tinker.sampler.SampleResult`) as (body, content
     type): protobuf, tokens as int32 and logprobs as float32 bytes, or the JSON of older SDKs."""
@@ -275,6 +324,11 @@ def sample_result(result: Any, *, proto: bool) -> tuple[bytes, str]:
             out["prompt_logprobs"] = [None if math.isnan(x) else x for x in result.prompt_logprobs]
         if result.topk_prompt is not None:
             out["topk_prompt_logprobs"] = rows(result.topk_prompt)
+        if result.target_prompt is not None:
+            out["target_prompt_logprobs"] = _tensor_json(result.target_prompt)
+        if result.alt_tokens is not None:
+            out["prompt_alt_tokens"] = {"tokens": _tensor_json(result.alt_tokens[0]),
+                                        "logprobs": _tensor_json(result.alt_tokens[1])}
         return orjson.dumps(out), "application/json"
     pb = _pb()
     msg = pb.SampleResponse()
@@ -289,6 +343,11 @@ def sample_result(result: Any, *, proto: bool) -> tuple[bytes, str]:
         msg.prompt_logprobs = np.asarray(result.prompt_logprobs, dtype=np.float32).tobytes()
     if result.topk_prompt:
         _topk_message(msg.topk_prompt_logprobs, result.topk_prompt)
+    if result.target_prompt is not None:
+        _tensor_proto(msg.target_prompt_logprobs, result.target_prompt)
+    if result.alt_tokens is not None:
+        _tensor_proto(msg.prompt_alt_tokens.tokens, result.alt_tokens[0])
+        _tensor_proto(msg.prompt_alt_tokens.logprobs, result.alt_tokens[1])
     return msg.SerializeToString(), PROTO
 
 
