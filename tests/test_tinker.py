@@ -366,6 +366,62 @@ def test_training_runs_and_checkpoints_are_listed_published_given_ttls_and_delet
         rest.delete_checkpoint_from_tinker_path(first).result()
 
 
+def test_copy_weights_keeps_a_readable_checkpoint_after_its_source_is_gone(service, reference):
+    """RestClient.copy_weights: A's checkpoint copied by A into a project is a new run of A's, listed,
+    with the source's weights exactly and its optimizer state; B copies it only once A has published
+    it, and B's copy outlives A's unpublishing and deleting the source; a retry under the same
+    idempotency key gets the same copy; access tokens, a missing destination and a bad TTL are 4xx."""
+    _, tokenizer = reference
+    datum, _, _ = _sft_datum(tokenizer)
+    sc, rest = _client(service), tinker.RestClient(base_url=service, api_key=KEY_A)
+    b, b_rest = _client(service, KEY_B), tinker.RestClient(base_url=service, api_key=KEY_B)
+    tc = sc.create_lora_training_client(base_model="smollm2", rank=4, seed=11).result()
+    tc.forward_backward([datum], "cross_entropy").result()
+    tc.optim_step(types.AdamParams(learning_rate=2e-3)).result()
+    source = tc.save_state("to-copy").result().path
+    logp = tc.forward([datum], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].to_numpy()
+
+    def logprobs_of(client: object, path: str) -> np.ndarray:
+        loaded = client.create_training_client_from_state_with_optimizer(path).result()
+        return loaded.forward([datum], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].to_numpy()
+
+    mine = rest.copy_weights(source, "proj-archive", ttl_seconds=3600).result()
+    assert mine.endswith("/weights/to-copy") and mine != source
+    run = mine[len("tinker://"):].split("/")[0]
+    record = rest.get_training_run(run).result()
+    assert record.user_metadata == {"copied_from": source, "project_id": "proj-archive"}
+    listed = {c.tinker_path: c for c in rest.list_checkpoints(run).result().checkpoints}
+    assert listed[mine].expires_at is not None
+    assert np.array_equal(logprobs_of(sc, mine), logp)
+
+    with pytest.raises(tinker.NotFoundError):  # not published: B cannot copy it
+        b_rest.copy_weights(source, "proj-b").result()
+    rest.publish_checkpoint_from_tinker_path(source).result()
+    theirs = b_rest.copy_weights(source, "proj-b").result()
+    rest.unpublish_checkpoint_from_tinker_path(source).result()
+    rest.delete_checkpoint_from_tinker_path(source).result()
+    assert np.array_equal(logprobs_of(b, theirs), logp)  # B's own now: the source's fate is not its
+    assert np.array_equal(logprobs_of(sc, mine), logp)
+    with pytest.raises(tinker.NotFoundError):
+        b.create_training_client_from_state(mine).result()  # A's copy stays A's
+
+    with httpx.Client(base_url=service, headers={"X-API-Key": KEY_A}) as raw:
+        body = {"source_path": mine, "destination_project_id": "p"}
+        once = raw.post("/api/v1/copy_weights", json=body, headers={"X-Idempotency-Key": "k-1"})
+        again = raw.post("/api/v1/copy_weights", json=body, headers={"X-Idempotency-Key": "k-1"})
+        other = raw.post("/api/v1/copy_weights", json=body, headers={"X-Idempotency-Key": "k-2"})
+        assert once.status_code == 200 and once.json() == again.json()
+        assert other.json()["tinker_path"] != once.json()["tinker_path"]
+        for bad, headers in (({"source_path": mine}, {}),
+                             ({**body, "ttl_seconds": 5}, {}),
+                             ({**body, "source_path": "tinker://../weights/x"}, {}),
+                             (body, {"X-Tinker-Weights-Access-Token": "t"})):
+            r = raw.post("/api/v1/copy_weights", json=bad, headers=headers)
+            assert r.status_code == 400, (bad, r.text)
+        gone = raw.post("/api/v1/copy_weights", json={**body, "source_path": source})
+        assert gone.status_code == 404
+
+
 def test_forward_backward_custom_trains_as_its_loss_says(service, reference):
     """The SDK runs a custom loss on the client (a forward, its loss's gradient sent back as
     cross-entropy weights): a custom loss written as the weighted negative log-likelihood trains a

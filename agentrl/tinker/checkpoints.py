@@ -1,5 +1,6 @@
 """The Tinker service's training runs and checkpoints, per tenant: where they live on disk and what
-the SDK's REST calls read and change (list runs and checkpoints, weights info, delete, TTL, publish).
+the SDK's REST calls read and change (list runs and checkpoints, weights info, delete, TTL, publish,
+copy).
 
 Role: :class:`agentrl.tinker.service.TinkerService` maps ``tinker://`` paths to files through this
 store and answers ``RestClient`` with its records. Layout under the state folder::
@@ -223,6 +224,36 @@ class CheckpointStore:
         f = self.owned(tenant, ref)
         self._remove(tenant, ref, f)
 
+    def copy(self, tenant: str, ref: Ref, run: str, *, ttl_seconds: Any = None,
+             project: str | None = None) -> Ref:
+        """Checkpoint ``ref`` (``tenant``'s own, or one another tenant published) as a checkpoint of
+        the same kind and name in ``tenant``'s new run ``run``, which records where it came from and
+        no training client. Files are hard links where the file system allows (checkpoints are
+        written whole and renamed, never changed in place, so a link is a copy), copies otherwise;
+        the copy appears whole or not at all, and outlives its source."""
+        if self._read(tenant, run):
+            raise BadRequest(f"training run {run} exists already")
+        src, owner = self.locate(tenant, ref)
+        record = self._read(owner, ref.run)
+        new = Ref(run, ref.kind, ref.name)
+        dest = self.file(tenant, new)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        tmp = dest.with_name(f"{dest.name}.copying")
+        try:
+            if src.is_dir():
+                shutil.copytree(src, tmp, copy_function=_link_or_copy)
+            else:
+                _link_or_copy(src, tmp)
+            os.replace(tmp, dest)
+        except FileNotFoundError:  # deleted or expired meanwhile
+            shutil.rmtree(tmp, ignore_errors=True) if tmp.is_dir() else tmp.unlink(missing_ok=True)
+            raise NotFound(f"no checkpoint {ref.path} for this API key") from None
+        meta = {"copied_from": ref.path, **({"project_id": project} if project else {})}
+        self.record_run(tenant, run, base_model=record.get("base_model", ""), rank=record.get("lora_rank", 0),
+                        targets=list(record.get("targets") or []), user_metadata=meta)
+        self.saved(tenant, new, ttl_seconds=ttl_seconds)
+        return new
+
     def publish(self, tenant: str, ref: Ref, public: bool) -> None:
         self.owned(tenant, ref)
         self._change(tenant, ref, public=public)
@@ -270,6 +301,13 @@ class CheckpointStore:
             self._write(tenant, ref.run, record)
         if self.on_remove is not None:
             self.on_remove(tenant, ref)
+
+
+def _link_or_copy(src: Any, dst: Any) -> None:
+    try:
+        os.link(src, dst)
+    except OSError:  # another file system, or one without hard links
+        shutil.copy2(src, dst)
 
 
 def check_ttl(ttl_seconds: Any) -> int:

@@ -25,6 +25,7 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import collections
 import hashlib
 import logging
 import secrets
@@ -124,6 +125,9 @@ class TinkerService:
         self.sampler = sampler
         self.published: dict[str, tuple[str, str]] = {}  # sampler_weights path -> (tenant, engine model)
         self._loading: dict[str, asyncio.Future[str]] = {}  # sampler weights being loaded again
+        # (tenant, X-Idempotency-Key) -> the copy_weights answer (a retried request gets the same copy)
+        self._copies: collections.OrderedDict[tuple[str, str], asyncio.Future[Ref]] = \
+            collections.OrderedDict()
         self.sampling_sessions: dict[str, SamplingSession] = {}
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tinker-worker")
 
@@ -673,6 +677,46 @@ class TinkerService:
         self.store.set_ttl(request["tenant"], self._ref(request), body.get("ttl_seconds"))
         return _json({})
 
+    async def copy_weights(self, request: web.Request) -> web.Response:
+        """``RestClient.copy_weights`` / ``ServiceClient.copy_weights``: a checkpoint this key may read
+        (its own, or one published) copied into a new training run of this key, which keeps it when
+        the source is deleted, unpublished or expires. The run is the session's slot ``model_seq_id``
+        or, given a ``destination_project_id``, a run of its own that records the project. The SDK
+        sends one ``X-Idempotency-Key`` for a call and all its retries: they get one copy."""
+        body = await self._body(request)
+        tenant = request["tenant"]
+        if request.headers.get("X-Tinker-Weights-Access-Token"):
+            raise BadRequest("weights access tokens are not used here: another key's checkpoint is readable "
+                             "once its owner publishes it")
+        ref = parse(body.get("source_path"))
+        ttl, sid = body.get("ttl_seconds"), body.get("session_id")
+        project = body.get("destination_project_id")
+        if ttl is not None:
+            check_ttl(ttl)
+        if sid is not None:
+            run = self._session(request, sid, body.get("model_seq_id"))
+        elif isinstance(project, str) and 0 < len(project) <= 128:
+            run = f"copy-{secrets.token_hex(6)}"
+        else:
+            raise BadRequest("copy_weights needs a destination_project_id (up to 128 characters), or a "
+                             "session_id and a model_seq_id")
+        key = (tenant, request.headers.get("X-Idempotency-Key", "")[:100])
+        done = self._copies.get(key) if key[1] else None
+        if done is None:
+            done = asyncio.ensure_future(asyncio.to_thread(self.store.copy, tenant, ref, run, ttl_seconds=ttl,
+                                                           project=project if sid is None else None))
+            if key[1]:
+                self._copies[key] = done
+                while len(self._copies) > 10_000:
+                    self._copies.popitem(last=False)
+        try:
+            new = await asyncio.shield(done)
+        except TinkerError:
+            self._copies.pop(key, None)  # refused: a retry may try again
+            raise
+        log.info("tinker: %s copied to %s", ref.path, new.path)
+        return _json({"tinker_path": new.path})
+
     async def weights_info(self, request: web.Request) -> web.Response:
         body = await self._body(request)
         return _json(self.store.weights_info(request["tenant"], parse(body.get("tinker_path"))))
@@ -725,6 +769,7 @@ class TinkerService:
         r.add_put(checkpoint + "/ttl", self.set_checkpoint_ttl)
         r.add_get("/api/v1/checkpoints", self.list_user_checkpoints)
         r.add_post("/api/v1/weights_info", self.weights_info)
+        r.add_post("/api/v1/copy_weights", self.copy_weights)
         r.add_get("/api/v1/sessions", self.list_sessions)
         r.add_get("/api/v1/sessions/{session_id}", self.get_session)
         r.add_route("*", "/{tail:.*}", self.unknown)
