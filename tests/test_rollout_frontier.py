@@ -157,3 +157,28 @@ def test_the_frontier_file_survives_a_torn_line_and_a_fresh_run_forgets_it(tmp_p
     fresh = TaskFrontier(path, fresh=True)
     assert fresh.cursor == 0 and not fresh.open
     fresh.close()
+
+
+def test_a_frontier_line_the_full_disk_refuses_is_said_and_left_out_whole(tmp_path: Path, caplog) -> None:
+    """A line that does not fit (``/dev/full``: every write is ENOSPC) is not written, the rollout
+    goes on, the log says which file lost it; the file keeps only whole lines."""
+    import os
+
+    path = tmp_path / "rollout_frontier.jsonl"
+    f = TaskFrontier(path)
+    f.start("g0", 0, {"id": "t0"})
+    kept = f._fd
+    f._fd = os.open("/dev/full", os.O_WRONLY | os.O_APPEND)
+    with caplog.at_level("WARNING"):
+        f.start("g1", 1, {"id": "t1"})  # no exception: the rollout goes on
+    assert f.cursor == 2 and list(f.open) == ["g0", "g1"]
+    assert f"task frontier {path}: a line not written" in caplog.text
+    os.close(f._fd)
+    f._fd = kept
+    f.finish("g0")
+    f.close()
+    lines = [json.loads(line) for line in path.read_text().splitlines()]  # whole lines only
+    assert [r.get("start") or r.get("end") for r in lines[1:]] == ["g0", "g0"]
+    again = TaskFrontier(path)  # the lost start: a restart draws task 1 again, nothing else lost
+    assert again.cursor == 1 and not again.open
+    again.close()

@@ -16,10 +16,12 @@ Invariants:
 from __future__ import annotations
 
 import errno
+import json
 import logging
 import os
 import time
 from pathlib import Path
+from typing import Any
 
 from agentrl.errors import AgentrlError
 
@@ -71,6 +73,18 @@ def append_line(path: Path, line: str, guard: DiskGuard | None = None) -> bool:
             guard.no_space(f"writing {path.name}: {e.strerror}")
         else:
             log.warning("disk full: %s not appended to (%s)", path, e.strerror)
+        return False
+    return True
+
+
+def append_record(fd: int, record: dict[str, Any], what: str) -> bool:
+    """Append ``record`` as one JSON line to the file open at ``fd`` (O_APPEND), whole or not at
+    all; on a full disk, log that ``what`` lost a line and return False (a state file whose lines
+    are each a change: a lost line is a change a restart does not see, which its reader allows)."""
+    try:
+        append_whole(fd, (json.dumps(record, default=str) + "\n").encode())
+    except DiskFull as e:
+        log.warning("%s: a line not written (%s)", what, e.strerror)
         return False
     return True
 

@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from agentrl.buffer.disk import DiskFull, append_whole
+from agentrl.buffer.disk import append_record
 from agentrl.rollout.config import POOLS, CurriculumConfig
 
 log = logging.getLogger(__name__)
@@ -189,12 +189,8 @@ class Curriculum:
     # ------------------------------------------------------------------ state
 
     def _write(self, rec: dict[str, Any]) -> None:
-        if self._fd is None:
-            return
-        try:
-            append_whole(self._fd, (json.dumps(rec, default=str) + "\n").encode())
-        except DiskFull as e:
-            log.warning("curriculum %s: a line not written (%s)", self.path, e.strerror)
+        if self._fd is not None:
+            append_record(self._fd, rec, f"curriculum {self.path}")
 
     def _read(self, path: Path) -> None:
         torn = 0

@@ -22,7 +22,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from agentrl.buffer.disk import DiskFull, append_whole
+from agentrl.buffer.disk import append_record
 
 log = logging.getLogger(__name__)
 
@@ -80,12 +80,9 @@ class TaskFrontier:
         os.replace(tmp, self.path)
 
     def _write(self, rec: dict[str, Any]) -> None:
-        try:
-            append_whole(self._fd, (json.dumps(rec, default=str) + "\n").encode())
-        except DiskFull as e:
-            # Whole lines or none: a lost start only lets a restart draw its task again, a lost end
-            # makes a restart ask the buffer, which answers that the group is complete.
-            log.warning("task frontier %s: a line not written (%s)", self.path, e.strerror)
+        # Whole lines or none: a lost start only lets a restart draw its task again, a lost end
+        # makes a restart ask the buffer, which answers that the group is complete.
+        append_record(self._fd, rec, f"task frontier {self.path}")
 
     def start(self, group_id: str, index: int, task: dict[str, Any]) -> None:
         """A group starts on the stream's task ``index`` (a fresh one, not a resumed one)."""
