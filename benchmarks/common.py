@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from agentrl.engines.reaper import die_with_parent
+from agentrl.procs import die_with_parent
 
 
 def in_flight_options(p: argparse.ArgumentParser, *, model: str, max_tokens: int) -> None:

@@ -43,7 +43,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from agentrl.engines.reaper import die_with_parent
+from agentrl.procs import die_with_parent
 
 ROOT = Path(__file__).resolve().parents[1]
 

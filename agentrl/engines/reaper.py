@@ -17,7 +17,6 @@ is set for the command too), and the launching side, when it is still alive, not
 
 from __future__ import annotations
 
-import ctypes
 import os
 import shutil
 import signal
@@ -26,19 +25,9 @@ import sys
 import time
 from pathlib import Path
 
-PR_SET_PDEATHSIG = 1
+from agentrl.procs import die_with_parent
+
 GRACE_S = float(os.environ.get("AGENTRL_REAPER_GRACE_S", "15"))
-
-
-def die_with_parent(sig: int = signal.SIGTERM) -> None:
-    """Ask the kernel for signal ``sig`` when this process's parent dies (PR_SET_PDEATHSIG; a no-op
-    where prctl is missing). Passed as ``preexec_fn`` it runs in a child before exec, so the child
-    goes when its launcher goes, however the launcher died (the launching *thread*, strictly: launch
-    from a thread that lives as long as the child should)."""
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, sig)
-    except OSError:
-        pass
 
 
 def stop_process(proc: subprocess.Popen, timeout_s: float, kill_wait_s: float = 5.0) -> None:

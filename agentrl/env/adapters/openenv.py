@@ -40,10 +40,10 @@ import urllib.request
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from agentrl.engines.reaper import die_with_parent
 from agentrl.env.adapters import AdapterError
 from agentrl.env.base import Environment, Message, Reset, StepResult
 from agentrl.errors import EnvironmentFailure
+from agentrl.procs import die_with_parent
 
 if TYPE_CHECKING:
     from collections.abc import Iterator

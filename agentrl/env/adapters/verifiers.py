@@ -56,10 +56,10 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from agentrl.engines.reaper import die_with_parent
 from agentrl.env.adapters import AdapterError
 from agentrl.env.base import Model, Played, Reset
 from agentrl.env.roles import ROLE_NAME, Agent, MultiAgentEnv
+from agentrl.procs import die_with_parent
 
 if TYPE_CHECKING:
     from collections.abc import AsyncGenerator, Mapping
