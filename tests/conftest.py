@@ -265,7 +265,7 @@ async def engine_gauges(url: str) -> dict[str, float]:
 
 
 async def hold_under_way(router: Any, start: Any, n: int, tokens_each: int, most_each: int,
-                         tries: int = 4, timeout_s: float = 300.0) -> tuple[str, list[Any]]:
+                         tries: int = 6, timeout_s: float = 300.0) -> tuple[str, list[Any]]:
     """Start ``n`` generations with ``start(tag)`` (it returns their tasks) through ``router`` on its
     one engine, and return them held (:func:`hold_generations`) once every one is under
     way (at least ``tokens_each`` tokens each on average, all of them running in the engine's last
@@ -279,8 +279,11 @@ async def hold_under_way(router: Any, start: Any, n: int, tokens_each: int, most
     such a poll decided). A burst that still ran too far (or a call that ended) releases that try's
     calls, lets them run out, and starts again, up to ``tries`` times, with a new ``tag``
     (``try0``, ``try1``...) for the caller's session ids, so a discarded try's sessions are not read
-    for the held one's. The router is calibrated first: its first-call checks would wait on the held
-    engine. Returns the held try's tag and tasks."""
+    for the held one's. A burst runs as long as the engine's HTTP server takes to answer a resume
+    and then a pause: on a saturated machine that server can be starved for seconds (a dry run saw
+    four tries in a row run every call to its end), so each late try waits longer before the next
+    (5 s, 10 s, ...) for the burst of load to pass. The router is calibrated first: its first-call
+    checks would wait on the held engine. Returns the held try's tag and tasks."""
     import time
 
     pool = router.pool
@@ -311,6 +314,8 @@ async def hold_under_way(router: Any, start: Any, n: int, tokens_each: int, most
               file=sys.stderr)
         await release_generations(pool)
         await asyncio.gather(*calls, return_exceptions=True)
+        if attempt + 1 < tries:
+            await asyncio.sleep(min(5.0 * (attempt + 1), max(0.0, deadline - time.monotonic() - 60)))
     raise AssertionError(f"each of {tries} holds came late: {late} tokens a call, {most_each} at most")
 
 
