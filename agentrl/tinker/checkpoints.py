@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import secrets
 import shutil
 import threading
 import time
@@ -238,7 +239,8 @@ class CheckpointStore:
         new = Ref(run, ref.kind, ref.name)
         dest = self.file(tenant, new)
         dest.parent.mkdir(parents=True, exist_ok=True)
-        tmp = dest.with_name(f"{dest.name}.copying")
+        # beside the run's checkpoints, under a name no listing reads (no .pt, not under sampler/)
+        tmp = self.run_dir(tenant, run) / f".copying-{secrets.token_hex(4)}"
         try:
             if src.is_dir():
                 shutil.copytree(src, tmp, copy_function=_link_or_copy)

@@ -65,7 +65,6 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-
 class _Server:
     """One OpenEnv server process on loopback, shared by every episode of its environment."""
 

@@ -105,7 +105,6 @@ def _worker_env() -> dict[str, str]:
     return env
 
 
-
 class Listing(NamedTuple):
     """A taskset's tasks (wire data), the OpenAI tools each one's agent is offered, and the env's agents
     (name -> whether its ``setup`` leaves it trainable)."""
