@@ -47,6 +47,7 @@ __all__ = [
     "adapter_state",
     "add_adapters",
     "is_adapter_key",
+    "keep_trainable",
     "merged_state",
     "of_adapter",
     "perturbed_model",
@@ -155,10 +156,17 @@ def activate(model: torch.nn.Module, name: str) -> int:
         if isinstance(module, BaseTunerLayer):
             module.set_adapter(name)
             layers += 1
+    keep_trainable(model)
+    return layers
+
+
+def keep_trainable(model: torch.nn.Module) -> None:
+    """Every adapter of ``model`` trainable again: peft freezes the adapters it switches away from
+    (``set_adapter``, ``enable_adapters``, ``delete_adapter``); :func:`activate` says why they stay
+    trainable."""
     for key, p in model.named_parameters():
         if is_adapter_key(key):
             p.requires_grad_(True)
-    return layers
 
 
 def perturbed_model(model_dir: str, cfg: LoraConfig, *, seed: int, b_std: float) -> torch.nn.Module:

@@ -34,10 +34,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from agentrl.learner.lora import LoraConfig, activate, add_adapters, of_adapter
+from agentrl.learner.lora import LoraConfig, activate, add_adapters, keep_trainable, of_adapter
 from agentrl.tinker.losses import LOSSES, NOT_YET
 from agentrl.tinker.wire import BadRequest, ForwardBackward, NotFound
-from agentrl.weights.adapters import is_adapter_key
 
 log = logging.getLogger(__name__)
 
@@ -309,14 +308,7 @@ class Trainer:
                 if isinstance(module, BaseTunerLayer) and name in getattr(module, "lora_A", {}):
                     module.delete_adapter(name)
         getattr(self.model, "peft_config", {}).pop(name, None)
-        self._trainable()
-
-    def _trainable(self) -> None:
-        """Every adapter trainable again (peft freezes the ones it switches away from; the service
-        keeps them all trainable, as :func:`activate` does)."""
-        for key, p in self.model.named_parameters():
-            if is_adapter_key(key):
-                p.requires_grad_(True)
+        keep_trainable(self.model)
 
     def score_prompt(self, adapter_dir: Path | None, prompt: list[int], targets: np.ndarray | None,
                      alt_k: int, temperature: float, seed: int | None
@@ -398,4 +390,4 @@ class Trainer:
         finally:
             for m in layers:
                 m.enable_adapters(True)
-            self._trainable()
+            keep_trainable(self.model)

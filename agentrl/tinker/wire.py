@@ -114,16 +114,23 @@ def _tensor_from_proto(msg: Any, name: str) -> np.ndarray:
         csr = msg.sparse_csr
         values, crow, col = (np.frombuffer(b, dtype=t) for b, t in ((csr.values, dtype), (csr.crow_indices,
                                                                     np.int64), (csr.col_indices, np.int64)))
-        if len(shape) != 2 or crow.size != shape[0] + 1 or col.size != values.size or \
-                (col.size and (col.min() < 0 or col.max() >= shape[1])) or crow[-1] != values.size:
-            raise BadRequest(f"loss_fn_inputs[{name!r}]: an inconsistent sparse CSR tensor")
-        dense = np.zeros(shape, dtype=dtype)
-        rows = np.repeat(np.arange(shape[0]), np.diff(crow))
-        dense[rows, col] = values
-        return dense
+        return _csr_dense(values, crow, col, shape, 0, f"loss_fn_inputs[{name!r}]")
     if len(msg.dense) % dtype.itemsize:
         raise BadRequest(f"loss_fn_inputs[{name!r}]: {len(msg.dense)} bytes are not whole {dtype} values")
     return _shaped(np.frombuffer(msg.dense, dtype=dtype).copy(), shape, name)
+
+
+def _csr_dense(values: np.ndarray, crow: np.ndarray, col: np.ndarray, shape: list[int], pad: int,
+               what: str) -> np.ndarray:
+    """A sparse CSR matrix (``crow``: row pointers, ``col``: column of each value) as a dense
+    ``shape`` array, ``pad`` where nothing is listed; BadRequest naming ``what`` if it is not one."""
+    if len(shape) != 2 or crow.shape != (shape[0] + 1,) or col.shape != values.shape or crow[0] != 0 or \
+            crow[-1] != values.size or (np.diff(crow) < 0).any() or \
+            (col.size and (col.min() < 0 or col.max() >= shape[1])):
+        raise BadRequest(f"{what}: an inconsistent sparse CSR tensor")
+    dense = np.full(shape, pad, dtype=values.dtype)
+    dense[np.repeat(np.arange(shape[0]), np.diff(crow)), col] = values
+    return dense
 
 
 def _tokens_from_proto(chunks: Any) -> list[int]:
@@ -234,8 +241,7 @@ def forward_backward_result(outputs: list[dict[str, np.ndarray]], metrics: dict[
         import orjson
 
         out = {"loss_fn_output_type": "ArrayRecord", "metrics": metrics,
-               "loss_fn_outputs": [{k: {"data": v.reshape(-1).tolist(), "dtype": str(v.dtype),
-                                        "shape": list(v.shape)} for k, v in o.items()} for o in outputs]}
+               "loss_fn_outputs": [{k: _tensor_json(v) for k, v in o.items()} for o in outputs]}
         return orjson.dumps(out), "application/json"
     pb = _pb()
     msg = pb.ForwardBackwardOutput(loss_fn_output_type="ArrayRecord")
@@ -279,13 +285,8 @@ def target_cells(obj: Any, rows: int, vocab: int) -> np.ndarray:
                 raise BadRequest(f"{name}: shape {shape} does not hold its {values.size} values")
             dense = values.reshape(shape)
         else:
-            crow, col = np.asarray(crow, dtype=np.int64), np.asarray(col, dtype=np.int64)
-            if crow.shape != (rows + 1,) or col.shape != values.shape or crow[0] != 0 or \
-                    crow[-1] != values.size or (np.diff(crow) < 0).any() or \
-                    (col.size and (col.min() < 0 or col.max() >= shape[1])):
-                raise BadRequest(f"{name}: an inconsistent sparse CSR tensor")
-            dense = np.full(shape, -1, dtype=np.int64)
-            dense[np.repeat(np.arange(rows), np.diff(crow)), col] = values
+            dense = _csr_dense(values, np.asarray(crow, dtype=np.int64), np.asarray(col, dtype=np.int64),
+                               shape, -1, name)
     except (TypeError, ValueError, OverflowError) as e:
         raise BadRequest(f"{name}: {e}") from None
     if dense.size and (dense.min() < -1 or dense.max() >= vocab):
