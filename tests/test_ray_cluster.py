@@ -1,5 +1,6 @@
 """``agentrl serve --ray``: on a simulated two-node Ray cluster, a real vLLM engine actor on one node
-and two rollout worker actors on the other run episodes into serve's buffer; a rollout worker killed
+and two rollout worker actors on the other, each calling the engine through a router of its own,
+run episodes into serve's buffer; a rollout worker killed
 with SIGKILL is restarted and episodes keep arriving; closing serve leaves no engine process."""
 
 from __future__ import annotations
@@ -123,7 +124,11 @@ def test_serve_on_a_two_node_ray_cluster_runs_episodes_and_survives_a_killed_rol
             # the engine's exact tokens
             assert any(sum(s.loss_mask) > 0 and len(s.logprobs) for s in batch.samples)
             assert serve.buffer.ack(batch.batch_id)
-            assert serve.router.counters["calls"] >= 8
+            # each worker's own router made its calls: none crossed serve's
+            await until("the workers' router counts", lambda: all("router" in w for w in cl.worker_info), 30)
+            assert sum(w["router"]["calls"] for w in cl.worker_info) >= 8
+            assert all(w["router"]["calls"] >= 1 for w in cl.worker_info)
+            assert serve.router.counters["calls"] == 0
             # finished episodes closed theirs; only in-flight ones stay
             assert len(serve.router.sessions) <= 8
 

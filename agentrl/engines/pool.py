@@ -351,6 +351,47 @@ class EnginePool:
     def status(self) -> list[dict[str, Any]]:
         return [e.status() for e in self.engines]
 
+    def follow(self, view: dict[str, Any]) -> None:
+        """Take another pool's view of the engines as this one's: serve's ``/admin/engines`` answer
+        (``version``, ``versions``, and per engine ``url``, ``healthy``, ``version``, ``adapters``).
+
+        A rollout worker's own router (``serve --ray``) calls the engines directly but leaves
+        membership to serve, which brings an engine back to the current weights before it takes
+        traffic again: an engine serve has out is out here, one it has in is in (this pool takes
+        one out sooner when a connection to it fails), and an engine that moved (a restarted actor
+        on another node) is followed to its new URL. Malformed entries are skipped."""
+        engines = view.get("engines")
+        if not isinstance(engines, list):
+            return
+        if "version" in view:
+            self.version = parse_version(view["version"])
+        versions = view.get("versions")
+        if isinstance(versions, dict):
+            self.versions = {str(p): parse_version(v) for p, v in versions.items()}
+        for i, st in enumerate(engines):
+            if not isinstance(st, dict) or not isinstance(st.get("url"), str):
+                continue
+            url = st["url"].rstrip("/")
+            if i == len(self.engines):
+                self.engines.append(Engine(url=url, name=str(st.get("name") or f"engine-{i}"), healthy=False))
+            elif i > len(self.engines):
+                continue
+            engine = self.engines[i]
+            if engine.url != url:
+                self.mark_down(engine, f"serve moved it to {url}")
+                engine.url = url
+            if st.get("healthy") is True:
+                engine.healthy = True
+            else:
+                self.mark_down(engine, "serve has it out of its pool")
+            engine.version = parse_version(st.get("version"))
+            adapters = st.get("adapters")
+            engine.adapters = {
+                str(policy): {parse_version(v): "" for v in held if parse_version(v) > 0}
+                for policy, held in (adapters.items() if isinstance(adapters, dict) else ())
+                if isinstance(held, list)
+            }
+
 
 def metric_sums(text: str, names: Iterable[str]) -> dict[str, float]:
     """Each of ``names`` in a Prometheus text answer, summed over its label sets; a name with no

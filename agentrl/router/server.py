@@ -137,7 +137,8 @@ async def close_session(request: web.Request) -> web.Response:
 async def engines_status(request: web.Request) -> web.Response:
     require_admin(request)
     r = request.app[ROUTER_KEY]
-    return web.json_response({"version": r.pool.version, "engines": r.pool.status(), "counters": r.counters})
+    return web.json_response({"version": r.pool.version, "versions": r.pool.versions,
+                              "engines": r.pool.status(), "counters": r.counters})
 
 
 async def metrics(request: web.Request) -> web.Response:

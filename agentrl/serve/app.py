@@ -536,7 +536,7 @@ def _label(value: str) -> str:
 def prometheus_series(status: dict[str, Any]) -> dict[str, float]:
     """serve's own /metrics series beside the router's, from its status: the rollout's counters,
     the buffer's, the scoring stage's (each scorer's calls, failures, seconds and reward sum,
-    labelled ``scorer``), a self-distillation teacher's version, and with named LoRA policies each
+    labelled ``scorer``), each Ray rollout worker's own router's counters (labelled ``worker``), a self-distillation teacher's version, and with named LoRA policies each
     one's version and buffer depth, labelled ``policy``."""
     out: dict[str, float] = {}
     for name, version in (status.get("policies") or {}).items():
@@ -552,6 +552,13 @@ def prometheus_series(status: dict[str, Any]) -> dict[str, float]:
             out[f"rollout_{k}_total"] = rollout[k]
     if isinstance(rollout.get("in_flight"), int | float):
         out["rollout_in_flight"] = rollout["in_flight"]
+    for worker in rollout.get("workers") or ():  # serve --ray: each rollout worker's own router
+        counters = worker.get("router") if isinstance(worker, dict) else None
+        if isinstance(counters, dict):
+            lab = f'{{worker="{_label(str(worker.get("worker")))}"}}'
+            for k, v in counters.items():
+                if isinstance(v, int | float):
+                    out[f"worker_router_{k}_total{lab}"] = v
     concurrency = rollout.get("concurrency")
     if concurrency:  # the controller's limit, its inputs per engine and its decisions
         out["concurrency_limit"] = concurrency["limit"]

@@ -29,7 +29,8 @@ from agentrl.scoring.config import ScoringConfig
 
 @dataclass
 class RayConfig:
-    """Engines and rollout workers as Ray actors across a cluster (router and buffer stay in serve)."""
+    """Engines and rollout workers as Ray actors across a cluster (the buffer stays in serve; each
+    worker routes its own model calls, ``local_router``)."""
 
     address: str = ""
     """Ray cluster to use ("auto": the one this machine belongs to, or "HOST:6379"); empty: no Ray"""
@@ -45,6 +46,10 @@ class RayConfig:
     worker_resources: dict[str, float] = field(default_factory=dict)
     """custom Ray resources per worker (placement)"""
     worker_concurrency: int = 0  # episodes in flight per worker (0: env.max_concurrency / workers)
+    local_router: bool = True
+    """each rollout worker runs its own router (same capture, sessions and exact tokens; serve's
+    engine pool and policy versions followed), so its model calls never cross serve; false: the
+    workers call serve's router over HTTP (a worker node without the model's folder)"""
     serve_url: str = ""
     """how workers reach serve; empty: http://router.host:router.port (0.0.0.0: this node's IP)"""
     max_restarts: int = -1  # Ray restarts a dead actor this many times (-1: always); serve re-adds it

@@ -1,6 +1,7 @@
 """``agentrl serve --ray ADDRESS``: engines and rollout workers as Ray actors across a cluster.
 
-The serve process is the Ray driver and keeps the router, the buffer and the HTTP routes. On the
+The serve process is the Ray driver and keeps the buffer, the engine pool's membership, the router
+external programs call and the HTTP routes. On the
 cluster it places:
 
 - one :class:`EngineHost` actor per engine (``ray.engine_gpus`` GPUs each: one GPU or one
@@ -8,10 +9,12 @@ cluster it places:
   process on its node (:class:`agentrl.engines.vllm.VLLMEngine`, which dies with the actor) and
   reports the engine's URL; the router's pool sends traffic there.
 - ``ray.workers`` :class:`RolloutWorkerHost` actors, each running an orchestrator of agent loops
-  (built from serve's own config by :mod:`agentrl.serve.build`, as serve builds its own)
-  against serve's router over HTTP (sessions record exact tokens there) and pushing finished
-  episodes into serve's buffer (``/buffer/samples``), with admission control (``/buffer/room``).
-  An environment that needs sandboxes gets a sandbox pool on the worker's node.
+  (built from serve's own config by :mod:`agentrl.serve.build`, as serve builds its own) against
+  a router of its own (:class:`WorkerRouter`: sessions record exact tokens there, and the calls
+  go straight to the engines, following serve's view of the pool), or with
+  ``ray.local_router = false`` against serve's router over HTTP; finished episodes go into
+  serve's buffer (``/buffer/samples``), with admission control (``/buffer/room``). An environment
+  that needs sandboxes gets a sandbox pool on the worker's node.
 
 Supervision: actors are created with ``max_restarts`` (Ray re-creates a dead actor's process; an
 engine host exits when its vLLM process dies, so a crashed engine is restarted too). The driver
@@ -97,18 +100,119 @@ class EngineHost:
         self.engine.stop()
 
 
+class WorkerRouter:
+    """A rollout worker's own router (``ray.local_router``): the router serve runs, built from the
+    same config, over a pool of the same engines, so the worker's model calls go straight to the
+    engines with the same capture and exact tokens, and never cross serve.
+
+    serve stays the one that decides which engines take traffic and at which version (it reloads a
+    returning engine's weights before letting it in): every ``FOLLOW_S`` the pool takes serve's
+    ``/admin/engines`` view (:meth:`~agentrl.engines.pool.EnginePool.follow`). Between two looks a
+    weight update needs nothing from here: vLLM holds requests that arrive while it is paused, and
+    every sampled token carries the version that produced it. When a scaffold's programs call the
+    model over HTTP, the router answers them on a loopback port of the worker's own, to the sessions
+    the worker opened only (a random client key refuses every other call).
+    """
+
+    FOLLOW_S = 1.0
+
+    def __init__(self, cfg: ServeConfig, serve_url: str, admin_token: str, engine_key: str,
+                 model_path: str) -> None:
+        self.cfg, self.serve_url, self.admin_token = cfg, serve_url, admin_token
+        self.engine_key, self.model_path = engine_key, model_path
+        self.router: Any = None
+        self.url = ""  # the loopback address scaffolds call (started by serve_http)
+        self._runner: Any = None
+        self._following: asyncio.Task | None = None
+        self._client: Any = None
+
+    async def start(self) -> Any:
+        """Build the router over serve's current engines; the router."""
+        from agentrl.client import ServeClient
+        from agentrl.models import is_moe
+        from agentrl.serve import build
+
+        self._client = ServeClient(self.serve_url, self.admin_token, timeout_s=30.0)
+        view = await self._client.json("GET", "/admin/engines")
+        pool = build.build_pool(self.cfg, [e["url"] for e in view["engines"]], api_key=self.engine_key)
+        pool.follow(view)
+        pool.on_rejoin = self._serve_decides
+        await pool.start()
+        self.router = build.build_router(self.cfg, pool, self.model_path, None)
+        if is_moe(self.model_path):
+            await self.router.capture_experts()
+        self._following = asyncio.create_task(self._follow(), name="follow-serve-engines")
+        return self.router
+
+    @staticmethod
+    async def _serve_decides(engine: Any) -> bool:
+        return False  # an engine out of this pool comes back when serve's view has it back in
+
+    async def _follow(self) -> None:
+        from agentrl.errors import TransportError
+
+        failing = False
+        while True:
+            await asyncio.sleep(self.FOLLOW_S)
+            try:
+                view = await self._client.json("GET", "/admin/engines", retries=0, timeout_s=10.0)
+            except TransportError as e:
+                if not failing:  # said once per outage; the pool keeps its last view meanwhile
+                    log.warning("cannot read serve's engine pool (%s); keeping the last view", e)
+                failing = True
+                continue
+            if failing:
+                log.info("reading serve's engine pool again")
+                failing = False
+            self.router.pool.follow(view)
+
+    async def serve_http(self) -> str:
+        """Answer the router's model routes on a loopback port of this worker; its base URL."""
+        import secrets
+
+        from aiohttp import web
+
+        from agentrl.router.server import make_app
+
+        app = make_app(self.router, admin_token=self.admin_token,
+                       api_keys=frozenset({secrets.token_urlsafe(24)}),
+                       client_max_size=self.cfg.router.max_body_mb << 20)
+        self._runner = web.AppRunner(app, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        await site.start()
+        port = self._runner.addresses[0][1]
+        self.url = f"http://127.0.0.1:{port}"
+        return self.url
+
+    async def close(self) -> None:
+        if self._following is not None:
+            self._following.cancel()
+            await asyncio.gather(self._following, return_exceptions=True)
+        if self._runner is not None:
+            await self._runner.cleanup()
+        if self.router is not None:
+            self.router.close()
+            await self.router.pool.close()
+        if self._client is not None:
+            await self._client.close()
+
+
 class RolloutWorkerHost:
-    """Actor body: an orchestrator of agent loops against serve over HTTP, built from serve's own config."""
+    """Actor body: an orchestrator of agent loops, built from serve's own config, with its own router
+    (:class:`WorkerRouter`) or serve's over HTTP, putting its episodes into serve's buffer."""
 
     def __init__(self, worker_id: str, serve_url: str, admin_token: str, cfg: ServeConfig,
-                 max_concurrency: int) -> None:
+                 max_concurrency: int, engine_key: str = "", model_path: str = "") -> None:
         import ray
 
         self.worker_id, self.serve_url, self.admin_token = worker_id, serve_url, admin_token
+        self.engine_key, self.model_path = engine_key, model_path
         self.cfg = cfg
         self.max_concurrency = max_concurrency
         self.node_id = ray.get_runtime_context().get_node_id()
         self.orchestrator: Orchestrator | None = None
+        self.router: Any = None
         self.started = time.time()
 
     async def run(self, max_episodes: int = 0) -> None:
@@ -118,15 +222,24 @@ class RolloutWorkerHost:
 
         cfg = self.cfg
         build.import_user_code(cfg)
-        router = RemoteRouter(self.serve_url, self.admin_token, timeout_s=cfg.env.episode_timeout_s)
+        own = WorkerRouter(cfg, self.serve_url, self.admin_token, self.engine_key, self.model_path) \
+            if cfg.ray.local_router else None
+        remote = None if own else RemoteRouter(self.serve_url, self.admin_token,
+                                                timeout_s=cfg.env.episode_timeout_s)
         buffer = RemoteBuffer(self.serve_url, self.admin_token, producer=f"{self.worker_id}-{os.getpid()}")
         episodes = EpisodeUploader(self.serve_url, self.admin_token)
         uploading = asyncio.create_task(episodes.run(), name="episode-uploads")
         sandbox_pool = None
         try:
-            await router.__aenter__()
+            if own is not None:
+                self.router = await own.start()
+                scaffold = build.load_scaffold_of(cfg)
+                router_url = await own.serve_http() if scaffold is not None else ""
+            else:
+                self.router = await remote.__aenter__()
+                router_url = self.serve_url
             sandbox_pool = await build.build_sandbox_pool(cfg, self.worker_id)
-            producer = build.build_producer(cfg, router, sandbox_pool, router_url=self.serve_url)
+            producer = build.build_producer(cfg, self.router, sandbox_pool, router_url=router_url)
             self.orchestrator = build.build_orchestrator(
                 cfg, producer, buffer, max_episodes=max_episodes, max_concurrency=self.max_concurrency,
                 episode_log=lambda line: episodes.add({"worker": self.worker_id, **line}))
@@ -145,13 +258,19 @@ class RolloutWorkerHost:
             if sandbox_pool is not None:
                 await sandbox_pool.close()
             await buffer.close()
-            await router.__aexit__(None, None, None)
+            if own is not None:
+                await own.close()
+            else:
+                await remote.__aexit__(None, None, None)
 
     async def status(self) -> dict[str, Any]:
         counts = self.orchestrator.status() if self.orchestrator is not None else {}
         started = self.orchestrator.started if self.orchestrator is not None else 0
-        return {"worker": self.worker_id, "pid": os.getpid(), "node_id": self.node_id,
-                "uptime_s": time.time() - self.started, "started": started, **counts}
+        out = {"worker": self.worker_id, "pid": os.getpid(), "node_id": self.node_id,
+               "uptime_s": time.time() - self.started, "started": started, **counts}
+        if isinstance(getattr(self.router, "counters", None), dict):  # its own router's
+            out["router"] = dict(self.router.counters)
+        return out
 
     async def ping(self) -> int:
         return os.getpid()
@@ -242,7 +361,9 @@ class RayCluster:
             max_restarts=rc.max_restarts, max_task_retries=0)
         # the admin token travels in the actor's task spec (Ray's own channels), never on a command line;
         # the config itself travels without secrets
-        return actor_cls.remote(f"worker-{i}", serve_url, token, cfg.without_secrets(), per_worker)
+        # (and the engine key, for a worker's own router)
+        return actor_cls.remote(f"worker-{i}", serve_url, token, cfg.without_secrets(), per_worker,
+                                self.engine_key, self.model_path)
 
     async def _alive(self, actor: Any) -> bool:
         try:
