@@ -1,6 +1,6 @@
 """``agentrl serve --ray``: on a simulated two-node Ray cluster, a real vLLM engine actor on one node
-and two rollout worker actors on the other, each calling the engine through a router of its own,
-run episodes into serve's buffer; a rollout worker killed
+and two rollout worker actors on the other, each calling the engine through a router of its own
+(whose pool its concurrency controller reads), run episodes into serve's buffer; a rollout worker killed
 with SIGKILL is restarted and episodes keep arriving; closing serve leaves no engine process."""
 
 from __future__ import annotations
@@ -89,6 +89,7 @@ def test_serve_on_a_two_node_ray_cluster_runs_episodes_and_survives_a_killed_rol
             "ray.worker_cpus=1",
             "ray.worker_resources={worker_node = 0.5}",
             "ray.worker_concurrency=4",
+            "env.concurrency.controller=true",
         ],
     )
     facts: dict[str, object] = {}
@@ -129,6 +130,10 @@ def test_serve_on_a_two_node_ray_cluster_runs_episodes_and_survives_a_killed_rol
             assert sum(w["router"]["calls"] for w in cl.worker_info) >= 8
             assert all(w["router"]["calls"] >= 1 for w in cl.worker_info)
             assert serve.router.counters["calls"] == 0
+            # and each worker's concurrency controller reads the engine through that router's pool
+            await until("the workers' controllers to read the engine", lambda: all(
+                not w["concurrency"]["fallback"] and w["concurrency"]["engines"] for w in cl.worker_info), 30)
+            assert all(w["concurrency"]["max"] == 4 for w in cl.worker_info)  # its share, not 64
             # finished episodes closed theirs; only in-flight ones stay
             assert len(serve.router.sessions) <= 8
 

@@ -536,8 +536,9 @@ def _label(value: str) -> str:
 def prometheus_series(status: dict[str, Any]) -> dict[str, float]:
     """serve's own /metrics series beside the router's, from its status: the rollout's counters,
     the buffer's, the scoring stage's (each scorer's calls, failures, seconds and reward sum,
-    labelled ``scorer``), each Ray rollout worker's own router's counters (labelled ``worker``), a self-distillation teacher's version, and with named LoRA policies each
-    one's version and buffer depth, labelled ``policy``."""
+    labelled ``scorer``), each Ray rollout worker's own router's counters (labelled ``worker``), a
+    self-distillation teacher's version, and with named LoRA policies each one's version and buffer
+    depth, labelled ``policy``."""
     out: dict[str, float] = {}
     for name, version in (status.get("policies") or {}).items():
         lab = f'{{policy="{_label(name)}"}}'

@@ -212,7 +212,7 @@ def build_orchestrator(
     judge_endpoint: tuple[str, str, str] | None = None,
     engines: EnginePool | None = None,
 ) -> Orchestrator:
-    """``engines``: serve's pool, whose ``/metrics`` the concurrency controller reads
+    """``engines``: the engine pool whose ``/metrics`` the concurrency controller reads
     (``env.concurrency.controller``; without a pool, the static cap)."""
     from agentrl.rollout.frontier import TaskFrontier
     from agentrl.rollout.orchestrator import Orchestrator, expected_samples
@@ -250,28 +250,32 @@ def build_orchestrator(
         samples_per_episode=expected_samples(e.name, e.config,
                                              lambda role: role not in e.roles or e.roles[role].trained),
         curriculum=curriculum,
-        concurrency=build_concurrency(cfg, engines),
+        concurrency=build_concurrency(cfg, engines, max_concurrency),
     )
     if orchestrator.concurrency is not None:  # it grows the limit only while the episodes press on it
         orchestrator.concurrency.in_flight = lambda: orchestrator.in_flight
     return orchestrator
 
 
-def build_concurrency(cfg: ServeConfig, engines: EnginePool | None) -> ConcurrencyController | None:
+def build_concurrency(cfg: ServeConfig, engines: EnginePool | None,
+                      static_cap: int | None = None) -> ConcurrencyController | None:
     """The concurrency controller ``env.concurrency`` describes (not started), or None when it is off
-    (or there is no engine pool to read: a rollout worker under Ray keeps the static cap)."""
+    (or there is no engine pool to read: a rollout worker under Ray that calls serve's router keeps
+    the static cap). ``static_cap``: its upper bound (default ``env.max_concurrency``; a Ray rollout
+    worker's own share)."""
     e = cfg.env
+    cap = e.max_concurrency if static_cap is None else static_cap
     if not e.concurrency.controller:
         return None
     if engines is None:
         log.warning("env.concurrency.controller: no engine pool here to read metrics from; using the "
-                    "static cap env.max_concurrency = %d", e.max_concurrency)
+                    "static cap of %d episodes", cap)
         return None
     from agentrl.rollout.concurrency import ConcurrencyController, http_reader
 
     read, close = http_reader(engines.engines, engines.headers)
-    return ConcurrencyController(e.concurrency, static_cap=e.max_concurrency, group_size=e.group_size,
-                                 read=read, close=close)
+    return ConcurrencyController(e.concurrency, static_cap=cap, group_size=e.group_size, read=read,
+                                 close=close)
 
 
 def build_scoring(cfg: ServeConfig, teacher: Teacher | None = None,

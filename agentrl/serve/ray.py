@@ -240,9 +240,13 @@ class RolloutWorkerHost:
                 router_url = self.serve_url
             sandbox_pool = await build.build_sandbox_pool(cfg, self.worker_id)
             producer = build.build_producer(cfg, self.router, sandbox_pool, router_url=router_url)
+            # the concurrency controller (env.concurrency) reads the engines of the worker's own router
             self.orchestrator = build.build_orchestrator(
                 cfg, producer, buffer, max_episodes=max_episodes, max_concurrency=self.max_concurrency,
-                episode_log=lambda line: episodes.add({"worker": self.worker_id, **line}))
+                episode_log=lambda line: episodes.add({"worker": self.worker_id, **line}),
+                engines=own.router.pool if own is not None else None)
+            if self.orchestrator.concurrency is not None:
+                self.orchestrator.concurrency.start()
             log.info(
                 "rollout worker %s (pid %d) playing %s against %s",
                 self.worker_id,
@@ -252,6 +256,8 @@ class RolloutWorkerHost:
             )
             await self.orchestrator.run()
         finally:
+            if self.orchestrator is not None and self.orchestrator.concurrency is not None:
+                await self.orchestrator.concurrency.stop()
             uploading.cancel()
             await asyncio.gather(uploading, return_exceptions=True)
             await episodes.close()
