@@ -31,10 +31,16 @@ def lazy(package: str, modules: Mapping[str, Sequence[str]]
     return __getattr__, __dir__, sorted(where)
 
 
+_AHEAD: dict[str, threading.Thread] = {}
+
+
 def import_ahead(module: str, *names: str) -> None:
     """Import ``module`` (and its ``names``: a lazy package loads each on first use) in a daemon
     thread, e.g. transformers while vLLM engines start. Only imports, nothing to undo; a failure is
-    left to the code that imports it for real, which reports it with its own context."""
+    left to the code that imports it for real, which reports it with its own context. Code that
+    imports it for real calls :func:`imported_ahead` first: a lazy package's first loads are not
+    safe from two threads at once (transformers answered "cannot import name 'AutoTokenizer'" to
+    the router of a serve whose engines were already running)."""
 
     def load() -> None:
         try:
@@ -44,4 +50,12 @@ def import_ahead(module: str, *names: str) -> None:
         except Exception as e:
             log.debug("importing %s ahead failed: %s", module, e)
 
-    threading.Thread(target=load, name=f"import-{module}", daemon=True).start()
+    thread = _AHEAD[module] = threading.Thread(target=load, name=f"import-{module}", daemon=True)
+    thread.start()
+
+
+def imported_ahead(module: str, timeout_s: float = 300.0) -> None:
+    """Wait until an :func:`import_ahead` of ``module`` under way has finished (none: return)."""
+    thread = _AHEAD.get(module)
+    if thread is not None and thread is not threading.current_thread():
+        thread.join(timeout_s)

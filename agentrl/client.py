@@ -68,8 +68,10 @@ class ServeClient:
     """Async client of one serve (``base_url``), authenticated with its admin token when given."""
 
     def __init__(self, base_url: str, token: str = "", *, timeout_s: float = 60.0, retries: int = 3,
-                 backoff_s: float = 0.2, max_backoff_s: float = 10.0) -> None:
+                 backoff_s: float = 0.2, max_backoff_s: float = 10.0, unix_socket: str = "") -> None:
+        """``unix_socket``: reach serve over this unix socket (``base_url`` then names no host)."""
         self.base_url = base_url.rstrip("/")
+        self.unix_socket = unix_socket
         self.timeout_s = timeout_s
         self.retries = retries
         self.backoff_s, self.max_backoff_s = backoff_s, max_backoff_s
@@ -79,7 +81,9 @@ class ServeClient:
     def session(self) -> aiohttp.ClientSession:
         """The keep-alive HTTP session (made on first use, inside the running loop)."""
         if self._http is None or self._http.closed:
-            self._http = aiohttp.ClientSession(headers=self.headers, connector=aiohttp.TCPConnector(limit=0))
+            connector = (aiohttp.UnixConnector(path=self.unix_socket, limit=0) if self.unix_socket
+                         else aiohttp.TCPConnector(limit=0))
+            self._http = aiohttp.ClientSession(headers=self.headers, connector=connector)
         return self._http
 
     async def request(

@@ -16,6 +16,10 @@ class RouterConfig:
     """client keys for OpenAI routes (empty: open); config file only"""
     api_keys_file: str = ""
     """file with client keys, one a line (also $AGENTRL_API_KEYS / $AGENTRL_API_KEYS_FILE)"""
+    processes: int = 1
+    """router processes answering the port (serve's own and N - 1 children on its socket): a
+    session's calls go to the one that holds it, whichever receives them; rollout workers under
+    Ray route their own calls instead (ray.local_router)"""
     request_timeout_s: float = 600.0  # per engine call
     retries: int = 1  # retries of calls that failed before anything was returned (never 4xx)
     render: Literal["auto", "engine"] = "auto"

@@ -50,6 +50,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import orjson
 from jinja2.runtime import new_context
 
+from agentrl._lazy import imported_ahead
 from agentrl.router.calibration import (
     BASE_CONVERSATION,
     CALIBRATION_OUTPUTS,
@@ -384,6 +385,7 @@ class LocalRenderer(Renderer):
             )
             return None
         try:
+            imported_ahead("transformers")  # serve may be importing it in another thread
             from transformers import AutoTokenizer
 
             tok = AutoTokenizer.from_pretrained(str(model_dir))

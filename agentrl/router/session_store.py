@@ -14,6 +14,7 @@ The log files are written off the event loop (:class:`~agentrl.router.session_lo
 from __future__ import annotations
 
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -41,6 +42,9 @@ class SessionStore:
         self.sessions: dict[str, Session] = {}
         self.limits: dict[str, SessionLimits] = {}
         self.log: SessionLog | None = None
+        # with several router processes (router.processes): whether a session id is this process's
+        # to hold; an id made up here is one it holds (agentrl.serve.routers)
+        self.claims: Callable[[str], bool] | None = None
         if sessions_dir is not None:
             sessions_dir.mkdir(parents=True, exist_ok=True)
             self.log = SessionLog()
@@ -49,7 +53,7 @@ class SessionStore:
         self, session_id: str | None = None, limits: SessionLimits | None = None, **meta: Any
     ) -> Session:
         """The session ``session_id`` (a new id when None), opened now unless it is open already."""
-        sid = session_id or uuid.uuid4().hex
+        sid = session_id or self.new_id()
         if not valid_session_id(sid):
             raise InvalidRequest("a session id has 1-128 letters, digits, '_', '-' or inner '.' (no path), "
                                  f"not {sid[:60]!r}", param="session_id", code="invalid_session_id")
@@ -64,6 +68,13 @@ class SessionStore:
         s = Session(sid, log_path=path, meta=meta, writer=self.log)
         self.sessions[sid] = s
         return s
+
+    def new_id(self) -> str:
+        """A fresh session id (one this process holds, see ``claims``: 1 draw in N on average)."""
+        while True:
+            sid = uuid.uuid4().hex
+            if self.claims is None or self.claims(sid):
+                return sid
 
     def get(self, session_id: str) -> Session:
         try:

@@ -40,6 +40,7 @@ if TYPE_CHECKING:
     from agentrl.sandbox.pool import SandboxPool
     from agentrl.serve.local import LocalEngines
     from agentrl.serve.ray import RayCluster
+    from agentrl.serve.routers import RouterProcesses
     from agentrl.serve.teacher_engine import TeacherEngine
     from agentrl.view.routes import ViewState
     from agentrl.weights import EngineUpdater, WeightReceiver
@@ -104,6 +105,7 @@ class Serve:
         self.orchestrator: Orchestrator | None = None  # the agent loops here; None under Ray (workers play)
         self.cluster: RayCluster | None = None  # with ray.address
         self.teacher_engine: TeacherEngine | None = None  # a teacher serve launches
+        self.routers: RouterProcesses | None = None  # router.processes > 1: the other router processes
         self._runner: web.AppRunner | None = None
         self._rollout_task: asyncio.Task | None = None
         self._metrics_task: asyncio.Task | None = None
@@ -274,7 +276,10 @@ class Serve:
             )
         else:
             self.sandbox_pool = await build.build_sandbox_pool(cfg, "serve")
-            producer = build.build_producer(cfg, self.router, self.sandbox_pool, scaffold=scaffold)
+            # with several router processes, serve's own sessions are reached on a port of its own
+            router_url = await self.routers.private_site(self._runner) if self.routers and scaffold else ""
+            producer = build.build_producer(cfg, self.router, self.sandbox_pool, scaffold=scaffold,
+                                            router_url=router_url)
             # scoring.judge.engine: the judge is the policy on serve's first engine, asked there directly
             judge = (
                 (f"{self.pool.engines[0].url}/v1", self.engine_key, cfg.model)
@@ -368,10 +373,20 @@ class Serve:
         from agentrl.view import mount as mount_view
 
         mount_view(app, self.view)  # read-only pages under /view
-        self._runner = web.AppRunner(app, access_log=None)
-        await self._runner.setup()
         assert self._listener is not None and self._starting is not None, \
             "the start-up status page opens the router's port first"
+        if self.cfg.router.processes > 1:  # serve is router process 0 of several on its port
+            from agentrl.serve.routers import RouterProcesses
+
+            self.routers = RouterProcesses(self.cfg, admin_token=self.admin_token, engine_key=self.engine_key,
+                                           model_path=str(self.model_path), run_dir=self.run_dir,
+                                           api_keys=self.api_keys, listener=self._listener)
+            self.routers.install(app, self.router)
+        self._runner = web.AppRunner(app, access_log=None)
+        await self._runner.setup()
+        if self.routers is not None:
+            self._phase(f"starting {self.cfg.router.processes - 1} more router process(es)")
+            await self.routers.start(self._runner, self.cfg.engine.start_timeout_s)
         # The real routes accept on the same listening socket before the start-up page lets go of it,
         # and the page answers what it accepted: a client in the handover is answered, never refused.
         await hand_over(self._listener, self._starting, self._runner)
@@ -408,6 +423,7 @@ class Serve:
             **({"policies": {name: self.updater.policy_version(name) for name in self.cfg.policies}}
                if self.cfg.policies else {}),
             "engines": engines, "router": dict(self.router.counters),
+            **({"router_processes": self.routers.status()} if self.routers is not None else {}),
             "rollout": rollout.status() if rollout is not None else {},
             "buffer": self.buffer.stats(),
             "sandbox": self.sandbox_pool.stats() if self.sandbox_pool else None,
@@ -481,6 +497,7 @@ class Serve:
         # then each part that was started, in this order, by its own closing method (sync or async)
         parts = (
             (self._runner, "cleanup"),
+            (self.routers, "close"),
             (self._listener, "close"),
             (self.sandbox_pool, "close"),
             (self.router, "close"),
@@ -536,9 +553,9 @@ def _label(value: str) -> str:
 def prometheus_series(status: dict[str, Any]) -> dict[str, float]:
     """serve's own /metrics series beside the router's, from its status: the rollout's counters,
     the buffer's, the scoring stage's (each scorer's calls, failures, seconds and reward sum,
-    labelled ``scorer``), each Ray rollout worker's own router's counters (labelled ``worker``), a
-    self-distillation teacher's version, and with named LoRA policies each one's version and buffer
-    depth, labelled ``policy``."""
+    labelled ``scorer``), each Ray rollout worker's own router's counters (labelled ``worker``) and
+    each other router process's (labelled ``process``), a self-distillation teacher's version, and
+    with named LoRA policies each one's version and buffer depth, labelled ``policy``."""
     out: dict[str, float] = {}
     for name, version in (status.get("policies") or {}).items():
         lab = f'{{policy="{_label(name)}"}}'
@@ -553,6 +570,13 @@ def prometheus_series(status: dict[str, Any]) -> dict[str, float]:
             out[f"rollout_{k}_total"] = rollout[k]
     if isinstance(rollout.get("in_flight"), int | float):
         out["rollout_in_flight"] = rollout["in_flight"]
+    for child in status.get("router_processes") or ():  # router.processes > 1: each other process's
+        counters = child.get("router") if isinstance(child, dict) else None
+        if isinstance(counters, dict):
+            lab = f'{{process="{_label(str(child.get("process")))}"}}'
+            for k, v in counters.items():
+                if isinstance(v, int | float):
+                    out[f"router_process_{k}_total{lab}"] = v
     for worker in rollout.get("workers") or ():  # serve --ray: each rollout worker's own router
         counters = worker.get("router") if isinstance(worker, dict) else None
         if isinstance(counters, dict):

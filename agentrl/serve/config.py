@@ -148,6 +148,8 @@ class ServeConfig:
             raise ConfigError("env.max_tokens must be smaller than engine.max_model_len")
         if self.engine.lora_rank < 0:
             raise ConfigError("engine.lora_rank must be 0 (LoRA off) or more")
+        if not 1 <= self.router.processes <= 64:
+            raise ConfigError(f"router.processes must be 1 to 64, not {self.router.processes}")
         if self.engine.lora_rank and self.scoring.teacher.lag:
             raise ConfigError("scoring.teacher.lag (self-distillation) with LoRA policies (engine.lora_rank "
                               "> 0) is not supported yet: the teacher engine loads full weights; train "

