@@ -19,7 +19,7 @@ tail of stderr) and ends with one JSON line::
 and exits 1 if any failed. Output folders go under ``--run-root`` (default: a fresh temporary
 folder), never under the repository; ``TMPDIR`` points there too.
 
-All 19 run by default: none takes over 3 minutes in its shortest mode on the 2-core development
+All 20 run by default: none takes over 3 minutes in its shortest mode on the 2-core development
 machine (about 20 minutes in all). ``sandbox.py --density`` runs once per backend
 (``sandbox_density_docker``, ``sandbox_density_bubblewrap``: 10 sandboxes, a few seconds each).
 ``chaos`` runs one round (``--rounds 1``: four faults, one of each kind, 160 s); ``first_hour``
@@ -106,6 +106,14 @@ BENCHMARKS: list[tuple[str, list[str], list[str]]] = [
         ["--episodes", "2", "--group", "2"],
         # README.md (scaffolds) and docs/scaffolds.md: one object per scaffold
         ["episodes", "openai_sdk_in_serve", "openai_sdk_as_a_program", "openai_agents_framework"],
+    ),
+    (
+        "cluster_sim",
+        ["--episodes", "16", "--warmup", "2", "--duration", "5", "--run-root", "{run}"],
+        # docs/scale.md (*A cluster-shaped run*): both configurations, the ratio, the bottleneck
+        ["engines", "episodes", "router_processes", "completions_per_s", "completions_per_s_one_router",
+         "ratio", "cpu_ms_per_completion", "buffer_puts_per_s", "learner_idle", "lost_samples",
+         "exact_capture_violations", "bottleneck"],
     ),
     (
         "async_vs_sync",

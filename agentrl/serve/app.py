@@ -150,12 +150,15 @@ class Serve:
         urls = list(cfg.engine.urls)
         # engines serve launches answer only serve (a key per run); running ones (engine.urls) are theirs
         self.engine_key = "" if urls else build.engine_key()
-        if not urls and cfg.ray.address:  # engines (and later rollout workers) as Ray actors
+        if cfg.ray.address:  # rollout workers, and the engines unless engine.urls names them, as Ray actors
             from agentrl.serve.ray import RayCluster
 
             self.cluster = RayCluster(cfg, self.model_path, self.run_dir, engine_key=self.engine_key)
-            self._phase(f"starting {cfg.engine.count} engine actor(s) on the Ray cluster")
-            urls = await self.cluster.start_engines()
+            if urls:
+                await self.cluster.connect()
+            else:
+                self._phase(f"starting {cfg.engine.count} engine actor(s) on the Ray cluster")
+                urls = await self.cluster.start_engines()
         if not urls:
             from agentrl.serve.local import LocalEngines
 

@@ -22,7 +22,9 @@ re-issues ``run`` to a restarted worker, re-points the pool when an engine comes
 URL (the pool's health check reloads the current weights before it takes traffic), and spawns a
 fresh actor when Ray has given up on one. ``close`` kills every actor; their engines die with them.
 
-Ray is imported only here, and only when ``serve.ray.address`` is set.
+With ``engine.urls`` (engines that already run, e.g. stand-in engines in ``benchmarks/cluster_sim.py``)
+serve places only the rollout workers. Ray is imported only here, and only when
+``serve.ray.address`` is set.
 """
 
 from __future__ import annotations
@@ -222,9 +224,13 @@ class RayCluster:
             max_restarts=rc.max_restarts, max_task_retries=0, max_concurrency=1)
         return actor_cls.remote(spec_dict, str((self.run_dir / "logs").resolve()), rc.engine_host)
 
+    async def connect(self) -> None:
+        """Join the Ray cluster (``ray.address``; rollout workers only when engine.urls names the engines)."""
+        await asyncio.to_thread(self._connect)
+
     async def start_engines(self) -> list[str]:
         """Place ``engine.count`` engine actors and wait until every engine is healthy; their URLs."""
-        await asyncio.to_thread(self._connect)
+        await self.connect()
         n = self.cfg.engine.count
         self.engines = [self._engine_actor(i) for i in range(n)]
         log.info("starting %d engine actor(s) on the Ray cluster", n)

@@ -51,9 +51,10 @@ from agentrl.serve.config import ServeConfig
 
 log = logging.getLogger(__name__)
 
-# what a proxy never passes on (RFC 9110 7.6.1), and what aiohttp sets itself
+# what a proxy never passes on (RFC 9110 7.6.1), and what aiohttp sets itself; Host is passed on
+# (the owner answers with URLs of the address the client called)
 _HOP = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
-                  "trailers", "transfer-encoding", "upgrade", "host", "content-length"})
+                  "trailers", "transfer-encoding", "upgrade", "content-length"})
 
 
 class FollowingRouter:
