@@ -8,11 +8,14 @@ stand-in learner here that pulls batches from serve's buffer, "trains" for ``--s
 publishes every version to serve as a real learner does (full weights of the tiny model, over HTTP;
 the stand-in engines take them as no-ops that still version).
 
-Two configurations in the same run, the same everything else:
+Three configurations in the same run, the same everything else:
 
 - ``one_router``: the workers call serve's router over HTTP (``ray.local_router = false``, as before
   2026-12-07): every model call of the cluster crosses serve's one router process;
-- ``local``: each worker routes its own calls (``ray.local_router = true``, the default).
+- ``local_one_worker``: all the episodes in one worker that routes its own calls;
+- ``local``: ``--workers`` workers, each routing its own calls (``ray.local_router = true``, the
+  default). Its CPU per completion against ``local_one_worker``'s is the linearity check: the same
+  work per call whether one router process or several do it (``cpu_per_completion_vs_one_worker``).
 
 Each plays ``--warmup`` seconds, then measures ``--duration`` seconds: model calls completed (the
 routers' ``calls`` counters: serve's and each worker's), CPU seconds per process type from
@@ -31,12 +34,13 @@ samples the workers counted as put that serve's buffer does not have.
 On 2 cores the machine itself bounds both configurations; the ratio says how much of the one-router
 ceiling was serve's process. Final JSON line: ``engines``, ``episodes``, ``router_processes``,
 ``completions_per_s``, ``completions_per_s_one_router``, ``ratio``, ``cpu_ms_per_completion``,
-``cpu_ms_per_completion_one_router`` (each per process type and in all), ``buffer_puts_per_s``,
+``cpu_ms_per_completion_one_router`` (each per process type and in all), ``completions_per_s_one_worker``,
+``cpu_ms_per_completion_one_worker``, ``cpu_per_completion_vs_one_worker``, ``buffer_puts_per_s``,
 ``learner_idle``, ``staleness``, ``lost_samples``, ``exact_capture_violations``, ``bottleneck``,
 ``bottleneck_one_router``, ``configs`` (every figure of both), ``wall_s``.
 
-    .venv/bin/python benchmarks/cluster_sim.py [--engines 2] [--workers 2] [--episodes 64]
-        [--duration 40] [--warmup 20] [--step-s 1.0]
+    .venv/bin/python benchmarks/cluster_sim.py [--engines 2] [--workers 2] [--episodes 256]
+        [--duration 40] [--warmup 20] [--step-s 0.25]
 """
 
 from __future__ import annotations
@@ -110,9 +114,9 @@ def start_engines(n: int, model: str, args: argparse.Namespace) -> tuple[list[st
     return urls, procs
 
 
-def serve_config(path: Path, run_dir: Path, port: int, urls: list[str], local: bool,
+def serve_config(path: Path, run_dir: Path, port: int, urls: list[str], local: bool, workers: int,
                  args: argparse.Namespace) -> None:
-    per_worker = max(args.group, args.episodes // args.workers)
+    per_worker = max(args.group, args.episodes // workers)
     path.write_text(f"""model = "tiny-tools"
 run_dir = "{run_dir}"
 restore = false
@@ -133,7 +137,7 @@ batch_size = {args.batch}
 max_staleness = {args.max_staleness}
 [ray]
 address = "local"
-workers = {args.workers}
+workers = {workers}
 worker_cpus = 0.25
 worker_concurrency = {per_worker}
 local_router = {str(local).lower()}
@@ -231,11 +235,11 @@ def engine_waiting(urls: list[str]) -> float:
     return total
 
 
-async def one_config(name: str, local: bool, urls: list[str], engine_pids: list[int], weights: bytes,
-                     root: Path, args: argparse.Namespace) -> dict[str, Any]:
+async def one_config(name: str, local: bool, workers: int, urls: list[str], engine_pids: list[int],
+                     weights: bytes, root: Path, args: argparse.Namespace) -> dict[str, Any]:
     run_dir, port = root / name, free_port()
     config = root / f"{name}.toml"
-    serve_config(config, run_dir, port, urls, local, args)
+    serve_config(config, run_dir, port, urls, local, workers, args)
     base = f"http://127.0.0.1:{port}"
     out = open(root / f"{name}.serve.log", "wb")  # noqa: SIM115 - closed below
     env = {k: v for k, v in os.environ.items() if k != "AGENTRL_ADMIN_TOKEN"}
@@ -255,8 +259,8 @@ async def one_config(name: str, local: bool, urls: list[str], engine_pids: list[
         learning = asyncio.create_task(learner.run())
         async with ServeClient(base, token, timeout_s=30.0) as http:
             while True:  # every worker has finished an episode (a slow start is not measured)
-                workers = (await http.json("GET", "/admin/status")).get("rollout", {}).get("workers", [])
-                if workers and all((w.get("episodes") or 0) >= 1 for w in workers):
+                playing = (await http.json("GET", "/admin/status")).get("rollout", {}).get("workers", [])
+                if playing and all((w.get("episodes") or 0) >= 1 for w in playing):
                     break
                 if time.monotonic() - t0 > 600:
                     raise SystemExit(f"[{name}] the rollout workers did not all play an episode in 600 s")
@@ -307,10 +311,10 @@ async def one_config(name: str, local: bool, urls: list[str], engine_pids: list[
         bottleneck = "the engines (requests waiting for room)"
     else:
         bottleneck = "none at its limit (the tools' latency and the episode count bound the rate)"
-    workers = (last_status.get("rollout") or {}).get("workers", [])
+    worker_status = (last_status.get("rollout") or {}).get("workers", [])
     lost = max(0.0, last["rollout_samples"] - last["produced"])
     fig = {
-        "router_processes": args.workers if local else 1,
+        "router_processes": workers if local else 1, "workers": workers,
         "completions": int(calls), "seconds": round(dt, 1),
         "completions_per_s": round(calls / dt, 1),
         "cpu_ms_per_completion": per_call,
@@ -324,7 +328,7 @@ async def one_config(name: str, local: bool, urls: list[str], engine_pids: list[
         "lost_samples": int(lost),
         "engine_requests_waiting_mean": round(sum(waiting) / len(waiting), 2) if waiting else None,
         "serve_router_calls": int(last_status["router"]["calls"]),
-        "worker_router_calls": [int((w.get("router") or {}).get("calls", 0)) for w in workers],
+        "worker_router_calls": [int((w.get("router") or {}).get("calls", 0)) for w in worker_status],
         "bottleneck": bottleneck,
     }
     print(f"[{name}] {json.dumps(fig)}", file=sys.stderr, flush=True)
@@ -345,8 +349,12 @@ async def amain(args: argparse.Namespace) -> dict[str, Any]:
     urls, engines = start_engines(args.engines, model, args)
     try:
         configs = {}
-        for name, local in (("one_router", False), ("local", True)):
-            configs[name] = await one_config(name, local, urls, [p.pid for p in engines], weights, root, args)
+        plan = [("one_router", False, args.workers), ("local", True, args.workers)]
+        if args.workers > 1:  # the same episodes through one worker and its router: is it linear?
+            plan.insert(1, ("local_one_worker", True, 1))
+        for name, local, workers in plan:
+            configs[name] = await one_config(name, local, workers, urls, [p.pid for p in engines], weights,
+                                             root, args)
     finally:
         for p in engines:
             p.terminate()
@@ -354,6 +362,9 @@ async def amain(args: argparse.Namespace) -> dict[str, Any]:
             p.wait()
     one, loc = configs["one_router"], configs["local"]
     ratio = loc["completions_per_s"] / one["completions_per_s"] if one["completions_per_s"] else math.nan
+    single = configs.get("local_one_worker")
+    linear = (round(loc["cpu_ms_per_completion"]["total"] / single["cpu_ms_per_completion"]["total"], 3)
+              if single and single["cpu_ms_per_completion"]["total"] else None)
     if not args.run_root:
         shutil.rmtree(root, ignore_errors=True)
     return {
@@ -364,10 +375,13 @@ async def amain(args: argparse.Namespace) -> dict[str, Any]:
         "ratio": round(ratio, 3),
         "cpu_ms_per_completion": loc["cpu_ms_per_completion"],
         "cpu_ms_per_completion_one_router": one["cpu_ms_per_completion"],
+        "completions_per_s_one_worker": single["completions_per_s"] if single else None,
+        "cpu_ms_per_completion_one_worker": single["cpu_ms_per_completion"] if single else None,
+        "cpu_per_completion_vs_one_worker": linear,
         "buffer_puts_per_s": loc["buffer_puts_per_s"], "learner_idle": loc["learner_idle"],
         "staleness": loc["staleness"],
-        "lost_samples": one["lost_samples"] + loc["lost_samples"],
-        "exact_capture_violations": one["exact_capture_violations"] + loc["exact_capture_violations"],
+        "lost_samples": sum(c["lost_samples"] for c in configs.values()),
+        "exact_capture_violations": sum(c["exact_capture_violations"] for c in configs.values()),
         "bottleneck": loc["bottleneck"], "bottleneck_one_router": one["bottleneck"],
         "configs": configs, "cpus": os.cpu_count(), "wall_s": round(time.monotonic() - t0, 1),
     }
@@ -379,13 +393,13 @@ def main() -> None:
     p.add_argument("--workers", type=int, default=2, help="rollout worker actors")
     p.add_argument("--episodes", type=int, default=256, help="episodes in flight over all workers")
     p.add_argument("--group", type=int, default=4)
-    p.add_argument("--batch", type=int, default=128)
+    p.add_argument("--batch", type=int, default=256)
     p.add_argument("--max-staleness", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=16, help="tokens per model call")
     p.add_argument("--tool-median-s", type=float, default=0.05, help="the tools' median latency")
     p.add_argument("--tool-sigma", type=float, default=1.0, help="log-normal shape of tool latency")
     p.add_argument("--tokens-per-s", type=float, default=50000.0, help="each stand-in engine's decode rate")
-    p.add_argument("--step-s", type=float, default=1.0, help="the stand-in learner's time per step")
+    p.add_argument("--step-s", type=float, default=0.25, help="the stand-in learner's time per step")
     p.add_argument("--warmup", type=float, default=20.0)
     p.add_argument("--duration", type=float, default=40.0)
     p.add_argument("--run-root", default="", help="keep every run's folder and log here")
