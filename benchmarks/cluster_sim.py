@@ -63,7 +63,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from common import die_with_parent, free_port  # noqa: E402
+from common import die_with_parent, free_port, start_standins  # noqa: E402
 
 from agentrl.client import ServeClient, get_json  # noqa: E402
 
@@ -94,24 +94,6 @@ def descendants(pid: int) -> list[int]:
             out.append(c)
             todo.append(c)
     return out
-
-
-def start_engines(n: int, model: str, args: argparse.Namespace) -> tuple[list[str], list[subprocess.Popen]]:
-    urls, procs = [], []
-    for _ in range(n):
-        port = free_port()
-        proc = subprocess.Popen([sys.executable, "-m", "agentrl.engines.standin", "--port", str(port),
-                                 "--model", model, "--served-model-name", "tiny-tools",
-                                 "--tokens-per-s", str(args.tokens_per_s), "--kv-tokens", "10000000",
-                                 "--step-s", "0.01"],
-                                stdout=subprocess.PIPE, text=True, preexec_fn=die_with_parent)
-        procs.append(proc)
-        assert proc.stdout is not None
-        line = proc.stdout.readline()
-        if not line.startswith("standin engine ready"):
-            raise SystemExit(f"a stand-in engine did not start: {line!r}")
-        urls.append(f"http://127.0.0.1:{port}")
-    return urls, procs
 
 
 def serve_config(path: Path, run_dir: Path, port: int, urls: list[str], local: bool, workers: int,
@@ -346,7 +328,8 @@ async def amain(args: argparse.Namespace) -> dict[str, Any]:
     weights = serialize_state_dict(load_file(str(Path(model) / "model.safetensors")))
     root = Path(args.run_root) if args.run_root else Path(tempfile.mkdtemp(prefix="agentrl-cluster-sim-"))
     root.mkdir(parents=True, exist_ok=True)
-    urls, engines = start_engines(args.engines, model, args)
+    urls, engines = start_standins(args.engines, model, "--tokens-per-s", str(args.tokens_per_s),
+                                   "--kv-tokens", "10000000", "--step-s", "0.01")
     try:
         configs = {}
         plan = [("one_router", False, args.workers), ("local", True, args.workers)]

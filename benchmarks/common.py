@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import subprocess
+import sys
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -94,3 +96,24 @@ async def weight_receiver(engine_url: str, root: Path, port: int = 0) -> AsyncIt
     finally:
         await runner.cleanup()
         await pool.close()
+
+
+def start_standins(n: int, model: str, *flags: str) -> tuple[list[str], list[subprocess.Popen]]:
+    """``n`` stand-in engine processes (:mod:`agentrl.engines.standin`, served name "tiny-tools",
+    ``flags`` passed on: ``--tokens-per-s``, ``--kv-tokens``, ...), each ready; their URLs and
+    processes (the caller stops them; they die with it)."""
+    urls, procs = [], []
+    for _ in range(n):
+        port = free_port()
+        proc = subprocess.Popen([sys.executable, "-m", "agentrl.engines.standin", "--port", str(port),
+                                 "--model", model, "--served-model-name", "tiny-tools", *flags],
+                                stdout=subprocess.PIPE, text=True, preexec_fn=die_with_parent)
+        procs.append(proc)
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        if not line.startswith("standin engine ready"):
+            for p in procs:
+                p.kill()
+            raise SystemExit(f"a stand-in engine did not start: {line!r}")
+        urls.append(f"http://127.0.0.1:{port}")
+    return urls, procs

@@ -42,7 +42,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from common import die_with_parent, free_port  # noqa: E402
+from common import start_standins  # noqa: E402
 
 from agentrl.engines.pool import EnginePool, metric_sums  # noqa: E402
 from agentrl.rollout.concurrency import ConcurrencyController, http_reader  # noqa: E402
@@ -174,21 +174,9 @@ async def one_run(urls: list[str], w: Workload, *, cap: int | None, max_cap: int
 
 
 def start_engines(n: int, model: str, args: argparse.Namespace) -> tuple[list[str], list[subprocess.Popen]]:
-    urls, procs = [], []
-    for _ in range(n):
-        port = free_port()
-        proc = subprocess.Popen([sys.executable, "-m", "agentrl.engines.standin", "--port", str(port),
-                                 "--model", model, "--served-model-name", "tiny-tools", "--tokens-per-s",
-                                 str(args.tokens_per_s), "--kv-tokens", str(args.kv_tokens),
-                                 "--prefill-s-per-token", str(args.prefill_s_per_token), "--step-s", "0.02"],
-                                stdout=subprocess.PIPE, text=True, preexec_fn=die_with_parent)
-        procs.append(proc)
-        assert proc.stdout is not None
-        line = proc.stdout.readline()
-        if not line.startswith("standin engine ready"):
-            raise RuntimeError(f"the stand-in engine did not start: {line!r}")
-        urls.append(f"http://127.0.0.1:{port}")
-    return urls, procs
+    return start_standins(n, model, "--tokens-per-s", str(args.tokens_per_s), "--kv-tokens",
+                          str(args.kv_tokens), "--prefill-s-per-token", str(args.prefill_s_per_token),
+                          "--step-s", "0.02")
 
 
 def main() -> None:

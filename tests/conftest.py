@@ -210,6 +210,33 @@ def start_vllm(model: str, log_dir: Path, served_name: str = "tiny-tools", **opt
     return engine
 
 
+class ServeProcess:
+    """``agentrl serve`` on a config file, as a child process, up until stopped."""
+
+    def __init__(self, config: Path, out: Path, port: int) -> None:
+        self.base, self.out = f"http://127.0.0.1:{port}", out
+        env = {k: v for k, v in os.environ.items() if k != "AGENTRL_ADMIN_TOKEN"}
+        self.log = open(out, "ab")  # noqa: SIM115 - closed in stop
+        self.proc = subprocess.Popen([sys.executable, "-m", "agentrl.cli", "serve", "--config", str(config)],
+                                     stdout=self.log, stderr=subprocess.STDOUT, env=env)
+
+    def wait_serving(self, timeout_s: float = 300) -> None:
+        import time
+
+        from agentrl.client import get_json
+
+        deadline = time.monotonic() + timeout_s
+        while get_json(f"{self.base}/health")[0] != 200:
+            assert self.proc.poll() is None and time.monotonic() < deadline, self.out.read_text()[-3000:]
+            time.sleep(0.5)
+
+    def stop(self) -> int:
+        self.proc.send_signal(signal.SIGTERM)
+        code = self.proc.wait(timeout=120)
+        self.log.close()
+        return code
+
+
 def serve_until(config: Path, run_dir: Path, port: int, episodes: int, out: Path) -> dict[str, Any]:
     """``agentrl serve --config config`` (as a newcomer runs it, its output in ``out``) until its
     run directory logs ``episodes`` episodes (at most 10 min), then SIGTERM: the episodes' lines,

@@ -9,10 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -23,6 +19,7 @@ from aiohttp.test_utils import make_mocked_request
 from agentrl.client import get_json
 from agentrl.rollout.remote import summary_from_batch
 from agentrl.serve.routers import owner_of, route_of
+from tests.conftest import ServeProcess as Serve
 from tests.conftest import free_port
 
 SESSIONS = 50
@@ -52,29 +49,6 @@ def test_route_of_sends_sessions_to_their_owner_and_serves_routes_to_serve() -> 
         assert {owner_of(f"s{i}", 2) for i in range(20)} == {0, 1}  # both own some
 
     asyncio.run(go())
-
-
-class Serve:
-    """``agentrl serve`` on a config file, as a child process, up until stopped."""
-
-    def __init__(self, config: Path, out: Path, port: int) -> None:
-        self.base, self.out = f"http://127.0.0.1:{port}", out
-        env = {k: v for k, v in os.environ.items() if k != "AGENTRL_ADMIN_TOKEN"}
-        self.log = open(out, "ab")  # noqa: SIM115 - closed in stop
-        self.proc = subprocess.Popen([sys.executable, "-m", "agentrl.cli", "serve", "--config", str(config)],
-                                     stdout=self.log, stderr=subprocess.STDOUT, env=env)
-
-    def wait_serving(self, timeout_s: float = 300) -> None:
-        deadline = time.monotonic() + timeout_s
-        while get_json(f"{self.base}/health")[0] != 200:
-            assert self.proc.poll() is None and time.monotonic() < deadline, self.out.read_text()[-3000:]
-            time.sleep(0.5)
-
-    def stop(self) -> int:
-        self.proc.send_signal(signal.SIGTERM)
-        code = self.proc.wait(timeout=120)
-        self.log.close()
-        return code
 
 
 async def one_session(http: aiohttp.ClientSession, base: str, token: str, i: int) -> dict:

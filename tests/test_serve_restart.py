@@ -6,43 +6,16 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import signal
-import subprocess
-import sys
-import time
 import urllib.request
 from pathlib import Path
 
 import pytest
 
 from agentrl.client import get_json
+from tests.conftest import ServeProcess as Serve
 from tests.conftest import free_port, start_vllm
 
 pytestmark = [pytest.mark.vllm]
-
-
-class Serve:
-    """``agentrl serve`` on a config file, as a child process, up until stopped."""
-
-    def __init__(self, config: Path, out: Path, port: int) -> None:
-        self.base, self.out = f"http://127.0.0.1:{port}", out
-        env = {k: v for k, v in os.environ.items() if k != "AGENTRL_ADMIN_TOKEN"}
-        self.log = open(out, "ab")
-        self.proc = subprocess.Popen([sys.executable, "-m", "agentrl.cli", "serve", "--config", str(config)],
-                                     stdout=self.log, stderr=subprocess.STDOUT, env=env)
-
-    def wait_serving(self, timeout_s: float = 300) -> None:
-        deadline = time.monotonic() + timeout_s
-        while get_json(f"{self.base}/health")[0] != 200:
-            assert self.proc.poll() is None and time.monotonic() < deadline, self.out.read_text()[-3000:]
-            time.sleep(0.5)
-
-    def stop(self) -> int:
-        self.proc.send_signal(signal.SIGTERM)
-        code = self.proc.wait(timeout=120)
-        self.log.close()
-        return code
 
 
 def test_a_restarted_serve_comes_back_at_the_last_published_version(

@@ -573,20 +573,15 @@ def prometheus_series(status: dict[str, Any]) -> dict[str, float]:
             out[f"rollout_{k}_total"] = rollout[k]
     if isinstance(rollout.get("in_flight"), int | float):
         out["rollout_in_flight"] = rollout["in_flight"]
-    for child in status.get("router_processes") or ():  # router.processes > 1: each other process's
-        counters = child.get("router") if isinstance(child, dict) else None
-        if isinstance(counters, dict):
-            lab = f'{{process="{_label(str(child.get("process")))}"}}'
-            for k, v in counters.items():
-                if isinstance(v, int | float):
-                    out[f"router_process_{k}_total{lab}"] = v
-    for worker in rollout.get("workers") or ():  # serve --ray: each rollout worker's own router
-        counters = worker.get("router") if isinstance(worker, dict) else None
-        if isinstance(counters, dict):
-            lab = f'{{worker="{_label(str(worker.get("worker")))}"}}'
-            for k, v in counters.items():
-                if isinstance(v, int | float):
-                    out[f"worker_router_{k}_total{lab}"] = v
+    # each other router process's counters (router.processes > 1), each Ray rollout worker's own router's
+    for entries, label, prefix in ((status.get("router_processes"), "process", "router_process"),
+                                   (rollout.get("workers"), "worker", "worker_router")):
+        for entry in entries or ():
+            counters = entry.get("router") if isinstance(entry, dict) else None
+            if isinstance(counters, dict):
+                lab = f'{{{label}="{_label(str(entry.get(label)))}"}}'
+                out.update({f"{prefix}_{k}_total{lab}": v for k, v in counters.items()
+                            if isinstance(v, int | float)})
     concurrency = rollout.get("concurrency")
     if concurrency:  # the controller's limit, its inputs per engine and its decisions
         out["concurrency_limit"] = concurrency["limit"]
