@@ -387,7 +387,7 @@ class EnginePool:
             engine.version = parse_version(st.get("version"))
             adapters = st.get("adapters")
             engine.adapters = {
-                str(policy): {parse_version(v): "" for v in held if parse_version(v) > 0}
+                str(policy): {v: "" for v in map(parse_version, held) if v > 0}
                 for policy, held in (adapters.items() if isinstance(adapters, dict) else ())
                 if isinstance(held, list)
             }

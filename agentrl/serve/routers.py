@@ -81,7 +81,6 @@ class FollowingRouter:
         self.serve_socket = serve_socket
         self.engine_key, self.model_path, self.run_dir = engine_key, model_path, run_dir
         self.router: Any = None
-        self.url = ""  # the loopback address scaffolds call (started by serve_http)
         self._runner: web.AppRunner | None = None
         self._following: asyncio.Task | None = None
         self._client: Any = None
@@ -139,8 +138,7 @@ class FollowingRouter:
         self._runner = web.AppRunner(app, access_log=None)
         await self._runner.setup()
         await web.TCPSite(self._runner, "127.0.0.1", 0).start()
-        self.url = f"http://127.0.0.1:{self._runner.addresses[0][1]}"
-        return self.url
+        return f"http://127.0.0.1:{self._runner.addresses[0][1]}"
 
     async def close(self) -> None:
         if self._following is not None:
@@ -163,12 +161,12 @@ def owner_of(session_id: str, count: int) -> int:
 
 
 def _session_of_headers(request: web.Request) -> str | None:
-    sid = request.headers.get("X-Agentrl-Session")
-    if sid:
-        return sid
-    auth = request.headers.get("Authorization", "")
-    key = auth[7:].strip() if auth[:7].lower() == "bearer " else request.headers.get("x-api-key", "")
-    return key[5:] if key.startswith("sess-") and len(key) > 5 else None
+    """The session a model call names in its headers (unchecked: the owner checks it)."""
+    from agentrl.router.http import client_key
+
+    key = client_key(request) or ""
+    named = key[5:] if key.startswith("sess-") else ""
+    return request.headers.get("X-Agentrl-Session") or named or None
 
 
 async def route_of(request: web.Request, count: int) -> int | None:
@@ -271,9 +269,14 @@ def affinity(index: int, count: int, forwarder: Forwarder, public_port: int) -> 
     return middleware
 
 
-def make_local(router: Any, index: int, count: int) -> None:
-    """Make ``router`` process ``index`` of ``count``: the session ids it makes up are its own."""
+def make_process(app: web.Application, router: Any, index: int, count: int, sockets_dir: Path,
+                 public_port: int, timeout_s: float) -> Forwarder:
+    """Make ``app`` (over ``router``, before it starts) router process ``index`` of ``count``: it
+    passes on what another process must answer, and the session ids it makes up are its own."""
+    forwarder = Forwarder(sockets_dir, router.counters, timeout_s)
+    app.middlewares.insert(1, affinity(index, count, forwarder, public_port))
     router.store.claims = lambda sid: owner_of(sid, count) == index
+    return forwarder
 
 
 # -- serve's side: the children ---------------------------------------------------------------------
@@ -292,17 +295,14 @@ class RouterProcesses:
         self.dir = Path(tempfile.mkdtemp(prefix="agentrl-routers-"))  # 0700: only serve's user
         self.procs: dict[int, subprocess.Popen] = {}
         self.info: dict[int, dict[str, Any]] = {}
-        self.restarts = 0
+        self.forwarder: Forwarder | None = None  # process 0's (install)
         self._tasks: list[asyncio.Task] = []
         self._closing = False
 
-    def install(self, app: web.Application, router: Any) -> Forwarder:
+    def install(self, app: web.Application, router: Any) -> None:
         """Make serve's app process 0: its middleware and its session ids (before the app starts)."""
-        forwarder = Forwarder(self.dir, router.counters, self.cfg.router.request_timeout_s)
-        app.middlewares.insert(1, affinity(0, self.count, forwarder, self.listener.getsockname()[1]))
-        make_local(router, 0, self.count)
-        self.forwarder = forwarder
-        return forwarder
+        self.forwarder = make_process(app, router, 0, self.count, self.dir, self.listener.getsockname()[1],
+                                      self.cfg.router.request_timeout_s)
 
     async def start(self, runner: web.AppRunner, timeout_s: float) -> None:
         """Open process 0's private socket on ``runner``, then start the children and wait for each."""
@@ -352,7 +352,6 @@ class RouterProcesses:
                 if proc.poll() is not None and not self._closing:
                     log.warning("router process %d (pid %d) exited with %s; its open sessions are lost; "
                                 "restarting it", index, proc.pid, proc.returncode)
-                    self.restarts += 1
                     self.info[index] = {"process": index, "restarting": True}
                     try:
                         await self._spawn(index, self.cfg.engine.start_timeout_s)
@@ -388,7 +387,7 @@ class RouterProcesses:
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
-        if getattr(self, "forwarder", None) is not None:
+        if self.forwarder is not None:
             await self.forwarder.close()
         shutil.rmtree(self.dir, ignore_errors=True)
 
@@ -403,12 +402,11 @@ async def _child(spec: dict[str, Any]) -> None:
     own = FollowingRouter(cfg, "http://serve", spec["admin_token"], spec["engine_key"], spec["model_path"],
                           Path(spec["run_dir"]), serve_socket=str(socket_path(sockets_dir, 0)))
     router = await own.start()
-    make_local(router, index, count)
     listener = socket.socket(fileno=spec["fd"])
-    forwarder = Forwarder(sockets_dir, router.counters, cfg.router.request_timeout_s)
     app = make_app(router, admin_token=spec["admin_token"], api_keys=frozenset(spec["api_keys"]),
                    client_max_size=cfg.router.max_body_mb << 20)
-    app.middlewares.insert(1, affinity(index, count, forwarder, listener.getsockname()[1]))
+    forwarder = make_process(app, router, index, count, sockets_dir, listener.getsockname()[1],
+                             cfg.router.request_timeout_s)
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     await web.UnixSite(runner, str(socket_path(sockets_dir, index))).start()
