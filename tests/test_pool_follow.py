@@ -62,7 +62,7 @@ def test_each_rollout_workers_router_is_on_serves_metrics() -> None:
         {"worker": 'w"1', "router": {"calls": 3, "note": "x"}},
     ]}}
     series = prometheus_series(status)
-    assert series['worker_router_calls_total{worker="worker-0"}'] == 12
-    assert series['worker_router_errors_5xx_total{worker="worker-0"}'] == 1
-    assert series['worker_router_calls_total{worker="w\\"1"}'] == 3
+    assert series['router_calls_total{worker="worker-0"}'] == 12
+    assert series['router_errors_5xx_total{worker="worker-0"}'] == 1
+    assert series['router_calls_total{worker="w\\"1"}'] == 3
     assert not any("note" in k or "worker-1" in k for k in series)

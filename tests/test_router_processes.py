@@ -129,7 +129,13 @@ processes = 2
             if counted >= 2 * SESSIONS or time.monotonic() > deadline:
                 break
             time.sleep(1)
-        metrics = aiohttp_get_text(f"{serve.base}/metrics")
+        other_calls = ((children or [{}])[0].get("router") or {}).get("calls")
+        while True:  # and its exposition, polled right after its counters
+            metrics = aiohttp_get_text(f"{serve.base}/metrics")
+            if f'agentrl_router_calls_total{{process="1"}} {float(other_calls or 0)}' in metrics or \
+                    time.monotonic() > deadline + 10:
+                break
+            time.sleep(0.5)
     finally:
         assert serve.stop() == 0, (tmp_path / "serve.out").read_text()[-3000:]
 
@@ -158,7 +164,16 @@ processes = 2
     # serve loaded the model's tokenizer (it once lost a race with its own import of transformers in
     # another thread and fell back to the engine's routes for good)
     assert "could not load the tokenizer" not in (tmp_path / "serve.out").read_text()
-    assert f'agentrl_router_process_calls_total{{process="1"}} {other["calls"]}' in metrics
+    # the other process's registry in serve's one exposition: its counters and its histograms,
+    # labelled process="1", in the same families as serve's own
+    from prometheus_client.parser import text_string_to_metric_families
+
+    families = {f.name: f for f in text_string_to_metric_families(metrics)}
+    calls = {s.labels.get("process", "0"): s.value for s in families["agentrl_router_calls"].samples}
+    assert calls["1"] == other["calls"] and calls["0"] >= mine["calls"], (calls, mine, other)
+    timed = sum(s.value for s in families["agentrl_router_request_seconds"].samples
+                if s.name.endswith("_count") and s.labels.get("process") == "1")
+    assert timed >= 1, (timed, other)
     sessions_logged = {p.stem for p in (run_dir / "sessions").glob("*.jsonl")}
     assert {r["sid"] for r in results} <= sessions_logged  # each in the run's session records, once
 

@@ -1,7 +1,8 @@
 """Where the learner's per-step metrics go besides ``learner.jsonl``: Prometheus, TensorBoard, W&B.
 
-- :class:`MetricsServer`: ``GET /metrics`` in Prometheus text format from a daemon thread of the
-  learner (rank 0), so a scrape never waits on a training step. Gauges hold the latest step's
+- :class:`MetricsServer`: ``GET /metrics`` in Prometheus text format (``prometheus_client``'s
+  exposition of a registry of its own) from a daemon thread of the learner (rank 0), so a scrape
+  never waits on a training step. Gauges hold the latest step's
   values (step, version, loss, reward, staleness, tokens/s, idle fraction, ...).
 - :func:`make_writers`: the optional writers a config asks for. TensorBoard and W&B live behind
   extras (``agentrl[tensorboard]``, ``agentrl[wandb]``) and are imported only when enabled; a
@@ -16,9 +17,13 @@ import logging
 import re
 import threading
 import time
+from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from agentrl.errors import AgentrlError
 
@@ -69,6 +74,8 @@ class MetricsServer:
         self._latest: dict[str, float] = {}
         self._steps = 0
         self._started = time.time()
+        self._registry = CollectorRegistry(auto_describe=False)
+        self._registry.register(self)
         server = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -78,7 +85,7 @@ class MetricsServer:
                     return
                 body = server.text().encode()
                 self.send_response(200)
-                self.send_header("Content-Type", "text/plain; version=0.0.4")
+                self.send_header("Content-Type", "text/plain; version=0.0.4; charset=utf-8")
                 self.send_header("Content-Length", str(len(body)))
                 self.end_headers()
                 self.wfile.write(body)
@@ -102,23 +109,25 @@ class MetricsServer:
             self._latest = flat
             self._steps += 1
 
-    def text(self) -> str:
+    def collect(self) -> Iterator[Metric]:
+        """The families of one scrape (a ``prometheus_client`` collector of this server's registry)."""
         with self._lock:
             latest, steps = dict(self._latest), self._steps
-        lines = ["# HELP agentrl_learner_steps_total Steps this learner process has taken.",
-                 "# TYPE agentrl_learner_steps_total counter", f"agentrl_learner_steps_total {steps}"]
+        yield CounterMetricFamily("agentrl_learner_steps", "Steps this learner process has taken.",
+                                  value=steps)
         for key, help_text in HEADLINE.items():
-            name = _metric_name(key)
-            lines += [f"# HELP {name} {help_text}", f"# TYPE {name} gauge"]
+            family = GaugeMetricFamily(_metric_name(key), help_text)
             if key in latest:
-                lines.append(f"{name} {latest[key]:g}")
+                family.add_metric([], latest[key])
+            yield family
         for key, v in latest.items():
-            if key in HEADLINE or key == "time":
-                continue
-            name = _metric_name(key)
-            lines += [f"# TYPE {name} gauge", f"{name} {v:g}"]
-        lines.append(f"agentrl_learner_uptime_seconds {time.time() - self._started:.3f}")
-        return "\n".join(lines) + "\n"
+            if key not in HEADLINE and key != "time":
+                yield GaugeMetricFamily(_metric_name(key), f"The last step's {key}.", value=v)
+        yield GaugeMetricFamily("agentrl_learner_uptime_seconds", "Seconds since the learner started.",
+                                value=time.time() - self._started)
+
+    def text(self) -> str:
+        return generate_latest(self._registry).decode()
 
     def close(self) -> None:
         self._httpd.shutdown()

@@ -103,6 +103,7 @@ class Router:
         self.store = SessionStore(sessions_dir)
         self.sessions: dict[str, Session] = self.store.sessions  # the store's own dict, not a copy
         self.metrics = RouterMetrics()
+        self.metrics.watch(self)
         local = self.renderers.local
         # no prompt longer than this many characters can fit the context, however it tokenises; and no
         # body longer than this many bytes can carry such a prompt (a character is at most 6 bytes in
@@ -267,7 +268,7 @@ class Router:
             self.counters["errors_4xx" if e.status < 500 else "errors_5xx"] += 1
             raise
         finally:
-            self.metrics.request_seconds.observe(time.perf_counter() - t0, route=route, status=status)
+            self.metrics.request_seconds.labels(route, status).observe(time.perf_counter() - t0)
 
     async def with_retries(self, session_id: str | None,
                            fn: Callable[[Engine, float], Awaitable[T]]) -> T:

@@ -42,7 +42,7 @@ from agentrl.router.http import (
     is_admin,
     json_body,
 )
-from agentrl.router.metrics import metrics_text
+from agentrl.router.metrics import CONTENT_TYPE, exposition
 from agentrl.router.session_store import SessionLimits
 from agentrl.web import ADMIN_TOKEN, bearer, error_middleware, require_admin
 
@@ -50,6 +50,8 @@ log = logging.getLogger(__name__)
 
 # More /metrics series from whoever hosts the router (serve: its rollout, scoring and buffer)
 METRICS_EXTRA: web.AppKey[Any] = web.AppKey("metrics_extra")
+# Other processes' expositions in this one (serve: its other router processes'), each labelled
+METRICS_OTHERS: web.AppKey[Any] = web.AppKey("metrics_others")
 
 
 def _dumps(obj: Any) -> str:
@@ -142,9 +144,9 @@ async def engines_status(request: web.Request) -> web.Response:
 
 
 async def metrics(request: web.Request) -> web.Response:
-    extra = request.app.get(METRICS_EXTRA)
-    return web.Response(text=metrics_text(request.app[ROUTER_KEY], extra() if extra else None),
-                        content_type="text/plain")
+    extra, others = request.app.get(METRICS_EXTRA), request.app.get(METRICS_OTHERS)
+    body = exposition(request.app[ROUTER_KEY], extra() if extra else None, others() if others else ())
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
 
 
 def add_router_routes(app: web.Application, router: Router, *, admin_token: str = "",

@@ -195,7 +195,7 @@ class Stream:
         index = ch.get("index", 0)
         c = self._choice(index)
         if not c.ids and not self.choices.keys() - {index}:
-            router.metrics.first_token_seconds.observe(time.perf_counter() - prep.t0, route=prep.kind)
+            router.metrics.first_token_seconds.labels(prep.kind).observe(time.perf_counter() - prep.t0)
         ids = ch.get("token_ids") or []
         kept = router.read_kept(prep, ch)  # trims the top logprobs to the client's
         if kept is not None:

@@ -357,7 +357,7 @@ class Serve:
     async def _serve_http(self) -> None:
         from agentrl.buffer import add_buffer_routes
         from agentrl.rollout.remote import episode_log_route
-        from agentrl.router.server import METRICS_EXTRA, make_app
+        from agentrl.router.server import METRICS_EXTRA, METRICS_OTHERS, make_app
         from agentrl.web import hand_over, require_admin
 
         app = make_app(self.router, admin_token=self.admin_token, api_keys=self.api_keys,
@@ -385,6 +385,7 @@ class Serve:
                                            model_path=str(self.model_path), run_dir=self.run_dir,
                                            api_keys=self.api_keys, listener=self._listener)
             self.routers.install(app, self.router)
+            app[METRICS_OTHERS] = self.routers.others  # each child's exposition, labelled process="i"
         self._runner = web.AppRunner(app, access_log=None)
         await self._runner.setup()
         if self.routers is not None:
@@ -556,8 +557,8 @@ def _label(value: str) -> str:
 def prometheus_series(status: dict[str, Any]) -> dict[str, float]:
     """serve's own /metrics series beside the router's, from its status: the rollout's counters,
     the buffer's, the scoring stage's (each scorer's calls, failures, seconds and reward sum,
-    labelled ``scorer``), each Ray rollout worker's own router's counters (labelled ``worker``) and
-    each other router process's (labelled ``process``), a self-distillation teacher's version, and
+    labelled ``scorer``), each Ray rollout worker's own router's counters (``agentrl_router_*_total``
+    labelled ``worker``), a self-distillation teacher's version, and
     with named LoRA policies each one's version and buffer depth, labelled ``policy``."""
     out: dict[str, float] = {}
     for name, version in (status.get("policies") or {}).items():
@@ -573,15 +574,14 @@ def prometheus_series(status: dict[str, Any]) -> dict[str, float]:
             out[f"rollout_{k}_total"] = rollout[k]
     if isinstance(rollout.get("in_flight"), int | float):
         out["rollout_in_flight"] = rollout["in_flight"]
-    # each other router process's counters (router.processes > 1), each Ray rollout worker's own router's
-    for entries, label, prefix in ((status.get("router_processes"), "process", "router_process"),
-                                   (rollout.get("workers"), "worker", "worker_router")):
-        for entry in entries or ():
-            counters = entry.get("router") if isinstance(entry, dict) else None
-            if isinstance(counters, dict):
-                lab = f'{{{label}="{_label(str(entry.get(label)))}"}}'
-                out.update({f"{prefix}_{k}_total{lab}": v for k, v in counters.items()
-                            if isinstance(v, int | float)})
+    # each Ray rollout worker's own router's counters, beside serve's router's (the other router
+    # processes' come in their own expositions, labelled process: router.server.METRICS_OTHERS)
+    for entry in rollout.get("workers") or ():
+        counters = entry.get("router") if isinstance(entry, dict) else None
+        if isinstance(counters, dict):
+            lab = f'{{worker="{_label(str(entry.get("worker")))}"}}'
+            out.update({f"router_{k}_total{lab}": v for k, v in counters.items()
+                        if isinstance(v, int | float)})
     concurrency = rollout.get("concurrency")
     if concurrency:  # the controller's limit, its inputs per engine and its decisions
         out["concurrency_limit"] = concurrency["limit"]

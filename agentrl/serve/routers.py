@@ -19,8 +19,8 @@ with no session go to no one in particular: whichever process took the connectio
 Requests that arrive on a private socket are answered where they arrive, never passed on again.
 
 serve restarts a child that dies (its open sessions are lost, as a restarted serve's are) and
-reports each child's router counters in its status and on ``/metrics``
-(``agentrl_router_process_<counter>_total{process="1"}``).
+reports each child's router counters in its status; its ``/metrics`` exposition (its own
+``prometheus_client`` registry, polled every 2 s) joins serve's, labelled ``process``.
 """
 
 from __future__ import annotations
@@ -282,7 +282,7 @@ def make_process(app: web.Application, router: Any, index: int, count: int, sock
 # -- serve's side: the children ---------------------------------------------------------------------
 class RouterProcesses:
     """serve's N - 1 router children (process 0 is serve): spawned on serve's listening socket,
-    restarted when one dies, their counters polled for serve's status."""
+    restarted when one dies, their counters and metrics polled for serve's status and /metrics."""
 
     def __init__(self, cfg: ServeConfig, *, admin_token: str, engine_key: str, model_path: str, run_dir: Path,
                  api_keys: frozenset[str], listener: socket.socket) -> None:
@@ -296,6 +296,8 @@ class RouterProcesses:
         self.procs: dict[int, subprocess.Popen] = {}
         self.info: dict[int, dict[str, Any]] = {}
         self.forwarder: Forwarder | None = None  # process 0's (install)
+        self.expositions: dict[int, str] = {}  # each child's /metrics, as last polled
+        self._http: dict[int, aiohttp.ClientSession] = {}
         self._tasks: list[asyncio.Task] = []
         self._closing = False
 
@@ -353,21 +355,34 @@ class RouterProcesses:
                     log.warning("router process %d (pid %d) exited with %s; its open sessions are lost; "
                                 "restarting it", index, proc.pid, proc.returncode)
                     self.info[index] = {"process": index, "restarting": True}
+                    self.expositions.pop(index, None)
                     try:
                         await self._spawn(index, self.cfg.engine.start_timeout_s)
                     except RuntimeError as e:
                         log.warning("%s", e)
                     continue
                 with contextlib.suppress(aiohttp.ClientError, OSError, TimeoutError, ValueError):
-                    data = await self._ask(index, "/admin/engines")
+                    data = await (await self._ask(index, "/admin/engines")).json()
                     self.info[index] = {"process": index, "pid": proc.pid, "router": data["counters"]}
+                    self.expositions[index] = await (await self._ask(index, "/metrics")).text()
 
-    async def _ask(self, index: int, path: str) -> Any:
-        connector = aiohttp.UnixConnector(path=str(socket_path(self.dir, index)))
-        async with aiohttp.ClientSession(connector=connector) as http, http.get(
-                f"http://router{path}", headers={"Authorization": f"Bearer {self._spec['admin_token']}"},
-                timeout=aiohttp.ClientTimeout(total=5)) as r:
-            return await r.json()
+    async def _ask(self, index: int, path: str) -> aiohttp.ClientResponse:
+        """GET ``path`` of child ``index`` over its unix socket (one connection pool per child, kept),
+        its body read; a status other than 200 raises."""
+        http = self._http.get(index)
+        if http is None or http.closed:
+            connector = aiohttp.UnixConnector(path=str(socket_path(self.dir, index)), limit=2)
+            http = self._http[index] = aiohttp.ClientSession(connector=connector)
+        async with http.get(f"http://router{path}", timeout=aiohttp.ClientTimeout(total=5),
+                            headers={"Authorization": f"Bearer {self._spec['admin_token']}"}) as r:
+            r.raise_for_status()
+            await r.read()
+            return r
+
+    def others(self) -> list[tuple[str, str, str]]:
+        """Each child's last polled ``/metrics`` exposition, labelled with its index, for serve's
+        ``/metrics`` (at most 2 s old)."""
+        return [("process", str(i), self.expositions[i]) for i in sorted(self.expositions)]
 
     def status(self) -> list[dict[str, Any]]:
         return [dict(self.info[i]) for i in sorted(self.info)]
@@ -389,6 +404,8 @@ class RouterProcesses:
                 proc.wait()
         if self.forwarder is not None:
             await self.forwarder.close()
+        for http in self._http.values():
+            await http.close()
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
