@@ -63,37 +63,9 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from common import die_with_parent, free_port, start_standins  # noqa: E402
+from common import cpu_s, descendants, die_with_parent, free_port, start_standins  # noqa: E402
 
 from agentrl.client import ServeClient, get_json  # noqa: E402
-
-TICK = os.sysconf("SC_CLK_TCK")
-
-
-def cpu_s(pid: int) -> float:
-    """User + system CPU seconds of ``pid`` (0 once it is gone)."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / TICK
-
-
-def descendants(pid: int) -> list[int]:
-    """Every process below ``pid`` (Ray's raylet, GCS and workers are serve's descendants)."""
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            parts = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        children.setdefault(int(parts[1]), []).append(int(stat.parent.name))
-    out, todo = [], [pid]
-    while todo:
-        for c in children.get(todo.pop(), []):
-            out.append(c)
-            todo.append(c)
-    return out
 
 
 def serve_config(path: Path, run_dir: Path, port: int, urls: list[str], local: bool, workers: int,

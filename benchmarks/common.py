@@ -1,7 +1,8 @@
 """What the benchmarks share: a free loopback port, one percentile convention, running ``agentrl run``,
-serve's weight receiver over one engine, and ``die_with_parent`` for every process a benchmark
-starts (``preexec_fn``): a benchmark killed, with SIGTERM or SIGKILL, takes its runs, services and
-engines with it instead of leaving them on the machine.
+serve's weight receiver over one engine, stand-in engines, a process's CPU seconds and its
+descendants, and ``die_with_parent`` for every process a benchmark starts (``preexec_fn``): a
+benchmark killed, with SIGTERM or SIGKILL, takes its runs, services and engines with it instead of
+leaving them on the machine.
 
 Benchmarks run as scripts (``python benchmarks/x.py``), so this module is imported as ``common``
 (the script's own folder is on ``sys.path``).
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import subprocess
 import sys
 from collections.abc import AsyncIterator, Sequence
@@ -18,6 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from agentrl.procs import die_with_parent
+
+TICK = os.sysconf("SC_CLK_TCK")
 
 
 def in_flight_options(p: argparse.ArgumentParser, *, model: str, max_tokens: int) -> None:
@@ -117,3 +121,29 @@ def start_standins(n: int, model: str, *flags: str) -> tuple[list[str], list[sub
             raise SystemExit(f"a stand-in engine did not start: {line!r}")
         urls.append(f"http://127.0.0.1:{port}")
     return urls, procs
+
+
+def cpu_s(pid: int) -> float:
+    """User + system CPU seconds of ``pid`` (0 once it is gone)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / TICK
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (Ray's raylet, GCS and workers are serve's descendants)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            parts = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(parts[1]), []).append(int(stat.parent.name))
+    out, todo = [], [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            out.append(c)
+            todo.append(c)
+    return out

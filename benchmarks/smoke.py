@@ -116,6 +116,13 @@ BENCHMARKS: list[tuple[str, list[str], list[str]]] = [
          "exact_capture_violations", "bottleneck"],
     ),
     (
+        "router_processes",
+        ["--sessions", "4", "--warmup", "2", "--duration", "3"],
+        # docs/scale.md (*N router processes*): both configurations, the ratio, the passed-on share
+        ["router_processes", "completions_per_s", "completions_per_s_one_process", "ratio",
+         "cpu_ms_per_completion", "forwarded_share", "errors"],
+    ),
+    (
         "async_vs_sync",
         ["--steps", "2", "--warmup", "1", "--batch", "4", "--group", "2", "--max-keys", "1",
          "--latency-median", "0.1", "--max-tokens", "16", "--out", "{run}"],
