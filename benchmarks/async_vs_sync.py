@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from common import die_with_parent, free_port  # benchmarks/common.py
+from common import free_port, tied_to_this_process  # benchmarks/common.py
 
 
 def run_mode(mode: str, args: argparse.Namespace, out: Path, *, name: str = "",
@@ -61,7 +61,7 @@ def run_mode(mode: str, args: argparse.Namespace, out: Path, *, name: str = "",
     print(f"[{name}] {' '.join(cmd[3:])}", file=sys.stderr, flush=True)
     t0 = time.monotonic()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"}, preexec_fn=die_with_parent)
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"}, preexec_fn=tied_to_this_process())
     assert proc.stdout is not None
     for line in proc.stdout:  # progress: the learner prints a line per step
         if line.startswith("step ") or "ERROR" in line or "Traceback" in line:

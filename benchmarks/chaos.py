@@ -53,8 +53,13 @@ def main() -> None:
         if not run.wait_step_after(0, args.recovery_timeout_s):
             raise SystemExit(f"the run made no first step; see {base}/serve.out and {base}/learn.out")
         print(f"[{time.monotonic() - t0:6.0f}s] first learner step; {len(rounds)} rounds to come", flush=True)
-        for faults in rounds:
-            play(run, faults, rng, trials, timeout_s=args.recovery_timeout_s, t0=t0)
+        for i, faults in enumerate(rounds):
+            if not play(run, faults, rng, trials, timeout_s=args.recovery_timeout_s, t0=t0):
+                # the run is broken: the rounds left would each wait out their timeouts for nothing
+                left = len(rounds) - i - 1
+                print(f"[{time.monotonic() - t0:6.0f}s] round {i + 1} did not recover; the {left} round(s) "
+                      "left are not played", flush=True)
+                break
     finally:
         result = report(run, trials, t0)
     print(json.dumps({"benchmark": "chaos", **result}), flush=True)

@@ -63,7 +63,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from common import cpu_s, descendants, die_with_parent, free_port, start_standins  # noqa: E402
+from common import cpu_s, descendants, free_port, start_standins, tied_to_this_process  # noqa: E402
 
 from agentrl.client import ServeClient, get_json  # noqa: E402
 
@@ -198,7 +198,7 @@ async def one_config(name: str, local: bool, workers: int, urls: list[str], engi
     out = open(root / f"{name}.serve.log", "wb")  # noqa: SIM115 - closed below
     env = {k: v for k, v in os.environ.items() if k != "AGENTRL_ADMIN_TOKEN"}
     proc = subprocess.Popen([sys.executable, "-m", "agentrl.cli", "serve", "--config", str(config)],
-                            stdout=out, stderr=subprocess.STDOUT, env=env, preexec_fn=die_with_parent,
+                            stdout=out, stderr=subprocess.STDOUT, env=env, preexec_fn=tied_to_this_process(),
                             start_new_session=True)
     t0 = time.monotonic()
     try:

@@ -1,6 +1,6 @@
 """What the benchmarks share: a free loopback port, one percentile convention, running ``agentrl run``,
 serve's weight receiver over one engine, stand-in engines, a process's CPU seconds and its
-descendants, and ``die_with_parent`` for every process a benchmark starts (``preexec_fn``): a
+descendants, and ``tied_to_this_process()`` for every process a benchmark starts (``preexec_fn``): a
 benchmark killed, with SIGTERM or SIGKILL, takes its runs, services and engines with it instead of
 leaving them on the machine.
 
@@ -19,7 +19,7 @@ from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from agentrl.procs import die_with_parent
+from agentrl.procs import tied_to_this_process
 
 TICK = os.sysconf("SC_CLK_TCK")
 
@@ -62,7 +62,7 @@ def agentrl_run(cmd: list[str], run_dir: Path, t0: float) -> dict[str, Any]:
 
     print(" ".join(cmd[2:]), file=sys.stderr, flush=True)
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"}, preexec_fn=die_with_parent)
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"}, preexec_fn=tied_to_this_process())
     assert proc.stdout is not None
     last = ""
     for line in proc.stdout:
@@ -111,7 +111,7 @@ def start_standins(n: int, model: str, *flags: str) -> tuple[list[str], list[sub
         port = free_port()
         proc = subprocess.Popen([sys.executable, "-m", "agentrl.engines.standin", "--port", str(port),
                                  "--model", model, "--served-model-name", "tiny-tools", *flags],
-                                stdout=subprocess.PIPE, text=True, preexec_fn=die_with_parent)
+                                stdout=subprocess.PIPE, text=True, preexec_fn=tied_to_this_process())
         procs.append(proc)
         assert proc.stdout is not None
         line = proc.stdout.readline()

@@ -37,7 +37,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import die_with_parent, free_port
+from common import free_port, tied_to_this_process
 
 ROOT = Path(__file__).resolve().parents[1]
 PHASE = re.compile(r"^\[(setup|quickstart)\] phase (\w+) took (\d+) s")
@@ -100,7 +100,7 @@ def main() -> None:
         stderr=subprocess.STDOUT,
         text=True,
         start_new_session=True,
-        preexec_fn=die_with_parent,
+        preexec_fn=tied_to_this_process(),
     )
     assert proc.stdout is not None
     phases: dict[str, float] = {}

@@ -36,7 +36,7 @@ import sys
 import time
 from pathlib import Path
 
-from common import die_with_parent  # benchmarks/common.py
+from common import tied_to_this_process  # benchmarks/common.py
 
 SETTINGS = ["smollm2:2048", "smollm2:8192", "smollm2:16384", "vocab152k:2048", "vocab152k:8192"]
 TOKENS_PER_SAMPLE = 256
@@ -119,7 +119,7 @@ def measure(name: str, tokens: int, chunk: int, checkpointing: bool, limit_gb: f
     """Run one setting in a fresh process; its result, or None if it went over ``limit_gb``."""
     cmd = [sys.executable, __file__, "--child", f"{name}:{tokens}", "--chunk", str(chunk)]
     cmd += ["--activation-checkpointing" if checkpointing else "--no-activation-checkpointing"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, preexec_fn=die_with_parent)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, preexec_fn=tied_to_this_process())
     while proc.poll() is None:
         if _rss_gb(proc.pid) > limit_gb:
             proc.kill()

@@ -48,7 +48,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from common import cpu_s, descendants, die_with_parent, free_port, start_standins  # noqa: E402
+from common import cpu_s, descendants, die_with_parent, free_port, start_standins, tied_to_this_process  # noqa: E402
 
 
 def serve_config(path: Path, run_dir: Path, port: int, url: str, processes: int) -> None:
@@ -129,7 +129,7 @@ def one_config(processes: int, url: str, engine_pid: int, root: Path,
     serve_config(config, run_dir, port, url, processes)
     out = open(root / f"serve-p{processes}.out", "wb")  # noqa: SIM115 - closed below
     serve = subprocess.Popen([sys.executable, "-m", "agentrl.cli", "serve", "--config", str(config)],
-                             stdout=out, stderr=subprocess.STDOUT, preexec_fn=die_with_parent)
+                             stdout=out, stderr=subprocess.STDOUT, preexec_fn=tied_to_this_process())
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 300

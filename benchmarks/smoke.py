@@ -43,7 +43,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from agentrl.procs import die_with_parent
+from agentrl.procs import tied_to_this_process
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -212,7 +212,7 @@ def run_one(name: str, args: list[str], keys: list[str], run_root: Path,
     env.setdefault("TORCHINDUCTOR_CACHE_DIR", inductor)
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, cwd=ROOT, env=env,
-                              preexec_fn=die_with_parent)
+                              preexec_fn=tied_to_this_process())
     except subprocess.TimeoutExpired as e:
         err = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or "")
         return False, f"timed out after {timeout_s:.0f} s; stderr ends:\n{err[-2000:]}"

@@ -41,7 +41,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from common import die_with_parent, free_port
+from common import free_port, tied_to_this_process
 
 # This script's name is the cookbook's package name: with its folder first on sys.path,
 # ``import tinker_cookbook`` would find the script. Its folder has served (common) and goes.
@@ -90,7 +90,7 @@ def running_service(folder: Path, key: str) -> Iterator[str]:
                              "--port", str(port), "--engine-port", str(engine_port),
                              "--state-dir", str(folder / "state")],
                             stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
-                            preexec_fn=die_with_parent)
+                            preexec_fn=tied_to_this_process())
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 300

@@ -29,7 +29,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from common import die_with_parent, free_port  # noqa: E402 (benchmarks/common.py)
+from common import free_port, tied_to_this_process  # noqa: E402 (benchmarks/common.py)
 from learner import make_samples  # noqa: E402 (benchmarks/learner.py)
 
 
@@ -41,7 +41,7 @@ def start_service(model: str, folder: Path, key: str) -> tuple[subprocess.Popen,
     log = open(folder / "service.log", "wb")  # noqa: SIM115 - the child owns it
     proc = subprocess.Popen([sys.executable, "-m", "agentrl.cli", "tinker", "--model", model, "--port",
                              str(port), "--state-dir", str(folder / "state"), "--no-sampling"],
-                            stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=die_with_parent)
+                            stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=tied_to_this_process())
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 300
     while True:

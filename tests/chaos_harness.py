@@ -257,11 +257,12 @@ class Trials:
 
 
 def play(run: Run, faults: list[str], rng: random.Random, trials: Trials, *, timeout_s: float = 600.0,
-         t0: float = 0.0) -> None:
+         t0: float = 0.0) -> bool:
     """One round: once the run is steady, the first of ``faults``; each next one at a random moment
     (0-4 s) once its target runs again (an engine serve has launched since the last engine fault,
     a restarted serve or learner); then wait for the engine to be up and a learner step. A stall
-    counts as seen once serve has killed the stopped engine; the next fault waits for that."""
+    counts as seen once serve has killed the stopped engine; the next fault waits for that. Whether
+    the run recovered."""
     assert "stall" not in faults[1:], "a stall needs an engine with calls in flight: it opens a round"
     run.wait_step_after(run.steps(), timeout_s)  # steady: one more step first
     time.sleep(rng.uniform(0.0, 5.0))  # a random moment within a step
@@ -299,6 +300,7 @@ def play(run: Run, faults: list[str], rng: random.Random, trials: Trials, *, tim
             trials.failed[kind] += 1
     print(f"  {'recovered' if ok else 'NOT recovered'}: engine up and a learner step "
           f"{done - kills[0][1]:.1f} s after the round's first fault", flush=True)
+    return ok
 
 
 def audit(run: Run) -> dict[str, Any]:

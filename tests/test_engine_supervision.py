@@ -387,6 +387,40 @@ def test_serve_waits_for_an_engine_port_an_earlier_engine_still_holds_then_launc
     assert not port_taken("127.0.0.1", port)
 
 
+def test_an_engine_whose_port_another_process_answers_is_not_taken_for_ready(tmp_path: Path,
+                                                                            monkeypatch: Any) -> None:
+    """An engine left on the port by another serve (it bound the port first) answers the health
+    check of the engine launched here, which cannot bind: that is a start-up error naming the
+    other process, not a ready engine (a chaos run took one for its own, and every call was 401)."""
+    from aiohttp import web
+
+    from agentrl.engines.config import EngineConfig, EngineSpec
+    from agentrl.engines.vllm import VLLMEngine
+
+    port = free_port()
+    spec = EngineConfig(base_port=port).spec(0, model="m", served_name="m", host="127.0.0.1")
+    # the launched "engine" never binds (as a vLLM whose port is taken); this process answers instead
+    monkeypatch.setattr(EngineSpec, "command",
+                        lambda self: [sys.executable, "-c", "import time; time.sleep(120)"])
+    engine = VLLMEngine(spec, tmp_path)
+
+    async def go() -> None:
+        app = web.Application()
+        app.router.add_get("/health", lambda request: web.Response(text="ok"))
+        runner = web.AppRunner(app)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        try:
+            with pytest.raises(EngineStartError,
+                               match=f"port {port} is answered by another process .*pid {os.getpid()}"):
+                await engine.start(timeout_s=60, progress=False)
+        finally:
+            await runner.cleanup()
+
+    asyncio.run(go())
+    assert engine.proc is not None and engine.proc.poll() is not None  # the launched one was stopped
+
+
 def test_serve_waits_for_its_router_port_while_another_process_holds_it_then_listens() -> None:
     from agentrl.web import listen_when_free
 

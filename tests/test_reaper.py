@@ -175,7 +175,7 @@ def test_an_engines_private_folder_leaves_room_for_vllms_socket_paths(monkeypatc
 
 
 def test_a_benchmark_killed_takes_the_processes_it_started_with_it(tmp_path):
-    """The benchmarks start their runs, services and engines with ``die_with_parent``: a benchmark
+    """The benchmarks start their runs, services and engines with ``tied_to_this_process()``: a benchmark
     ended by SIGTERM (Python's default: no cleanup runs) or by SIGKILL leaves none of them behind."""
     bench = os.path.join(os.path.dirname(__file__), "..", "benchmarks")
     for sig in (signal.SIGTERM, signal.SIGKILL):
@@ -183,8 +183,8 @@ def test_a_benchmark_killed_takes_the_processes_it_started_with_it(tmp_path):
         script = textwrap.dedent(f"""
             import subprocess, sys, time
             sys.path.insert(0, {bench!r})
-            from common import die_with_parent
-            child = subprocess.Popen(["sleep", "600"], preexec_fn=die_with_parent)
+            from common import tied_to_this_process
+            child = subprocess.Popen(["sleep", "600"], preexec_fn=tied_to_this_process())
             open({str(pidfile)!r}, "w").write(str(child.pid))
             time.sleep(600)
         """)
@@ -194,3 +194,40 @@ def test_a_benchmark_killed_takes_the_processes_it_started_with_it(tmp_path):
         benchmark.send_signal(sig)
         benchmark.wait(10)
         assert _wait_gone(child, 10), f"the benchmark's child outlived it after signal {sig}"
+
+
+def _processes_with(arg: str) -> list[int]:
+    """Live processes whose command line holds ``arg``."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    if arg.encode() in f.read().split(b"\0") and _alive(int(entry)):
+                        out.append(int(entry))
+            except OSError:
+                continue
+    return out
+
+
+def test_a_launcher_killed_while_its_reaper_starts_leaves_no_command_behind(tmp_path):
+    """serve launches an engine's reaper and is killed a moment later, before the reaper (still
+    importing) has asked for a signal on its parent's death: the reaper must not go on to start the
+    engine as an orphan nobody stops (seen in a chaos run: an engine of a killed serve held its port
+    for 35 minutes and every later serve failed to start). The launcher here exits right after the
+    launch, as a ``kill -9`` would end it; its reaper's command never runs, or dies with it."""
+    marker = f"{600 + os.getpid() % 1000}.{time.time_ns() % 10**6}"  # sleep's argument, unique
+    script = textwrap.dedent(f"""
+        import os, subprocess, sys
+        from agentrl.procs import tied_to_this_process
+        subprocess.Popen([sys.executable, "-m", "agentrl.engines.reaper", "--", "sleep", {marker!r}],
+                         preexec_fn=tied_to_this_process())
+        os._exit(0)
+    """)
+    for _ in range(3):
+        subprocess.run([sys.executable, "-c", script], check=True, timeout=60)
+    time.sleep(8)  # a reaper that survived has imported and launched its command by now
+    left = _processes_with(marker)
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    assert not left, f"the command outlived its launcher: pids {left}"

@@ -25,7 +25,7 @@ import sys
 import time
 from pathlib import Path
 
-from agentrl.procs import die_with_parent
+from agentrl.procs import die_with_parent, tied_to_this_process
 
 GRACE_S = float(os.environ.get("AGENTRL_REAPER_GRACE_S", "15"))
 
@@ -105,7 +105,7 @@ def _reap(argv: list[str]) -> int:
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
     signal.signal(signal.SIGUSR1, kill_now)
-    child = subprocess.Popen(argv, start_new_session=True, preexec_fn=die_with_parent)
+    child = subprocess.Popen(argv, start_new_session=True, preexec_fn=tied_to_this_process())
     if deadline is not None:  # a stop that came while it started
         signal_group(child.pid, signal.SIGTERM)
     # The escalation lives in this loop, not in the handlers: a handler runs inside the wait it

@@ -32,6 +32,7 @@ from agentrl.engines.config import LORA_RANKS, EngineOptions, EngineSpec  # noqa
 from agentrl.engines.reaper import child_group, kill_group, stop_process
 from agentrl.errors import AgentrlError
 from agentrl.models import home as agentrl_home
+from agentrl.procs import tied_to_this_process
 
 log = logging.getLogger(__name__)
 
@@ -116,6 +117,26 @@ def port_holders(port: int) -> str:
     return "; ".join(said) or "(no socket seen: perhaps another network namespace)"
 
 
+def foreign_listener(port: int, group: int | None) -> str | None:
+    """Who listens on local ``port`` when it is not process group ``group`` (the engine launched
+    here), as words; None when the listener is ours, or when the listeners cannot be seen (then
+    nothing is claimed)."""
+    import psutil
+
+    try:
+        pids = {c.pid for c in psutil.net_connections(kind="tcp")
+                if c.laddr and c.laddr.port == port and c.status == psutil.CONN_LISTEN and c.pid}
+    except (psutil.Error, OSError):
+        return None
+    ours = set()
+    for pid in pids:
+        try:
+            ours.add(os.getpgid(pid) == group)
+        except OSError:
+            continue
+    return port_holders(port) if ours == {False} else None
+
+
 async def wait_ports_free(specs: list[EngineSpec], timeout_s: float) -> None:
     """Until no process listens on any of ``specs``' ports. After ``kill -9`` of serve its engines
     are still shutting down (their reapers give them a grace period): an engine launched on a port
@@ -172,8 +193,10 @@ class VLLMEngine:
         # inspection, cached there, is a 10-20 s subprocess on each start-up otherwise.
         env = self.spec.environment(agentrl_home() / "vllm-cache")
         env.update(private_tmp(self.tmp_dir))
+        # tied before exec: the reaper's own ask comes after its imports, and a serve killed in that
+        # window left a reaper (and its engine, on this port) that nothing would ever stop
         self.proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                     env=env)
+                                     env=env, preexec_fn=tied_to_this_process())
         logf.close()
         _LIVE.add(self.proc)
 
@@ -197,6 +220,7 @@ class VLLMEngine:
                     async with http.get(f"{self.url}/health", timeout=aiohttp.ClientTimeout(total=2)) as r:
                         if r.status == 200:
                             self.group = child_group(self.proc.pid)
+                            self._check_ours()
                             self.phase, self.phase_since = "ready", time.monotonic()
                             if progress:
                                 _progress.info(
@@ -222,6 +246,15 @@ class VLLMEngine:
                     _progress.info("engine %d: still %s (%.0f s)", self.spec.port, self.phase, now - t0)
                     next_report = now + 15
                 await asyncio.sleep(0.5)
+
+    def _check_ours(self) -> None:
+        """An engine another serve left on this port (it took the port first) answers the health
+        check too: it is not ours to use, and ours cannot bind."""
+        other = foreign_listener(self.spec.port, self.group)
+        if other is not None:
+            self.stop()
+            raise EngineStartError(f"port {self.spec.port} is answered by another process ({other}), not the "
+                                   "engine launched here; stop it, or set engine.base_port to free ports")
 
     def startup(self) -> dict[str, Any]:
         """The start-up phase and how long it has lasted (for serve's status while it starts)."""

@@ -46,7 +46,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from agentrl.procs import die_with_parent
+from agentrl.procs import tied_to_this_process
 from agentrl.serve.config import ServeConfig
 
 log = logging.getLogger(__name__)
@@ -329,7 +329,7 @@ class RouterProcesses:
         spec = dict(self._spec, index=index, fd=self.listener.fileno(), sockets_dir=str(self.dir))
         proc = subprocess.Popen([sys.executable, "-m", "agentrl.serve.routers"], stdin=subprocess.PIPE,
                                 stdout=subprocess.PIPE, stderr=out, pass_fds=(self.listener.fileno(),),
-                                preexec_fn=die_with_parent)
+                                preexec_fn=tied_to_this_process())
         out.close()
         self.procs[index] = proc
         assert proc.stdin is not None and proc.stdout is not None

@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any
 from agentrl.env.adapters import AdapterError
 from agentrl.env.base import Environment, Message, Reset, StepResult
 from agentrl.errors import EnvironmentFailure
-from agentrl.procs import die_with_parent
+from agentrl.procs import tied_to_this_process
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -86,7 +86,7 @@ class _Server:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "uvicorn", self.app, "--host", "127.0.0.1", "--port", str(port),
                  "--log-level", "warning"], cwd=self.path, env=env, stdout=subprocess.DEVNULL,
-                stderr=subprocess.PIPE, start_new_session=True, preexec_fn=die_with_parent)
+                stderr=subprocess.PIPE, start_new_session=True, preexec_fn=tied_to_this_process())
             self.url = f"http://127.0.0.1:{port}"
             await asyncio.to_thread(self._wait_ready)
             log.info("OpenEnv server %s at %s", self.app, self.url)

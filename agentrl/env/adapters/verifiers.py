@@ -59,7 +59,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from agentrl.env.adapters import AdapterError
 from agentrl.env.base import Model, Played, Reset
 from agentrl.env.roles import ROLE_NAME, Agent, MultiAgentEnv
-from agentrl.procs import die_with_parent
+from agentrl.procs import tied_to_this_process
 
 if TYPE_CHECKING:
     from collections.abc import AsyncGenerator, Mapping
@@ -156,7 +156,7 @@ class _Worker:
                 env=_worker_env(),
                 limit=64 << 20,
                 start_new_session=True,
-                preexec_fn=die_with_parent,
+                preexec_fn=tied_to_this_process(),
             )
             self.reader = asyncio.create_task(self._read())
             self.keeper = _until_loop_ends(self)
