@@ -48,7 +48,9 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from common import cpu_s, descendants, die_with_parent, free_port, start_standins, tied_to_this_process  # noqa: E402
+from common import cpu_s, descendants, free_port, start_standins, tied_to_this_process  # noqa: E402
+
+from agentrl.procs import die_with_parent  # noqa: E402
 
 
 def serve_config(path: Path, run_dir: Path, port: int, url: str, processes: int) -> None:
