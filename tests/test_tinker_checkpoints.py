@@ -179,3 +179,16 @@ class Request(dict):
 
     async def read(self) -> bytes:
         return self.body
+
+
+def test_a_sampler_folder_still_being_written_is_not_listed(tmp_path: Path) -> None:
+    """``save_weights_for_sampler`` writes ``sampler/<name>.tmp`` and renames it (a copy writes a
+    hidden ``.copying-*``): a listing meanwhile shows only the whole checkpoints."""
+    store = CheckpointStore(tmp_path, Clock())
+    saved(store, "a", "w")
+    sampler = store.run_dir("a", RUN) / "sampler"
+    for name in ("done", "half.tmp", ".copying-1a2b"):
+        (sampler / name).mkdir(parents=True)
+        (sampler / name / "adapter_config.json").write_text("{}")
+    listed = sorted(c["checkpoint_id"] for c in store.checkpoints("a", RUN))
+    assert listed == ["sampler_weights/done", "weights/w"]

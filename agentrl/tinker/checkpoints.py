@@ -163,8 +163,10 @@ class CheckpointStore:
         """The run's checkpoints as the SDK's ``Checkpoint``, oldest first (by when saved, then id)."""
         self.expire()
         d = self.run_dir(tenant, run)
+        # a sampler folder still being written (``<name>.tmp``, a copy's ``.copying-*``) is not one yet
         found = [(Ref(run, "weights", p.name[:-3]), p) for p in d.glob("*.pt")] + \
-            [(Ref(run, "sampler_weights", p.name), p) for p in (d / "sampler").glob("*") if p.is_dir()]
+            [(Ref(run, "sampler_weights", p.name), p) for p in (d / "sampler").glob("*")
+             if p.is_dir() and not p.name.endswith(".tmp") and not p.name.startswith(".")]
         settings = self._read(tenant, run).get("checkpoints", {})
         out = []
         for ref, p in found:
