@@ -100,6 +100,10 @@ CONVERSATIONS: dict[str, dict[str, Any]] = {
         "repetition_penalty": 1.1,
     },
     "greedy": {"messages": [{"role": "user", "content": "hi"}], "temperature": 0, "top_k": 5, "top_p": 0.5},
+    "vllm extensions": {"messages": [{"role": "user", "content": "hi"}], "ignore_eos": True, "min_tokens": 3,
+                        "max_tokens": 6},
+    "vllm extensions off": {"messages": [{"role": "user", "content": "hi"}], "ignore_eos": False,
+                            "min_tokens": 0},
     "stop list and top logprobs": {
         "messages": [{"role": "user", "content": "hi"}],
         "stop": ["a", "b"],
@@ -338,6 +342,12 @@ def test_requests_the_local_codec_does_not_know_go_to_the_engine(tiny_tools_mode
     assert not c.can_render({"messages": hi, "tools": [  # vLLM adds a grammar for strict tools
         {"type": "function", "function": dict(TOOLS[0]["function"], strict=True)}]})
     assert not c.can_render({"messages": hi, "logit_bias": {"1": 5}})
+    # vLLM's ignore_eos and min_tokens render here when the engine would take them; else its 400
+    assert c.can_render({"messages": hi, "ignore_eos": True, "min_tokens": 2, "max_tokens": 2})
+    assert not c.can_render({"messages": hi, "ignore_eos": "yes"})
+    assert not c.can_render({"messages": hi, "min_tokens": 3, "max_tokens": 2})
+    assert not c.can_render({"messages": hi, "min_tokens": -1})
+    assert not c.can_render({"messages": hi, "min_tokens": 1.5})
     assert not c.can_render({"messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "data:,"}}]}]})
     assert not c.can_render({"messages": [{"role": "developer", "content": "x"}]})

@@ -193,7 +193,7 @@ SAMPLING_DEFAULTS: dict[str, Any] = {
     "stop_token_ids": [], "logprobs": None, "output_kind": 0, "skip_clone": False, "bad_words": [],
     "skip_reading_prefix_cache": False, "temperature": 1.0, "top_p": 1.0, "min_p": 0.0,
     "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0,
-    "output_text_buffer_length": 0,
+    "output_text_buffer_length": 0, "ignore_eos": False, "min_tokens": 0,
 }
 
 

@@ -99,6 +99,8 @@ LOCAL_CHAT_KEYS = frozenset(
         "stream",
         "stream_options",
         "user",
+        "ignore_eos",  # vLLM's extensions: sampling parameters, the template never sees them
+        "min_tokens",
     }
 )
 _MESSAGE_KEYS = frozenset({"role", "content", "tool_calls", "tool_call_id", "name"})
@@ -123,7 +125,19 @@ class Rendered:
 
 def plain_chat(body: dict[str, Any]) -> bool:
     """Keys and messages of the shapes the local renderer and the continuation probes cover."""
-    return body.keys() <= LOCAL_CHAT_KEYS and all(_plain_message(m) for m in body["messages"])
+    return body.keys() <= LOCAL_CHAT_KEYS and _plain_extensions(body) and \
+        all(_plain_message(m) for m in body["messages"])
+
+
+def _plain_extensions(body: dict[str, Any]) -> bool:
+    """vLLM's ``ignore_eos`` and ``min_tokens`` of values the engine takes (any other: the engine's
+    own answer, a 400)."""
+    min_tokens = body.get("min_tokens", 0)
+    most = body.get("max_completion_tokens", body.get("max_tokens"))
+    if not isinstance(min_tokens, int) or isinstance(min_tokens, bool) or min_tokens < 0:
+        return False
+    fits = not isinstance(most, int) or min_tokens <= most
+    return isinstance(body.get("ignore_eos", False), bool) and fits
 
 
 def _plain_message(m: dict[str, Any]) -> bool:

@@ -88,6 +88,10 @@ def render_sampling_params(body: dict[str, Any], defaults: dict[str, Any], promp
     limit = max_model_len - prompt_len
     sp["max_tokens"] = min(limit, wanted) if wanted is not None else limit
     sp["logprobs"] = body.get("top_logprobs") or 0
+    if body.get("ignore_eos"):
+        sp["ignore_eos"] = True
+    if body.get("min_tokens"):
+        sp["min_tokens"] = body["min_tokens"]
     if body.get("tools") and body.get("tool_choice") != "none":
         sp["skip_special_tokens"] = False  # the hermes parser's adjust_request
     sp.update(output_kind=_OUTPUT_KIND_FINAL, skip_clone=True, bad_words=[], skip_reading_prefix_cache=False)
