@@ -161,6 +161,9 @@ processes = 2
     assert mine["streams"] + other["streams"] == SESSIONS // 2
     assert mine["forwarded"] >= 1 and other["forwarded"] >= 1, (mine, other)
     assert mine["forward_failures"] == other["forward_failures"] == 0
+    # ignore_eos calls render here (a vLLM sampling parameter), never through the engine's routes
+    assert mine["engine_renders"] == other["engine_renders"] == 0, (mine, other)
+    assert mine["local_renders"] + other["local_renders"] == 2 * SESSIONS
     # serve loaded the model's tokenizer (it once lost a race with its own import of transformers in
     # another thread and fell back to the engine's routes for good)
     assert "could not load the tokenizer" not in (tmp_path / "serve.out").read_text()

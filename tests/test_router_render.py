@@ -255,8 +255,11 @@ def test_a_character_split_across_the_end_is_left_to_the_engine(engine_url, code
 
 @pytest.mark.vllm
 def test_the_local_derender_matches_the_engine_on_real_generations(engine_url, codec):
-    for name in ("tools", "tool results", "n > 1 and sampling", "unicode"):
-        body = dict(CONVERSATIONS[name], model="tiny-tools", n=4, temperature=1.0, max_tokens=40, seed=5)
+    # (ignore_eos: generations that run on past an end-of-turn token, as clients ask for lengths)
+    for name, extra in (("tools", {}), ("tool results", {}), ("n > 1 and sampling", {}), ("unicode", {}),
+                        ("tools", {"ignore_eos": True}), ("tool results", {"ignore_eos": True})):
+        body = dict(CONVERSATIONS[name], model="tiny-tools", n=4, temperature=1.0, max_tokens=40, seed=5,
+                    **extra)
         body.pop("max_completion_tokens", None)
         body.pop("stop", None)
         eb = _engine_body(body)
