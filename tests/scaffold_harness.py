@@ -76,7 +76,8 @@ async def _run(engine_url: str, run_dir: Path, *, env: str, group_size: int, sca
         generated = capture_generates(serve.pool)
         await asyncio.wait_for(serve.rollout_finished(), timeout=600)
         counters = dict(serve.router.counters)
-        routes = {dict(key).get("route", "") for key in serve.router.metrics.request_seconds._series}
+        routes = {s.labels.get("route", "") for family in serve.router.metrics.request_seconds.collect()
+                  for s in family.samples}
         instance = serve.sandbox_pool.instance_id if serve.sandbox_pool else None
     finally:
         await serve.close()
