@@ -42,7 +42,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from common import cpu_s, descendants, free_port, start_standins, tied_to_this_process  # noqa: E402
 
+from agentrl.client import get_json  # noqa: E402
 from agentrl.procs import die_with_parent  # noqa: E402
 
 
@@ -118,12 +118,6 @@ def client_main(*args: Any) -> None:
 
 
 # -- one configuration -----------------------------------------------------------------------------
-def _get(url: str, token: str) -> dict[str, Any]:
-    req = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"})
-    with urllib.request.urlopen(req, timeout=10) as r:
-        return json.loads(r.read())
-
-
 def one_config(processes: int, url: str, engine_pid: int, root: Path,
                args: argparse.Namespace) -> dict[str, Any]:
     run_dir, port = root / f"p{processes}", free_port()
@@ -138,10 +132,10 @@ def one_config(processes: int, url: str, engine_pid: int, root: Path,
         while True:
             try:
                 token = (run_dir / "admin_token").read_text().strip()
-                status = _get(f"{base}/admin/status", token)
-                if len(status.get("router_processes") or []) == processes - 1:
+                code, status = get_json(f"{base}/admin/status", token, timeout_s=10)
+                if code == 200 and len(status.get("router_processes") or []) == processes - 1:
                     break
-            except (OSError, ValueError):
+            except OSError:  # no token yet
                 pass
             if serve.poll() is not None or time.monotonic() > deadline:
                 raise SystemExit(f"serve with {processes} router processes did not start; see {out.name}")
@@ -196,7 +190,9 @@ def one_config(processes: int, url: str, engine_pid: int, root: Path,
 def _counters(base: str, token: str) -> dict[str, dict[str, float]]:
     """Each router process's counters (serve's as "0"), from serve's status (the children's polled
     every 2 s: the window is long against it)."""
-    status = _get(f"{base}/admin/status", token)
+    code, status = get_json(f"{base}/admin/status", token, timeout_s=10)
+    if code != 200:
+        raise SystemExit(f"serve's status answered {code}")
     out = {"0": {k: v for k, v in (status.get("router") or {}).items() if isinstance(v, int | float)}}
     for child in status.get("router_processes") or []:
         out[str(child.get("process"))] = {k: v for k, v in (child.get("router") or {}).items()
