@@ -1,13 +1,12 @@
 """How many concurrent agent loops one process runs without starving its event loop.
 
 N episodes are kept in flight (closed loop: a finished episode's slot starts the next one) through
-the real :class:`Router` and the real ``run_episode`` against a fast stand-in engine: a small aiohttp
-server in its own process that implements the three vLLM routes the router uses
-(``/v1/chat/completions/render``, ``/inference/v1/generate``, ``/v1/chat/completions/derender``;
-plus ``/health`` and ``/update_weight_version``). Its "tokenizer" packs 3 bytes per token (prefix-stable
-ChatML, so
-the router's token-in/token-out continuation works as with vLLM) and its "model" replies with
-``--tool-calls`` tool calls and then an answer, after ``--engine-ms`` of simulated decode time.
+the real :class:`Router` and the real ``run_episode`` against a fast stand-in engine in its own
+process: the product stand-in (:mod:`agentrl.engines.standin`) for the routes the router uses, with
+the ``tiny-tools`` folder's tokenizer and chat template, so the router calibrates against it and
+renders and derenders in this process as serve's router does (one generate round trip per model
+call; ``--render engine`` measures the engine-rendering path instead), and a scripted generate
+route: ``--tool-calls`` tool calls, then an answer, after ``--engine-ms`` of simulated decode time.
 Each tool call sleeps a log-normal time (median ``--tool-median-ms``, shape ``--tool-sigma``: a
 heavy tail; sigma 1.0 puts p99 near 10x the median).
 
@@ -46,121 +45,62 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import psutil  # noqa: E402
+from aiohttp import web  # noqa: E402
 from common import percentile  # benchmarks/common.py
+from transformers import AutoTokenizer  # noqa: E402
 
 import agentrl  # noqa: E402
-from agentrl.env.tools import parse_tool_calls  # noqa: E402
+from agentrl.engines.pool import dumps, loads  # noqa: E402
+from agentrl.engines.standin import StandinEngine  # noqa: E402
+from agentrl.engines.standin_render import eos_ids  # noqa: E402
+from agentrl.models import resolve_model  # noqa: E402
 from agentrl.rollout.episode import EpisodeLimits, run_episode  # noqa: E402
 from agentrl.router import EnginePool, Router  # noqa: E402
 from agentrl.serve import settle_gc  # noqa: E402
 from agentrl.serve.collector import GcPacer  # noqa: E402
 
-BOS, EOS, OFFSET = 1, 2, 10  # <|im_start|>, <|im_end|>; text tokens start at OFFSET
 ENV_NAME = "bench_calc"
+MODEL = "tiny-tools"  # a SmolLM2-shaped folder (its tokenizer and chat template) built locally in seconds
 
 
 # --- the stand-in engine (its own process) -----------------------------------------------------------
 
-def _text_ids(text: str) -> list[int]:
-    """Up to 3 bytes per token (about what a BPE tokenizer averages), length in the high bits."""
-    raw = text.encode()
-    return [
-        OFFSET + (len(c) << 24 | int.from_bytes(c, "big"))
-        for c in (raw[i : i + 3] for i in range(0, len(raw), 3))
-    ]
+class ScriptedEngine(StandinEngine):
+    """The product stand-in (:mod:`agentrl.engines.standin`: the model folder's tokenizer and chat
+    template behind vLLM's render and derender routes, so the router calibrates and renders locally
+    as serve's does), with a generate route that plays a script instead of its throughput model:
+    ``tool_calls`` python calls, then an answer, each after a log-normal decode time."""
+
+    def __init__(self, model_dir: str, tool_calls: int, engine_ms: float, engine_sigma: float) -> None:
+        super().__init__(model_dir, served_name=MODEL, max_model_len=1 << 15)
+        self.engine_ms, self.engine_sigma = engine_ms, engine_sigma
+        self.turn_end = self.tok.eos_ids[0]  # <|im_end|>: system + user, then assistant + tool per turn
+        texts = [f'<tool_call>\n{{"name": "python", "arguments": {{"code": "print({t} + 1)"}}}}\n</tool_call>'
+                 for t in range(tool_calls)] + [f"The answer is {tool_calls}."]
+        self.replies = [[*self.tok.encode(t), self.turn_end] for t in texts]
+
+    async def generate(self, request: web.Request) -> web.Response:
+        req = loads(await request.read())
+        turn = min(len(self.replies) - 1, (req["token_ids"].count(self.turn_end) - 2) // 2)
+        ids = self.replies[turn]
+        await asyncio.sleep(self.engine_ms / 1000 * math.exp(self.engine_sigma * random.gauss(0, 1)))
+        entries = [{"token_id": t, "logprob": -0.5, "rank": 1,
+                    "top_logprobs": [{"token_id": t, "logprob": -0.5, "rank": 1}]} for t in ids]
+        return web.Response(body=dumps({"request_id": req.get("request_id"), "choices": [{
+            "index": 0, "token_ids": ids, "finish_reason": "stop", "stop_reason": None,
+            "logprobs": {"content": entries}, "routed_experts": None,
+            "weight_versions": [{"version": "0", "start": 0, "end": len(ids)}]}]}),
+            content_type="application/json")
 
 
-def _ids_text(ids: list[int]) -> str:
-    return b"".join(((t - OFFSET) & 0xFFFFFF).to_bytes((t - OFFSET) >> 24, "big")
-                    for t in ids if t >= OFFSET).decode(errors="replace")
-
-
-def _message_text(m: dict[str, Any]) -> str:
-    text = m.get("content") or ""
-    for c in m.get("tool_calls") or []:
-        fn = c.get("function") or {}
-        args = fn.get("arguments")
-        args = args if isinstance(args, str) else json.dumps(args)
-        text += f'<tool_call>\n{{"name": "{fn.get("name")}", "arguments": {args}}}\n</tool_call>'
-    return text
-
-
-def render(messages: list[dict[str, Any]], add_generation_prompt: bool) -> list[int]:
-    ids: list[int] = []
-    for m in messages:
-        ids += [BOS, *_text_ids(f"{m['role']}\n{_message_text(m)}"), EOS, *_text_ids("\n")]
-    if add_generation_prompt:
-        ids += [BOS, *_text_ids("assistant\n")]
-    return ids
-
-
-def engine_main(port: int, engine_ms: float, engine_sigma: float, tool_calls: int, ready: Any,
+def engine_main(port: int, model_dir: str, engine_ms: float, engine_sigma: float, tool_calls: int, ready: Any,
                 gc_threshold: list[int] | None = None, pace_gc: bool = False) -> None:
-    from aiohttp import web
-
     if gc_threshold:
         gc.set_threshold(*gc_threshold)
-
-    async def on_render(req: web.Request) -> web.Response:
-        body = await req.json()
-        messages = body["messages"]
-        if body.get("tools"):  # like real chat templates: the tool schemas go into the system turn
-            head = (
-                f"{messages[0]['content']}\n# Tools\n{json.dumps(body['tools'])}"
-                if messages[0]["role"] == "system"
-                else ""
-            )
-            messages = [{"role": "system", "content": head}, *messages[1:]]
-        ids = render(messages, body.get("add_generation_prompt", True))
-        return web.json_response(
-            {
-                "token_ids": ids,
-                "sampling_params": {
-                    "max_tokens": body.get("max_tokens"),
-                    "temperature": body.get("temperature"),
-                },
-            }
-        )
-
-    async def on_generate(req: web.Request) -> web.Response:
-        body = await req.json()
-        turn = (body["token_ids"].count(EOS) - 2) // 2  # system + user, then assistant + tool per turn
-        if turn < tool_calls:
-            text = (f'<tool_call>\n{{"name": "python", "arguments": {{"code": "print({turn} + 1)"}}}}\n'
-                    '</tool_call>')
-        else:
-            text = f"The answer is {tool_calls}."
-        ids = [*_text_ids(text), EOS]
-        await asyncio.sleep(engine_ms / 1000 * math.exp(engine_sigma * random.gauss(0, 1)))
-        return web.json_response({"choices": [{
-            "index": 0, "token_ids": ids, "finish_reason": "stop", "stop_reason": None,
-            "logprobs": {"content": [{"token_id": t, "logprob": -0.5} for t in ids]},
-            "weight_versions": [{"version": "0", "start": 0, "end": len(ids)}]}]})
-
-    async def on_derender(req: web.Request) -> web.Response:
-        body = await req.json()
-        choices = []
-        for i, ch in enumerate(body["generate_response"]["choices"]):
-            text = _ids_text(ch["token_ids"])
-            parsed = parse_tool_calls(text)
-            message: dict[str, Any] = {"role": "assistant", "content": parsed.content}
-            if parsed.tool_calls:
-                message["tool_calls"] = parsed.tool_calls
-            choices.append({"index": i, "message": message,
-                            "finish_reason": "tool_calls" if parsed.tool_calls else "stop"})
-        return web.json_response({"id": "cmpl", "object": "chat.completion", "created": int(time.time()),
-                                  "model": "stand-in", "choices": choices, "usage": {}})
-
-    async def ok(req: web.Request) -> web.Response:
-        return web.json_response({})
+    engine = ScriptedEngine(model_dir, tool_calls, engine_ms, engine_sigma)
 
     async def serve() -> None:
-        app = web.Application(client_max_size=64 << 20)
-        app.add_routes([web.post("/v1/chat/completions/render", on_render),
-                        web.post("/inference/v1/generate", on_generate),
-                        web.post("/v1/chat/completions/derender", on_derender),
-                        web.get("/health", ok), web.post("/update_weight_version", ok)])
-        runner = web.AppRunner(app, access_log=None)
+        runner = web.AppRunner(engine.app(), access_log=None)
         await runner.setup()
         await web.TCPSite(runner, "127.0.0.1", port, backlog=8192).start()
         if pace_gc:  # (a collector pass over its thousands of open requests would hold their answers
@@ -219,8 +159,10 @@ async def bench(args: argparse.Namespace, port: int, engine_pid: int) -> dict[st
     proc, engine_proc = psutil.Process(), psutil.Process(engine_pid)
     pool = EnginePool([f"http://127.0.0.1:{port}"], request_timeout_s=120, health_interval_s=5,
                       max_connections=args.engine_connections)
-    router = Router(pool, model_name="stand-in", eos_token_ids={EOS}, max_model_len=1 << 20)
+    router = Router(pool, model_name=MODEL, eos_token_ids=set(args.eos_ids), max_model_len=1 << 15,
+                    model_dir=args.model_dir, render=args.render)
     await pool.start()
+    await router.renderers.calibrate(pool.engines[0])  # as serve does at start (local render, or why not)
     limits = EpisodeLimits(max_turns=args.tool_calls + 2, max_tokens=256, max_episode_tokens=1 << 16,
                            episode_timeout_s=300)
     pacer = None
@@ -357,6 +299,10 @@ async def bench(args: argparse.Namespace, port: int, engine_pid: int) -> dict[st
         "error_kinds": errors,
         "truncated": done["truncated"],
         "router_splits": router.counters["splits"],
+        "render": args.render,
+        "local_render": router.renderers.state,  # "on": calibrated, rendering in this process
+        "local_renders": router.counters["local_renders"],
+        "engine_renders": router.counters["engine_renders"],
         "tool_median_ms": args.tool_median_s * 1000,
         "tool_sigma": args.tool_sigma,
         "tool_calls_per_episode": args.tool_calls,
@@ -407,6 +353,9 @@ def main() -> None:
                    help="the router's connections to the engine at most (EnginePool.max_connections; calls "
                    "beyond wait); default: what this process's open-file limit leaves (HTTP/1.1 holds a "
                    "socket per call in flight, and the stand-in engine's process has the same limit)")
+    p.add_argument("--render", choices=("auto", "engine"), default="auto",
+                   help="the router's render (Router's render=): auto renders and derenders in this process "
+                   "once calibrated, as serve's router does; engine asks the engine's routes (3 round trips)")
     p.add_argument("--profile", default="", help="write a cProfile of the measurement window here")
     args = p.parse_args()
     if args.engine_connections is None:
@@ -416,6 +365,8 @@ def main() -> None:
             resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))  # (the engine's process inherits it)
         if soft != resource.RLIM_INFINITY and args.concurrency + 2048 > soft:
             args.engine_connections = max(64, soft - 2048)
+    args.model_dir = resolve_model(MODEL)
+    args.eos_ids = eos_ids(args.model_dir, AutoTokenizer.from_pretrained(args.model_dir))
     args.tool_median_s = args.tool_median_ms / 1000
     BenchCalc.tool_median_s, BenchCalc.tool_sigma = args.tool_median_s, args.tool_sigma
     logging.basicConfig(level=logging.WARNING)
@@ -429,8 +380,8 @@ def main() -> None:
     ready = ctx.Event()
     engine = ctx.Process(
         target=engine_main,
-        args=(port, args.engine_ms, args.engine_sigma, args.tool_calls, ready, args.gc_threshold,
-              args.gc == "pacer"),
+        args=(port, args.model_dir, args.engine_ms, args.engine_sigma, args.tool_calls, ready,
+              args.gc_threshold, args.gc == "pacer"),
         daemon=True,
     )
     engine.start()

@@ -61,6 +61,7 @@ from agentrl.router.calibration import (
     same_sampling,
     served_model,
 )
+from agentrl.router.encode import PieceEncoder
 from agentrl.router.errors import EngineError, InvalidRequest
 from agentrl.router.sampling import DEFAULTED, render_sampling_params
 from agentrl.router.sessions import CallRecord, continued_prompt
@@ -372,7 +373,7 @@ class LocalRenderer(Renderer):
         self.defaults: dict[str, Any] = {}  # the engine's default sampling parameters (calibrate)
         self._decode = tokenizer.backend_tokenizer.decoder.decode
         self._id_to_token = tokenizer.convert_ids_to_tokens
-        self._encode = tokenizer.backend_tokenizer.encode
+        self._encode = PieceEncoder(tokenizer).encode  # the tokenizer's ids, from cached pieces
         # What apply_chat_template does, without its per-call argument handling (about 1 ms a call
         # here): transformers' own compiled template (same environment and filters), rendered with
         # the special tokens as variables, then encoded without added special tokens.
@@ -508,7 +509,7 @@ class LocalRenderer(Renderer):
             text = tmpl.environment.concat(tmpl.root_render_func(ctx))
         except Exception:
             tmpl.environment.handle_exception()  # re-raises with the template's line (as render does)
-        return self._encode(text, add_special_tokens=False).ids
+        return self._encode(text)
 
     def render_ids_reference(self, body: dict[str, Any], messages: list[dict[str, Any]] | None = None,
                              add_generation_prompt: bool = True) -> list[int]:
