@@ -373,6 +373,9 @@ class LocalRenderer(Renderer):
         self.defaults: dict[str, Any] = {}  # the engine's default sampling parameters (calibrate)
         self._decode = tokenizer.backend_tokenizer.decoder.decode
         self._id_to_token = tokenizer.convert_ids_to_tokens
+        # the same decode in one call into the tokenizer, for ids it knows (the above raises on others)
+        self._decode_ids = tokenizer.backend_tokenizer.decode
+        self._known_ids = tokenizer.backend_tokenizer.get_vocab_size(with_added_tokens=True)
         self._encode = PieceEncoder(tokenizer).encode  # the tokenizer's ids, from cached pieces
         # What apply_chat_template does, without its per-call argument handling (about 1 ms a call
         # here): transformers' own compiled template (same environment and filters), rendered with
@@ -557,6 +560,8 @@ class LocalRenderer(Renderer):
         return all(ch.get("stop_reason") is None and ch.get("token_ids") for ch in gen.get("choices") or [])
 
     def decode(self, ids: list[int]) -> str:
+        if ids and min(ids) >= 0 and max(ids) < self._known_ids:
+            return self._decode_ids(ids, skip_special_tokens=False)
         return self._decode(self._id_to_token(ids))
 
     def derender_chat(self, gen: dict[str, Any], body: dict[str, Any]) -> dict[str, Any] | None:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import orjson
+
 from agentrl.router.chat_parity import check_tools
 from agentrl.router.errors import InvalidRequest
 
@@ -111,8 +113,17 @@ def text_size(body: dict[str, Any]) -> int:
             n += len(args) if isinstance(args, str) else 0
     tools = body.get("tools")
     if isinstance(tools, list):
-        n += sum(len(repr(t)) for t in tools)
+        n += sum(_size(t) for t in tools)
     return n
+
+
+def _size(value: Any) -> int:
+    """Characters of ``value`` as JSON, about (its UTF-8 bytes, at least its characters): orjson's
+    (about a microsecond a tool), the repr's for what orjson does not take."""
+    try:
+        return len(orjson.dumps(value))
+    except TypeError:
+        return len(repr(value))
 
 
 def check_size(body: dict[str, Any], max_chars: int) -> None:
