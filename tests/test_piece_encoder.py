@@ -17,7 +17,8 @@ def _texts(tokens: list[str], n: int, seed: int) -> list[str]:
     """Chat-like texts: added tokens next to spaces, newlines, combining marks, emoji, CJK, digits."""
     rng = random.Random(seed)
     parts = [*tokens, " ", "  ", "\n", "\n\n", "\t", "user\n", "assistant\n", "e\u0301", "\u0301", "é",
-             "中文", "𝄞", "1 + 1", "'s", "{\"a\": 1}", "<tool_call>", "</tool_call>", "<tool", "|>", "<|", "x"]
+             "中文", "𝄞", "1 + 1", "'s", "{\"a\": 1}", "<tool_call>", "</tool_call>", "<tool", "|>", "<|",
+             "x"]
     return ["".join(rng.choice(parts) for _ in range(rng.randint(1, 40))) for _ in range(n)]
 
 
