@@ -38,7 +38,7 @@ BENCHMARKS: list[tuple[str, list[str], list[str], list[str | tuple[str, ...]]]] 
         ["--concurrency", "20", "--duration", "2", "--ramp", "0.5", "--warmup", "0.5",
          "--engine-ms", "50", "--tool-median-ms", "20"],
         # README.md (agent loops) and docs/environments.md (*Scale: the agent-loop benchmark*)
-        ["concurrent_episodes", "in_flight_at_end", "leaked_sessions", "errors"],
+        ["concurrent_episodes", "in_flight_at_end", "leaked_sessions", "errors", "local_render"],
         ["episodes_per_s", "loop_lag_p50_ms", "loop_lag_p99_ms", "loop_lag_max_ms",
          "rss_mb_per_1k_episodes", "agent_cpu_ms_per_model_call", "gc_full_collections",
          "gc_pause_total_ms"],
