@@ -47,13 +47,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import psutil  # noqa: E402
 from aiohttp import web  # noqa: E402
 from common import percentile  # benchmarks/common.py
-from transformers import AutoTokenizer  # noqa: E402
 
 import agentrl  # noqa: E402
 from agentrl.engines.pool import dumps, loads  # noqa: E402
 from agentrl.engines.standin import StandinEngine  # noqa: E402
-from agentrl.engines.standin_render import eos_ids  # noqa: E402
-from agentrl.models import resolve_model  # noqa: E402
+from agentrl.models import eos_token_ids, resolve_model  # noqa: E402
 from agentrl.rollout.episode import EpisodeLimits, run_episode  # noqa: E402
 from agentrl.router import EnginePool, Router  # noqa: E402
 from agentrl.serve import settle_gc  # noqa: E402
@@ -159,8 +157,8 @@ async def bench(args: argparse.Namespace, port: int, engine_pid: int) -> dict[st
     proc, engine_proc = psutil.Process(), psutil.Process(engine_pid)
     pool = EnginePool([f"http://127.0.0.1:{port}"], request_timeout_s=120, health_interval_s=5,
                       max_connections=args.engine_connections)
-    router = Router(pool, model_name=MODEL, eos_token_ids=set(args.eos_ids), max_model_len=1 << 15,
-                    model_dir=args.model_dir, render=args.render)
+    router = Router(pool, model_name=MODEL, eos_token_ids=eos_token_ids(args.model_dir),
+                    max_model_len=1 << 15, model_dir=args.model_dir, render=args.render)
     await pool.start()
     await router.renderers.calibrate(pool.engines[0])  # as serve does at start (local render, or why not)
     limits = EpisodeLimits(max_turns=args.tool_calls + 2, max_tokens=256, max_episode_tokens=1 << 16,
@@ -366,7 +364,6 @@ def main() -> None:
         if soft != resource.RLIM_INFINITY and args.concurrency + 2048 > soft:
             args.engine_connections = max(64, soft - 2048)
     args.model_dir = resolve_model(MODEL)
-    args.eos_ids = eos_ids(args.model_dir, AutoTokenizer.from_pretrained(args.model_dir))
     args.tool_median_s = args.tool_median_ms / 1000
     BenchCalc.tool_median_s, BenchCalc.tool_sigma = args.tool_median_s, args.tool_sigma
     logging.basicConfig(level=logging.WARNING)
