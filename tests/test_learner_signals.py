@@ -7,11 +7,16 @@ steps, a run whose groups' rewards differ does not.
 
 from __future__ import annotations
 
+import asyncio
 import json
+import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import pytest
+
+from agentrl.errors import ConfigError
 from agentrl.learner.config import LearnConfig
 from agentrl.learner.signals import SignalWatch
 from agentrl.learner.trainer import learn
@@ -74,3 +79,28 @@ def test_the_watch_sees_tools_never_called_and_every_episode_truncated() -> None
     called = [replace(s, info={"tools": 2, "tool_calls": 1}) for s in make_samples(4)]
     fresh = SignalWatch(steps=1)
     assert fresh.observe(called, advantage_std=0.5) == []
+
+
+class SlowBatches(Batches):
+    async def get_batch(self, version: int) -> tuple[str, list[Any]]:
+        await asyncio.sleep(0.2)
+        return await super().get_batch(version)
+
+
+def test_max_minutes_ends_a_run_that_has_no_step_limit(tiny_model: str, tmp_path: Path) -> None:
+    """``learn.max_minutes`` with ``steps = 0``: the learner stops after the step that ends its time
+    and pulls no batch after it (the one an equal-time comparison needs)."""
+    source = SlowBatches(tiny_model, lambda j: float(j % 4 == 0))
+    cfg = LearnConfig(model=tiny_model, run_dir=str(tmp_path), steps=0, max_minutes=0.01,
+                      micro_batch_tokens=256, metrics_port=-1)
+    started = time.time()
+    learn(cfg, source)
+    rows = [json.loads(line) for line in (tmp_path / "learner.jsonl").read_text().splitlines()]
+    assert rows and [r["step"] for r in rows] == list(range(1, len(rows) + 1))
+    assert source.i == len(rows)  # no pull after the last step
+    assert rows[-1]["time"] - started >= 0.6  # not before its 0.6 s
+
+
+def test_max_minutes_must_not_be_negative(tiny_model: str) -> None:
+    with pytest.raises(ConfigError, match="max_minutes"):
+        LearnConfig(model=tiny_model, max_minutes=-1).check()

@@ -151,6 +151,10 @@ class LearnConfig:
     model: str = ""  # empty: the model serve reports
     run_dir: str = "runs/latest"
     steps: int = 3  # optimizer steps, then exit (0: run until stopped)
+    max_minutes: float = 0.0
+    """Stop after the step that ends this many minutes of training (counted from the first pull, so
+    model loading is not in it; 0: no limit). With ``steps``, whichever comes first: equal-time
+    comparisons (benchmarks/curriculum.py) set ``steps = 0``."""
     batch_size: int = 0  # samples per optimizer step (0: serve's buffer.batch_size)
     max_staleness: int = -1
     """train on samples at most this many versions old (-1: serve's buffer.max_staleness)"""
@@ -223,6 +227,8 @@ class LearnConfig:
             raise ConfigError("micro_batch_tokens must be at least 2")
         if self.head_chunk_tokens < 0:
             raise ConfigError("head_chunk_tokens must be >= 0 (0: the whole row's logits at once)")
+        if self.max_minutes < 0:
+            raise ConfigError("max_minutes must be >= 0 (0: no time limit)")
         if self.warmup_steps < 0 or self.decay_steps < 0 or self.checkpoint_every < 0:
             raise ConfigError("warmup_steps, decay_steps and checkpoint_every must not be negative")
         if self.batch_size < 0 or self.max_staleness < -1:

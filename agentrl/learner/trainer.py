@@ -70,6 +70,7 @@ if TYPE_CHECKING:
 __all__ = ["RETRY_S", "Learner", "learn", "pad_batch", "token_logprobs"]
 
 log = logging.getLogger(__name__)
+progress = logging.getLogger("agentrl.progress")
 
 
 class Learner:
@@ -188,14 +189,16 @@ class Learner:
     # ------------------------------------------------------------------ the loop
 
     async def _train(self, ctx: Dist, policies: PolicySet, feed: BatchFeed) -> None:
-        """Pull -> train -> publish -> checkpoint -> ack -> report, until ``steps`` steps were taken."""
+        """Pull -> train -> publish -> checkpoint -> ack -> report, until ``steps`` steps were taken
+        or ``max_minutes`` of training have passed."""
         from agentrl.learner.step import train_step
 
         cfg, guards = self.cfg, self.guards
         t_start = time.monotonic()
         wait_total = 0.0
         waiting_since: float | None = None
-        while not cfg.steps or policies.steps_done() < cfg.steps:
+        more = self._more(ctx, policies, t_start)
+        while more:
             # --- pull
             t0 = time.monotonic()
             waiting_since = waiting_since or t0
@@ -234,7 +237,8 @@ class Learner:
                                         trained=list(feed.trained), next_policy=feed.next_policy)
 
             # --- ack
-            acked = await feed.ack(got, updated, more=not cfg.steps or policies.steps_done() < cfg.steps)
+            more = self._more(ctx, policies, t_start)
+            acked = await feed.ack(got, updated, more=more)
 
             # --- report
             if not ctx.is_main:
@@ -251,6 +255,20 @@ class Learner:
                 idle_fraction=wait_total / max(1e-9, now - t_start),
                 engine_sync={k: v for k, v in sync.items() if k != "version"},
                 warnings=self.reporter.signal_warnings(got.samples, stats)))
+
+
+    def _more(self, ctx: Dist, policies: PolicySet, t_start: float) -> bool:
+        """Whether another step follows: fewer than ``steps`` taken and, with ``max_minutes``, time
+        left (rank 0's clock decides for every rank)."""
+        cfg = self.cfg
+        more = not cfg.steps or policies.steps_done() < cfg.steps
+        if cfg.max_minutes:
+            minutes = (time.monotonic() - t_start) / 60
+            more = ctx.broadcast_object(more and minutes < cfg.max_minutes)
+            if not more and ctx.is_main and minutes >= cfg.max_minutes:
+                progress.info("learn.max_minutes: %.1f minutes of training have passed; stopping after "
+                              "%d steps", minutes, policies.steps_done())
+        return more
 
 
 def start_version(held: int, serving: int, publishes: bool) -> tuple[int, bool]:
