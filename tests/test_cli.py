@@ -82,11 +82,11 @@ def test_config_show_prints_toml_that_parses_back_to_the_same_config(name: str, 
 
 def test_run_defaults_are_the_quickstart_recipe_and_an_override_keeps_the_rest() -> None:
     run, serve = C.load(C.RunConfig), C.load(C.ServeConfig)
-    assert (run.serve.model, run.serve.env.group_size, run.serve.buffer.batch_size) == ("tiny-agent", 8, 32)
+    assert (run.serve.model, run.serve.env.group_size, run.serve.buffer.batch_size) == ("tiny-agent", 4, 32)
     assert (run.learn.lr, run.learn.steps) == (1e-4, 60)
     assert serve.model == "tiny-tools" and serve.env.group_size == 4  # serve's own defaults are untouched
     over = C.load(C.RunConfig, overrides=["--serve.model=tiny-tools", "--serve.env.max_turns=3"])
-    assert (over.serve.model, over.serve.env.max_turns, over.serve.env.group_size) == ("tiny-tools", 3, 8)
+    assert (over.serve.model, over.serve.env.max_turns, over.serve.env.group_size) == ("tiny-tools", 3, 4)
     assert over.serve.buffer.batch_size == 32 and over.learn.steps == 60
 
 
