@@ -47,6 +47,7 @@ import psutil
 
 from agentrl.client import get_json
 from agentrl.engines.reaper import stop_process
+from agentrl.procs import tied_to_this_process
 from tests.conftest import free_port
 
 KINDS = ("engine", "serve", "learner", "stall")
@@ -93,13 +94,15 @@ class Run:
 
     def start_serve(self) -> None:
         with open(self.run_dir.parent / "serve.out", "ab") as out:
-            self.serve = subprocess.Popen(self.serve_args, stdout=out, stderr=subprocess.STDOUT, env=self.env)
+            self.serve = subprocess.Popen(self.serve_args, stdout=out, stderr=subprocess.STDOUT, env=self.env,
+                                          preexec_fn=tied_to_this_process())
         self.serve_pids.append(self.serve.pid)
 
     def start_learner(self) -> None:
         with open(self.run_dir.parent / "learn.out", "ab") as out:
             self.learner = subprocess.Popen(
-                self.learn_args, stdout=out, stderr=subprocess.STDOUT, env=self.env
+                self.learn_args, stdout=out, stderr=subprocess.STDOUT, env=self.env,
+                preexec_fn=tied_to_this_process(),
             )
 
     def supervise(self) -> None:
