@@ -163,7 +163,8 @@ BENCHMARKS: list[tuple[str, list[str], list[str]]] = [
         ["--tasks", "4", "--out", "{run}", "--", "--learn.steps=1"],
         # docs/curriculum.md (*Benchmark*): both runs' held-out success and zero-spread share
         ["success_curriculum", "success_uniform", "success_curriculum_ci95", "success_uniform_ci95",
-         "zero_spread_curriculum", "zero_spread_uniform", "wall_minutes"],
+         "zero_spread_curriculum", "zero_spread_uniform", "steps_curriculum", "steps_uniform",
+         "train_minutes_curriculum", "train_minutes_uniform", "minutes_each", "wall_minutes"],
     ),
     (
         "distill",
