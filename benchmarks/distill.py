@@ -36,6 +36,9 @@ from pathlib import Path
 
 from common import agentrl_run, free_port  # benchmarks/common.py
 
+# groups of 8: the recipe its figures were measured with (the quickstart's was 8 until 2026-12-07)
+GROUPS = ["--serve.env.group_size=8"]
+
 
 def teacher_success(model: str, overrides: list[str], log_dir: Path) -> tuple[str, object, object]:
     """The teacher's engine (left running: the caller stops it), its URL and its evaluation: the
@@ -90,7 +93,7 @@ def build_teacher(model: str, steps: int, env: str, run_dir: Path, t0: float) ->
         sys.executable, "-m", "agentrl.cli", "run", f"--serve.run_dir={run_dir}",
         f"--serve.router.port={free_port()}", f"--serve.engine.base_port={free_port()}",
         f"--serve.model={model}", f"--serve.env.name={env}", f"--learn.steps={steps}", "--eval.tasks=0",
-        f"--learn.export_dir={export}",
+        f"--learn.export_dir={export}", *GROUPS,
     ], run_dir, t0)
     if not (export / "config.json").exists():
         raise SystemExit(f"the teacher's run wrote no model to {export}: see {run_dir}/serve.log")
@@ -118,7 +121,7 @@ def main() -> None:
     shutil.rmtree(run_dir, ignore_errors=True)
     (run_dir / "teacher").mkdir(parents=True)
     t0 = time.monotonic()
-    shared = [f"--eval.tasks={args.tasks}", f"--serve.env.name={args.env}", *args.extra]
+    shared = [f"--eval.tasks={args.tasks}", f"--serve.env.name={args.env}", *GROUPS, *args.extra]
     teacher_model = args.teacher or build_teacher(args.student, args.teacher_steps, args.env,
                                                   run_dir / "teacher-rl", t0)
     built_min = 0.0 if args.teacher else (time.monotonic() - t0) / 60

@@ -48,7 +48,9 @@ def main() -> None:
     cmd = [
         sys.executable, "-m", "agentrl.cli", "run", f"--serve.run_dir={run_dir}",
         f"--serve.router.port={free_port()}", f"--serve.engine.base_port={free_port()}",
-        "--serve.env.name=arithmetic_relay", f"--eval.tasks={args.tasks}", f"--learn.steps={args.steps}",
+        # groups of 8: the recipe its figures were measured with (the quickstart's was 8 until 2026-12-07)
+        "--serve.env.name=arithmetic_relay", "--serve.env.group_size=8", f"--eval.tasks={args.tasks}",
+        f"--learn.steps={args.steps}",
         f"--learn.lora.rank={args.rank}", f"--learn.lr={LORA_LR}", "--learn.policy_wait_s=900",
         *(f"--serve.policies.{r}={{}}" for r in ROLES), *(f"--serve.env.roles.{r}.policy={r}" for r in ROLES),
         *args.extra,
