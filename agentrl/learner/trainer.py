@@ -256,7 +256,6 @@ class Learner:
                 engine_sync={k: v for k, v in sync.items() if k != "version"},
                 warnings=self.reporter.signal_warnings(got.samples, stats)))
 
-
     def _more(self, ctx: Dist, policies: PolicySet, t_start: float) -> bool:
         """Whether another step follows: fewer than ``steps`` taken and, with ``max_minutes``, time
         left (rank 0's clock decides for every rank)."""
