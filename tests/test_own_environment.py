@@ -3,7 +3,7 @@
 The test follows the README: the example environment is written to a file in a folder of its own
 (not on ``sys.path``, not a package), and ``agentrl run`` is given it with ``--serve.env.import``
 and the model the README names for an environment of one's own, at the README's defaults (groups of
-8, batches of 32). The model cache starts without ``smollm2-tools``: the run installs the project's
+4, batches of 32). The model cache starts without ``smollm2-tools``: the run installs the project's
 shipped warm-start (merged into SmolLM2) and trains nothing before its first step. By the end of
 its learner step (a full batch of 32 samples, SmolLM2 fully fine-tuned: minutes on two cores, the
 test's cost) the environment's tool has been called and groups' rewards differ (a non-zero
@@ -73,7 +73,9 @@ def test_the_readme_environment_trains_from_a_file_outside_the_project(tmp_path:
     groups: dict[str, list[float]] = defaultdict(list)
     for e in episodes:
         groups[e["group_id"]].append(e["reward"])
-    spread = [g for g in groups.values() if len(g) == 8 and max(g) > min(g)]
+    size = json.loads((run_dir / "serve_config.json").read_text())["env"]["group_size"]
+    assert size == 4  # the README's
+    spread = [g for g in groups.values() if len(g) == size and max(g) > min(g)]
     assert spread, f"no group had rewards that differ: {dict(groups)}"
     steps = [json.loads(line) for line in (run_dir / "learner.jsonl").read_text().splitlines()]
     assert [s["samples"] for s in steps] == [32], steps  # the README's batch, trained whole
